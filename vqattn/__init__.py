@@ -1,0 +1,3 @@
+"""vqattn: codebook attention for PyTorch."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,5 @@
+"""Public functional API: attention ops on (B, H, T, D) tensors, as in ``F.scaled_dot_product_attention``."""
+
+from .ops.softmax import softmax_attention
+
+__all__ = ["softmax_attention"]
