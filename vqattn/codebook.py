@@ -9,7 +9,7 @@ Hard mode (Transformer-VQ) quantises keys to their nearest code and learns the c
 * ``learning="grad"``: the VQ-VAE codebook loss ‖sg(k) − c_z‖².
 
 Both add the commitment loss β ‖k − sg(c_z)‖² (mean over elements), initialise the codes from the first
-training batch's keys and restart dead codes (EMA usage below ``dead_code_threshold`` keys per step) from the
+training batch's keys and restart dead codes (EMA usage below ``dead_code_threshold`` keys per step, summed over ranks) from the
 current batch's keys, broadcast from rank 0.
 
 Soft mode (GMM) learns the codes, and optionally a per-head temperature, by gradient through the attention.
@@ -151,11 +151,11 @@ class Codebook(nn.Module):
             _all_reduce_sum(counts, sums)
         else:
             _all_reduce_sum(counts)
-        world = dist.get_world_size() if _distributed() else 1
-        self.ema_counts.lerp_(counts / world, 1 - self.decay)
+        # Global sums: DDP is exactly EMA k-means on the union of the ranks' batches.
+        self.ema_counts.lerp_(counts, 1 - self.decay)
         if sums is None:
             return
-        self.ema_sums.lerp_(sums / world, 1 - self.decay)
+        self.ema_sums.lerp_(sums, 1 - self.decay)
         total = self.ema_counts.sum(-1, keepdim=True)
         smoothed = (self.ema_counts + self.eps) / (total + self.num_codes * self.eps) * total
         self.codes.copy_(self.ema_sums / smoothed.unsqueeze(-1))
