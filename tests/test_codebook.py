@@ -166,7 +166,8 @@ def test_all_reduced_ema_equals_ema_on_the_union_of_batches(monkeypatch):
         stats = []
         for replica, batches in zip(replicas, rank_batches):
             keys = batches[step]
-            weights, index, _ = cb_module.vq_assign(keys, replica.codes, assign="hard")
+            index = cb_module.vq_assign(keys, replica.codes, assign="hard").index
+            weights = torch.nn.functional.one_hot(index, replica.num_codes).float()
             counts = weights.sum((0, 2))
             sums = weights[0].transpose(1, 2) @ keys[0]
             stats.append((counts, sums))

@@ -270,3 +270,15 @@ def test_non_causal_accepts_different_key_length():
     out = vq_attention(q[:, :, :7], k, v, c, causal=False, assign="soft")
     torch.testing.assert_close(out, ref_vq_attention(q[:, :, :7], k, v, c, causal=False, assign="soft"))
     assert math.isfinite(out.sum().item())
+
+
+@pytest.mark.parametrize("num_blocks", [1, 2, 3, 7])
+def test_lagged_prefix_sum_values_and_gradcheck(num_blocks):
+    from vqattn.ops.vq import _LaggedPrefixSum
+
+    x = torch.randn(2, 3, num_blocks, 4, dtype=F64, requires_grad=True)
+    initial = torch.randn(2, 3, 4, dtype=F64, requires_grad=True)
+    out = _LaggedPrefixSum.apply(x, initial)
+    for b in range(num_blocks):
+        torch.testing.assert_close(out[:, :, b], initial + x[:, :, : max(b - 1, 0)].sum(2))
+    assert torch.autograd.gradcheck(_LaggedPrefixSum.apply, (x, initial))

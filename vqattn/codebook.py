@@ -123,10 +123,12 @@ class Codebook(nn.Module):
         codes = self.codes.clone() if self.learning == "ema" else self.codes
         codes_cd = codes.to(k.dtype)
         weights, index, _ = vq_assign(k.detach(), codes_cd.detach(), assign=self.assign,
-                                   temperature=self.fixed_temperature if self.log_temperature is None
-                                   else self.temperature.detach())
+                                      temperature=self.fixed_temperature if self.log_temperature is None
+                                      else self.temperature.detach())
         if index is None:  # soft: usage statistics from the most probable code
             index = weights.argmax(-1)
+        else:
+            weights = torch.nn.functional.one_hot(index, self.num_codes)
         nearest = torch.gather(codes_cd.unsqueeze(0).expand(k.shape[0], -1, -1, -1), 2,
                                index.unsqueeze(-1).expand(-1, -1, -1, self.dim))  # (B, H, T, D)
         aux = k.new_zeros(())

@@ -96,10 +96,11 @@ def _temperature_tensor(temperature, num_heads: int, like: torch.Tensor) -> torc
 
 
 class Assignment(NamedTuple):
-    """Δ = weights · exp(log_scale). weights: (B, H, T, S) in [0, 1]; index: (B, H, T) hard codes or None;
-    log_scale: a per-head constant, (H, 1, 1), or 0."""
+    """Δ = weights · exp(log_scale). Hard: index (B, H, T) of the codes, weights None (the one-hot matrix is
+    never built). Soft/kernel: weights (B, H, T, S) in [0, 1], index None. log_scale: a per-head constant,
+    (H, 1, 1), or 0."""
 
-    weights: torch.Tensor
+    weights: torch.Tensor | None
     index: torch.Tensor | None
     log_scale: torch.Tensor | float
 
@@ -116,7 +117,7 @@ def vq_assign(k: torch.Tensor, codebook: torch.Tensor, *, assign: str, temperatu
     if assign == "hard":
         # ‖k‖² is the same for every code, so it does not change the argmin.
         index = (c_sq - 2 * kc).argmin(-1)  # (B, H, T)
-        return Assignment(F.one_hot(index, c.shape[1]).to(k.dtype), index, 0.0)
+        return Assignment(None, index, 0.0)
     tau = _temperature_tensor(temperature, c.shape[0], k)
     if assign == "soft":
         # −‖k − c‖²/2τ up to a per-key constant, which the softmax removes.
@@ -137,26 +138,52 @@ def _code_means(counts: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
 
 
 def _code_statistics(
-    weights: torch.Tensor, index: torch.Tensor | None, v: torch.Tensor, num_groups: int
+    assignment: Assignment, v: torch.Tensor, num_codes: int, num_groups: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-group code counts Σ_j Δ_js and value sums Σ_j Δ_js v_j over consecutive groups of positions.
 
-    weights: (B, H, G·L, S), v: (B, H, G·L, Dv) -> counts (B, H, G, S), sums (B, H, G, S, Dv).
+    v: (B, H, G·L, Dv) -> counts (B, H, G, S), sums (B, H, G, S, Dv) (without the assignment's log_scale).
     Hard assignments scatter-add (O(T·Dv)) instead of multiplying by the one-hot matrix (O(T·S·Dv)).
     """
-    B, H, T, S = weights.shape
-    L = T // num_groups
-    if index is None:
-        w = weights.view(B, H, num_groups, L, S)
-        counts = w.sum(3)
-        sums = w.transpose(-1, -2) @ v.view(B, H, num_groups, L, -1)
-        return counts, sums
-    Dv = v.shape[-1]
+    B, H, T, Dv = v.shape
+    S, L = num_codes, T // num_groups
+    if assignment.index is None:
+        w = assignment.weights.view(B, H, num_groups, L, S)
+        return w.sum(3), w.transpose(-1, -2) @ v.view(B, H, num_groups, L, Dv)
     group = torch.arange(T, device=v.device) // L  # (T,)
-    slot = (group * S + index).view(B, H, T, 1)  # code slot within the flattened (G·S) axis
-    counts = weights.new_zeros(B, H, num_groups * S).scatter_add_(2, slot.squeeze(-1), weights.new_ones(B, H, T))
-    sums = torch.scatter_add(v.new_zeros(B, H, num_groups * S, Dv), 2, slot.expand(B, H, T, Dv), v)
+    slot = group * S + assignment.index  # (B, H, T): code slot within the flattened (G·S) axis
+    counts = v.new_zeros(B, H, num_groups * S).scatter_add_(2, slot, v.new_ones(B, H, T))
+    sums = torch.scatter_add(v.new_zeros(B, H, num_groups * S, Dv), 2, slot.unsqueeze(-1).expand(B, H, T, Dv), v)
     return counts.view(B, H, num_groups, S), sums.view(B, H, num_groups, S, Dv)
+
+
+class _LaggedPrefixSum(torch.autograd.Function):
+    """out[:, :, b] = initial + Σ_{b' ≤ b−2} x[:, :, b'] for x (B, H, nb, ...): the cache of every block.
+
+    An in-place loop over blocks: ``torch.cumsum`` along a middle dim is ~10× slower on CPU, and this runs on
+    the largest tensor of the algorithm, (B, H, nb, S, Dv).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, initial: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()  # slices of a transposed layout make every add a strided gather
+        out = torch.empty_like(x)
+        out[:, :, :2] = initial.unsqueeze(2)
+        for b in range(2, x.shape[2]):
+            torch.add(out[:, :, b - 1], x[:, :, b - 2], out=out[:, :, b])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        # d out[b] / d x[b'] = 1 for b ≥ b' + 2: lagged suffix sums of the incoming gradient.
+        nb = grad_out.shape[2]
+        grad_out = grad_out.contiguous()  # matmul backward hands over transposed gradients
+        grad_x = torch.zeros_like(grad_out)
+        if nb > 2:
+            grad_x[:, :, nb - 3] = grad_out[:, :, nb - 1]
+            for b in range(nb - 4, -1, -1):
+                torch.add(grad_x[:, :, b + 1], grad_out[:, :, b + 2], out=grad_x[:, :, b])
+        return grad_x, grad_out.sum(2)
 
 
 def _blocks(x: torch.Tensor, L: int) -> torch.Tensor:
@@ -213,38 +240,44 @@ def _causal(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Block algorithm on a block-aligned sequence. Returns out (B, H, T, Dv) and per-block counts/sums."""
     B, H, T, D = q.shape
-    weights, index, log_scale = assignment
+    S = c.shape[1]
     nb = -(-T // L)
     pad = nb * L - T
-    # Zero padding sits after every real query, so the causal mask hides it; its block statistics are never
-    # read because block b's cache only holds blocks ≤ b−2.
-    q, k, v, weights = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v, weights))
-    if index is not None:
-        index = F.pad(index, (0, pad))
+    if pad:
+        # Zero padding sits after every real query, so the causal mask hides it; its block statistics are never
+        # read because block b's cache only holds blocks ≤ b−2.
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        weights, index, log_scale = assignment
+        assignment = Assignment(
+            None if weights is None else F.pad(weights, (0, 0, 0, pad)),
+            None if index is None else F.pad(index, (0, pad)),
+            log_scale,
+        )
+    weights, index, log_scale = assignment
 
-    counts, sums = _code_statistics(weights, index, v, nb)  # (B, H, nb, S), (B, H, nb, S, Dv)
+    counts, sums = _code_statistics(assignment, v, S, nb)  # (B, H, nb, S), (B, H, nb, S, Dv)
     if detach_cache:
         counts, sums = counts.detach(), sums.detach()
-    # Cache of block b: everything up to block b−2.
-    cache_counts = initial_counts.unsqueeze(2) + F.pad(counts.cumsum(2), (0, 0, 2, 0))[:, :, :nb]
-    cache_sums = initial_sums.unsqueeze(2) + F.pad(sums.cumsum(2), (0, 0, 0, 0, 2, 0))[:, :, :nb]
+    cache_counts = _LaggedPrefixSum.apply(counts, initial_counts)  # (B, H, nb, S)
+    cache_sums = _LaggedPrefixSum.apply(sums, initial_sums)  # (B, H, nb, S, Dv)
 
-    q_blocks = _blocks(q, L)  # (B, H, nb, L, D)
-    code_logits = scale * (q_blocks @ c.unsqueeze(1).transpose(-1, -2))  # (B, H, nb, L, S)
+    q_blocks = _blocks(q * scale, L)  # (B, H, nb, L, D); scaling q is cheaper than scaling the logits
+    code_logits = q_blocks @ c.unsqueeze(1).transpose(-1, -2)  # (B, H, nb, L, S)
     if exact_window:
-        window_logits = scale * (q_blocks @ _windows(k, L).transpose(-1, -2))
+        window_logits = q_blocks @ _windows(k, L).transpose(-1, -2)
     elif index is not None:
         # Straight-through: the value of c_z, the gradient of k.
         k_hat = torch.gather(c.unsqueeze(0).expand(B, H, -1, -1), 2, index.unsqueeze(-1).expand(-1, -1, -1, D))
         k_hat = k_hat + (k - k.detach())
-        window_logits = scale * (q_blocks @ _windows(k_hat, L).transpose(-1, -2))
+        window_logits = q_blocks @ _windows(k_hat, L).transpose(-1, -2)
     else:
         window_logits = _mixture_logits(code_logits, _windows(weights, L)) + _per_head(log_scale)  # (B, H, nb, L, 2L)
     window_logits = window_logits.masked_fill(~_window_mask(nb, L, q.device), float("-inf"))
 
     cache_logits = code_logits + _log_counts(cache_counts).unsqueeze(3) + _per_head(log_scale)  # (B, H, nb, L, S)
-    probs = torch.softmax(torch.cat([window_logits, cache_logits], dim=-1), dim=-1)
-    out = probs[..., : 2 * L] @ _windows(v, L) + probs[..., 2 * L :] @ _code_means(cache_counts, cache_sums)
+    # One softmax over window keys and codes; split (not slicing) keeps the backward free of zero-filled buffers.
+    window_probs, cache_probs = torch.softmax(torch.cat([window_logits, cache_logits], -1), -1).split([2 * L, S], -1)
+    out = window_probs @ _windows(v, L) + cache_probs @ _code_means(cache_counts, cache_sums)
     return out.reshape(B, H, nb * L, -1)[:, :, :T], counts, sums
 
 
@@ -327,9 +360,9 @@ def vq_attention(
     scale = D**-0.5 if scale is None else scale
 
     if not causal:
-        weights, _, log_scale = vq_assign(k, c, assign=assign, temperature=temperature)  # (B, H, Tk, S)
-        counts, sums = weights.sum(2), weights.transpose(-1, -2) @ v  # (B, H, S), (B, H, S, Dv)
-        logits = scale * (q @ c.transpose(-1, -2)) + _log_counts(counts).unsqueeze(2) + log_scale  # (B, H, Tq, S)
+        assignment = vq_assign(k, c, assign=assign, temperature=temperature)
+        counts, sums = (x.squeeze(2) for x in _code_statistics(assignment, v, S, 1))  # (B, H, S), (B, H, S, Dv)
+        logits = (q * scale) @ c.transpose(-1, -2) + _log_counts(counts).unsqueeze(2) + assignment.log_scale
         return (torch.softmax(logits, dim=-1) @ _code_means(counts, sums)).to(in_dtype)
 
     L = block_len or (state.block_len if state is not None else DEFAULT_BLOCK_LEN)

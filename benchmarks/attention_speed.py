@@ -1,0 +1,127 @@
+"""Forward+backward time and peak memory: causal SDPA against causal vq_attention (hard and soft).
+
+    python benchmarks/attention_speed.py                       # T = 1k … 32k, B=1, H=4, D=64, S=512, fp32
+    python benchmarks/attention_speed.py --lengths 1024 8192 --reps 5
+    python benchmarks/attention_speed.py --block-lens 32 64 128 256 --lengths 8192 --methods vq_hard vq_soft
+
+Every (method, T) runs in its own subprocess, so CPU peak memory is that process's high-water RSS above what it
+held just before the call (inputs included), and one run's allocations cannot flatter the next. On CUDA the peak
+is ``torch.cuda.max_memory_allocated`` above the inputs. Ratios are SDPA / vq from the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from vqattn.functional import softmax_attention, vq_attention
+
+METHODS = ("sdpa", "vq_hard", "vq_soft")
+
+
+def run_once(method: str, q, k, v, codebook, block_len):
+    if method == "sdpa":
+        out = softmax_attention(q, k, v, causal=True)
+    else:
+        assign = method.removeprefix("vq_")
+        out = vq_attention(q, k, v, codebook, causal=True, assign=assign, block_len=block_len)
+    out.backward(torch.ones_like(out))
+
+
+def child(method: str, T: int, device: str, reps: int, block_len: int | None, B=1, H=4, D=64, S=512) -> dict:
+    torch.manual_seed(0)
+    make = lambda *shape: torch.randn(*shape, device=device).requires_grad_(True)  # noqa: E731
+    q, k, v, codebook = make(B, H, T, D), make(B, H, T, D), make(B, H, T, D), make(H, S, D)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+        rss_before = _current_rss_kib()
+    run_once(method, q, k, v, codebook, block_len)  # warm-up; also the memory measurement
+    sync()
+    if device == "cuda":
+        peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20
+    else:
+        peak_mb = (max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, base) - rss_before) / 1024
+    times = []
+    for _ in range(reps):
+        for t in (q, k, v, codebook):
+            t.grad = None
+        sync()
+        start = time.perf_counter()
+        run_once(method, q, k, v, codebook, block_len)
+        sync()
+        times.append(time.perf_counter() - start)
+    return {"ms": 1000 * statistics.median(times), "peak_mb": peak_mb}
+
+
+def _current_rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def measure(method, T, device, reps, block_len):
+    cmd = [sys.executable, __file__, "--child", method, str(T), device, str(reps), str(block_len or 0)]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        return {"ms": float("nan"), "peak_mb": float("nan"), "error": result.stderr.strip().splitlines()[-1:]}
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def machine() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--block-lens", type=int, nargs="+", default=[0], help="0 = vq_attention's default")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+
+    print(f"# causal fwd+bwd, B=1 H=4 D=64 S=512 fp32, {args.device}: {machine()}, torch {torch.__version__}")
+    vq_methods = [m for m in args.methods if m != "sdpa"]
+    header = ["T", "block_len"] + [f"{m} ms" for m in args.methods]
+    header += [f"sdpa/{m}" for m in vq_methods if "sdpa" in args.methods]
+    header += [f"{m} MB" for m in args.methods]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for T in args.lengths:
+        sdpa = measure("sdpa", T, args.device, args.reps, None) if "sdpa" in args.methods else None
+        for block_len in args.block_lens:
+            results = {m: measure(m, T, args.device, args.reps, block_len) for m in vq_methods}
+            if sdpa is not None:
+                results = {"sdpa": sdpa, **results}
+            row = [str(T), str(block_len or "default")]
+            row += [f"{results[m]['ms']:.1f}" for m in args.methods]
+            row += [f"{sdpa['ms'] / results[m]['ms']:.2f}x" for m in vq_methods if sdpa is not None]
+            row += [f"{results[m]['peak_mb']:.0f}" for m in args.methods]
+            print("| " + " | ".join(row) + " |", flush=True)
+            for m, r in results.items():
+                if "error" in r:
+                    print(f"  {m} T={T} failed: {r['error']}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        method, T, device, reps, block_len = sys.argv[2:7]
+        print(json.dumps(child(method, int(T), device, int(reps), int(block_len) or None)))
+    else:
+        main()
