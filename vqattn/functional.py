@@ -1,5 +1,7 @@
 """Public functional API: attention ops on (B, H, T, D) tensors, as in ``F.scaled_dot_product_attention``."""
 
+from .ops.kernel import kernel_attention
+from .ops.linear import LinearState, linear_attention
 from .ops.softmax import softmax_attention
 
-__all__ = ["softmax_attention"]
+__all__ = ["softmax_attention", "linear_attention", "LinearState", "kernel_attention"]
