@@ -178,6 +178,15 @@ def draw_random_features(
     return directions * norms
 
 
+def favor_logits(x: torch.Tensor, omega: torch.Tensor, scale: float) -> torch.Tensor:
+    """ω·x' − ‖x'‖²/2 with x' = √scale·x: x (..., N, D), ω (..., m, D) -> (..., N, m).
+
+    exp of it divided by √m is the FAVOR+ feature vector; ω may carry leading (e.g. per-draw) dims.
+    """
+    x = x * math.sqrt(scale)
+    return x @ omega.transpose(-1, -2) - 0.5 * x.pow(2).sum(-1, keepdim=True)
+
+
 class PerformerFeatures(FeatureMap):
     """FAVOR+ positive random features (Choromanski et al. 2021).
 
@@ -261,8 +270,7 @@ class PerformerFeatures(FeatureMap):
         self._sync_omega()
         if self.training and is_query:
             self.step += 1
-        x = x * math.sqrt(self.scale)
-        logits = x @ self.omega.to(x.dtype).T - 0.5 * x.pow(2).sum(-1, keepdim=True)  # (..., m)
+        logits = favor_logits(x, self.omega.to(x.dtype), self.scale)  # (..., m)
         if is_query and self.stabilize:
             # per-query constant: cancels between numerator and normaliser, so detaching it is exact
             logits = logits - logits.amax(dim=-1, keepdim=True).detach()
@@ -278,4 +286,5 @@ __all__ = [
     "ExpDefinitionFeatures",
     "PerformerFeatures",
     "draw_random_features",
+    "favor_logits",
 ]
