@@ -157,12 +157,12 @@ def performer_estimates(
 ) -> torch.Tensor:
     """FAVOR+ estimates of exp(scale·q·k) for ``num_draws`` independent ω draws: (num_draws, Nq, Nk), float64.
 
-    Draws are batched (ω of shape (num_draws, m, D)) so error curves over many draws stay cheap.
+    Draws are batched (ω of shape (num_draws, m, D)) so statistics over many draws stay cheap.
     """
     check_positive_int("num_draws", num_draws)
     gen = torch.Generator().manual_seed(seed)
-    omega = torch.stack([draw_random_features(num_features, q.shape[-1], orthogonal=orthogonal, generator=gen)
-                         for _ in range(num_draws)])  # (R, m, D)
+    omega = draw_random_features(num_features, q.shape[-1], orthogonal=orthogonal, generator=gen,
+                                 num_draws=num_draws)  # (R, m, D)
 
     def phi(x):  # (N, D) -> (R, N, m)
         return torch.exp(favor_logits(x.double(), omega, scale)) / math.sqrt(num_features)

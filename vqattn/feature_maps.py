@@ -37,6 +37,10 @@ class FeatureMap(nn.Module):
             raise ValueError(f"x must be a floating-point tensor of shape (..., D), got {x!r:.80}")
         return self._phi(x.to(compute_dtype(x.dtype)), is_query)
 
+    def map_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(φ(q) with the query stabiliser, φ(k)): what an attention layer calls once per forward."""
+        return self.feature_map(q, is_query=True), self.feature_map(k, is_query=False)
+
     def _phi(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
         raise NotImplementedError
 
@@ -157,9 +161,11 @@ class ExpDefinitionFeatures(FeatureMap):
 
 
 def draw_random_features(
-    num_features: int, dim: int, *, orthogonal: bool, generator: torch.Generator | None = None
+    num_features: int, dim: int, *, orthogonal: bool, generator: torch.Generator | None = None,
+    num_draws: int | None = None,
 ) -> torch.Tensor:
-    """ω: (num_features, dim) float64 with rows marginally N(0, I_dim).
+    """ω: (num_features, dim) float64 with rows marginally N(0, I_dim); (num_draws, num_features, dim) when
+    ``num_draws`` is given (independent draws, generated in one batch).
 
     orthogonal=True: blocks of ``dim`` exactly orthogonal directions (QR of a Gaussian matrix, sign-fixed so
     the directions are Haar distributed), each row rescaled by an independent chi(dim) norm so that its
@@ -167,15 +173,19 @@ def draw_random_features(
     """
     check_positive_int("num_features", num_features)
     check_positive_int("dim", dim)
+    if num_draws is not None:
+        check_positive_int("num_draws", num_draws)
+    R = num_draws or 1
     if not orthogonal:
-        return torch.randn(num_features, dim, generator=generator, dtype=torch.float64)
-    blocks = []
-    for _ in range(-(-num_features // dim)):
-        q, r = torch.linalg.qr(torch.randn(dim, dim, generator=generator, dtype=torch.float64))
-        blocks.append((q * torch.sign(torch.diagonal(r))).T)  # rows are orthonormal
-    directions = torch.cat(blocks)[:num_features]
-    norms = torch.randn(num_features, dim, generator=generator, dtype=torch.float64).norm(dim=1, keepdim=True)
-    return directions * norms
+        w = torch.randn(R, num_features, dim, generator=generator, dtype=torch.float64)
+    else:
+        blocks = -(-num_features // dim)
+        q, r = torch.linalg.qr(torch.randn(R, blocks, dim, dim, generator=generator, dtype=torch.float64))
+        q = q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)  # sign fix: Haar directions
+        directions = q.transpose(-1, -2).reshape(R, blocks * dim, dim)[:, :num_features]  # orthonormal rows
+        norms = torch.randn(R, num_features, dim, generator=generator, dtype=torch.float64).norm(dim=-1, keepdim=True)
+        w = directions * norms
+    return w if num_draws is not None else w[0]
 
 
 def favor_logits(x: torch.Tensor, omega: torch.Tensor, scale: float) -> torch.Tensor:
@@ -200,11 +210,13 @@ class PerformerFeatures(FeatureMap):
     stabiliser: ω·x − ‖x‖²/2 ≤ ‖ω‖²/2, so they cannot overflow float32 for any x.
 
     Redrawing: ω is a deterministic function of (seed, draw index), draw index = step // redraw_interval
-    (always 0 when redraw_interval is None). Every training-mode call with ``is_query=True`` advances
-    ``step`` by one (an attention layer maps its queries once per forward); ``set_step(global_step)`` pins it
-    to the trainer's step instead (exact under gradient accumulation / resume). Since nothing random is
-    shared, all DDP ranks hold the same ω without communication. ``step`` is saved in the state dict and
-    ω is re-derived on load. Use a different ``seed`` per layer.
+    (always 0 when redraw_interval is None). The step advances by one on every training-mode
+    ``map_qk(q, k)`` call (an attention layer maps its queries and keys together once per forward; both
+    use the same ω, the redraw happens after). ``set_step(global_step)`` pins it to the trainer's step
+    instead (exact under gradient accumulation and resume). ``feature_map`` alone never advances it, since
+    separate query / key calls cannot tell where a step ends. Nothing random is shared, so all DDP ranks
+    hold the same ω without communication. ``step`` is saved in the state dict and ω is re-derived on
+    load. Use a different ``seed`` per layer.
     """
 
     def __init__(
@@ -257,6 +269,12 @@ class PerformerFeatures(FeatureMap):
         self.step = step
         self._sync_omega()
 
+    def map_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = super().map_qk(q, k)
+        if self.training:
+            self.set_step(self.step + 1)
+        return out
+
     def get_extra_state(self):
         return {"step": self.step}
 
@@ -267,9 +285,6 @@ class PerformerFeatures(FeatureMap):
     def _phi(self, x, is_query):
         if x.shape[-1] != self.head_dim:
             raise ValueError(f"x must have last dim head_dim={self.head_dim}, got {x.shape[-1]}")
-        self._sync_omega()
-        if self.training and is_query:
-            self.step += 1
         logits = favor_logits(x, self.omega.to(x.dtype), self.scale)  # (..., m)
         if is_query and self.stabilize:
             # per-query constant: cancels between numerator and normaliser, so detaching it is exact
