@@ -3,5 +3,15 @@
 from .ops.kernel import kernel_attention
 from .ops.linear import LinearState, linear_attention
 from .ops.softmax import softmax_attention
+from .ops.vq import Assignment, VQState, vq_assign, vq_attention
 
-__all__ = ["softmax_attention", "linear_attention", "LinearState", "kernel_attention"]
+__all__ = [
+    "softmax_attention",
+    "vq_attention",
+    "vq_assign",
+    "Assignment",
+    "VQState",
+    "linear_attention",
+    "LinearState",
+    "kernel_attention",
+]
