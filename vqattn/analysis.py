@@ -210,17 +210,22 @@ def approximation_error_curves(
 # ------------------------------------------------------------------------------------------- the bridge
 
 
-def gaussian_kernel_mass(k: torch.Tensor, codebook: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Z(k) = Σ_s exp(−‖k − c_s‖²/(2τ) + ‖c_s‖²/(2τ)): (..., T, D), (S, D) -> (..., T).
+def kernel_soft_factors(
+    k: torch.Tensor, codebook: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Factorise the kernel assignment through the soft (GMM) one: Δ^kernel_js = Δ^soft_js · a(k_j) · b_s.
 
-    The kernel assignment w_s(k) of ``vq_attention(assign="kernel")`` divided by Z(k) is the soft (GMM,
-    normalised) assignment, so the two attentions differ exactly by the per-key factor Z(k). With
-    c = ω/√scale, τ = 1/scale (the FAVOR+ bridge), Z(k)/S = mean_s exp(ω_s·k' − ‖k'‖²/2), k' = √scale·k,
-    whose expectation over ω is 1: the factor is S up to a key-dependent fluctuation of relative variance
-    (exp‖k'‖² − 1)/S for iid ω.
+    k: (..., T, D), codebook: (S, D) -> per_key a: (..., T), per_code b: (S,), with
+    a(k) = Σ_s exp(−‖k − c_s‖²/2τ)  (the soft normaliser)  and  b_s = exp(‖c_s‖²/2τ).
+
+    In attention the per-key factor a reweights key j; the per-code factor b multiplies the query-side
+    weight e^{scale·q·c_s}, i.e. it is a GMM mixing prior π_s ∝ e^{‖c_s‖²/2τ}. So soft and kernel codebook
+    attention differ by a per-key factor alone exactly when all codes have the same norm; for a FAVOR+
+    codebook (c = ω/√scale, τ = 1/scale) b_s = e^{‖ω_s‖²/2}, which varies a lot with the chi-distributed
+    norms of ω.
     """
-    logits = (2 * k @ codebook.T - k.pow(2).sum(-1, keepdim=True)) / (2 * temperature)  # (..., T, S)
-    return torch.exp(logits).sum(-1)
+    d2 = (k.unsqueeze(-2) - codebook).pow(2).sum(-1)  # (..., T, S)
+    return torch.exp(-d2 / (2 * temperature)).sum(-1), torch.exp(codebook.pow(2).sum(-1) / (2 * temperature))
 
 
 __all__ = [
@@ -235,5 +240,5 @@ __all__ = [
     "relative_rmse",
     "performer_estimates",
     "approximation_error_curves",
-    "gaussian_kernel_mass",
+    "kernel_soft_factors",
 ]
