@@ -127,3 +127,20 @@ def test_approximation_error_curves():
     # Lagrange remainder of order 3: |e^x − T_3(x)| / e^x ≤ e^{2|x|} |x|^4 / 4!  for every pair x = q·k
     x = (q @ k.T).abs().max().item()
     assert curves["taylor"][-1][1] < math.exp(2 * x) * x**4 / 24
+
+
+@pytest.mark.slow
+def test_plots_script_writes_figures(tmp_path):
+    import json
+
+    from vqattn.plots import main
+
+    main([str(tmp_path)])
+    for name in ("sparsity_beta.png", "sparsity_gamma.png", "approximation_error.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    figures = json.loads((tmp_path / "figures.json").read_text())
+    assert figures["sparsity_monte_carlo_max_relative_deviation"] < 0.02
+    rows = figures["kernel_vs_soft"]["rows"]
+    # with equal code norms the per-key factor is all that separates soft from kernel, and it fades with m
+    equal = [r["soft_vs_kernel"] for r in rows if r["equal_code_norms"] and r["qk_std"] == 0.5]
+    assert all(b < a for a, b in zip(equal, equal[1:]))
