@@ -1,0 +1,79 @@
+"""Performer ↔ codebook bridge: FAVOR+ is codebook attention with the random codebook c = ω/√scale."""
+
+import math
+
+import pytest
+import torch
+
+from references_kernel import favor_features, naive_linear_attention
+from vqattn.analysis import kernel_soft_factors
+from vqattn.feature_maps import PerformerFeatures, draw_random_features
+from vqattn.functional import linear_attention, vq_attention
+
+F64 = torch.float64
+
+
+def _qkv(T, D=8, Dv=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, 2, T, d, generator=g, dtype=F64).requires_grad_() for d in (D, D, Dv)]
+
+
+def _grads(out, inputs):
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+    return torch.autograd.grad((out * w).sum(), inputs)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("T,block_len,scale", [(37, 8, None), (16, 4, 0.3), (5, 8, 1.0)])
+def test_kernel_assignment_equals_favor(causal, T, block_len, scale):
+    D, m = 8, 24
+    fm = PerformerFeatures(D, m, seed=T, scale=scale).double()
+    s = fm.scale
+    q, k, v = _qkv(T, D)
+    favor = linear_attention(*fm.map_qk(q, k), v, causal=causal, chunk_len=block_len)
+    vq = vq_attention(
+        q, k, v, fm.omega.double() / math.sqrt(s), causal=causal, assign="kernel", temperature=1 / s,
+        block_len=block_len, scale=s,
+    )
+    assert (vq - favor).abs().max() <= 1e-8
+    for g_vq, g_favor in zip(_grads(vq, (q, k, v)), _grads(favor, (q, k, v))):
+        assert (g_vq - g_favor).abs().max() <= 1e-8
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_per_head_random_codebooks(causal):
+    # one ω per head: codebook (H, S, D), checked against the element-wise FAVOR+ reference
+    D, m, s, T = 6, 10, 0.5, 13
+    omega = draw_random_features(m, D, orthogonal=True, generator=torch.Generator().manual_seed(3), num_draws=2)
+    q, k, v = (x.detach() for x in _qkv(T, D))
+    phq = torch.stack([favor_features(q[:, h], omega[h], s) for h in range(2)], dim=1)
+    phk = torch.stack([favor_features(k[:, h], omega[h], s) for h in range(2)], dim=1)
+    ref = naive_linear_attention(phq, phk, v, causal=causal)
+    vq = vq_attention(q, k, v, omega / math.sqrt(s), causal=causal, assign="kernel", temperature=1 / s, block_len=4,
+                      scale=s)
+    assert (vq - ref).abs().max() <= 1e-8
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("equal_norms", [False, True])
+def test_soft_assignment_is_kernel_with_per_key_and_per_code_factors(causal, equal_norms):
+    # Δ^kernel_js = Δ^soft_js · a(k_j) · b_s: the soft (GMM) attention is FAVOR+ with key features divided by
+    # a(k_j) and query features divided by b_s; with codes of equal norm b is constant and drops out.
+    D, m, s, T = 8, 16, 0.35, 21
+    fm = PerformerFeatures(D, m, seed=5, scale=s).double()
+    if equal_norms:
+        fm.omega.copy_(fm.omega / fm.omega.norm(dim=1, keepdim=True) * math.sqrt(D))
+    c, tau = fm.omega.double() / math.sqrt(s), 1 / s
+    q, k, v = (x.detach() for x in _qkv(T, D))
+    phq, phk = fm.map_qk(q, k)
+    per_key, per_code = kernel_soft_factors(k, c, tau)
+    soft = vq_attention(q, k, v, c, causal=causal, assign="soft", temperature=tau, block_len=8, scale=s)
+    kernel = vq_attention(q, k, v, c, causal=causal, assign="kernel", temperature=tau, block_len=8, scale=s)
+    full = linear_attention(phq / per_code, phk / per_key.unsqueeze(-1), v, causal=causal)
+    key_only = linear_attention(phq, phk / per_key.unsqueeze(-1), v, causal=causal)
+    assert (soft - full).abs().max() <= 1e-8
+    if equal_norms:
+        assert (soft - key_only).abs().max() <= 1e-8
+    else:
+        assert (soft - key_only).abs().max() > 1e-3  # the per-code prior matters when norms differ
+    assert (soft - kernel).abs().max() > 1e-3  # and the per-key factor is never constant

@@ -1,0 +1,255 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from references_kernel import exp_definition_kernel, favor_features, naive_linear_attention, taylor_kernel
+from vqattn.analysis import exact_exp_kernel, performer_estimates
+from vqattn.feature_maps import (
+    EluFeatures,
+    ExpDefinitionFeatures,
+    IdentityFeatures,
+    PerformerFeatures,
+    ReluFeatures,
+    TaylorFeatures,
+    draw_random_features,
+)
+from vqattn.functional import linear_attention
+
+F64 = torch.float64
+
+
+def _qk(n=5, d=4, norm=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(n, d, generator=g, dtype=F64), torch.randn(n, d, generator=g, dtype=F64)
+    if norm is not None:
+        q, k = (norm * x / x.norm(dim=-1, keepdim=True) for x in (q, k))
+    return q, k
+
+
+# ------------------------------------------------------------------------------------- exact expansions
+
+
+@pytest.mark.parametrize("order", [1, 2, 3, 4])
+@pytest.mark.parametrize("scale", [1.0, 0.3])
+def test_taylor_is_exact_truncated_series(order, scale):
+    q, k = _qk(d=3)
+    fm = TaylorFeatures(order, scale=scale)
+    est = fm(q) @ fm(k).T
+    torch.testing.assert_close(est, taylor_kernel(q, k, order, scale), rtol=1e-12, atol=1e-12)
+    assert fm(q).shape[-1] == fm.num_features(3) == sum(3**m for m in range(order + 1))
+
+
+def test_taylor_order2_layout():
+    x = torch.tensor([[2.0, -1.0]], dtype=F64)
+    expected = torch.tensor([[1.0, 2.0, -1.0, 4 / math.sqrt(2), -2 / math.sqrt(2), -2 / math.sqrt(2), 1 / math.sqrt(2)]],
+                            dtype=F64)
+    torch.testing.assert_close(TaylorFeatures(2)(x), expected)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_exp_definition_is_exact(n):
+    q, k = _qk(d=3, seed=n)
+    fm = ExpDefinitionFeatures(n, scale=0.7)
+    torch.testing.assert_close(fm(q) @ fm(k).T, exp_definition_kernel(q, k, n, 0.7), rtol=1e-12, atol=1e-12)
+    assert fm(q).shape[-1] == 4**n
+
+
+def test_exp_definition_converges_to_exp():
+    q, k = _qk(d=2, norm=0.8)
+    errs = [((ExpDefinitionFeatures(n)(q) @ ExpDefinitionFeatures(n)(k).T) / exact_exp_kernel(q, k) - 1).abs().max()
+            for n in (1, 2, 4, 8)]
+    assert all(b < a for a, b in zip(errs, errs[1:]))
+
+
+def test_simple_maps():
+    x = torch.randn(2, 3, 7, 5, dtype=F64)
+    torch.testing.assert_close(EluFeatures()(x), torch.where(x > 0, x + 1, torch.exp(x)))
+    torch.testing.assert_close(ReluFeatures()(x), x.clamp_min(0))
+    torch.testing.assert_close(IdentityFeatures()(x), x)
+
+
+@pytest.mark.parametrize(
+    "fm", [EluFeatures(), ReluFeatures(), IdentityFeatures(), TaylorFeatures(2), TaylorFeatures(3), ExpDefinitionFeatures(2),
+           ExpDefinitionFeatures(3), PerformerFeatures(4, 8)],
+    ids=lambda f: f"{type(f).__name__}{getattr(f, 'order', getattr(f, 'n', ''))}",
+)
+def test_nonnegative_flag(fm):
+    q, k = _qk(n=50, d=4, seed=3)
+    q, k = 3 * q, 3 * k  # large enough that signed kernels go negative
+    kernel = fm(q) @ fm(k).T
+    assert bool((kernel >= 0).all()) == fm.nonnegative
+
+
+def test_half_input_gives_float32_features():
+    x = torch.randn(1, 2, 3, 4).half()
+    for fm in (EluFeatures(), TaylorFeatures(2), ExpDefinitionFeatures(2), PerformerFeatures(4, 8)):
+        assert fm(x).dtype == torch.float32
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="order"):
+        TaylorFeatures(0)
+    with pytest.raises(ValueError, match="n must be a positive int"):
+        ExpDefinitionFeatures(-1)
+    with pytest.raises(ValueError, match="max_features"):
+        ExpDefinitionFeatures(3, max_features=1000)(torch.randn(2, 10))  # 11**3 = 1331
+    ExpDefinitionFeatures(3, max_features=1331)(torch.randn(2, 10))
+    with pytest.raises(ValueError, match="max_features"):
+        TaylorFeatures(3, max_features=100)(torch.randn(2, 10))
+    with pytest.raises(ValueError, match="head_dim=4"):
+        PerformerFeatures(4, 8)(torch.randn(2, 5))
+    with pytest.raises(ValueError, match="num_features"):
+        PerformerFeatures(4, 0)
+    with pytest.raises(ValueError, match="redraw_interval"):
+        PerformerFeatures(4, 8, redraw_interval=0)
+    with pytest.raises(ValueError, match="floating-point"):
+        EluFeatures()(torch.ones(3, dtype=torch.long))
+
+
+# ------------------------------------------------------------------------------------------- performer
+
+
+def test_performer_features_formula_and_query_stabiliser():
+    fm = PerformerFeatures(4, 12, scale=0.5).double()
+    x = torch.randn(2, 3, 9, 4, dtype=F64)
+    ref = favor_features(x, fm.omega.double(), 0.5)
+    torch.testing.assert_close(fm(x), ref)
+    # the query stabiliser is a per-query constant: rows keep their direction, max entry becomes 1/√m
+    phq = fm(x, is_query=True)
+    torch.testing.assert_close(phq / phq.sum(-1, keepdim=True), ref / ref.sum(-1, keepdim=True))
+    torch.testing.assert_close(phq.amax(-1), torch.full(phq.shape[:-1], 12**-0.5, dtype=F64))
+
+
+def test_performer_features_are_per_position():
+    # no statistic over the sequence: a position's features ignore every other position (no future leak)
+    fm = PerformerFeatures(4, 8).double()
+    x = torch.randn(1, 1, 10, 4, dtype=F64)
+    y = x.clone()
+    y[:, :, 6:] *= 10
+    for is_query in (True, False):
+        torch.testing.assert_close(fm(x, is_query)[:, :, :6], fm(y, is_query)[:, :, :6], rtol=0, atol=0)
+
+
+def test_performer_causal_attention_is_causal_and_matches_naive():
+    fm = PerformerFeatures(8, 16, seed=3).double()
+    q, k, v = torch.randn(3, 1, 2, 11, 8, dtype=F64)
+    pq, pk = fm(q, is_query=True), fm(k)
+    out = linear_attention(pq, pk, v, causal=True, chunk_len=4)
+    torch.testing.assert_close(out, naive_linear_attention(pq, pk, v, causal=True))
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 7:] += 3.0
+    v2[:, :, 7:] -= 1.0
+    out2 = linear_attention(fm(q, is_query=True), fm(k2), v2, causal=True, chunk_len=4)
+    torch.testing.assert_close(out2[:, :, :7], out[:, :, :7], rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("m,d", [(8, 8), (20, 8), (5, 3)])
+def test_orthogonal_draw_structure(m, d):
+    w = draw_random_features(m, d, orthogonal=True, generator=torch.Generator().manual_seed(0))
+    assert w.shape == (m, d)
+    u = w / w.norm(dim=1, keepdim=True)
+    for start in range(0, m, d):
+        block = u[start : start + d]
+        torch.testing.assert_close(block @ block.T, torch.eye(block.shape[0], dtype=F64), atol=1e-12, rtol=0)
+
+
+def test_orthogonal_rows_have_gaussian_norms():
+    # chi(d) norms: E|ω|² = d and Var|ω|² = 2d, as for iid Gaussian rows
+    d, g = 6, torch.Generator().manual_seed(1)
+    sq = draw_random_features(12, d, orthogonal=True, generator=g, num_draws=1000).pow(2).sum(-1).flatten()
+    n = sq.numel()
+    assert abs(sq.mean() - d) < 5 * math.sqrt(2 * d / n)
+    assert abs(sq.var() / (2 * d) - 1) < 0.1
+
+
+def test_redraw_schedule_and_ranks_agree():
+    def make():
+        return PerformerFeatures(4, 8, redraw_interval=3, seed=11).train()
+
+    a, b = make(), make()  # two "DDP ranks"
+    x = torch.randn(2, 4)
+    omegas = []
+    for _ in range(7):
+        omegas.append(a.omega.clone())
+        phq, phk = a.map_qk(x, x)
+        # queries and keys of one step both use the ω held before the step (the redraw happens after it)
+        ref = favor_features(x.double(), omegas[-1].double(), a.scale)
+        torch.testing.assert_close(phk.double(), ref, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(phq.double(), ref / ref.amax(-1, keepdim=True) / math.sqrt(8), rtol=1e-5, atol=1e-7)
+        a.feature_map(x, is_query=True)  # separate calls never advance the step
+        b.map_qk(x, x)
+        torch.testing.assert_close(a.omega, b.omega, rtol=0, atol=0)
+    # steps 0-2 use draw 0, 3-5 draw 1, 6 draw 2
+    assert torch.equal(omegas[0], omegas[2]) and torch.equal(omegas[3], omegas[5])
+    assert not torch.equal(omegas[2], omegas[3]) and not torch.equal(omegas[5], omegas[6])
+    assert a.step == 7 and a.draw_index == 2
+    # eval mode does not advance; a different seed gives different features
+    a.eval()
+    a.map_qk(x, x)
+    assert a.step == 7
+    assert not torch.equal(PerformerFeatures(4, 8, seed=12).omega, PerformerFeatures(4, 8, seed=11).omega)
+
+
+def test_redraw_set_step_and_state_dict_roundtrip():
+    a = PerformerFeatures(4, 8, redraw_interval=5, seed=2)
+    a.set_step(12)
+    fresh = PerformerFeatures(4, 8, redraw_interval=5, seed=2)
+    assert not torch.equal(fresh.omega, a.omega)
+    fresh.load_state_dict(a.state_dict())
+    assert fresh.step == 12 and torch.equal(fresh.omega, a.omega)
+    b = PerformerFeatures(4, 8, redraw_interval=5, seed=2)
+    b.set_step(10)  # same draw index as 12
+    assert torch.equal(b.omega, a.omega)
+    with pytest.raises(ValueError, match="step"):
+        a.set_step(-1)
+
+
+def test_no_redraw_without_interval():
+    a = PerformerFeatures(4, 8).train()
+    w = a.omega.clone()
+    for _ in range(5):
+        a.map_qk(torch.randn(3, 4), torch.randn(3, 4))
+    assert torch.equal(a.omega, w)
+
+
+# ------------------------------------------------------------------------------------- FAVOR+ statistics
+# q, k of norm 0.4 each keep the relative variance exp|q+k|² − 1 below 1.6, so moments are well estimated.
+
+
+@pytest.mark.parametrize("orthogonal", [False, True])
+def test_performer_unbiased(orthogonal):
+    q, k = _qk(n=4, d=4, norm=0.4, seed=5)
+    est = performer_estimates(q, k, 8, orthogonal=orthogonal, num_draws=4000, seed=7)  # (R, 4, 4)
+    exact = exact_exp_kernel(q, k)
+    stderr = est.std(0) / math.sqrt(est.shape[0])
+    z = (est.mean(0) - exact) / stderr
+    assert z.abs().max() < 4.5  # 16 pairs, 4.5 sigma: false alarm probability ~1e-4 (and the seed is fixed)
+
+
+def test_performer_iid_error_matches_theory_and_falls_as_inverse_sqrt_m():
+    q, k = _qk(n=6, d=4, norm=0.4, seed=6)
+    exact = exact_exp_kernel(q, k)
+    ms = [4, 16, 64, 256]
+    errs = []
+    for m in ms:
+        est = performer_estimates(q, k, m, orthogonal=False, num_draws=400, seed=m)
+        errs.append(((est / exact - 1) ** 2).mean().sqrt().item())
+        # iid positive features: E(est/exact − 1)² = (exp|q+k|² − 1) / m exactly
+        theory = math.sqrt(((torch.exp(((q[:, None] + k[None]) ** 2).sum(-1)) - 1) / m).mean())
+        assert 0.85 < errs[-1] / theory < 1.15
+    slope = np.polyfit(np.log(ms), np.log(errs), 1)[0]
+    assert -0.6 < slope < -0.4
+
+
+@pytest.mark.parametrize("m", [4, 8])
+def test_orthogonal_beats_iid(m):
+    q, k = _qk(n=6, d=4, norm=0.5, seed=8)
+    exact = exact_exp_kernel(q, k)
+    R = 20000
+    per_draw = {o: ((performer_estimates(q, k, m, orthogonal=o, num_draws=R, seed=9 + o) / exact - 1) ** 2).mean((1, 2))
+                for o in (False, True)}
+    gain = per_draw[False].mean() - per_draw[True].mean()
+    stderr = math.sqrt(per_draw[False].var() / R + per_draw[True].var() / R)
+    assert gain > 4 * stderr  # the MSE reduction is ~10% here, 7+ standard errors at this R
