@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .layers import ATTENTIONS, AttentionState, build_attention
-from .ops._checks import check_choice, check_positive_int
+from .ops._checks import check_choice, check_positive_int, compute_dtype
 
 POS_EMBS = ("rope", "learned", "none")
 
@@ -175,7 +175,7 @@ class GPT(nn.Module):
         logits = self.head(h)  # (B, T, V)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
+            loss = F.cross_entropy(logits.flatten(0, 1).to(compute_dtype(logits.dtype)), targets.flatten(), ignore_index=-1)
         return GPTOutput(logits, loss, self.aux_loss())
 
     def aux_loss(self) -> torch.Tensor:
