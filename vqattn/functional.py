@@ -3,12 +3,13 @@
 from .ops.kernel import kernel_attention
 from .ops.linear import LinearState, linear_attention
 from .ops.softmax import softmax_attention
-from .ops.vq import VQState, vq_assign, vq_attention
+from .ops.vq import Assignment, VQState, vq_assign, vq_attention
 
 __all__ = [
     "softmax_attention",
     "vq_attention",
     "vq_assign",
+    "Assignment",
     "VQState",
     "linear_attention",
     "LinearState",
