@@ -22,7 +22,7 @@ def decode_in_chunks(model, idx, sizes):
 
 
 @pytest.mark.parametrize("name,pos_emb", COMBINATIONS)
-@pytest.mark.parametrize("prompt_len", [1, 6, 13])
+@pytest.mark.parametrize("prompt_len", [1, 6])
 def test_prefill_then_single_steps_match_forward(name, pos_emb, prompt_len):
     torch.manual_seed(0)
     model = tiny_model(name, pos_emb)
