@@ -270,9 +270,10 @@ class KernelAttention(Attention):
 
     def _attend(self, q, k, v, pos, state, return_state):
         q, k = self.rotate(q, pos), self.rotate(k, pos)
+        phi_q, phi_k = self.features.map_qk(q, k)  # (B, H, T, M); one call = one step for Performer redraws
         result = linear_attention(
-            self.features(q, is_query=True),  # (B, H, T, M)
-            self.features(k),
+            phi_q,
+            phi_k,
             v,
             causal=True,
             chunk_len=self.chunk_len,
