@@ -1,0 +1,249 @@
+"""A small decoder-only language model (nanoGPT-style) whose attention is picked by name.
+
+    tokens -> embedding (+ learned positions) -> n_layer x [x + attn(norm(x)); x + mlp(norm(x))] -> norm -> logits
+
+Pre-norm RMSNorm blocks, a GELU MLP and optionally tied input/output embeddings. ``forward`` returns the
+NLL loss and the summed auxiliary (commitment) loss separately, so the trainer decides how to mix them.
+``forward_step`` decodes incrementally with a per-layer recurrent state (a KV cache for softmax, the
+constant-size codebook or feature-map state for the others); ``generate`` samples with it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .layers import ATTENTIONS, AttentionState, build_attention
+from .ops._checks import check_choice, check_positive_int
+
+POS_EMBS = ("rope", "learned", "none")
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256
+    seq_len: int = 256  # training context; a hard limit only for pos_emb="learned"
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = False
+    tie_embeddings: bool = True
+    attention: str = "vq_soft"
+    attention_kwargs: dict = field(default_factory=dict)  # extra constructor kwargs of the attention layer
+    pos_emb: str = "rope"  # "rope" (inside the attention), "learned" (absolute, added to embeddings), "none"
+    qk_norm: bool = False
+    mlp_ratio: int = 4
+
+    def __post_init__(self):
+        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "n_embd", "mlp_ratio"):
+            check_positive_int(name, getattr(self, name))
+        check_choice("pos_emb", self.pos_emb, POS_EMBS)
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"unknown attention {self.attention!r}; valid names are: {', '.join(sorted(ATTENTIONS))}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+
+
+class GPTOutput(NamedTuple):
+    logits: torch.Tensor  # (B, T, vocab_size)
+    loss: torch.Tensor | None  # mean next-token cross-entropy (nats) when targets are given
+    aux_loss: torch.Tensor  # scalar: sum of the attention layers' auxiliary losses
+
+
+@dataclass
+class GPTState:
+    """Decoding state after ``pos`` tokens: one AttentionState per layer."""
+
+    pos: int
+    layers: list[AttentionState]
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        hidden = config.mlp_ratio * config.n_embd
+        self.fc = nn.Linear(config.n_embd, hidden, bias=config.bias)
+        self.proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.norm1 = nn.RMSNorm(config.n_embd)
+        self.attn = build_attention(
+            config.attention,
+            dim=config.n_embd,
+            num_heads=config.n_head,
+            bias=config.bias,
+            dropout=config.dropout,
+            qk_norm=config.qk_norm,
+            rope=config.pos_emb == "rope",
+            **config.attention_kwargs,
+        )
+        self.norm2 = nn.RMSNorm(config.n_embd)
+        self.mlp = MLP(config)
+
+    def forward(self, x, state: AttentionState | None = None, return_state: bool = False):
+        h = self.attn(self.norm1(x), state, return_state)
+        if return_state:
+            h, state = h
+        x = x + h
+        x = x + self.mlp(self.norm2(x))
+        return (x, state) if return_state else x
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
+        self.pos_emb = nn.Embedding(config.seq_len, config.n_embd) if config.pos_emb == "learned" else None
+        self.dropout = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.norm = nn.RMSNorm(config.n_embd)
+        self.head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.head.weight = self.tok_emb.weight
+        self.apply(self._init_weights)
+        # GPT-2: scale the projections that write into the residual stream by 1/sqrt(2 * n_layer).
+        for name, p in self.named_parameters():
+            if name.endswith(("attn.proj.weight", "mlp.proj.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def num_params(self) -> int:
+        """Number of distinct parameters (tied embeddings count once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def _check_idx(self, name: str, idx: torch.Tensor, start: int) -> None:
+        if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype != torch.long:
+            shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
+            dtype = idx.dtype if isinstance(idx, torch.Tensor) else None
+            raise ValueError(f"{name} must be a (B, T) torch.long tensor of token ids, got {shape} {dtype}")
+        if idx.shape[1] == 0:
+            raise ValueError(f"{name} must hold at least one token (T >= 1)")
+        if idx.numel() and (idx.min() < 0 or idx.max() >= self.config.vocab_size):
+            raise ValueError(f"{name} token ids must lie in [0, {self.config.vocab_size}), got range "
+                             f"[{int(idx.min())}, {int(idx.max())}]")
+        end = start + idx.shape[1]
+        if self.pos_emb is not None and end > self.config.seq_len:
+            raise ValueError(
+                f"sequence reaches length {end} but config.seq_len={self.config.seq_len}: learned absolute positions "
+                f"exist only for positions 0..{self.config.seq_len - 1}. Use at most seq_len tokens, raise seq_len "
+                f"(and retrain), or use pos_emb='rope' or 'none', which accept any length."
+            )
+
+    def _body(self, idx: torch.Tensor, start: int, states: list[AttentionState | None] | None):
+        """Token ids (B, T) at positions start.. -> final hidden states (B, T, C) and new layer states."""
+        x = self.tok_emb(idx)  # (B, T, C)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(torch.arange(start, start + idx.shape[1], device=idx.device))
+        x = self.dropout(x)
+        new_states = []
+        for i, block in enumerate(self.blocks):
+            if states is None:
+                x = block(x)
+            else:
+                x, s = block(x, states[i], return_state=True)
+                new_states.append(s)
+        return self.norm(x), new_states
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> GPTOutput:
+        """idx, targets: (B, T) token ids. loss is the mean NLL; aux_loss is returned separately."""
+        self._check_idx("idx", idx, 0)
+        if targets is not None and (not isinstance(targets, torch.Tensor) or targets.shape != idx.shape):
+            shape = tuple(targets.shape) if isinstance(targets, torch.Tensor) else type(targets).__name__
+            raise ValueError(f"targets must have the shape of idx {tuple(idx.shape)}, got {shape}")
+        h, _ = self._body(idx, 0, None)
+        logits = self.head(h)  # (B, T, V)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
+        return GPTOutput(logits, loss, self.aux_loss())
+
+    def aux_loss(self) -> torch.Tensor:
+        """Sum of the auxiliary losses of the last forward's attention layers (scalar tensor)."""
+        return torch.stack([block.attn.aux_loss.to(self.head.weight.device) for block in self.blocks]).sum()
+
+    def forward_step(self, idx: torch.Tensor, state: GPTState | None = None) -> tuple[torch.Tensor, GPTState]:
+        """Decode a chunk: idx (B, T) follows the tokens summarised by ``state`` (None: start of sequence).
+
+        Returns logits (B, T, V), equal to the matching rows of ``forward`` on the whole sequence, and the
+        state after the chunk. Use it for prefill (the prompt) and then for single tokens.
+        """
+        if state is not None and not isinstance(state, GPTState):
+            raise ValueError(f"state must be a GPTState or None, got {type(state).__name__}")
+        start = 0 if state is None else state.pos
+        self._check_idx("idx", idx, start)
+        h, layers = self._body(idx, start, [None] * len(self.blocks) if state is None else state.layers)
+        return self.head(h), GPTState(start + idx.shape[1], layers)
+
+    @torch.no_grad()
+    def generate(
+        self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None
+    ) -> torch.Tensor:
+        """Sample ``max_new_tokens`` tokens after the prompt idx (B, T); returns (B, T + max_new_tokens).
+
+        The prompt is consumed once (prefill) and every new token costs one ``forward_step``: constant time
+        and memory per token for vq and the kernel family, a growing KV cache for softmax.
+        ``temperature=0`` picks the most likely token (greedy). Runs in eval mode (no dropout, no codebook
+        updates) and restores the previous mode.
+        """
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        if not isinstance(temperature, (int, float)) or temperature < 0 or not math.isfinite(temperature):
+            raise ValueError(f"temperature must be a finite float >= 0 (0 = greedy), got {temperature!r}")
+        if top_k is not None:
+            check_positive_int("top_k", top_k)
+        self._check_idx("idx", idx, 0)
+        if self.pos_emb is not None and idx.shape[1] + max_new_tokens > self.config.seq_len:
+            raise ValueError(
+                f"prompt length {idx.shape[1]} + max_new_tokens {max_new_tokens} exceeds config.seq_len="
+                f"{self.config.seq_len}, the last position learned absolute positions can encode; use a shorter "
+                f"prompt/continuation or a model with pos_emb='rope' or 'none'"
+            )
+        was_training = self.training
+        self.eval()
+        try:
+            out, step_in, state = idx, idx, None
+            for _ in range(max_new_tokens):
+                logits, state = self.forward_step(step_in, state)
+                step_in = self._sample(logits[:, -1, :].float(), temperature, top_k)  # (B, 1)
+                out = torch.cat((out, step_in), dim=1)
+            return out
+        finally:
+            self.train(was_training)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch.Tensor:
+        """logits (B, V) -> next token ids (B, 1)."""
+        if temperature == 0:
+            return logits.argmax(dim=-1, keepdim=True)
+        logits = logits / temperature
+        if top_k is not None and top_k < logits.shape[-1]:
+            kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+
+    def codebook_stats(self) -> dict[str, float]:
+        """Codebook usage statistics averaged over the vq layers ({} when there are none)."""
+        per_layer = [s for s in (block.attn.usage_stats() for block in self.blocks) if s]
+        if not per_layer:
+            return {}
+        return {key: sum(s[key] for s in per_layer) / len(per_layer) for key in per_layer[0]}

@@ -1,0 +1,357 @@
+"""Codebook attention: Transformer-VQ (hard), its Gaussian-mixture generalisation (soft) and the
+unnormalised Gaussian-kernel assignment that turns it into Performer (kernel).
+
+Notation (per batch and head): queries q_i, keys k_j, values v_j, codebook c_s (S codes), scale σ.
+An assignment matrix Δ (T, S) spreads every key over the codes:
+
+    hard    Δ_js = 1[s = argmin_s' ‖k_j − c_s'‖]                       (one-hot, straight-through)
+    soft    Δ_js = softmax_s(−‖k_j − c_s‖² / 2τ)                        (GMM posterior p(s | k_j))
+    kernel  Δ_js = exp(−‖k_j − c_s‖² / 2τ + ‖c_s‖² / 2τ)                (unnormalised, = FAVOR+ for c = ω/√σ, τ = 1/σ)
+
+and attention reads the keys through the codes:
+
+    out_i = Σ_s e^{σ q_i·c_s} Σ_j Δ_js v_j  /  Σ_s e^{σ q_i·c_s} Σ_j Δ_js          (j ≤ i when causal)
+
+For hard Δ this is exactly softmax attention over the quantised keys k̂_j = c_{z_j}, and equals softmax
+attention when the keys lie on the codebook.
+
+Causal attention runs in blocks of ``block_len`` L (the Transformer-VQ algorithm). Block b attends to
+
+* an uncompressed window: blocks b−1 and b, with one logit per key (causally masked), and
+* a compressed cache: per-code counts n_s = Σ_j Δ_js and value sums Σ_j Δ_js v_j of blocks ≤ b−2,
+  entering as S extra "keys" with logit σ q_i·c_s + log n_s and value (Σ_j Δ_js v_j) / n_s.
+
+Both groups share one softmax (one max), so nothing overflows and empty codes (log 0 = −inf) drop out.
+Cost O(T·(L + S)·D); memory O(T·(L + S) + (T/L)·S·D); no T×T tensor.
+
+Window logits: hard uses σ q_i·k̂_j with the straight-through k̂_j = c_{z_j} + (k_j − sg(k_j)), so keys get the
+gradient k̂ would get; ``exact_window`` uses the raw keys σ q_i·k_j; soft/kernel use the exact mixture
+log Σ_s e^{σ q_i·c_s} Δ_js. In the cache (and in non-causal mode, which is all cache) hard keys get no gradient,
+as in Transformer-VQ: their contribution is a count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ._checks import (
+    check_4d,
+    check_choice,
+    check_positive_int,
+    check_qkv,
+    check_same_device_dtype,
+    compute_dtype,
+)
+
+ASSIGNMENTS = ("hard", "soft", "kernel")
+
+# Measured in benchmarks/attention_speed.py (README): the fastest block length on CPU for S=512, D=64.
+DEFAULT_BLOCK_LEN = 64
+
+
+@dataclass
+class VQState:
+    """Recurrent state of causal :func:`vq_attention` after ``length`` tokens.
+
+    Positions before ``window_start = max(0, (length // block_len − 1) · block_len)`` are compressed into
+    ``counts`` (B, H, S) and value ``sums`` (B, H, S, Dv); positions from ``window_start`` on are kept raw in
+    ``keys`` (B, H, W, D) and ``values`` (B, H, W, Dv), W < 2·block_len. Its size is constant in the length.
+    """
+
+    counts: torch.Tensor
+    sums: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    length: int
+    block_len: int
+
+
+def window_start(length: int, block_len: int) -> int:
+    """First position still uncompressed for the next query at ``length`` (start of its previous block)."""
+    return max(0, (length // block_len - 1) * block_len)
+
+
+def _as_head_codebook(codebook: torch.Tensor, num_heads: int) -> torch.Tensor:
+    return codebook.unsqueeze(0).expand(num_heads, -1, -1) if codebook.dim() == 2 else codebook
+
+
+def _temperature_tensor(temperature, num_heads: int, like: torch.Tensor) -> torch.Tensor:
+    """Temperature as a (H, 1, 1) tensor broadcasting over (B, H, T, S); validates positivity."""
+    if isinstance(temperature, torch.Tensor):
+        if temperature.numel() not in (1, num_heads):
+            raise ValueError(
+                f"temperature must be a number, a 1-element tensor or one value per head ({num_heads}), "
+                f"got shape {tuple(temperature.shape)}"
+            )
+        if not bool((temperature > 0).all()):
+            raise ValueError(f"temperature must be > 0, got {temperature.detach().cpu().tolist()}")
+        return temperature.to(device=like.device, dtype=like.dtype).reshape(-1, 1, 1)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    return like.new_full((1, 1, 1), float(temperature))
+
+
+def vq_assign(
+    k: torch.Tensor, codebook: torch.Tensor, *, assign: str, temperature=1.0
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Assignment Δ of keys to codes.
+
+    k: (B, H, T, D), codebook: (H, S, D) -> (weights (B, H, T, S), code index (B, H, T) for hard else None).
+
+    Kernel weights are returned divided by the per-head constant exp(max_s ‖c_s‖² / 2τ), which keeps them ≤ 1
+    and cancels in the attention normaliser.
+    """
+    c = codebook  # (H, S, D)
+    kc = k @ c.transpose(-1, -2)  # (B, H, T, S)
+    c_sq = (c * c).sum(-1)[:, None, :]  # (H, 1, S)
+    if assign == "hard":
+        # ‖k‖² is the same for every code, so it does not change the argmin.
+        index = (c_sq - 2 * kc).argmin(-1)  # (B, H, T)
+        return F.one_hot(index, c.shape[1]).to(k.dtype), index
+    tau = _temperature_tensor(temperature, c.shape[0], k)
+    if assign == "soft":
+        # −‖k − c‖²/2τ up to a per-key constant, which the softmax removes.
+        return torch.softmax((kc - c_sq / 2) / tau, dim=-1), None
+    log_w = (kc - (k * k).sum(-1, keepdim=True) / 2) / tau  # −‖k − c‖²/2τ + ‖c‖²/2τ
+    shift = (c_sq / (2 * tau)).amax(-1, keepdim=True).detach()  # (H, 1, 1) ≥ max_s log_w
+    return torch.exp(log_w - shift), None
+
+
+def _log_counts(counts: torch.Tensor) -> torch.Tensor:
+    """log n with log 0 = −inf and no NaN gradient for empty codes."""
+    tiny = torch.finfo(counts.dtype).tiny
+    return torch.where(counts > 0, counts.clamp_min(tiny).log(), float("-inf"))
+
+
+def _code_means(counts: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
+    return sums / counts.clamp_min(torch.finfo(counts.dtype).tiny).unsqueeze(-1)
+
+
+def _code_statistics(
+    weights: torch.Tensor, index: torch.Tensor | None, v: torch.Tensor, num_groups: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group code counts Σ_j Δ_js and value sums Σ_j Δ_js v_j over consecutive groups of positions.
+
+    weights: (B, H, G·L, S), v: (B, H, G·L, Dv) -> counts (B, H, G, S), sums (B, H, G, S, Dv).
+    Hard assignments scatter-add (O(T·Dv)) instead of multiplying by the one-hot matrix (O(T·S·Dv)).
+    """
+    B, H, T, S = weights.shape
+    L = T // num_groups
+    if index is None:
+        w = weights.view(B, H, num_groups, L, S)
+        counts = w.sum(3)
+        sums = w.transpose(-1, -2) @ v.view(B, H, num_groups, L, -1)
+        return counts, sums
+    Dv = v.shape[-1]
+    group = torch.arange(T, device=v.device) // L  # (T,)
+    slot = (group * S + index).view(B, H, T, 1)  # code slot within the flattened (G·S) axis
+    counts = weights.new_zeros(B, H, num_groups * S).scatter_add_(2, slot.squeeze(-1), weights.new_ones(B, H, T))
+    sums = torch.scatter_add(v.new_zeros(B, H, num_groups * S, Dv), 2, slot.expand(B, H, T, Dv), v)
+    return counts.view(B, H, num_groups, S), sums.view(B, H, num_groups, S, Dv)
+
+
+def _blocks(x: torch.Tensor, L: int) -> torch.Tensor:
+    """(B, H, nb·L, D) -> (B, H, nb, L, D)."""
+    B, H, T, D = x.shape
+    return x.view(B, H, T // L, L, D)
+
+
+def _windows(x: torch.Tensor, L: int) -> torch.Tensor:
+    """Previous block + current block: (B, H, nb·L, D) -> (B, H, nb, 2L, D); block 0's previous is zeros."""
+    blocks = _blocks(x, L)
+    previous = F.pad(blocks, (0, 0, 0, 0, 1, 0))[:, :, :-1]
+    return torch.cat([previous, blocks], dim=3)
+
+
+def _window_mask(num_blocks: int, L: int, device: torch.device) -> torch.Tensor:
+    """(nb, L, 2L) bool: query i of block b sees window key jj iff jj ≤ i + L (causal); block 0 has no previous block."""
+    i = torch.arange(L, device=device)[:, None]
+    jj = torch.arange(2 * L, device=device)[None, :]
+    causal = jj <= i + L
+    mask = causal.expand(num_blocks, L, 2 * L).clone()
+    mask[0, :, :L] = False
+    return mask
+
+
+def _mixture_logits(code_logits: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """log Σ_s exp(code_logits_is) Δ_js for every (query, key) pair, stabilised by the per-query max.
+
+    code_logits: (..., Lq, S), weights: (..., Lk, S) -> (..., Lq, Lk).
+    """
+    m = code_logits.amax(-1, keepdim=True).detach()
+    affinity = torch.exp(code_logits - m) @ weights.transpose(-1, -2)
+    return affinity.clamp_min(torch.finfo(affinity.dtype).tiny).log() + m
+
+
+def _causal(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    c: torch.Tensor,
+    weights: torch.Tensor,
+    index: torch.Tensor | None,
+    *,
+    L: int,
+    scale: float,
+    exact_window: bool,
+    detach_cache: bool,
+    initial_counts: torch.Tensor,
+    initial_sums: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block algorithm on a block-aligned sequence. Returns out (B, H, T, Dv) and per-block counts/sums."""
+    B, H, T, D = q.shape
+    nb = -(-T // L)
+    pad = nb * L - T
+    # Zero padding sits after every real query, so the causal mask hides it; its block statistics are never
+    # read because block b's cache only holds blocks ≤ b−2.
+    q, k, v, weights = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v, weights))
+    if index is not None:
+        index = F.pad(index, (0, pad))
+
+    counts, sums = _code_statistics(weights, index, v, nb)  # (B, H, nb, S), (B, H, nb, S, Dv)
+    if detach_cache:
+        counts, sums = counts.detach(), sums.detach()
+    # Cache of block b: everything up to block b−2.
+    cache_counts = initial_counts.unsqueeze(2) + F.pad(counts.cumsum(2), (0, 0, 2, 0))[:, :, :nb]
+    cache_sums = initial_sums.unsqueeze(2) + F.pad(sums.cumsum(2), (0, 0, 0, 0, 2, 0))[:, :, :nb]
+
+    q_blocks = _blocks(q, L)  # (B, H, nb, L, D)
+    code_logits = scale * (q_blocks @ c.unsqueeze(1).transpose(-1, -2))  # (B, H, nb, L, S)
+    if exact_window:
+        window_logits = scale * (q_blocks @ _windows(k, L).transpose(-1, -2))
+    elif index is not None:
+        # Straight-through: the value of c_z, the gradient of k.
+        k_hat = torch.gather(c.unsqueeze(0).expand(B, H, -1, -1), 2, index.unsqueeze(-1).expand(-1, -1, -1, D))
+        k_hat = k_hat + (k - k.detach())
+        window_logits = scale * (q_blocks @ _windows(k_hat, L).transpose(-1, -2))
+    else:
+        window_logits = _mixture_logits(code_logits, _windows(weights, L))  # (B, H, nb, L, 2L)
+    window_logits = window_logits.masked_fill(~_window_mask(nb, L, q.device), float("-inf"))
+
+    cache_logits = code_logits + _log_counts(cache_counts).unsqueeze(3)  # (B, H, nb, L, S)
+    probs = torch.softmax(torch.cat([window_logits, cache_logits], dim=-1), dim=-1)
+    out = probs[..., : 2 * L] @ _windows(v, L) + probs[..., 2 * L :] @ _code_means(cache_counts, cache_sums)
+    return out.reshape(B, H, nb * L, -1)[:, :, :T], counts, sums
+
+
+def _validate(q, k, v, codebook, *, causal, assign, block_len, exact_window, state, return_state) -> None:
+    check_qkv(q, k, v, causal=causal)
+    if not isinstance(codebook, torch.Tensor) or codebook.dim() not in (2, 3):
+        shape = tuple(codebook.shape) if isinstance(codebook, torch.Tensor) else type(codebook).__name__
+        raise ValueError(f"codebook must be a tensor of shape (H, S, D) or (S, D), got {shape}")
+    check_same_device_dtype(q=q, codebook=codebook)
+    if codebook.shape[-1] != k.shape[-1]:
+        raise ValueError(f"codebook D={codebook.shape[-1]} differs from the key D={k.shape[-1]}")
+    if codebook.dim() == 3 and codebook.shape[0] != k.shape[1]:
+        raise ValueError(f"codebook has {codebook.shape[0]} heads but k has H={k.shape[1]}")
+    if codebook.shape[-2] == 0:
+        raise ValueError("codebook must have at least one code (S >= 1)")
+    check_choice("assign", assign, ASSIGNMENTS)
+    if block_len is not None:
+        check_positive_int("block_len", block_len)
+    if not causal and (exact_window or state is not None or return_state):
+        raise ValueError("exact_window, state and return_state need causal=True (non-causal attention has no window)")
+    if state is not None:
+        B, H, _, D = k.shape
+        S, Dv = codebook.shape[-2], v.shape[-1]
+        if not isinstance(state, VQState):
+            raise ValueError(f"state must be a VQState returned by vq_attention, got {type(state).__name__}")
+        if block_len is not None and block_len != state.block_len:
+            raise ValueError(f"block_len={block_len} differs from the state's block_len={state.block_len}")
+        if state.counts.shape != (B, H, S) or state.sums.shape != (B, H, S, Dv) or state.keys.shape[-1] != D:
+            raise ValueError(
+                f"state does not match the inputs: counts {tuple(state.counts.shape)}, sums {tuple(state.sums.shape)} "
+                f"for B={B}, H={H}, S={S}, D={D}, Dv={Dv}"
+            )
+        check_4d("state.keys", state.keys)
+
+
+def vq_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    codebook: torch.Tensor,
+    *,
+    causal: bool,
+    assign: str = "hard",
+    temperature: float | torch.Tensor = 1.0,
+    block_len: int | None = None,
+    scale: float | None = None,
+    exact_window: bool = False,
+    detach_cache: bool = False,
+    state: VQState | None = None,
+    return_state: bool = False,
+):
+    """Codebook attention (see the module docstring for the math).
+
+    Args:
+        q, k: (B, H, T, D); v: (B, H, T, Dv). Non-causal calls may give k and v another length than q.
+        codebook: (H, S, D), one codebook per head, or (S, D) shared by all heads.
+        causal: block-wise linear-time causal attention; else exp(QCᵀ)(ΔᵀV) over all keys.
+        assign: "hard" (Transformer-VQ), "soft" (GMM posterior) or "kernel" (unnormalised Gaussian kernel).
+        temperature: τ > 0 of soft/kernel assignments: a number, or a tensor with 1 or H elements (learnable).
+        block_len: causal block length L (default 64, or T when T < 64). The window is the current and the
+            previous block; older blocks are compressed.
+        scale: multiplies q·k and q·c; defaults to D**-0.5 as in SDPA.
+        exact_window: the window uses the raw keys (exact softmax nearby, codes only for the far past).
+        detach_cache: stop gradients through the compressed cache (Transformer-VQ's truncation).
+        state: a :class:`VQState` from an earlier call; the inputs then continue that sequence.
+        return_state: also return the :class:`VQState` after this call (causal only).
+
+    Returns:
+        out (B, H, T, Dv) in the input dtype, or (out, state) when ``return_state``. Half-precision inputs are
+        computed in float32.
+    """
+    _validate(q, k, v, codebook, causal=causal, assign=assign, block_len=block_len, exact_window=exact_window,
+              state=state, return_state=return_state)
+    B, H, T, D = q.shape
+    in_dtype = q.dtype
+    dtype = compute_dtype(in_dtype)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    c = _as_head_codebook(codebook.to(dtype), H)  # (H, S, D)
+    S, Dv = c.shape[1], v.shape[-1]
+    scale = D**-0.5 if scale is None else scale
+
+    if not causal:
+        weights, _ = vq_assign(k, c, assign=assign, temperature=temperature)  # (B, H, Tk, S)
+        counts, sums = weights.sum(2), weights.transpose(-1, -2) @ v  # (B, H, S), (B, H, S, Dv)
+        logits = scale * (q @ c.transpose(-1, -2)) + _log_counts(counts).unsqueeze(2)  # (B, H, Tq, S)
+        return (torch.softmax(logits, dim=-1) @ _code_means(counts, sums)).to(in_dtype)
+
+    L = block_len or (state.block_len if state is not None else DEFAULT_BLOCK_LEN)
+    if state is None:
+        start, counts0 = 0, q.new_zeros(B, H, S)
+        sums0 = q.new_zeros(B, H, S, Dv)
+    else:
+        # Re-run the state's raw window (block-aligned) in front of the new tokens; drop its outputs.
+        start, counts0, sums0 = state.length - state.keys.shape[2], state.counts.to(dtype), state.sums.to(dtype)
+        prefix = state.keys.shape[2]
+        q = torch.cat([q.new_zeros(B, H, prefix, D), q], dim=2)
+        k = torch.cat([state.keys.to(dtype), k], dim=2)
+        v = torch.cat([state.values.to(dtype), v], dim=2)
+    if detach_cache:
+        counts0, sums0 = counts0.detach(), sums0.detach()
+    # Short sequences fit in one block; a shorter block gives the same result with less padding.
+    L_run = L if state is not None or return_state else min(L, k.shape[2])
+    weights, index = vq_assign(k, c, assign=assign, temperature=temperature)
+    out, counts, sums = _causal(q, k, v, c, weights, index, L=L_run, scale=scale, exact_window=exact_window,
+                                detach_cache=detach_cache, initial_counts=counts0, initial_sums=sums0)
+    out = out[:, :, out.shape[2] - T :].to(in_dtype)
+    if not return_state:
+        return out
+
+    length = start + k.shape[2]
+    new_start = window_start(length, L)
+    folded = (new_start - start) // L  # whole blocks leaving the window
+    new_state = VQState(
+        counts=counts0 + counts[:, :, :folded].sum(2),
+        sums=sums0 + sums[:, :, :folded].sum(2),
+        keys=k[:, :, new_start - start :],
+        values=v[:, :, new_start - start :],
+        length=length,
+        block_len=L,
+    )
+    return out, new_state
