@@ -251,6 +251,10 @@ class TextDataModule(ByteDataModule):
         return train[:cut], train[cut:]
 
 
+class DataUnavailableError(RuntimeError):
+    """A corpus cannot be obtained (e.g. a Hub dataset while offline)."""
+
+
 def load_dataset(*args, **kwargs):
     """``datasets.load_dataset`` (module-level so tests can stand in a local copy)."""
     import datasets
@@ -281,7 +285,7 @@ class HubTextDataModule(ByteDataModule):
         try:
             return load_dataset(self.hub_path, self.hub_name, split=split)
         except Exception as err:  # network, auth and missing-dataset errors all mean: cannot get the data
-            raise RuntimeError(
+            raise DataUnavailableError(
                 f"could not load {self.name} ({self.hub_path}{', ' + self.hub_name if self.hub_name else ''}, split "
                 f"{split!r}) from the Hugging Face Hub: {type(err).__name__}: {err}\nIt needs a network connection "
                 f"(or a filled datasets cache); offline, use data=default or data=text data.path=FILE."
