@@ -115,8 +115,8 @@ class LitLM(L.LightningModule):
     def on_validation_epoch_end(self):
         vals = self.val_nll.compute()  # already summed over ranks: identical everywhere
         self.val_nll.reset()
-        self.log_dict({f"val_{k}": v.float() for k, v in vals.items()}, prog_bar=True)
-        self.log_dict({f"codebook_{k}": float(v) for k, v in self.model.codebook_stats().items()})
+        self.log_dict({f"val_{k}": v.float() for k, v in vals.items()}, prog_bar=True, sync_dist=True)
+        self.log_dict({f"codebook_{k}": float(v) for k, v in self.model.codebook_stats().items()}, sync_dist=True)
 
     def configure_optimizers(self):
         o = self.optim
