@@ -122,6 +122,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         "device": device_name(trainer.strategy.root_device),
         "checkpoint": str(ckpt_dir / "last.ckpt"),
         "codebook": module.model.codebook_stats(),
+        "ddp_buffer_divergence": module.buffer_divergence,
     }
     if trainer.global_rank == 0:
         (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -266,7 +266,10 @@ class HubTextDataModule(ByteDataModule):
     """A text dataset from the Hugging Face Hub, UTF-8 encoded to bytes.
 
     ``layout="enwik8"``: the standard enwik8 split, the first 90M bytes train, the next 5M validation (the
-    last 5M are the test set, unused here); the Hub copy stores one line per row, re-joined with ``\\n``.
+    last 5M are the test set, unused here). Rows are re-joined into one text: as stored when they end in a
+    newline, else with ``\\n`` between them (the "enwik8-raw" config is a single row holding the whole file).
+    ``revision``: the Hub revision; LTCB/enwik8 is a loading script, which ``datasets`` >= 4 no longer runs,
+    so data/enwik8.yaml reads the Hub's parquet export (``refs/convert/parquet``).
     ``layout="splits"``: the dataset's own ``train`` and ``validation`` splits, rows concatenated as stored
     (wikitext-103-raw rows keep their trailing newline).
     """
@@ -274,16 +277,16 @@ class HubTextDataModule(ByteDataModule):
     ENWIK8_SPLIT = (90_000_000, 5_000_000)
 
     def __init__(self, *, hub_path: str, hub_name: str | None = None, layout: str = "splits",
-                 name: str | None = None, **kwargs):
+                 revision: str | None = None, name: str | None = None, **kwargs):
         super().__init__(**kwargs)
         if layout not in ("enwik8", "splits"):
             raise ValueError(f"data.layout must be 'enwik8' or 'splits', got {layout!r}")
-        self.hub_path, self.hub_name, self.layout = hub_path, hub_name, layout
+        self.hub_path, self.hub_name, self.layout, self.revision = hub_path, hub_name, layout, revision
         self.name = name or hub_path
 
     def _fetch(self, split: str):
         try:
-            return load_dataset(self.hub_path, self.hub_name, split=split)
+            return load_dataset(self.hub_path, self.hub_name, split=split, revision=self.revision)
         except Exception as err:  # network, auth and missing-dataset errors all mean: cannot get the data
             raise DataUnavailableError(
                 f"could not load {self.name} ({self.hub_path}{', ' + self.hub_name if self.hub_name else ''}, split "
@@ -293,7 +296,8 @@ class HubTextDataModule(ByteDataModule):
 
     def _load(self) -> tuple[bytes, bytes]:
         if self.layout == "enwik8":
-            data = "\n".join(self._fetch("train")["text"]).encode()
+            rows = self._fetch("train")["text"]
+            data = ("" if all(r.endswith("\n") for r in rows) else "\n").join(rows).encode()
             n_train, n_val = self.ENWIK8_SPLIT
             return data[:n_train], data[n_train : n_train + n_val]
         return tuple("".join(self._fetch(split)["text"]).encode() for split in ("train", "validation"))

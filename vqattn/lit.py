@@ -8,6 +8,8 @@ Logged: train_loss, train_nll, train_aux, train_bpb, lr, tokens_per_sec (all ran
 training step: forward, backward, optimizer; no data loading or validation), and on each validation
 val_loss, val_bpb, val_acc (next-byte accuracy; recall accuracy for MQAR, whose labels are the answers only)
 and the codebook usage stats (codebook_perplexity, codebook_dead_codes, codebook_quant_error).
+At the end of training ``buffer_divergence`` records how far the ranks' model buffers drifted apart (0 when
+the codebook EMA and feature redraws stay identical across DDP ranks, as they must).
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ class LitLM(L.LightningModule):
         self.train_tokens = 0  # all ranks' tokens trained on in this process's fit
         self.train_seconds = 0.0  # time in training steps (see module docstring)
         self._step_start = 0.0
+        self.buffer_divergence = 0.0  # set by on_train_end, see rank_divergence
 
     def forward(self, idx: torch.Tensor):
         return self.model(idx)
@@ -107,6 +110,19 @@ class LitLM(L.LightningModule):
         self.train_seconds += seconds
         self.log("tokens_per_sec", tokens / max(seconds, 1e-9), prog_bar=True)
         self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+
+    def on_train_end(self):
+        self.buffer_divergence = self.rank_divergence()
+
+    def rank_divergence(self) -> float:
+        """Largest |difference| between this rank's model buffers (codebook EMA state, feature-map draws, ...)
+        and rank 0's; 0.0 without DDP. Parameters are synchronised by DDP itself; buffers must be by their layers."""
+        buffers = [b.detach().double().flatten() for _, b in self.model.named_buffers()]
+        if self.trainer.world_size == 1 or not buffers:
+            return 0.0
+        flat = torch.cat(buffers)
+        gathered = self.all_gather(flat)  # (world, N)
+        return float((gathered - gathered[0]).abs().max())
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
