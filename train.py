@@ -53,6 +53,8 @@ log = logging.getLogger("train")
 def check_config(cfg: DictConfig) -> None:
     """Explain settings that cannot work before anything is built."""
     m, d = cfg.model, cfg.data
+    if "path" in d.keys() and OmegaConf.is_missing(d, "path"):
+        raise ValueError("data=text needs the file to train on: data.path=FILE (a file or a glob)")
     if d.seq_len > m.seq_len and m.pos_emb == "learned":
         raise ValueError(
             f"data.seq_len={d.seq_len} exceeds model.seq_len={m.seq_len}, the longest sequence learned absolute "
