@@ -1,6 +1,17 @@
 """Public functional API: attention ops on (B, H, T, D) tensors, as in ``F.scaled_dot_product_attention``."""
 
+from .ops.kernel import kernel_attention
+from .ops.linear import LinearState, linear_attention
 from .ops.softmax import softmax_attention
-from .ops.vq import VQState, vq_assign, vq_attention
+from .ops.vq import Assignment, VQState, vq_assign, vq_attention
 
-__all__ = ["softmax_attention", "vq_attention", "vq_assign", "VQState"]
+__all__ = [
+    "softmax_attention",
+    "vq_attention",
+    "vq_assign",
+    "Assignment",
+    "VQState",
+    "linear_attention",
+    "LinearState",
+    "kernel_attention",
+]

@@ -25,7 +25,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .functional import softmax_attention
+from .codebook import Codebook
+from .feature_maps import EluFeatures, FeatureMap, PerformerFeatures, TaylorFeatures
+from .functional import softmax_attention, vq_attention
+from .ops.linear import linear_attention
 from .ops._checks import check_positive_int
 
 
@@ -74,7 +77,6 @@ class Attention(nn.Module):
     is the absolute position of the first token and ``state`` the op state (or None for a fresh start).
     """
 
-    supports_rope: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -86,22 +88,22 @@ class Attention(nn.Module):
         qk_norm: bool = False,
         rope: bool = False,
         rope_base: float = 10000.0,
+        layer_idx: int = 0,
     ):
+        """layer_idx: position of the layer in its model; layers with random features derive their seed from it."""
         super().__init__()
         check_positive_int("dim", dim)
         check_positive_int("num_heads", num_heads)
         if dim % num_heads:
             raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
         self.dim, self.num_heads, self.head_dim = dim, num_heads, dim // num_heads
-        if rope and not self.supports_rope:
-            raise ValueError(f"{type(self).__name__} does not support rope: {self.rope_unsupported_reason()}")
         if rope and self.head_dim % 2:
             raise ValueError(f"rope needs an even head dim, got dim // num_heads = {self.head_dim}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
         if rope_base <= 0:
             raise ValueError(f"rope_base must be > 0, got {rope_base!r}")
-        self.rope, self.rope_base = rope, rope_base
+        self.rope, self.rope_base, self.layer_idx = rope, rope_base, layer_idx
         self.qkv = nn.Linear(dim, 3 * dim, bias=bias)
         self.proj = nn.Linear(dim, dim, bias=bias)
         self.resid_dropout = nn.Dropout(dropout)
@@ -109,10 +111,6 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(self.head_dim) if qk_norm else nn.Identity()
         self.k_norm = nn.RMSNorm(self.head_dim) if qk_norm else nn.Identity()
         self.aux_loss = torch.zeros(())
-
-    @classmethod
-    def rope_unsupported_reason(cls) -> str:
-        return ""
 
     def rotate(self, x: torch.Tensor, pos: int) -> torch.Tensor:
         """RoPE at positions pos.. when this layer uses it, else x unchanged."""
@@ -162,8 +160,160 @@ class SoftmaxAttention(Attention):
         return out, (KVCache(k, v) if return_state else None)
 
 
+class VQAttention(Attention):
+    """Codebook attention (``vq_attention``) with a learned per-head :class:`~vqattn.codebook.Codebook`.
+
+    The codebook module quantises the keys (EMA k-means or gradient learning), and its commitment loss is
+    this layer's ``aux_loss``. Decoding keeps ``VQState``: per-code counts and value sums plus a raw window of
+    under 2·block_len keys, i.e. constant memory per token.
+
+    RoPE (``rope=True``) acts only inside the uncompressed window, which must hold the raw keys
+    (``exact_window=True``): the codes stay position-free, so the compressed cache is the same whichever
+    position a key came from. Rotating keys before quantisation would instead make the code of a key depend
+    on its absolute position (the codebook would have to cover every rotation of every key), and rotating
+    quantised keys per position cannot be summed per code. The layer implements window-only RoPE with the
+    unchanged op by running it on augmented vectors (D' = 3D):
+
+        q' = [R_i q, q, −q]    k' = [R_j k, k, k]    c' = [0, c, 0]
+
+    so that the window logit q'·k' = (R_i q)·(R_j k) is RoPE attention, the cache logit q'·c' = q·c is the
+    position-free code score, and ‖k' − c'‖² = ‖k − c‖² + 2‖k‖² gives the same hard and soft assignments.
+    """
+
+    assign: ClassVar[str]
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        *,
+        num_codes: int = 64,
+        block_len: int | None = None,
+        exact_window: bool = False,
+        detach_cache: bool = False,
+        codebook: dict | None = None,
+        **attention_kwargs,
+    ):
+        """``codebook``: extra :class:`~vqattn.codebook.Codebook` kwargs (learning, decay, commitment, ...);
+        ``attention_kwargs`` go to :class:`Attention`."""
+        super().__init__(dim, num_heads, **attention_kwargs)
+        if self.rope and not exact_window:
+            raise ValueError(
+                f"{type(self).__name__} with rope=True needs exact_window=True: RoPE is applied only inside the "
+                "uncompressed window, which must then hold the raw keys (codes are position-free so that the "
+                "compressed cache stays valid). Pass exact_window=True, or use learned or no positions."
+            )
+        if block_len is not None:
+            check_positive_int("block_len", block_len)
+        check_positive_int("num_codes", num_codes)
+        self.block_len, self.exact_window, self.detach_cache = block_len, exact_window, detach_cache
+        self.codebook = Codebook(num_heads, num_codes, self.head_dim, assign=self.assign, **(codebook or {}))
+
+    def _attend(self, q, k, v, pos, state, return_state):
+        codebook, self.aux_loss = self.codebook(k)  # (H, S, Dh), scalar; codes are learned on unrotated keys
+        if self.rope:
+            q = torch.cat((self.rotate(q, pos), q, -q), dim=-1)  # (B, H, T, 3 Dh)
+            k = torch.cat((self.rotate(k, pos), k, k), dim=-1)
+            zeros = torch.zeros_like(codebook)
+            codebook = torch.cat((zeros, codebook, zeros), dim=-1)  # (H, S, 3 Dh)
+        result = vq_attention(
+            q, k, v, codebook,
+            causal=True,
+            assign=self.codebook.assign,
+            temperature=self.codebook.temperature,
+            block_len=self.block_len,
+            scale=self.head_dim**-0.5,
+            exact_window=self.exact_window,
+            detach_cache=self.detach_cache,
+            state=state,
+            return_state=return_state,
+        )
+        return result if return_state else (result, None)
+
+    def usage_stats(self) -> dict[str, float]:
+        return self.codebook.usage_stats()
+
+
+class VQHardAttention(VQAttention):
+    """Transformer-VQ: keys snap to their nearest code (straight-through gradient in the window)."""
+
+    assign = "hard"
+
+
+class VQSoftAttention(VQAttention):
+    """Gaussian-mixture codebook attention: keys spread over codes by their posterior p(s | k)."""
+
+    assign = "soft"
+
+
+class KernelAttention(Attention):
+    """Linear attention φ(q)·φ(k) (``linear_attention``) with a feature map φ built by ``_make_features``.
+
+    Decoding keeps ``LinearState``: Σ φ(k) vᵀ (M × Dv) and Σ φ(k) (M), constant memory per token.
+    RoPE rotates q and k before φ. Every key's features are then fixed once computed, so the running sums
+    stay valid; for Performer (E[φ(x)·φ(y)] = exp(s x·y), rotation-invariant ω) and Taylor (a polynomial in
+    x·y) the kernel of rotated vectors depends on positions only through i − j, as in softmax RoPE.
+    """
+
+    def __init__(
+        self, dim: int, num_heads: int, *, chunk_len: int | None = None, features: dict | None = None, **attention_kwargs
+    ):
+        """``features``: kwargs of the feature map; ``attention_kwargs`` go to :class:`Attention`."""
+        super().__init__(dim, num_heads, **attention_kwargs)
+        if chunk_len is not None:
+            check_positive_int("chunk_len", chunk_len)
+        self.chunk_len = chunk_len
+        self.features = self._make_features(self.head_dim, self.layer_idx, **(features or {}))
+
+    def _make_features(self, head_dim: int, layer_idx: int, **kwargs) -> FeatureMap:
+        raise NotImplementedError
+
+    def _attend(self, q, k, v, pos, state, return_state):
+        q, k = self.rotate(q, pos), self.rotate(k, pos)
+        result = linear_attention(
+            self.features(q, is_query=True),  # (B, H, T, M)
+            self.features(k),
+            v,
+            causal=True,
+            chunk_len=self.chunk_len,
+            state=state,
+            return_state=return_state,
+        )
+        return result if return_state else (result, None)
+
+
+class PerformerAttention(KernelAttention):
+    """FAVOR+ (Performer): positive random features estimating exp(q·k / √D).
+
+    ``num_features`` defaults to 4·head_dim. The draw of layer ``layer_idx`` uses ``seed + layer_idx`` so
+    layers differ and every DDP rank derives the same ω (see :class:`~vqattn.feature_maps.PerformerFeatures`).
+    """
+
+    def _make_features(self, head_dim, layer_idx, *, num_features=None, seed=0, **kwargs):
+        return PerformerFeatures(head_dim, num_features or 4 * head_dim, seed=seed + layer_idx, **kwargs)
+
+
+class EluLinearAttention(KernelAttention):
+    """Linear transformer (Katharopoulos et al. 2020): φ(x) = elu(x) + 1."""
+
+    def _make_features(self, head_dim, layer_idx, **kwargs):
+        return EluFeatures(**kwargs)
+
+
+class TaylorAttention(KernelAttention):
+    """Second-order Taylor kernel 1 + s q·k + (s q·k)²/2 with s = 1/√D (M = 1 + D + D² features)."""
+
+    def _make_features(self, head_dim, layer_idx, *, order=2, **kwargs):
+        return TaylorFeatures(order, scale=head_dim**-0.5, **kwargs)
+
+
 ATTENTIONS: dict[str, type[Attention]] = {
     "softmax": SoftmaxAttention,
+    "vq_hard": VQHardAttention,
+    "vq_soft": VQSoftAttention,
+    "performer": PerformerAttention,
+    "linear": EluLinearAttention,
+    "taylor": TaylorAttention,
 }
 
 

@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .layers import ATTENTIONS, AttentionState, build_attention
-from .ops._checks import check_choice, check_positive_int
+from .ops._checks import check_choice, check_positive_int, compute_dtype
 
 POS_EMBS = ("rope", "learned", "none")
 
@@ -36,7 +36,7 @@ class GPTConfig:
     tie_embeddings: bool = True
     attention: str = "vq_soft"
     attention_kwargs: dict = field(default_factory=dict)  # extra constructor kwargs of the attention layer
-    pos_emb: str = "rope"  # "rope" (inside the attention), "learned" (absolute, added to embeddings), "none"
+    pos_emb: str = "learned"  # "learned" (absolute, added to embeddings), "rope" (inside the attention), "none"
     qk_norm: bool = False
     mlp_ratio: int = 4
 
@@ -77,7 +77,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, layer_idx: int):
         super().__init__()
         self.norm1 = nn.RMSNorm(config.n_embd)
         self.attn = build_attention(
@@ -88,6 +88,7 @@ class Block(nn.Module):
             dropout=config.dropout,
             qk_norm=config.qk_norm,
             rope=config.pos_emb == "rope",
+            layer_idx=layer_idx,
             **config.attention_kwargs,
         )
         self.norm2 = nn.RMSNorm(config.n_embd)
@@ -109,7 +110,7 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
         self.pos_emb = nn.Embedding(config.seq_len, config.n_embd) if config.pos_emb == "learned" else None
         self.dropout = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.norm = nn.RMSNorm(config.n_embd)
         self.head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -174,7 +175,7 @@ class GPT(nn.Module):
         logits = self.head(h)  # (B, T, V)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
+            loss = F.cross_entropy(logits.flatten(0, 1).to(compute_dtype(logits.dtype)), targets.flatten(), ignore_index=-1)
         return GPTOutput(logits, loss, self.aux_loss())
 
     def aux_loss(self) -> torch.Tensor:

@@ -33,6 +33,7 @@ as in Transformer-VQ: their contribution is a count.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -94,15 +95,20 @@ def _temperature_tensor(temperature, num_heads: int, like: torch.Tensor) -> torc
     return like.new_full((1, 1, 1), float(temperature))
 
 
-def vq_assign(
-    k: torch.Tensor, codebook: torch.Tensor, *, assign: str, temperature=1.0
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Assignment Δ of keys to codes.
+class Assignment(NamedTuple):
+    """Δ = weights · exp(log_scale). weights: (B, H, T, S) in [0, 1]; index: (B, H, T) hard codes or None;
+    log_scale: a per-head constant, (H, 1, 1), or 0."""
 
-    k: (B, H, T, D), codebook: (H, S, D) -> (weights (B, H, T, S), code index (B, H, T) for hard else None).
+    weights: torch.Tensor
+    index: torch.Tensor | None
+    log_scale: torch.Tensor | float
 
-    Kernel weights are returned divided by the per-head constant exp(max_s ‖c_s‖² / 2τ), which keeps them ≤ 1
-    and cancels in the attention normaliser.
+
+def vq_assign(k: torch.Tensor, codebook: torch.Tensor, *, assign: str, temperature=1.0) -> Assignment:
+    """Assignment Δ of keys k (B, H, T, D) to the codes of codebook (H, S, D).
+
+    Kernel weights exp(−‖k − c‖²/2τ + ‖c‖²/2τ) can overflow, so they are returned divided by the per-head
+    constant exp(max_s ‖c_s‖²/2τ) ≥ them, with its log as ``log_scale``.
     """
     c = codebook  # (H, S, D)
     kc = k @ c.transpose(-1, -2)  # (B, H, T, S)
@@ -110,14 +116,14 @@ def vq_assign(
     if assign == "hard":
         # ‖k‖² is the same for every code, so it does not change the argmin.
         index = (c_sq - 2 * kc).argmin(-1)  # (B, H, T)
-        return F.one_hot(index, c.shape[1]).to(k.dtype), index
+        return Assignment(F.one_hot(index, c.shape[1]).to(k.dtype), index, 0.0)
     tau = _temperature_tensor(temperature, c.shape[0], k)
     if assign == "soft":
         # −‖k − c‖²/2τ up to a per-key constant, which the softmax removes.
-        return torch.softmax((kc - c_sq / 2) / tau, dim=-1), None
+        return Assignment(torch.softmax((kc - c_sq / 2) / tau, dim=-1), None, 0.0)
     log_w = (kc - (k * k).sum(-1, keepdim=True) / 2) / tau  # −‖k − c‖²/2τ + ‖c‖²/2τ
     shift = (c_sq / (2 * tau)).amax(-1, keepdim=True).detach()  # (H, 1, 1) ≥ max_s log_w
-    return torch.exp(log_w - shift), None
+    return Assignment(torch.exp(log_w - shift), None, shift)
 
 
 def _log_counts(counts: torch.Tensor) -> torch.Tensor:
@@ -186,13 +192,17 @@ def _mixture_logits(code_logits: torch.Tensor, weights: torch.Tensor) -> torch.T
     return affinity.clamp_min(torch.finfo(affinity.dtype).tiny).log() + m
 
 
+def _per_head(log_scale: torch.Tensor | float) -> torch.Tensor | float:
+    """(H, 1, 1) -> (H, 1, 1, 1), broadcasting over (B, H, nb, L, ·)."""
+    return log_scale.unsqueeze(-1) if isinstance(log_scale, torch.Tensor) else log_scale
+
+
 def _causal(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     c: torch.Tensor,
-    weights: torch.Tensor,
-    index: torch.Tensor | None,
+    assignment: Assignment,
     *,
     L: int,
     scale: float,
@@ -203,6 +213,7 @@ def _causal(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Block algorithm on a block-aligned sequence. Returns out (B, H, T, Dv) and per-block counts/sums."""
     B, H, T, D = q.shape
+    weights, index, log_scale = assignment
     nb = -(-T // L)
     pad = nb * L - T
     # Zero padding sits after every real query, so the causal mask hides it; its block statistics are never
@@ -228,10 +239,10 @@ def _causal(
         k_hat = k_hat + (k - k.detach())
         window_logits = scale * (q_blocks @ _windows(k_hat, L).transpose(-1, -2))
     else:
-        window_logits = _mixture_logits(code_logits, _windows(weights, L))  # (B, H, nb, L, 2L)
+        window_logits = _mixture_logits(code_logits, _windows(weights, L)) + _per_head(log_scale)  # (B, H, nb, L, 2L)
     window_logits = window_logits.masked_fill(~_window_mask(nb, L, q.device), float("-inf"))
 
-    cache_logits = code_logits + _log_counts(cache_counts).unsqueeze(3)  # (B, H, nb, L, S)
+    cache_logits = code_logits + _log_counts(cache_counts).unsqueeze(3) + _per_head(log_scale)  # (B, H, nb, L, S)
     probs = torch.softmax(torch.cat([window_logits, cache_logits], dim=-1), dim=-1)
     out = probs[..., : 2 * L] @ _windows(v, L) + probs[..., 2 * L :] @ _code_means(cache_counts, cache_sums)
     return out.reshape(B, H, nb * L, -1)[:, :, :T], counts, sums
@@ -316,9 +327,9 @@ def vq_attention(
     scale = D**-0.5 if scale is None else scale
 
     if not causal:
-        weights, _ = vq_assign(k, c, assign=assign, temperature=temperature)  # (B, H, Tk, S)
+        weights, _, log_scale = vq_assign(k, c, assign=assign, temperature=temperature)  # (B, H, Tk, S)
         counts, sums = weights.sum(2), weights.transpose(-1, -2) @ v  # (B, H, S), (B, H, S, Dv)
-        logits = scale * (q @ c.transpose(-1, -2)) + _log_counts(counts).unsqueeze(2)  # (B, H, Tq, S)
+        logits = scale * (q @ c.transpose(-1, -2)) + _log_counts(counts).unsqueeze(2) + log_scale  # (B, H, Tq, S)
         return (torch.softmax(logits, dim=-1) @ _code_means(counts, sums)).to(in_dtype)
 
     L = block_len or (state.block_len if state is not None else DEFAULT_BLOCK_LEN)
@@ -336,8 +347,8 @@ def vq_attention(
         counts0, sums0 = counts0.detach(), sums0.detach()
     # Short sequences fit in one block; a shorter block gives the same result with less padding.
     L_run = L if state is not None or return_state else min(L, k.shape[2])
-    weights, index = vq_assign(k, c, assign=assign, temperature=temperature)
-    out, counts, sums = _causal(q, k, v, c, weights, index, L=L_run, scale=scale, exact_window=exact_window,
+    assignment = vq_assign(k, c, assign=assign, temperature=temperature)
+    out, counts, sums = _causal(q, k, v, c, assignment, L=L_run, scale=scale, exact_window=exact_window,
                                 detach_cache=detach_cache, initial_counts=counts0, initial_sums=sums0)
     out = out[:, :, out.shape[2] - T :].to(in_dtype)
     if not return_state:

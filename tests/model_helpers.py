@@ -1,0 +1,40 @@
+"""Small configurations shared by the layer, model and generation tests."""
+
+from __future__ import annotations
+
+from vqattn.layers import ATTENTIONS
+from vqattn.model import GPT, GPTConfig
+
+NAMES = sorted(ATTENTIONS)
+VQ_NAMES = ("vq_hard", "vq_soft")
+
+# Blocks and chunks of 4 so that test lengths exercise the compressed cache and partial blocks.
+SMALL_KWARGS = {
+    "softmax": {},
+    "vq_hard": {"num_codes": 8, "block_len": 4},
+    "vq_soft": {"num_codes": 8, "block_len": 4},
+    "performer": {"chunk_len": 4, "features": {"num_features": 16}},
+    "linear": {"chunk_len": 4},
+    "taylor": {"chunk_len": 4},
+}
+
+
+def layer_kwargs(name: str, rope: bool = False) -> dict:
+    """Constructor kwargs of a small layer; vq layers need the raw-key window for RoPE."""
+    kwargs = dict(SMALL_KWARGS[name])
+    if rope and name in VQ_NAMES:
+        kwargs["exact_window"] = True
+    return kwargs
+
+
+# Every (attention, position scheme) pair the model supports.
+COMBINATIONS = [(name, pos) for name in NAMES for pos in ("none", "learned", "rope")]
+
+
+def tiny_model(name: str, pos_emb: str = "rope", **overrides) -> GPT:
+    """A float64 model in eval mode (no dropout, no codebook updates) for exact comparisons."""
+    config = GPTConfig(
+        vocab_size=17, seq_len=32, n_layer=2, n_head=2, n_embd=16, attention=name,
+        attention_kwargs=layer_kwargs(name, rope=pos_emb == "rope"), pos_emb=pos_emb, **overrides,
+    )
+    return GPT(config).double().eval()

@@ -1,0 +1,72 @@
+"""Naive float64 references, written independently of the fast paths: full T×T matrices, no blocks, no caches."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def ref_softmax_attention(q, k, v, *, causal, scale=None):
+    """softmax(scale q kᵀ) v with an explicit (T, T) matrix."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    logits = scale * torch.einsum("bhid,bhjd->bhij", q, k)
+    if causal:
+        T = q.shape[2]
+        future = torch.ones(T, T, dtype=torch.bool).triu(1)
+        logits = logits.masked_fill(future, -math.inf)
+    return torch.einsum("bhij,bhjd->bhid", torch.softmax(logits, -1), v)
+
+
+def ref_assignment_log_weights(k, codebook, assign, temperature):
+    """log Δ (B, H, T, S) from explicit distances ‖k − c‖² (torch.cdist)."""
+    c = codebook if codebook.dim() == 3 else codebook.expand(k.shape[1], -1, -1)
+    dist2 = torch.cdist(k, c.unsqueeze(0).expand(k.shape[0], -1, -1, -1)) ** 2  # (B, H, T, S)
+    tau = torch.as_tensor(temperature, dtype=k.dtype).reshape(-1, 1, 1)
+    if assign == "hard":
+        one_hot = torch.nn.functional.one_hot(dist2.argmin(-1), c.shape[1]).to(k.dtype)
+        return torch.log(one_hot)  # −inf off the chosen code
+    if assign == "soft":
+        return torch.log_softmax(-dist2 / (2 * tau), dim=-1)
+    return -dist2 / (2 * tau) + (c * c).sum(-1).unsqueeze(1) / (2 * tau)  # kernel
+
+
+def ref_vq_attention(q, k, v, codebook, *, causal, assign="hard", temperature=1.0, block_len=None, scale=None,
+                     exact_window=False, detach_cache=False):
+    """Codebook attention as one (T, T) softmax.
+
+    Pair (i, j) has logit log Σ_s exp(scale q_i·c_s) Δ_js. Causal: j ≤ i, and j is "in the window" of i when
+    block(j) ≥ block(i) − 1. Hard keys in the window use the straight-through key c_z + (k − sg k); everywhere
+    else hard keys carry no gradient. ``exact_window`` uses scale q_i·k_j in the window. ``detach_cache`` stops
+    gradients through Δ and v outside the window.
+    """
+    B, H, T, D = q.shape
+    scale = D**-0.5 if scale is None else scale
+    c = codebook if codebook.dim() == 3 else codebook.expand(H, -1, -1)
+    code_logits = scale * torch.einsum("bhid,hsd->bhis", q, c)  # (B, H, Tq, S)
+    log_w = ref_assignment_log_weights(k, c, assign, temperature)  # (B, H, Tk, S)
+    mixture = torch.logsumexp(code_logits.unsqueeze(3) + log_w.unsqueeze(2), dim=-1)  # (B, H, Tq, Tk)
+    if not causal:
+        return torch.einsum("bhij,bhjd->bhid", torch.softmax(mixture, -1), v)
+
+    L = block_len or 64
+    pos = torch.arange(T)
+    in_window = (pos[None, :] // L) >= (pos[:, None] // L) - 1  # (Tq, Tk)
+    future = pos[None, :] > pos[:, None]
+    far = mixture
+    if detach_cache:
+        far = torch.logsumexp(code_logits.unsqueeze(3) + log_w.detach().unsqueeze(2), dim=-1)
+    if exact_window:
+        near = scale * torch.einsum("bhid,bhjd->bhij", q, k)
+    elif assign == "hard":
+        z = log_w.argmax(-1)  # (B, H, T)
+        c_z = c[torch.arange(H)[None, :, None], z]  # (B, H, T, D)
+        near = scale * torch.einsum("bhid,bhjd->bhij", q, c_z + (k - k.detach()))
+    else:
+        near = mixture
+    logits = torch.where(in_window, near, far).masked_fill(future, -math.inf)
+    probs = torch.softmax(logits, -1)
+    v_far = v.detach() if detach_cache else v
+    return torch.einsum("bhij,bhjd->bhid", probs * in_window, v) + torch.einsum(
+        "bhij,bhjd->bhid", probs * ~in_window, v_far
+    )

@@ -1,0 +1,184 @@
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from vqattn.codebook import Codebook
+from vqattn.functional import vq_attention
+
+CENTRES = torch.tensor([[3.0, 0.0], [-3.0, 0.0], [0.0, 3.0], [0.0, -3.0], [2.5, 2.5]])
+
+
+def mixture_keys(n, generator, noise=0.1):
+    z = torch.randint(len(CENTRES), (n,), generator=generator)
+    return (CENTRES[z] + noise * torch.randn(n, 2, generator=generator)).view(1, 1, n, 2)
+
+
+def test_ema_kmeans_recovers_gaussian_mixture_centres():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    # Twice as many codes as centres, so that a k-means local minimum cannot leave a centre uncovered.
+    codebook = Codebook(1, 2 * len(CENTRES), 2, decay=0.9, dead_code_threshold=5.0)
+    for _ in range(150):
+        codebook(mixture_keys(1024, g))
+    codes, usage = codebook.codes[0], codebook.ema_counts[0]
+    distances = torch.cdist(CENTRES, codes)  # (centres, codes)
+    assert distances.min(dim=0).values.max() < 0.3, codes  # every code sits inside a cluster
+    owner = distances.argmin(dim=0)  # codes split a cluster: their usage-weighted mean is its centre
+    for i, centre in enumerate(CENTRES):
+        mine = owner == i
+        assert mine.any(), f"no code for centre {centre}"
+        mean = (codes[mine] * usage[mine, None]).sum(0) / usage[mine].sum()
+        assert (mean - centre).norm() < 0.02, (centre, codes[mine])
+    stats = codebook.usage_stats()
+    assert stats["perplexity"] > len(CENTRES)
+    assert stats["dead_codes"] == 0
+    assert stats["quant_error"] < 2 * 0.1**2  # below E‖noise‖² in 2-D: codes split clusters
+
+
+def test_dead_codes_are_restarted_on_recent_keys():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    codebook = Codebook(1, 8, 2, decay=0.5, data_init=False, dead_code_threshold=1.0)
+    with torch.no_grad():
+        codebook.codes.copy_(torch.full((1, 8, 2), 100.0))  # far from every key: all dead
+        codebook.codes[0, 0] = 0.0
+        codebook.ema_sums.copy_(codebook.codes)
+    codebook(mixture_keys(512, g))  # every code but 0 unused: usage decays below the threshold
+    codebook(mixture_keys(512, g))  # ... and this step restarts them from the batch
+    keys = mixture_keys(512, g)
+    codebook(keys)
+    distance_to_data = torch.cdist(codebook.codes[0, 1:], keys[0, 0]).min(dim=1).values
+    assert distance_to_data.max() < 3.0  # were ~140 away before the restart
+    assert codebook.usage_stats()["dead_codes"] == 0
+    assert codebook.usage_stats()["perplexity"] > 4
+
+
+def test_eval_mode_does_not_update():
+    codebook = Codebook(2, 4, 3).eval()
+    before = codebook.codes.clone()
+    codebook(torch.randn(1, 2, 10, 3))
+    assert torch.equal(before, codebook.codes) and not bool(codebook.initialized)
+
+
+def test_commitment_loss_and_gradient_learning():
+    torch.manual_seed(0)
+    k = torch.randn(2, 2, 16, 4, requires_grad=True)
+    ema = Codebook(2, 8, 4, commitment=0.5)
+    codes, aux = ema(k)
+    nearest = torch.gather(codes.expand(2, -1, -1, -1), 2,
+                           torch.cdist(k.detach(), codes.expand(2, -1, -1, -1)).argmin(-1)[..., None].expand(-1, -1, -1, 4))
+    torch.testing.assert_close(aux, 0.5 * (k.detach() - nearest).pow(2).mean())
+    aux.backward()
+    assert k.grad is not None and k.grad.abs().sum() > 0
+    assert not codes.requires_grad  # EMA codes learn without gradients
+
+    learned = Codebook(2, 8, 4, learning="grad")
+    codes, aux = learned(k)
+    aux.backward()
+    assert learned.codes.grad is not None and learned.codes.grad.abs().sum() > 0
+
+
+def test_soft_codebook_learns_codes_and_temperature_through_attention():
+    torch.manual_seed(0)
+    codebook = Codebook(2, 8, 4, assign="soft", learn_temperature=True, temperature=0.5)
+    q, k, v = (torch.randn(1, 2, 20, 4) for _ in range(3))
+    codes, aux = codebook(k)
+    out = vq_attention(q, k, v, codes, causal=True, assign=codebook.assign, temperature=codebook.temperature,
+                       block_len=8)
+    (out.square().sum() + aux).backward()
+    assert codebook.codes.grad.abs().sum() > 0
+    assert codebook.log_temperature.grad.abs().sum() > 0
+    torch.testing.assert_close(codebook.temperature, torch.full((2,), 0.5))
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="num_codes"):
+        Codebook(2, 0, 4)
+    with pytest.raises(ValueError, match="assign"):
+        Codebook(2, 4, 4, assign="kernel")
+    with pytest.raises(ValueError, match="decay"):
+        Codebook(2, 4, 4, decay=1.0)
+    with pytest.raises(ValueError, match="temperature"):
+        Codebook(2, 4, 4, temperature=0.0)
+    with pytest.raises(ValueError, match="H=2 and D=4"):
+        Codebook(2, 4, 4)(torch.randn(1, 3, 5, 4))
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddp_worker(rank, world, port, result_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(100 + rank)  # different data, and different restart draws, on each rank
+    g = torch.Generator().manual_seed(rank)
+    codebook = Codebook(1, 6, 2, decay=0.8, data_init=True, dead_code_threshold=2.0)
+    for _ in range(20):
+        codebook(mixture_keys(256, g, noise=0.3 * (rank + 1)))
+    torch.save({"codes": codebook.codes, "counts": codebook.ema_counts}, f"{result_path}.{rank}")
+    dist.destroy_process_group()
+
+
+def _single_process_ema(batches, init_codes, decay):
+    codebook = Codebook(1, len(init_codes), 2, decay=decay, data_init=False, dead_code_threshold=0.0)
+    with torch.no_grad():
+        codebook.codes.copy_(init_codes[None])
+        codebook.ema_sums.copy_(init_codes[None])
+    for keys in batches:
+        codebook(keys)
+    return codebook
+
+
+def test_ddp_ranks_with_different_data_hold_identical_codebooks(tmp_path):
+    """Two gloo processes see different keys; all-reduced EMA statistics keep their codebooks identical."""
+    world, result = 2, str(tmp_path / "codes")
+    mp.start_processes(_ddp_worker, args=(world, _free_port(), result), nprocs=world, join=True,
+                       start_method="spawn")
+    r0, r1 = torch.load(f"{result}.0"), torch.load(f"{result}.1")
+    assert torch.equal(r0["codes"], r1["codes"]) and torch.equal(r0["counts"], r1["counts"])
+    # The shared codebook fits both ranks' data: a code near every mixture centre.
+    assert torch.cdist(CENTRES, r0["codes"][0]).min(dim=1).values.max() < 0.5
+
+
+def test_all_reduced_ema_equals_ema_on_the_union_of_batches(monkeypatch):
+    """What the ranks compute jointly is the EMA k-means step on all their keys (simulated all_reduce)."""
+    g = torch.Generator().manual_seed(0)
+    init = CENTRES + 0.5
+    rank_batches = [[mixture_keys(64, g) for _ in range(5)] for _ in range(2)]
+    union = _single_process_ema([torch.cat(b, 2) for b in zip(*rank_batches)], init, decay=0.7)
+
+    # Two replicas stepped in lockstep, with all_reduce summing their statistics.
+    replicas = [_single_process_ema([], init, decay=0.7) for _ in range(2)]
+    import vqattn.codebook as cb_module
+
+    monkeypatch.setattr(cb_module.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(cb_module.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(cb_module, "_broadcast_from_rank0", lambda t: t)
+    for step in range(5):
+        # Statistics of both replicas are summed before either applies its EMA update.
+        stats = []
+        for replica, batches in zip(replicas, rank_batches):
+            keys = batches[step]
+            weights, index, _ = cb_module.vq_assign(keys, replica.codes, assign="hard")
+            counts = weights.sum((0, 2))
+            sums = weights[0].transpose(1, 2) @ keys[0]
+            stats.append((counts, sums))
+        total_counts = stats[0][0] + stats[1][0]
+        total_sums = stats[0][1] + stats[1][1]
+
+        def reduced(*tensors):
+            tensors[0].copy_(total_counts)
+            tensors[1].copy_(total_sums)
+
+        monkeypatch.setattr(cb_module, "_all_reduce_sum", reduced)
+        for replica, batches in zip(replicas, rank_batches):
+            replica(batches[step])
+    for replica in replicas:
+        torch.testing.assert_close(replica.codes, union.codes)

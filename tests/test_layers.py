@@ -1,0 +1,175 @@
+"""Attention layers: registry, shapes, causality, RoPE, q/k normalisation, aux loss, chunked state, errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from model_helpers import NAMES, VQ_NAMES, layer_kwargs
+from vqattn.layers import ATTENTIONS, Attention, build_attention, rope_rotate
+
+DIM, HEADS = 16, 2
+
+
+def make(name: str, rope: bool = False, **kwargs) -> Attention:
+    torch.manual_seed(0)
+    layer = build_attention(name, dim=DIM, num_heads=HEADS, rope=rope, **{**layer_kwargs(name, rope), **kwargs})
+    return layer.double().eval()
+
+
+def heads(layer: Attention, x: torch.Tensor):
+    """Projected q, k, v of the layer as (B, H, T, Dh), computed here without the layer's forward."""
+    b, t, _ = x.shape
+    q, k, v = layer.qkv(x).chunk(3, dim=-1)
+    return [z.view(b, t, HEADS, DIM // HEADS).transpose(1, 2) for z in (q, k, v)]
+
+
+def test_registry_names():
+    assert set(ATTENTIONS) == {"softmax", "vq_hard", "vq_soft", "performer", "linear", "taylor"}
+
+
+def test_unknown_name_lists_valid_names():
+    with pytest.raises(ValueError, match="valid names are: linear, performer, softmax, taylor, vq_hard, vq_soft"):
+        build_attention("flash", dim=DIM, num_heads=HEADS)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("rope", [False, True])
+@pytest.mark.parametrize("t", [1, 9])
+def test_causal(name, rope, t):
+    """Changing future inputs leaves earlier outputs unchanged."""
+    layer = make(name, rope)
+    x = torch.randn(2, t, DIM, dtype=torch.float64)
+    out = layer(x)
+    assert out.shape == x.shape
+    for cut in range(t):
+        y = x.clone()
+        y[:, cut:] = torch.randn_like(y[:, cut:])
+        torch.testing.assert_close(layer(y)[:, :cut], out[:, :cut], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("rope", [False, True])
+def test_chunked_state_matches_full(name, rope):
+    layer = make(name, rope)
+    x = torch.randn(2, 11, DIM, dtype=torch.float64)
+    full = layer(x)
+    first, state = layer(x[:, :6], return_state=True)
+    second, state = layer(x[:, 6:], state, return_state=True)
+    assert state.pos == 11
+    torch.testing.assert_close(torch.cat((first, second), dim=1), full, rtol=0, atol=1e-12)
+
+
+def test_rope_matches_complex_rotation():
+    """Reference: pair (x_m, x_{m+D/2}) as the complex number x_m + i x_{m+D/2}, times e^{i pos θ_m}."""
+    x = torch.randn(1, 2, 5, 8, dtype=torch.float64)
+    theta = 100.0 ** (-torch.arange(4, dtype=torch.float64) / 4)
+    pos = torch.arange(3, 8, dtype=torch.float64)[:, None]
+    z = torch.complex(x[..., :4], x[..., 4:]) * torch.polar(torch.ones(5, 4, dtype=torch.float64), pos * theta)
+    torch.testing.assert_close(rope_rotate(x, 3, 100.0), torch.cat((z.real, z.imag), dim=-1), rtol=0, atol=1e-12)
+
+
+def test_rope_scores_depend_on_relative_position():
+    q, k = torch.randn(2, 1, 1, 1, 8, dtype=torch.float64).unbind(0)
+    score = lambda i, j: (rope_rotate(q, i, 1e4) * rope_rotate(k, j, 1e4)).sum()  # noqa: E731
+    torch.testing.assert_close(score(7, 3), score(104, 100), rtol=0, atol=1e-12)
+    assert not torch.allclose(score(7, 3), score(3, 7))
+
+
+@pytest.mark.parametrize("name", VQ_NAMES)
+def test_vq_rope_inside_one_block_is_softmax_rope(name):
+    """With a single block every key is in the raw-key window: RoPE vq equals RoPE softmax exactly."""
+    x = torch.randn(2, 7, DIM, dtype=torch.float64)
+    vq = make(name, rope=True, block_len=8)
+    softmax = make("softmax", rope=True)
+    softmax.load_state_dict(vq.state_dict(), strict=False)
+    torch.testing.assert_close(vq(x), softmax(x), rtol=0, atol=1e-12)
+
+
+def test_vq_hard_rope_far_cache_uses_position_free_codes():
+    """Naive reference: window keys (previous + current block) scored with RoPE, older keys by their code."""
+    layer = make("vq_hard", rope=True)  # block_len 4
+    t, L = 11, 4
+    x = torch.randn(1, t, DIM, dtype=torch.float64)
+    q, k, v = heads(layer, x)
+    codebook = layer.codebook(k)[0]  # (H, S, Dh)
+    z = torch.cdist(k, codebook.unsqueeze(0).expand(1, -1, -1, -1)).argmin(-1)  # (B, H, T)
+    code_keys = torch.stack([codebook[h][z[0, h]] for h in range(HEADS)])[None]  # (B, H, T, Dh)
+    qr, kr = rope_rotate(q, 0, 1e4), rope_rotate(k, 0, 1e4)
+    scale = (DIM // HEADS) ** -0.5
+    out = torch.empty_like(v)
+    for i in range(t):
+        first_window = max(0, (i // L - 1) * L)
+        window = scale * (qr[:, :, i : i + 1] * kr[:, :, first_window : i + 1]).sum(-1)
+        cache = scale * (q[:, :, i : i + 1] * code_keys[:, :, :first_window]).sum(-1)
+        w = torch.softmax(torch.cat((cache, window), dim=-1), dim=-1)
+        out[:, :, i] = (w.unsqueeze(-1) * v[:, :, : i + 1]).sum(2)
+    expected = layer.proj(out.transpose(1, 2).reshape(1, t, DIM))
+    torch.testing.assert_close(layer(x), expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_qk_norm_makes_layer_invariant_to_qk_scale(name):
+    layer = make(name, qk_norm=True)
+    x = torch.randn(1, 6, DIM, dtype=torch.float64)
+    out = layer(x)
+    with torch.no_grad():
+        layer.qkv.weight[: 2 * DIM] *= 7.0  # rows producing q and k
+    torch.testing.assert_close(layer(x), out, rtol=0, atol=1e-6)
+    layer_plain = make(name)
+    with torch.no_grad():
+        layer_plain.qkv.weight[: 2 * DIM] *= 7.0
+    assert not torch.allclose(layer_plain(x), make(name)(x), atol=1e-6)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_aux_loss_and_usage_stats(name):
+    layer = make(name).train()
+    x = torch.randn(2, 9, DIM, dtype=torch.float64)
+    layer(x)
+    assert layer.aux_loss.shape == () and torch.isfinite(layer.aux_loss)
+    stats = layer.usage_stats()
+    if name in VQ_NAMES:
+        assert {"perplexity", "dead_codes", "quant_error"} <= set(stats)
+        assert all(math.isfinite(value) for value in stats.values())
+    else:
+        assert layer.aux_loss == 0 and stats == {}
+    if name == "vq_hard":
+        assert layer.aux_loss > 0 and layer.aux_loss.requires_grad
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_backward_reaches_every_projection(name):
+    layer = make(name).train()
+    x = torch.randn(2, 9, DIM, dtype=torch.float64, requires_grad=True)
+    (layer(x).square().sum() + layer.aux_loss).backward()
+    for param in (layer.qkv.weight, layer.proj.weight, x):
+        assert param.grad is not None and torch.isfinite(param.grad).all() and param.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize(
+    "name,kwargs,match",
+    [
+        ("softmax", {"dim": 15}, "divisible"),
+        ("softmax", {"num_heads": 0}, "num_heads"),
+        ("softmax", {"dim": 6, "num_heads": 2, "rope": True}, "even head dim"),
+        ("softmax", {"dropout": 1.5}, "dropout"),
+        ("vq_hard", {"rope": True}, "exact_window=True"),
+        ("vq_soft", {"block_len": 0}, "block_len"),
+        ("vq_soft", {"num_codes": 0}, "num_codes"),
+        ("linear", {"chunk_len": -2}, "chunk_len"),
+    ],
+)
+def test_bad_construction(name, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        build_attention(name, **{"dim": DIM, "num_heads": HEADS, **kwargs})
+
+
+def test_bad_inputs():
+    layer = make("softmax")
+    with pytest.raises(ValueError, match="x must have shape"):
+        layer(torch.randn(2, 3, DIM + 1, dtype=torch.float64))
+    with pytest.raises(ValueError, match="state must be an AttentionState"):
+        layer(torch.randn(2, 3, DIM, dtype=torch.float64), state=(0, None))

@@ -1,0 +1,132 @@
+import pytest
+import torch
+
+from references_kernel import naive_linear_attention
+from vqattn.functional import LinearState, linear_attention
+
+F64 = torch.float64
+
+
+def _inputs(B=2, H=2, T=13, M=6, Dv=5, Tq=None, seed=0, dtype=F64):
+    g = torch.Generator().manual_seed(seed)
+    # positive features, as produced by exp / elu+1 maps
+    phi_q = torch.rand(B, H, Tq or T, M, generator=g, dtype=F64) + 0.05
+    phi_k = torch.rand(B, H, T, M, generator=g, dtype=F64) + 0.05
+    v = torch.randn(B, H, T, Dv, generator=g, dtype=F64)
+    return [x.to(dtype).requires_grad_() for x in (phi_q, phi_k, v)]
+
+
+def _grads(out, inputs, seed=1):
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)
+    return torch.autograd.grad((out * w).sum(), inputs)
+
+
+@pytest.mark.parametrize("T,chunk_len", [(1, 4), (13, 4), (13, 1), (16, 8), (37, 16), (20, None), (9, 64)])
+@pytest.mark.parametrize("normalizer", ["kernel", "count", "none"])
+def test_causal_chunked_matches_naive(T, chunk_len, normalizer):
+    inputs = _inputs(T=T, seed=T)
+    out = linear_attention(*inputs, causal=True, chunk_len=chunk_len, normalizer=normalizer)
+    ref = naive_linear_attention(*inputs, causal=True, normalizer=normalizer)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    for g, gr in zip(_grads(out, inputs), _grads(ref, inputs)):
+        torch.testing.assert_close(g, gr, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("Tq,Tk", [(7, 7), (3, 11), (11, 1)])
+@pytest.mark.parametrize("normalizer", ["kernel", "count"])
+def test_noncausal_matches_naive(Tq, Tk, normalizer):
+    inputs = _inputs(T=Tk, Tq=Tq)
+    out = linear_attention(*inputs, causal=False, normalizer=normalizer)
+    ref = naive_linear_attention(*inputs, causal=False, normalizer=normalizer)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    for g, gr in zip(_grads(out, inputs), _grads(ref, inputs)):
+        torch.testing.assert_close(g, gr, rtol=1e-10, atol=1e-12)
+
+
+def test_signed_features_count_normalizer():
+    # identity-style signed features: "count" is the mean of the raw weights, defined for any sign
+    phi_q, phi_k, v = (x.detach() for x in _inputs(T=10))
+    phi_q, phi_k = phi_q - 0.5, phi_k - 0.5
+    out = linear_attention(phi_q, phi_k, v, causal=True, chunk_len=3, normalizer="count")
+    torch.testing.assert_close(out, naive_linear_attention(phi_q, phi_k, v, causal=True, normalizer="count"))
+
+
+@pytest.mark.parametrize("chunk_len", [3, 8])
+def test_causality(chunk_len):
+    phi_q, phi_k, v = (x.detach() for x in _inputs(T=17))
+    out = linear_attention(phi_q, phi_k, v, causal=True, chunk_len=chunk_len)
+    t0 = 9
+    phi_k2, v2 = phi_k.clone(), v.clone()
+    phi_k2[:, :, t0:] = torch.rand_like(phi_k2[:, :, t0:]) * 5
+    v2[:, :, t0:] = torch.randn_like(v2[:, :, t0:]) * 5
+    out2 = linear_attention(phi_q, phi_k2, v2, causal=True, chunk_len=chunk_len)
+    torch.testing.assert_close(out2[:, :, :t0], out[:, :, :t0], rtol=1e-13, atol=1e-13)
+    assert not torch.allclose(out2[:, :, t0:], out[:, :, t0:])
+    # gradients too: early outputs do not depend on later keys / values
+    phi_k.requires_grad_(), v.requires_grad_()
+    early = linear_attention(phi_q, phi_k, v, causal=True, chunk_len=chunk_len)[:, :, :t0].sum()
+    gk, gv = torch.autograd.grad(early, (phi_k, v))
+    assert gk[:, :, t0:].abs().max() == 0 and gv[:, :, t0:].abs().max() == 0
+
+
+@pytest.mark.parametrize("splits", [[5, 1, 1, 10], [1] * 6 + [11], [17]])
+@pytest.mark.parametrize("normalizer", ["kernel", "count"])
+def test_state_pieces_equal_full(splits, normalizer):
+    phi_q, phi_k, v = (x.detach() for x in _inputs(T=17))
+    full = linear_attention(phi_q, phi_k, v, causal=True, chunk_len=4, normalizer=normalizer)
+    state, outs, start = None, [], 0
+    for n in splits:
+        sl = slice(start, start + n)
+        out, state = linear_attention(
+            phi_q[:, :, sl], phi_k[:, :, sl], v[:, :, sl], causal=True, chunk_len=4, normalizer=normalizer,
+            state=state, return_state=True,
+        )
+        outs.append(out)
+        start += n
+    torch.testing.assert_close(torch.cat(outs, dim=2), full, rtol=1e-12, atol=1e-12)
+    assert isinstance(state, LinearState) and state.length == 17
+    torch.testing.assert_close(state.kv, torch.einsum("bhtm,bhtd->bhmd", phi_k, v))
+    torch.testing.assert_close(state.k_sum, phi_k.sum(2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_computed_in_float32(dtype):
+    phi_q, phi_k, v = (x.detach() for x in _inputs(T=20))
+    out = linear_attention(phi_q.to(dtype), phi_k.to(dtype), v.to(dtype), causal=True, chunk_len=6)
+    assert out.dtype == dtype
+    ref = naive_linear_attention(phi_q.to(dtype).double(), phi_k.to(dtype).double(), v.to(dtype).double(), causal=True)
+    tol = 2e-3 if dtype == torch.float16 else 1.6e-2  # one rounding of the output
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    # float32 features (what feature maps return for half inputs) with half values
+    out32 = linear_attention(phi_q.float(), phi_k.float(), v.to(dtype), causal=True)
+    assert out32.dtype == dtype
+
+
+def test_all_zero_row_gives_zero_not_nan():
+    phi_q, phi_k, v = (x.detach() for x in _inputs(T=6))
+    phi_q[:, :, 2] = 0.0  # relu features can vanish
+    out = linear_attention(phi_q, phi_k, v, causal=True)
+    assert torch.isfinite(out).all() and out[:, :, 2].abs().max() == 0
+
+
+def test_bad_input():
+    phi_q, phi_k, v = (x.detach() for x in _inputs(T=6))
+    with pytest.raises(ValueError, match="phi_q"):
+        linear_attention(phi_q[0], phi_k, v, causal=True)
+    with pytest.raises(ValueError, match="feature dim"):
+        linear_attention(phi_q[..., :3], phi_k, v, causal=True)
+    with pytest.raises(ValueError, match="same length"):
+        linear_attention(phi_q[:, :, :3], phi_k, v, causal=True)
+    with pytest.raises(ValueError, match="normalizer"):
+        linear_attention(phi_q, phi_k, v, causal=True, normalizer="softmax")
+    with pytest.raises(ValueError, match="chunk_len"):
+        linear_attention(phi_q, phi_k, v, causal=True, chunk_len=0)
+    with pytest.raises(ValueError, match="eps"):
+        linear_attention(phi_q, phi_k, v, causal=True, eps=0.0)
+    with pytest.raises(ValueError, match="causal=True"):
+        linear_attention(phi_q, phi_k, v, causal=False, return_state=True)
+    with pytest.raises(ValueError, match="phi_k has dtype"):
+        linear_attention(phi_q, phi_k.float(), v, causal=True)
+    bad = LinearState(kv=torch.zeros(2, 2, 3, 5, dtype=F64), k_sum=torch.zeros(2, 2, 3, dtype=F64), length=4)
+    with pytest.raises(ValueError, match="state does not match"):
+        linear_attention(phi_q, phi_k, v, causal=True, state=bad)

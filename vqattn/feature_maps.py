@@ -1,0 +1,290 @@
+"""Feature maps φ for linear attention: κ(q, k) = φ(q)·φ(k), mapping (..., D) -> (..., M).
+
+Three finite views of the softmax kernel exp(scale·q·k) plus the classic linear-attention maps:
+
+* ``PerformerFeatures``: FAVOR+ positive random features, an unbiased estimate of exp(scale·q·k);
+* ``TaylorFeatures``: the truncated series Σ_{m≤p} (s·q·k)^m / m!  (exact polynomial, no randomness);
+* ``ExpDefinitionFeatures``: (1 + s·q·k/n)^n, the limit definition of exp;
+* ``EluFeatures`` (elu+1), ``ReluFeatures``, ``IdentityFeatures`` (the "minimal linear" attention).
+
+All maps are ``nn.Module``s: ``phi(x, is_query=False)`` (same as ``phi.feature_map(x, is_query)``).
+Half-precision inputs give float32 features (exp features under/overflow float16); ``linear_attention``
+accepts float32 features with half-precision values. ``nonnegative`` says whether every kernel value
+φ(q)·φ(k) is ≥ 0, i.e. whether the default "kernel" normaliser of ``linear_attention`` is valid.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .ops._checks import check_positive_int, compute_dtype
+
+
+class FeatureMap(nn.Module):
+    """Base class: checks the input, computes in float32 for half precision, calls ``_phi``."""
+
+    nonnegative: bool = True
+
+    def forward(self, x: torch.Tensor, is_query: bool = False) -> torch.Tensor:
+        return self.feature_map(x, is_query)
+
+    def feature_map(self, x: torch.Tensor, is_query: bool = False) -> torch.Tensor:
+        """x: (..., D) -> (..., M). ``is_query`` only matters for maps with a query-side stabiliser."""
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() == 0:
+            raise ValueError(f"x must be a floating-point tensor of shape (..., D), got {x!r:.80}")
+        return self._phi(x.to(compute_dtype(x.dtype)), is_query)
+
+    def _phi(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+        raise NotImplementedError
+
+    def num_features(self, head_dim: int) -> int:
+        """M for inputs with D = head_dim."""
+        raise NotImplementedError
+
+
+class EluFeatures(FeatureMap):
+    """φ(x) = elu(x) + 1 > 0 (Katharopoulos et al. 2020). M = D."""
+
+    def _phi(self, x, is_query):
+        return nn.functional.elu(x) + 1.0
+
+    def num_features(self, head_dim):
+        return head_dim
+
+
+class ReluFeatures(FeatureMap):
+    """φ(x) = relu(x) ≥ 0. A row of weights can be all zero; the normaliser then gives 0 (see linear_attention)."""
+
+    def _phi(self, x, is_query):
+        return torch.relu(x)
+
+    def num_features(self, head_dim):
+        return head_dim
+
+
+class IdentityFeatures(FeatureMap):
+    """φ(x) = x: κ(q, k) = q·k, the "minimal linear" attention of the sparsity analysis.
+
+    The scores are signed, so the row sum Σ_s q·k_s can be zero or negative and the "kernel" normaliser is
+    meaningless (dividing by a clamped negative sum flips the sign, a sum near 0 blows up). Safe behaviour:
+    use ``linear_attention(..., normalizer="count")`` (mean of the raw scores times v, bounded by
+    max|q·k|·max|v|) or ``"none"``; ``nonnegative = False`` says so to generic code.
+    """
+
+    nonnegative = False
+
+    def _phi(self, x, is_query):
+        return x
+
+    def num_features(self, head_dim):
+        return head_dim
+
+
+def _check_expansion(name: str, size: int, max_features: int, hint: str) -> None:
+    if size > max_features:
+        raise ValueError(f"{name} has {size} features, more than max_features={max_features}; {hint}")
+
+
+class TaylorFeatures(FeatureMap):
+    """Truncated Taylor series of exp: φ(x) = [⊗^m (√s·x) / √(m!)]_{m=0..order}, s = ``scale``.
+
+    φ(q)·φ(k) = Σ_{m≤order} (s·q·k)^m / m!  exactly; order 2 is [1, x, x⊗x/√2] -> 1 + q·k + (q·k)²/2.
+    M = Σ_{m≤order} D^m (full tensor powers; symmetric duplicates are kept for simplicity).
+    Even orders give a positive kernel (the truncated series of exp has no real root); odd orders do not.
+    """
+
+    def __init__(self, order: int = 2, *, scale: float = 1.0, max_features: int = 1 << 16):
+        super().__init__()
+        check_positive_int("order", order)
+        check_positive_int("max_features", max_features)
+        if not scale > 0:
+            raise ValueError(f"scale must be > 0, got {scale!r}")
+        self.order, self.scale, self.max_features = order, float(scale), max_features
+        self.nonnegative = order % 2 == 0
+
+    def num_features(self, head_dim):
+        return sum(head_dim**m for m in range(self.order + 1))
+
+    def _phi(self, x, is_query):
+        D = x.shape[-1]
+        _check_expansion(
+            f"TaylorFeatures(order={self.order}) on D={D}", self.num_features(D), self.max_features,
+            "lower the order or raise max_features",
+        )
+        x = x * math.sqrt(self.scale)
+        term = torch.ones_like(x[..., :1])
+        terms = [term]
+        for m in range(1, self.order + 1):
+            # ⊗^m x / √(m!) built recursively: (⊗^(m-1) x / √((m-1)!)) ⊗ x / √m
+            term = (term.unsqueeze(-1) * x.unsqueeze(-2)).flatten(-2) / math.sqrt(m)
+            terms.append(term)
+        return torch.cat(terms, dim=-1)
+
+
+class ExpDefinitionFeatures(FeatureMap):
+    """exp as a limit: φ(x) = ⊗^n (1, √s·x/√n), so φ(q)·φ(k) = (1 + s·q·k/n)^n exactly, s = ``scale``.
+
+    M = (D+1)^n grows fast: a ValueError is raised at call time when it exceeds ``max_features``.
+    Even n gives a non-negative kernel; odd n does not.
+    """
+
+    def __init__(self, n: int, *, scale: float = 1.0, max_features: int = 1 << 16):
+        super().__init__()
+        check_positive_int("n", n)
+        check_positive_int("max_features", max_features)
+        if not scale > 0:
+            raise ValueError(f"scale must be > 0, got {scale!r}")
+        self.n, self.scale, self.max_features = n, float(scale), max_features
+        self.nonnegative = n % 2 == 0
+
+    def num_features(self, head_dim):
+        return (head_dim + 1) ** self.n
+
+    def _phi(self, x, is_query):
+        D = x.shape[-1]
+        _check_expansion(
+            f"ExpDefinitionFeatures(n={self.n}) on D={D}", self.num_features(D), self.max_features,
+            "(D+1)^n must fit: lower n or raise max_features",
+        )
+        base = torch.cat([torch.ones_like(x[..., :1]), x * math.sqrt(self.scale / self.n)], dim=-1)  # (..., D+1)
+        out = base
+        for _ in range(self.n - 1):
+            out = (out.unsqueeze(-1) * base.unsqueeze(-2)).flatten(-2)
+        return out
+
+
+def draw_random_features(
+    num_features: int, dim: int, *, orthogonal: bool, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """ω: (num_features, dim) float64 with rows marginally N(0, I_dim).
+
+    orthogonal=True: blocks of ``dim`` exactly orthogonal directions (QR of a Gaussian matrix, sign-fixed so
+    the directions are Haar distributed), each row rescaled by an independent chi(dim) norm so that its
+    marginal law stays N(0, I). This keeps the estimator unbiased and lowers its variance (Choromanski et al.).
+    """
+    check_positive_int("num_features", num_features)
+    check_positive_int("dim", dim)
+    if not orthogonal:
+        return torch.randn(num_features, dim, generator=generator, dtype=torch.float64)
+    blocks = []
+    for _ in range(-(-num_features // dim)):
+        q, r = torch.linalg.qr(torch.randn(dim, dim, generator=generator, dtype=torch.float64))
+        blocks.append((q * torch.sign(torch.diagonal(r))).T)  # rows are orthonormal
+    directions = torch.cat(blocks)[:num_features]
+    norms = torch.randn(num_features, dim, generator=generator, dtype=torch.float64).norm(dim=1, keepdim=True)
+    return directions * norms
+
+
+def favor_logits(x: torch.Tensor, omega: torch.Tensor, scale: float) -> torch.Tensor:
+    """ω·x' − ‖x'‖²/2 with x' = √scale·x: x (..., N, D), ω (..., m, D) -> (..., N, m).
+
+    exp of it divided by √m is the FAVOR+ feature vector; ω may carry leading (e.g. per-draw) dims.
+    """
+    x = x * math.sqrt(scale)
+    return x @ omega.transpose(-1, -2) - 0.5 * x.pow(2).sum(-1, keepdim=True)
+
+
+class PerformerFeatures(FeatureMap):
+    """FAVOR+ positive random features (Choromanski et al. 2021).
+
+    φ(x) = exp(ω·x' − ‖x'‖²/2) / √m with x' = √scale·x and ω: (m, D) ~ N(0, I) rows, so that
+    E_ω[φ(q)·φ(k)] = exp(scale·q·k) (unbiased; relative variance (exp‖q'+k'‖² − 1)/m for iid ω).
+    ``scale`` defaults to D**-0.5 as in softmax attention.
+
+    Stabiliser: with ``is_query=True`` the features of each query are divided by their own max
+    (a per-query constant, which cancels in the normalised attention). Nothing is ever maximised over the
+    key sequence: in causal attention that would leak future keys into earlier outputs. Key features need no
+    stabiliser: ω·x − ‖x‖²/2 ≤ ‖ω‖²/2, so they cannot overflow float32 for any x.
+
+    Redrawing: ω is a deterministic function of (seed, draw index), draw index = step // redraw_interval
+    (always 0 when redraw_interval is None). Every training-mode call with ``is_query=True`` advances
+    ``step`` by one (an attention layer maps its queries once per forward); ``set_step(global_step)`` pins it
+    to the trainer's step instead (exact under gradient accumulation / resume). Since nothing random is
+    shared, all DDP ranks hold the same ω without communication. ``step`` is saved in the state dict and
+    ω is re-derived on load. Use a different ``seed`` per layer.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        num_features: int,
+        *,
+        orthogonal: bool = True,
+        redraw_interval: int | None = None,
+        seed: int = 0,
+        scale: float | None = None,
+        stabilize: bool = True,
+    ):
+        super().__init__()
+        check_positive_int("head_dim", head_dim)
+        check_positive_int("num_features", num_features)
+        if redraw_interval is not None:
+            check_positive_int("redraw_interval", redraw_interval)
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+        if scale is not None and not scale > 0:
+            raise ValueError(f"scale must be > 0 or None, got {scale!r}")
+        self.head_dim, self.m = head_dim, num_features
+        self.orthogonal, self.redraw_interval, self.seed = orthogonal, redraw_interval, seed
+        self.scale = head_dim**-0.5 if scale is None else float(scale)
+        self.stabilize = stabilize
+        self.step = 0
+        self.draw_index = 0
+        # not persistent: ω is re-derived from (seed, step) by set_extra_state
+        self.register_buffer("omega", self._draw(0).float(), persistent=False)  # (m, D)
+
+    def num_features(self, head_dim):
+        return self.m
+
+    def _draw(self, index: int) -> torch.Tensor:
+        # one independent stream per (seed, index); the odd multiplier spreads consecutive seeds apart
+        gen = torch.Generator().manual_seed((self.seed * 0x9E3779B97F4A7C15 + index) % (1 << 63))
+        return draw_random_features(self.m, self.head_dim, orthogonal=self.orthogonal, generator=gen)
+
+    def _sync_omega(self) -> None:
+        index = 0 if self.redraw_interval is None else self.step // self.redraw_interval
+        if index != self.draw_index:
+            self.omega.copy_(self._draw(index))
+            self.draw_index = index
+
+    def set_step(self, step: int) -> None:
+        """Follow an external step counter (e.g. the trainer's global step); redraws ω when due."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        self.step = step
+        self._sync_omega()
+
+    def get_extra_state(self):
+        return {"step": self.step}
+
+    def set_extra_state(self, state):
+        self.step, self.draw_index = state["step"], -1  # force ω to be re-derived
+        self._sync_omega()
+
+    def _phi(self, x, is_query):
+        if x.shape[-1] != self.head_dim:
+            raise ValueError(f"x must have last dim head_dim={self.head_dim}, got {x.shape[-1]}")
+        self._sync_omega()
+        if self.training and is_query:
+            self.step += 1
+        logits = favor_logits(x, self.omega.to(x.dtype), self.scale)  # (..., m)
+        if is_query and self.stabilize:
+            # per-query constant: cancels between numerator and normaliser, so detaching it is exact
+            logits = logits - logits.amax(dim=-1, keepdim=True).detach()
+        return torch.exp(logits) / math.sqrt(self.m)
+
+
+__all__ = [
+    "FeatureMap",
+    "EluFeatures",
+    "ReluFeatures",
+    "IdentityFeatures",
+    "TaylorFeatures",
+    "ExpDefinitionFeatures",
+    "PerformerFeatures",
+    "draw_random_features",
+    "favor_logits",
+]
