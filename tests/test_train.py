@@ -86,11 +86,10 @@ def test_resume_20_plus_20_equals_40_straight(tmp_path, attention):
     assert resumed["steps"] == straight["steps"] == 40
     assert resumed["val_loss"] == pytest.approx(straight["val_loss"], rel=1e-5, abs=1e-6)
     assert straight["val_loss"] != pytest.approx(first["val_loss"], rel=1e-3)
-    rows_b = {r["step"]: float(r["val_bpb"]) for r in val_rows(b)}
-    rows_c = {r["step"]: float(r["val_bpb"]) for r in val_rows(c)}
-    assert set(rows_b) >= {"29", "39"}
-    for step, bpb in rows_b.items():
-        assert bpb == pytest.approx(rows_c[step], rel=1e-5)
+    # the validations after step 30 and step 40 (and the final one) match too
+    tail_b = [float(r["val_bpb"]) for r in val_rows(b)][-3:]
+    tail_c = [float(r["val_bpb"]) for r in val_rows(c)][-3:]
+    assert len(tail_b) == 3 and tail_b == pytest.approx(tail_c, rel=1e-5)
 
 
 def run_script(args, cwd, timeout=300):
@@ -158,5 +157,5 @@ def test_local_text_file_and_clear_errors(tmp_path):
     assert read_results(out)["data"] == "TextDataModule"
     missing = run_script([*FAST, "data=text", f"data.path={tmp_path / 'nope.txt'}"], tmp_path)
     assert missing.returncode == 2 and "nope.txt" in missing.stderr and "Traceback" not in missing.stderr
-    long = run_script([*FAST, "data=mqar", "data.num_kv_pairs=40"], tmp_path)
+    long = run_script(["data=mqar", "data.num_kv_pairs=40", "model.seq_len=128"], tmp_path)
     assert long.returncode == 2 and "seq_len >= 4 * num_kv_pairs" in long.stderr
