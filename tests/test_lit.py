@@ -1,0 +1,95 @@
+"""LitLM: the summed-NLL metric, the LR schedule, fast_dev_run for every attention, checkpoint round trip."""
+
+import math
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vqattn.data import IGNORE_INDEX, MQARDataModule
+from vqattn.layers import ATTENTIONS
+from vqattn.lit import LitLM, SummedNLL, warmup_cosine
+
+TINY = dict(vocab_size=256, seq_len=32, n_layer=2, n_head=2, n_embd=32)
+
+
+def random_batch(gen, b, t, v=11, ignore_every=3):
+    logits = torch.randn(b, t, v, generator=gen, dtype=torch.float64)
+    targets = torch.randint(0, v, (b, t), generator=gen)
+    targets[:, ::ignore_every] = IGNORE_INDEX
+    return logits, targets
+
+
+def test_summed_nll_matches_the_mean_over_labelled_tokens():
+    gen = torch.Generator().manual_seed(0)
+    batches = [random_batch(gen, b, t) for b, t in [(2, 5), (3, 7), (1, 4)]]
+    metric = SummedNLL()
+    for logits, targets in batches:
+        metric.update(logits, targets)
+    logits = torch.cat([l.flatten(0, 1) for l, _ in batches])
+    targets = torch.cat([t.flatten() for _, t in batches])
+    keep = targets != IGNORE_INDEX
+    nll = F.cross_entropy(logits[keep], targets[keep])
+    acc = (logits[keep].argmax(-1) == targets[keep]).double().mean()
+    out = metric.compute()
+    torch.testing.assert_close(out["loss"], nll)
+    torch.testing.assert_close(out["bpb"], nll / math.log(2))
+    torch.testing.assert_close(out["acc"], acc)
+
+
+def test_summed_nll_merged_over_uneven_ranks_equals_the_global_mean():
+    # merge_state applies the same dist_reduce_fx ("sum") that DDP's sync uses.
+    gen = torch.Generator().manual_seed(1)
+    big, small = random_batch(gen, 5, 9), random_batch(gen, 1, 3)
+    whole, rank0, rank1 = SummedNLL(), SummedNLL(), SummedNLL()
+    for batch in (big, small):
+        whole.update(*batch)
+    rank0.update(*big)
+    rank1.update(*small)
+    rank0.merge_state(rank1)
+    torch.testing.assert_close(rank0.compute()["loss"], whole.compute()["loss"])
+    mean_of_means = (SummedNLL(), SummedNLL())
+    mean_of_means[0].update(*big), mean_of_means[1].update(*small)
+    naive = sum(m.compute()["loss"] for m in mean_of_means) / 2
+    assert not torch.isclose(naive, whole.compute()["loss"])  # why the states are sums, not means
+
+
+def test_warmup_then_cosine():
+    f = lambda s: warmup_cosine(s, warmup_steps=10, total_steps=110, min_lr_ratio=0.1)  # noqa: E731
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    assert f(60) == pytest.approx(0.55) and f(110) == pytest.approx(0.1) and f(500) == pytest.approx(0.1)
+    assert all(f(s) >= f(s + 1) for s in range(10, 120))
+
+
+@pytest.fixture(scope="module")
+def mqar():
+    return MQARDataModule(num_kv_pairs=4, seq_len=32, batch_size=4, num_val_examples=8)
+
+
+@pytest.mark.parametrize("attention", sorted(ATTENTIONS))
+def test_fast_dev_run_every_attention(attention, mqar, tmp_path):
+    module = LitLM(model={**TINY, "attention": attention}, optim={"warmup_steps": 1})
+    before = {k: v.clone() for k, v in module.model.state_dict().items() if torch.is_tensor(v)}
+    trainer = L.Trainer(fast_dev_run=True, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(module, datamodule=mqar)
+    assert trainer.global_step == 1
+    assert any(not torch.equal(v, module.model.state_dict()[k]) for k, v in before.items())
+    assert all(math.isfinite(v) for k, v in trainer.callback_metrics.items() if k.startswith(("val_", "train_")))
+
+
+def test_checkpoint_round_trip(mqar, tmp_path):
+    name = "vq_hard" if "vq_hard" in ATTENTIONS else "softmax"
+    module = LitLM(model={**TINY, "attention": name, "attention_kwargs": {}}, optim={"lr": 1e-3, "warmup_steps": 2})
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_checkpointing=False, enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(module, datamodule=mqar)
+    trainer.save_checkpoint(tmp_path / "m.ckpt")
+    loaded = LitLM.load_from_checkpoint(tmp_path / "m.ckpt")
+    assert loaded.hparams["model"]["attention"] == name and loaded.optim["lr"] == 1e-3
+    for (k, a), (_, b) in zip(module.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b) if torch.is_tensor(a) else a == b, k
+    x = torch.randint(0, 256, (2, 16))
+    module.eval(), loaded.eval()
+    torch.testing.assert_close(loaded(x).logits, module(x).logits, rtol=0, atol=0)

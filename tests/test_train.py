@@ -1,0 +1,161 @@
+"""train.py end to end: Hydra configs, resume, DDP, sweeps + report, local text, error messages."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import MissingConfigException
+from hydra.utils import instantiate
+
+from vqattn.layers import ATTENTIONS
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = str(ROOT / "conf")
+ATTENTION_FILES = sorted(p.stem for p in (ROOT / "conf" / "attention").glob("*.yaml"))
+FAST = ["experiment=tiny", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
+
+
+def cfg_for(*overrides):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def test_every_registered_attention_has_a_config_and_vice_versa():
+    assert set(ATTENTION_FILES) == set(ATTENTIONS)
+
+
+@pytest.mark.parametrize("attention", ATTENTION_FILES)
+def test_attention_config_composes_into_the_model(attention):
+    cfg = cfg_for(f"attention={attention}")
+    assert cfg.model.attention == attention == cfg.attention.name
+    assert cfg.model.attention_kwargs == cfg.attention.kwargs
+    module = instantiate(cfg.module, _convert_="all")
+    assert module.model.config.attention == attention
+    assert module.hparams["model"]["n_layer"] == cfg.model.n_layer
+
+
+def test_defaults_and_groups():
+    cfg = cfg_for()
+    assert cfg.attention.name == "vq_soft" and cfg.data._target_.endswith("StdlibDataModule")
+    assert cfg.trainer.accelerator == "auto" and cfg.data.seq_len == cfg.model.seq_len
+    assert cfg_for("trainer=ddp", "trainer.devices=4").trainer.strategy == "ddp"
+    assert cfg_for("trainer=gpu").trainer.precision == "bf16-mixed"
+    tiny = cfg_for("experiment=tiny")
+    assert tiny.model.n_embd == 32 and tiny.data.seq_len == 64
+    mqar = cfg_for("experiment=mqar")
+    assert mqar.data.num_kv_pairs == 16 and mqar.data.seq_len == 128
+    for data in ("default", "text", "enwik8", "wikitext103", "mqar"):
+        assert cfg_for(f"data={data}").data._target_.startswith("vqattn.data.")
+
+
+def test_unknown_attention_lists_the_valid_ones():
+    with pytest.raises(MissingConfigException) as info:
+        cfg_for("attention=nope")
+    assert all(name in str(info.value) for name in ATTENTION_FILES)
+
+
+def run_inprocess(tmp_path, name, *overrides):
+    import train
+
+    cfg = cfg_for(*FAST, *overrides)
+    run_dir = tmp_path / name
+    run_dir.mkdir()
+    return train.train(cfg, run_dir), run_dir
+
+
+def val_rows(run_dir):
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return [row for row in csv.DictReader(f) if row.get("val_bpb")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attention", ["softmax", "vq_soft"])
+def test_resume_20_plus_20_equals_40_straight(tmp_path, attention):
+    common = [f"attention={attention}", "optim.total_steps=40", "trainer.val_check_interval=10",
+              "checkpoint_every=20"]
+    first, a = run_inprocess(tmp_path, "a", *common, "trainer.max_steps=20")
+    assert first["steps"] == 20
+    resumed, b = run_inprocess(tmp_path, "b", *common, "trainer.max_steps=40",
+                               f"ckpt_path={a / 'checkpoints' / 'last.ckpt'}")
+    straight, c = run_inprocess(tmp_path, "c", *common, "trainer.max_steps=40")
+    assert resumed["steps"] == straight["steps"] == 40
+    assert resumed["val_loss"] == pytest.approx(straight["val_loss"], rel=1e-5, abs=1e-6)
+    assert straight["val_loss"] != pytest.approx(first["val_loss"], rel=1e-3)
+    # the validations after step 30 and step 40 (and the final one) match too
+    tail_b = [float(r["val_bpb"]) for r in val_rows(b)][-3:]
+    tail_c = [float(r["val_bpb"]) for r in val_rows(c)][-3:]
+    assert len(tail_b) == 3 and tail_b == pytest.approx(tail_c, rel=1e-5)
+
+
+def run_script(args, cwd, timeout=300):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def read_results(run_dir):
+    results = json.loads((run_dir / "results.json").read_text())
+    for key in ("attention", "params", "steps", "val_loss", "val_bpb", "tokens_per_sec", "peak_memory_mb",
+                "wall_seconds"):
+        assert key in results, key
+    assert results["val_bpb"] == results["val_bpb"] and 0 < results["val_bpb"] < 9  # finite
+    return results
+
+
+@pytest.mark.slow
+def test_train_script_writes_results(tmp_path):
+    out = tmp_path / "OUT"
+    proc = run_script([*FAST, "attention=vq_soft", "trainer.max_steps=20", f"hydra.run.dir={out}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = read_results(out)
+    assert results["steps"] == 20 and results["attention"] == "vq_soft"
+    assert (out / "checkpoints" / "last.ckpt").exists() and (out / ".hydra" / "config.yaml").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attention", ["vq_hard", "performer"])
+def test_ddp_two_cpu_processes_share_one_run_dir_and_stay_in_sync(tmp_path, attention):
+    out = tmp_path / "OUT"
+    proc = run_script([*FAST, f"attention={attention}", "trainer=ddp", "trainer.accelerator=cpu",
+                       "trainer.devices=2", "trainer.max_steps=10", f"hydra.run.dir={out}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = read_results(out)
+    assert results["world_size"] == 2 and results["steps"] == 10
+    assert results["ddp_buffer_divergence"] == 0.0  # codebook EMA / feature draws identical on both ranks
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["OUT"]  # no second run dir (outputs/, multirun/)
+    assert (out / "rank1.log").exists()
+
+
+@pytest.mark.slow
+def test_sweep_then_report(tmp_path):
+    out = tmp_path / "OUT"
+    proc = run_script(["-m", *FAST, "attention=softmax,vq_hard", "trainer.max_steps=10", "trainer.val_check_interval=5",
+                       f"hydra.sweep.dir={out}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = sorted(p.parent.name for p in out.rglob("results.json"))
+    assert runs == ["0_softmax", "1_vq_hard"]
+    rep = subprocess.run([sys.executable, "-m", "vqattn.report", str(out)], cwd=ROOT, capture_output=True, text=True)
+    assert rep.returncode == 0, rep.stderr
+    table = (out / "report.md").read_text()
+    assert "| softmax |" in table and "| vq_hard |" in table and "tokens/s" in table
+    assert (out / "val_bpb.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_local_text_file_and_clear_errors(tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("".join(f"line {i}: the quick brown fox\n" for i in range(300)))
+    out = tmp_path / "OUT"
+    proc = run_script([*FAST, "data=text", f"data.path={text}", "attention=softmax", "trainer.max_steps=5",
+                       f"hydra.run.dir={out}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert read_results(out)["data"] == "TextDataModule"
+    missing = run_script([*FAST, "data=text", f"data.path={tmp_path / 'nope.txt'}"], tmp_path)
+    assert missing.returncode == 2 and "nope.txt" in missing.stderr and "Traceback" not in missing.stderr
+    long = run_script(["data=mqar", "data.num_kv_pairs=40", "model.seq_len=128"], tmp_path)
+    assert long.returncode == 2 and "seq_len >= 4 * num_kv_pairs" in long.stderr

@@ -1,0 +1,371 @@
+"""Byte-level LightningDataModules (vocab 256) and the synthetic MQAR task.
+
+Every module yields batches ``(x, y)`` of shape (B, T) long: ``y`` is ``x`` shifted by one token, and
+positions that carry no training signal hold ``IGNORE_INDEX`` (only MQAR uses that).
+
+Training batches are a pure function of ``(seed, batch index, rank)``: batch ``i`` on rank ``r`` draws its
+random windows from ``numpy.random.default_rng([seed, i, r])``. A run resumed from a checkpoint at global
+step ``s`` therefore continues with batch ``s * accumulate_grad_batches`` and sees exactly the batches an
+uninterrupted run would have seen, and DDP ranks draw different batches without a DistributedSampler
+(the trainer configs set ``use_distributed_sampler: false``). Validation windows are fixed and sharded by rank.
+
+Corpora (all byte-level, text is never decoded):
+
+* ``StdlibDataModule`` (``data=default``): the ``.py`` files of the running Python's standard library.
+* ``TextDataModule`` (``data=text``): local files, a path or a glob.
+* ``HubTextDataModule`` (``data=enwik8`` / ``data=wikitext103``): Hugging Face Hub datasets via ``datasets``.
+* ``MQARDataModule`` (``data=mqar``): multi-query associative recall (Zoology).
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+import sysconfig
+import warnings
+import zlib
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+IGNORE_INDEX = -1  # the label GPT.forward's cross-entropy ignores
+
+# The loaders below resume from trainer.global_step (see module docstring), which Lightning cannot see.
+warnings.filterwarnings("ignore", message=".*resuming from a checkpoint that ended before the epoch ended.*")
+
+
+class _Batches(Dataset):
+    """Map-style dataset whose item ``i`` is a whole training batch ``make(rng_i)`` with rng_i seeded by (seed, i, rank)."""
+
+    def __init__(self, make, num_batches: int, seed: int, rank: int):
+        self.make, self.num_batches, self.seed, self.rank = make, num_batches, seed, rank
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __getitem__(self, i: int):
+        return self.make(np.random.default_rng([self.seed, i, self.rank]))
+
+
+class _From(Sampler):
+    """Indices start, start + 1, ..., length - 1 (resuming skips the batches already trained on)."""
+
+    def __init__(self, start: int, length: int):
+        self.start, self.length = start, length
+
+    def __len__(self) -> int:
+        return self.length - self.start
+
+    def __iter__(self):
+        return iter(range(self.start, self.length))
+
+
+class _LMDataModule(L.LightningDataModule):
+    """Shared loader logic. Subclasses implement ``setup`` and ``_train_batch(rng)``, and fill ``self.val_set``.
+
+    Args:
+        seq_len: tokens per training sequence T (the model sees x[:, :T] and predicts y[:, :T]).
+        batch_size: sequences per batch and per device.
+        seed: seeds the training batches (not the model).
+        num_batches: length of the training "epoch" when the trainer has no max_steps; with max_steps the
+            epoch is the whole run (max_steps * accumulate_grad_batches batches), so the progress bar is exact.
+        num_workers: DataLoader workers.
+    """
+
+    def __init__(self, seq_len: int = 256, batch_size: int = 16, seed: int = 0, num_batches: int = 1000,
+                 num_workers: int = 0):
+        super().__init__()
+        for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("num_batches", num_batches)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"data.{name} must be a positive int, got {value!r}")
+        self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
+        self.num_batches, self.num_workers = num_batches, num_workers
+        self.val_set: Dataset | None = None
+
+    def _rank_world(self) -> tuple[int, int]:
+        trainer = self.trainer
+        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+
+    def _train_batch(self, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def train_dataloader(self) -> DataLoader:
+        rank, _ = self._rank_world()
+        trainer = self.trainer
+        length, start = self.num_batches, 0
+        if trainer is not None:
+            if trainer.max_steps > 0:
+                length = trainer.max_steps * trainer.accumulate_grad_batches
+            start = min(trainer.global_step * trainer.accumulate_grad_batches, length)
+        batches = _Batches(self._train_batch, length, self.seed, rank)
+        return DataLoader(batches, batch_size=None, sampler=_From(start, length), num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        rank, world = self._rank_world()
+        shard = torch.utils.data.Subset(self.val_set, range(rank, len(self.val_set), world))
+        return DataLoader(shard, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
+
+
+class _WindowSet(Dataset):
+    """Fixed windows of a byte tensor: item i = (data[o:o+T], data[o+1:o+T+1]) for the i-th offset."""
+
+    def __init__(self, data: torch.Tensor, offsets: torch.Tensor, seq_len: int):
+        self.data, self.offsets, self.seq_len = data, offsets, seq_len
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def __getitem__(self, i: int):
+        o = int(self.offsets[i])
+        chunk = self.data[o : o + self.seq_len + 1].long()
+        return chunk[:-1], chunk[1:]
+
+
+class ByteDataModule(_LMDataModule):
+    """Next-byte prediction on a train and a validation byte string.
+
+    Training batches are ``batch_size`` windows of ``seq_len + 1`` bytes at uniformly random offsets.
+    Validation uses non-overlapping windows tiling the validation bytes, at most ``val_windows`` of them
+    (spread evenly over the split when there are more), so val bits per byte is the mean over those bytes.
+    Subclasses implement ``_load() -> (train_bytes, val_bytes)``.
+    """
+
+    name = "bytes"
+
+    def __init__(self, *, val_windows: int = 256, **kwargs):
+        super().__init__(**kwargs)
+        self.val_windows = val_windows
+        self.train_data: torch.Tensor | None = None
+
+    def _load(self) -> tuple[bytes, bytes]:
+        raise NotImplementedError
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_data is not None:
+            return
+        train, val = self._load()
+        need = self.seq_len + 1
+        for split, data in (("training", train), ("validation", val)):
+            if len(data) < need:
+                raise ValueError(
+                    f"{self.name}: the {split} split has {len(data)} bytes but seq_len={self.seq_len} needs at least "
+                    f"{need}; lower model.seq_len or give more text"
+                )
+        self.train_data = torch.frombuffer(bytearray(train), dtype=torch.uint8)
+        val_data = torch.frombuffer(bytearray(val), dtype=torch.uint8)
+        n = (len(val_data) - 1) // self.seq_len
+        tiles = torch.arange(n) * self.seq_len
+        if n > self.val_windows:
+            tiles = tiles[torch.linspace(0, n - 1, self.val_windows).round().long()]
+        self.val_set = _WindowSet(val_data, tiles, self.seq_len)
+
+    def _train_batch(self, rng):
+        offsets = rng.integers(0, len(self.train_data) - self.seq_len, size=self.batch_size)
+        idx = torch.from_numpy(offsets)[:, None] + torch.arange(self.seq_len + 1)  # (B, T+1)
+        chunk = self.train_data[idx].long()
+        return chunk[:, :-1], chunk[:, 1:]
+
+
+def stdlib_files(max_bytes: int) -> tuple[Path, list[Path]]:
+    """The default corpus's files: the stdlib root and its ``.py`` files, in sorted order, up to max_bytes.
+
+    Excluded: site-packages / dist-packages (third-party code) and test suites (directories named test,
+    tests, idle_test), which are large, repetitive and vary between builds.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+    files, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if skip.intersection(path.relative_to(root).parts) or not path.is_file():
+            continue
+        size = path.stat().st_size
+        if total + size > max_bytes:
+            break
+        files.append(path)
+        total += size
+    return root, files
+
+
+class StdlibDataModule(ByteDataModule):
+    """Default corpus: the running Python's standard library source, byte-level, no download.
+
+    Files: every ``*.py`` under ``sysconfig.get_paths()["stdlib"]`` except site-packages and test suites, in
+    sorted path order, concatenated until ``max_bytes``. A file goes to validation when
+    ``zlib.crc32(relative_path) % 20 == 0`` (about 5% of files; by file so that no validation text was trained
+    on), otherwise to training. Deterministic for a given Python version; it differs between Python versions.
+    On CPython 3.11 with the default max_bytes=8_000_000 this is 557 files: 7.64 MB train, 0.36 MB validation.
+    """
+
+    name = "stdlib"
+
+    def __init__(self, *, max_bytes: int = 8_000_000, **kwargs):
+        super().__init__(**kwargs)
+        self.max_bytes = max_bytes
+
+    def _load(self) -> tuple[bytes, bytes]:
+        root, files = stdlib_files(self.max_bytes)
+        if not files:
+            raise FileNotFoundError(f"no standard-library .py files found under {root}")
+        splits = {True: [], False: []}
+        for path in files:
+            rel = path.relative_to(root).as_posix()
+            splits[zlib.crc32(rel.encode()) % 20 == 0].append(path.read_bytes())
+        return b"".join(splits[False]), b"".join(splits[True])
+
+
+def _read_files(pattern: str, what: str) -> bytes:
+    """Bytes of a file, or of all files matching a glob (sorted, concatenated as is: line breaks kept)."""
+    pattern = os.path.expanduser(str(pattern))
+    paths = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+    if not paths:
+        raise FileNotFoundError(f"{what}: no file found at {pattern!r} (give an existing file or a glob that matches files)")
+    return b"".join(Path(p).read_bytes() for p in paths)
+
+
+class TextDataModule(ByteDataModule):
+    """Local text (``data=text data.path=FILE_OR_GLOB``), read as raw bytes so line breaks and encodings are kept.
+
+    Validation is ``val_path`` when given, otherwise the last ``val_fraction`` (5%) of the training bytes,
+    which are then removed from training.
+    """
+
+    name = "text"
+
+    def __init__(self, *, path: str | None = None, val_path: str | None = None, val_fraction: float = 0.05, **kwargs):
+        super().__init__(**kwargs)
+        if not path:
+            raise ValueError("data=text needs data.path=FILE (a file or a glob)")
+        if not 0 < val_fraction < 1:
+            raise ValueError(f"data.val_fraction must lie in (0, 1), got {val_fraction!r}")
+        self.path, self.val_path, self.val_fraction = path, val_path, val_fraction
+
+    def _load(self) -> tuple[bytes, bytes]:
+        train = _read_files(self.path, "data.path")
+        if self.val_path:
+            return train, _read_files(self.val_path, "data.val_path")
+        cut = len(train) - math.ceil(len(train) * self.val_fraction)
+        return train[:cut], train[cut:]
+
+
+class DataUnavailableError(RuntimeError):
+    """A corpus cannot be obtained (e.g. a Hub dataset while offline)."""
+
+
+def load_dataset(*args, **kwargs):
+    """``datasets.load_dataset`` (module-level so tests can stand in a local copy)."""
+    import datasets
+
+    return datasets.load_dataset(*args, **kwargs)
+
+
+class HubTextDataModule(ByteDataModule):
+    """A text dataset from the Hugging Face Hub, UTF-8 encoded to bytes.
+
+    ``layout="enwik8"``: the standard enwik8 split, the first 90M bytes train, the next 5M validation (the
+    last 5M are the test set, unused here). Rows are re-joined into one text: as stored when they end in a
+    newline, else with ``\\n`` between them (the "enwik8-raw" config is a single row holding the whole file).
+    ``revision``: the Hub revision; LTCB/enwik8 is a loading script, which ``datasets`` >= 4 no longer runs,
+    so data/enwik8.yaml reads the Hub's parquet export (``refs/convert/parquet``).
+    ``layout="splits"``: the dataset's own ``train`` and ``validation`` splits, rows concatenated as stored
+    (wikitext-103-raw rows keep their trailing newline).
+    """
+
+    ENWIK8_SPLIT = (90_000_000, 5_000_000)
+
+    def __init__(self, *, hub_path: str, hub_name: str | None = None, layout: str = "splits",
+                 revision: str | None = None, name: str | None = None, **kwargs):
+        super().__init__(**kwargs)
+        if layout not in ("enwik8", "splits"):
+            raise ValueError(f"data.layout must be 'enwik8' or 'splits', got {layout!r}")
+        self.hub_path, self.hub_name, self.layout, self.revision = hub_path, hub_name, layout, revision
+        self.name = name or hub_path
+
+    def _fetch(self, split: str):
+        try:
+            return load_dataset(self.hub_path, self.hub_name, split=split, revision=self.revision)
+        except Exception as err:  # network, auth and missing-dataset errors all mean: cannot get the data
+            raise DataUnavailableError(
+                f"could not load {self.name} ({self.hub_path}{', ' + self.hub_name if self.hub_name else ''}, split "
+                f"{split!r}) from the Hugging Face Hub: {type(err).__name__}: {err}\nIt needs a network connection "
+                f"(or a filled datasets cache); offline, use data=default or data=text data.path=FILE."
+            ) from err
+
+    def _load(self) -> tuple[bytes, bytes]:
+        if self.layout == "enwik8":
+            rows = self._fetch("train")["text"]
+            data = ("" if all(r.endswith("\n") for r in rows) else "\n").join(rows).encode()
+            n_train, n_val = self.ENWIK8_SPLIT
+            return data[:n_train], data[n_train : n_train + n_val]
+        return tuple("".join(self._fetch(split)["text"]).encode() for split in ("train", "validation"))
+
+
+def mqar_example(rng: np.random.Generator, n: int, seq_len: int, num_kv_pairs: int, vocab_size: int = 256,
+                 power_a: float = 0.01, random_non_queries: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` multi-query associative recall sequences as defined by Zoology (Arora et al. 2023).
+
+    Layout of each length-(seq_len + 1) sequence before the one-token shift:
+
+        k_1 v_1 k_2 v_2 ... k_P v_P | query region of seq_len + 1 - 2P tokens
+
+    Keys are distinct per sequence, drawn from [1, V/2); values distinct, from [V/2, V). Every key is queried once,
+    at an even offset 2 g of the query region, where the gap indices g are distinct and drawn with
+    p(g) proportional to g^(power_a - 1), g = 1..(seq_len - 2P)/2 (so recent-looking gaps are more likely);
+    the token after a query is its value. Other query-region tokens are 0, or uniform random tokens if
+    random_non_queries. Returns x (n, seq_len) and y (n, seq_len) with y = the value at the position of each
+    queried key and IGNORE_INDEX elsewhere: loss and recall accuracy count only the P answer positions.
+    """
+    context = 2 * num_kv_pairs
+    space = (seq_len - context) // 2
+    half = vocab_size // 2
+    keys = np.stack([rng.choice(np.arange(1, half), num_kv_pairs, replace=False) for _ in range(n)])  # (n, P)
+    values = np.stack([rng.choice(np.arange(half, vocab_size), num_kv_pairs, replace=False) for _ in range(n)])
+    seq = np.zeros((n, seq_len + 1), dtype=np.int64)
+    seq[:, 0:context:2], seq[:, 1:context:2] = keys, values
+    p = np.arange(1, space + 1, dtype=np.float64) ** (power_a - 1)
+    gaps = np.stack([rng.choice(space, num_kv_pairs, replace=False, p=p / p.sum()) for _ in range(n)])  # (n, P)
+    query_pos = context + 2 * gaps  # (n, P): position of the queried key; its answer follows at query_pos + 1
+    np.put_along_axis(seq, query_pos, keys, axis=1)
+    labels = np.full((n, seq_len + 1), IGNORE_INDEX, dtype=np.int64)
+    np.put_along_axis(labels, query_pos + 1, values, axis=1)
+    x, y = seq[:, :-1], labels[:, 1:]
+    if random_non_queries:
+        filler = x == 0
+        x[filler] = rng.integers(0, vocab_size, size=int(filler.sum()))
+    return torch.from_numpy(x), torch.from_numpy(y)
+
+
+class MQARDataModule(_LMDataModule):
+    """Synthetic multi-query associative recall (``data=mqar``); metric: recall accuracy on the answers.
+
+    Training batches are fresh draws (seeded by batch index); validation is ``num_val_examples`` fixed
+    sequences from a different seed.
+    """
+
+    name = "mqar"
+
+    def __init__(self, *, num_kv_pairs: int = 8, vocab_size: int = 256, num_val_examples: int = 512,
+                 power_a: float = 0.01, random_non_queries: bool = True, **kwargs):
+        super().__init__(**kwargs)
+        if num_kv_pairs < 1 or 4 * num_kv_pairs > self.seq_len:
+            raise ValueError(
+                f"data=mqar: num_kv_pairs={num_kv_pairs} needs seq_len >= 4 * num_kv_pairs = {4 * num_kv_pairs} "
+                f"(P pairs then room to query each key once), got seq_len={self.seq_len}"
+            )
+        if num_kv_pairs >= vocab_size // 2:
+            raise ValueError(f"data=mqar: num_kv_pairs={num_kv_pairs} needs more than {num_kv_pairs} distinct keys; "
+                             f"vocab_size={vocab_size} has only {vocab_size // 2 - 1}")
+        self.kw = dict(seq_len=self.seq_len, num_kv_pairs=num_kv_pairs, vocab_size=vocab_size, power_a=power_a,
+                       random_non_queries=random_non_queries)
+        self.num_val_examples = num_val_examples
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.val_set is None:
+            x, y = mqar_example(np.random.default_rng([self.seed, 2**31]), self.num_val_examples, **self.kw)
+            self.val_set = torch.utils.data.TensorDataset(x, y)
+
+    def _train_batch(self, rng):
+        return mqar_example(rng, self.batch_size, **self.kw)

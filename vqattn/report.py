@@ -1,0 +1,88 @@
+"""Compare the runs of a sweep: ``python -m vqattn.report SWEEP_DIR``.
+
+Reads every ``results.json`` under SWEEP_DIR (one per run dir, as train.py writes them) and the validation
+rows of each run's ``metrics.csv``; writes SWEEP_DIR/report.md (a markdown table: val bpb, tokens/s, params,
+peak memory, sorted by val bpb) and SWEEP_DIR/val_bpb.png (val bpb against step, one line per run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from pathlib import Path
+
+
+def load_runs(sweep_dir: Path) -> list[dict]:
+    """One dict per run: its results.json plus ``name`` (its dir relative to sweep_dir) and ``curve`` [(step, bpb)]."""
+    runs = []
+    for path in sorted(sweep_dir.rglob("results.json")):
+        run = json.loads(path.read_text())
+        run["name"] = path.parent.relative_to(sweep_dir).as_posix()
+        run["curve"] = []
+        metrics = path.parent / "metrics.csv"
+        if metrics.exists():
+            with metrics.open(newline="") as f:
+                for row in csv.DictReader(f):
+                    if row.get("val_bpb"):
+                        run["curve"].append((int(row["step"]), float(row["val_bpb"])))
+        runs.append(run)
+    return runs
+
+
+def markdown_table(runs: list[dict]) -> str:
+    lines = [
+        "| run | attention | val bpb | tokens/s | params | peak memory (MB) | steps |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in sorted(runs, key=lambda r: r["val_bpb"]):
+        lines.append(
+            f"| {r['name']} | {r['attention']} | {r['val_bpb']:.4f} | {r['tokens_per_sec']:,.0f} | {r['params']:,} "
+            f"| {r['peak_memory_mb']:,.0f} | {r['steps']} |"
+        )
+    kinds = sorted({r.get("peak_memory_kind", "?") for r in runs})
+    devices = sorted({r.get("device", "?") for r in runs})
+    lines += ["", f"Peak memory: {', '.join(kinds)}. Device: {'; '.join(devices)}."]
+    return "\n".join(lines) + "\n"
+
+
+def plot_curves(runs: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in runs:
+        # a run validated only at its end still shows as a point
+        steps, bpb = zip(*sorted(set(r["curve"]))) if r["curve"] else ([r["steps"]], [r["val_bpb"]])
+        ax.plot(steps, bpb, marker="o", markersize=3, label=f"{r['attention']} ({r['name']})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation bits per byte")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vqattn.report", description=__doc__.splitlines()[0])
+    parser.add_argument("sweep_dir", type=Path, help="a Hydra sweep dir (or any dir holding run dirs with results.json)")
+    args = parser.parse_args(argv)
+    if not args.sweep_dir.is_dir():
+        parser.error(f"{args.sweep_dir} is not a directory")
+    runs = load_runs(args.sweep_dir)
+    if not runs:
+        parser.error(f"no results.json found under {args.sweep_dir}; did the runs finish?")
+    table = markdown_table(runs)
+    (args.sweep_dir / "report.md").write_text(table)
+    plot_curves(runs, args.sweep_dir / "val_bpb.png")
+    print(table)
+    print(f"wrote {args.sweep_dir / 'report.md'} and {args.sweep_dir / 'val_bpb.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""Sample text from a checkpoint: ``python -m vqattn.sample CKPT --prompt "def " --max-new-tokens 200``.
+
+CKPT is a checkpoint written by train.py (e.g. OUT/checkpoints/last.ckpt). The prompt is UTF-8 encoded to
+bytes (the models are byte-level), continued with ``GPT.generate`` (stateful decoding: constant memory per
+token for vq and the kernel family, a KV cache for softmax), and the bytes are printed, decoded with
+replacement characters where the model produced invalid UTF-8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+
+def sample(ckpt: str | Path, prompt: str, max_new_tokens: int, *, temperature: float = 1.0,
+           top_k: int | None = None, num_samples: int = 1, seed: int | None = None,
+           device: str = "cpu") -> list[str]:
+    """Continue ``prompt`` ``num_samples`` times with the model in ``ckpt``; returns prompt + continuation texts."""
+    from .lit import LitLM
+
+    if not Path(ckpt).is_file():
+        raise FileNotFoundError(f"checkpoint {str(ckpt)!r} does not exist")
+    if not prompt:
+        raise ValueError("prompt must not be empty (the model needs at least one byte to condition on)")
+    if seed is not None:
+        torch.manual_seed(seed)
+    model = LitLM.load_from_checkpoint(ckpt, map_location=device).model.eval()
+    idx = torch.tensor([list(prompt.encode())] * num_samples, dtype=torch.long, device=device)  # (N, T)
+    out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k)  # (N, T + new)
+    return [bytes(row.tolist()).decode("utf-8", errors="replace") for row in out]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m vqattn.sample", description=__doc__.splitlines()[0])
+    p.add_argument("ckpt", help="checkpoint path (OUT/checkpoints/last.ckpt)")
+    p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="bytes to generate")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args(argv)
+    try:
+        texts = sample(args.ckpt, args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                       num_samples=args.num_samples, seed=args.seed, device=args.device)
+    except (ValueError, FileNotFoundError) as err:
+        p.error(str(err))
+    for i, text in enumerate(texts):
+        if len(texts) > 1:
+            print(f"--- sample {i} ---")
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
