@@ -4,6 +4,10 @@
     python benchmarks/attention_speed.py --lengths 1024 8192 --reps 5
     python benchmarks/attention_speed.py --block-lens 32 64 128 256 --lengths 8192 --methods vq_hard vq_soft
 
+By default each measuring process calls ``vqattn.utils.tune_cpu_allocator()`` (glibc keeps freed memory instead
+of page-faulting every large temporary again on every step; it applies to SDPA and vq alike); ``--glibc-default``
+measures with the allocator untouched.
+
 Every (method, T) runs in its own subprocess, so CPU peak memory is that process's high-water RSS above what it
 held just before the call (inputs included), and one run's allocations cannot flatter the next. On CUDA the peak
 is ``torch.cuda.max_memory_allocated`` above the inputs. Ratios are SDPA / vq from the same run.
@@ -23,6 +27,7 @@ import time
 import torch
 
 from vqattn.functional import softmax_attention, vq_attention
+from vqattn.utils import tune_cpu_allocator
 
 METHODS = ("sdpa", "vq_hard", "vq_soft")
 
@@ -73,8 +78,9 @@ def _current_rss_kib() -> int:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
-def measure(method, T, device, reps, block_len):
-    cmd = [sys.executable, __file__, "--child", method, str(T), device, str(reps), str(block_len or 0)]
+def measure(method, T, device, reps, block_len, tuned_allocator):
+    cmd = [sys.executable, __file__, "--child", method, str(T), device, str(reps), str(block_len or 0),
+           str(int(tuned_allocator))]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         return {"ms": float("nan"), "peak_mb": float("nan"), "error": result.stderr.strip().splitlines()[-1:]}
@@ -94,9 +100,12 @@ def main():
     parser.add_argument("--block-lens", type=int, nargs="+", default=[0], help="0 = vq_attention's default")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--glibc-default", action="store_true", help="do not call tune_cpu_allocator()")
     args = parser.parse_args()
+    tuned = not args.glibc_default
 
-    print(f"# causal fwd+bwd, B=1 H=4 D=64 S=512 fp32, {args.device}: {machine()}, torch {torch.__version__}")
+    print(f"# causal fwd+bwd, B=1 H=4 D=64 S=512 fp32, {args.device}: {machine()}, torch {torch.__version__}, "
+          f"allocator {'tuned' if tuned else 'glibc default'}; median of {args.reps}")
     vq_methods = [m for m in args.methods if m != "sdpa"]
     header = ["T", "block_len"] + [f"{m} ms" for m in args.methods]
     header += [f"sdpa/{m}" for m in vq_methods if "sdpa" in args.methods]
@@ -104,9 +113,9 @@ def main():
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for T in args.lengths:
-        sdpa = measure("sdpa", T, args.device, args.reps, None) if "sdpa" in args.methods else None
+        sdpa = measure("sdpa", T, args.device, args.reps, None, tuned) if "sdpa" in args.methods else None
         for block_len in args.block_lens:
-            results = {m: measure(m, T, args.device, args.reps, block_len) for m in vq_methods}
+            results = {m: measure(m, T, args.device, args.reps, block_len, tuned) for m in vq_methods}
             if sdpa is not None:
                 results = {"sdpa": sdpa, **results}
             row = [str(T), str(block_len or "default")]
@@ -121,7 +130,9 @@ def main():
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        method, T, device, reps, block_len = sys.argv[2:7]
+        method, T, device, reps, block_len, tuned = sys.argv[2:8]
+        if int(tuned):
+            tune_cpu_allocator()
         print(json.dumps(child(method, int(T), device, int(reps), int(block_len) or None)))
     else:
         main()

@@ -178,7 +178,8 @@ class _LaggedPrefixSum(torch.autograd.Function):
         # d out[b] / d x[b'] = 1 for b ≥ b' + 2: lagged suffix sums of the incoming gradient.
         nb = grad_out.shape[2]
         grad_out = grad_out.contiguous()  # matmul backward hands over transposed gradients
-        grad_x = torch.zeros_like(grad_out)
+        grad_x = torch.empty_like(grad_out)
+        grad_x[:, :, max(nb - 2, 0) :] = 0  # the last two blocks are in nobody's cache
         if nb > 2:
             grad_x[:, :, nb - 3] = grad_out[:, :, nb - 1]
             for b in range(nb - 4, -1, -1):
@@ -199,14 +200,15 @@ def _windows(x: torch.Tensor, L: int) -> torch.Tensor:
     return torch.cat([previous, blocks], dim=3)
 
 
-def _window_mask(num_blocks: int, L: int, device: torch.device) -> torch.Tensor:
-    """(nb, L, 2L) bool: query i of block b sees window key jj iff jj ≤ i + L (causal); block 0 has no previous block."""
+def _window_bias(num_blocks: int, L: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """(nb, L, 2L) additive mask: query i of block b sees window key jj iff jj ≤ i + L (causal); block 0 has no
+    previous block."""
     i = torch.arange(L, device=device)[:, None]
     jj = torch.arange(2 * L, device=device)[None, :]
-    causal = jj <= i + L
-    mask = causal.expand(num_blocks, L, 2 * L).clone()
-    mask[0, :, :L] = False
-    return mask
+    bias = torch.zeros(num_blocks, L, 2 * L, device=device, dtype=dtype)
+    bias.masked_fill_(jj > i + L, float("-inf"))
+    bias[0, :, :L] = float("-inf")
+    return bias
 
 
 def _mixture_logits(code_logits: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -222,6 +224,78 @@ def _mixture_logits(code_logits: torch.Tensor, weights: torch.Tensor) -> torch.T
 def _per_head(log_scale: torch.Tensor | float) -> torch.Tensor | float:
     """(H, 1, 1) -> (H, 1, 1, 1), broadcasting over (B, H, nb, L, ·)."""
     return log_scale.unsqueeze(-1) if isinstance(log_scale, torch.Tensor) else log_scale
+
+
+class _WindowCodeAttention(torch.autograd.Function):
+    """Softmax attention of every block's queries over two key groups, with one shared max:
+
+        window  logits  qb·wkᵀ + window_bias     (N, nb, L, 2L)   values  wv     (N, nb, 2L, Dv)
+        codes   logits  q·cᵀ  + code_bias        (N, nb, L, S)    values  means  (N, nb, S, Dv)
+
+    qb: (N, nb, L, D) queries (already scaled); wk: (N, nb, 2L, D), or None when the window logits are all in
+    window_bias (soft/kernel mixtures); window_bias: broadcastable to (N, nb, L, 2L); codes: (N, S, D) shared by
+    all blocks; code_bias: (N, nb, S). Returns (N, nb, L, Dv).
+
+    Hand-written forward and backward (flash-attention style: dS = P ⊙ (dP − rowsum(dO ⊙ O))): the two groups
+    are never concatenated, the code logits of all blocks come from one (T, D) × (D, S) product, and only the
+    probabilities are kept for the backward pass.
+    """
+
+    @staticmethod
+    def forward(ctx, qb, wk, window_bias, codes, code_bias, wv, means):
+        N, nb, L, D = qb.shape
+        S = codes.shape[1]
+        p_window = window_bias.expand(N, nb, L, wv.shape[2]).clone() if wk is None else \
+            torch.matmul(qb, wk.transpose(-1, -2)).add_(window_bias)  # (N, nb, L, 2L)
+        p_codes = torch.bmm(qb.reshape(N, nb * L, D), codes.transpose(1, 2)).view(N, nb, L, S)
+        p_codes.add_(code_bias.unsqueeze(2))
+        m = torch.maximum(p_window.amax(-1, keepdim=True), p_codes.amax(-1, keepdim=True))  # finite: the diagonal
+        p_window.sub_(m).exp_()
+        p_codes.sub_(m).exp_()
+        z = p_window.sum(-1, keepdim=True).add_(p_codes.sum(-1, keepdim=True))
+        p_window.div_(z)
+        p_codes.div_(z)
+        out = torch.matmul(p_window, wv).add_(torch.matmul(p_codes, means))
+        ctx.save_for_backward(qb, wk, codes, wv, means, p_window, p_codes, out)
+        ctx.window_bias_shape = window_bias.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        qb, wk, codes, wv, means, p_window, p_codes, out = ctx.saved_tensors
+        N, nb, L, D = qb.shape
+        S = codes.shape[1]
+        need = ctx.needs_input_grad
+        grad_out = grad_out.contiguous()
+        delta = (grad_out * out).sum(-1, keepdim=True)  # (N, nb, L, 1)
+        ds_window = torch.matmul(grad_out, wv.transpose(-1, -2)).sub_(delta).mul_(p_window)  # dlogits, (N, nb, L, 2L)
+        ds_codes = torch.matmul(grad_out, means.transpose(-1, -2)).sub_(delta).mul_(p_codes)  # (N, nb, L, S)
+        flat_ds_codes = ds_codes.view(N, nb * L, S)
+        grad_qb = grad_wk = grad_window_bias = grad_codes = grad_code_bias = grad_wv = grad_means = None
+        if need[0]:
+            grad_qb = torch.bmm(flat_ds_codes, codes).view(N, nb, L, D)
+            if wk is not None:
+                grad_qb.add_(torch.matmul(ds_window, wk))
+        if need[1]:
+            grad_wk = torch.matmul(ds_window.transpose(-1, -2), qb)
+        if need[2]:
+            grad_window_bias = _sum_to_shape(ds_window, ctx.window_bias_shape)
+        if need[3]:
+            grad_codes = torch.bmm(flat_ds_codes.transpose(1, 2), qb.reshape(N, nb * L, D))
+        if need[4]:
+            grad_code_bias = ds_codes.sum(2)
+        if need[5]:
+            grad_wv = torch.matmul(p_window.transpose(-1, -2), grad_out)
+        if need[6]:
+            grad_means = torch.matmul(p_codes.transpose(-1, -2), grad_out)
+        return grad_qb, grad_wk, grad_window_bias, grad_codes, grad_code_bias, grad_wv, grad_means
+
+
+def _sum_to_shape(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Reduce a broadcast gradient back to ``shape``."""
+    lead = x.dim() - len(shape)
+    dims = tuple(range(lead)) + tuple(i + lead for i, n in enumerate(shape) if n == 1 and x.shape[i + lead] != 1)
+    return x.sum(dims, keepdim=True).view(shape) if dims else x
 
 
 def _causal(
@@ -261,23 +335,25 @@ def _causal(
     cache_counts = _LaggedPrefixSum.apply(counts, initial_counts)  # (B, H, nb, S)
     cache_sums = _LaggedPrefixSum.apply(sums, initial_sums)  # (B, H, nb, S, Dv)
 
+    N = B * H
+    flat = lambda x: x.reshape(N, *x.shape[2:])  # noqa: E731  (B, H, ...) -> (B·H, ...)
     q_blocks = _blocks(q * scale, L)  # (B, H, nb, L, D); scaling q is cheaper than scaling the logits
-    code_logits = q_blocks @ c.unsqueeze(1).transpose(-1, -2)  # (B, H, nb, L, S)
+    window_bias = _window_bias(nb, L, q.device, q.dtype)  # (nb, L, 2L): causal mask
     if exact_window:
-        window_logits = q_blocks @ _windows(k, L).transpose(-1, -2)
+        window_keys = flat(_windows(k, L))
     elif index is not None:
         # Straight-through: the value of c_z, the gradient of k.
         k_hat = torch.gather(c.unsqueeze(0).expand(B, H, -1, -1), 2, index.unsqueeze(-1).expand(-1, -1, -1, D))
-        k_hat = k_hat + (k - k.detach())
-        window_logits = q_blocks @ _windows(k_hat, L).transpose(-1, -2)
+        window_keys = flat(_windows(k_hat + (k - k.detach()), L))
     else:
-        window_logits = _mixture_logits(code_logits, _windows(weights, L)) + _per_head(log_scale)  # (B, H, nb, L, 2L)
-    window_logits = window_logits.masked_fill(~_window_mask(nb, L, q.device), float("-inf"))
-
-    cache_logits = code_logits + _log_counts(cache_counts).unsqueeze(3) + _per_head(log_scale)  # (B, H, nb, L, S)
-    # One softmax over window keys and codes; split (not slicing) keeps the backward free of zero-filled buffers.
-    window_probs, cache_probs = torch.softmax(torch.cat([window_logits, cache_logits], -1), -1).split([2 * L, S], -1)
-    out = window_probs @ _windows(v, L) + cache_probs @ _code_means(cache_counts, cache_sums)
+        # The mixture logit log Σ_s e^{σ q·c_s} Δ_js is not a dot product: it is the whole window logit.
+        code_logits = q_blocks @ c.unsqueeze(1).transpose(-1, -2)  # (B, H, nb, L, S)
+        window_bias = flat(window_bias + _mixture_logits(code_logits, _windows(weights, L)) + _per_head(log_scale))
+        window_keys = None
+    code_bias = flat(_log_counts(cache_counts) + log_scale)  # (N, nb, S); log_scale is (H, 1, 1) or 0
+    codes = flat(c.unsqueeze(0).expand(B, -1, -1, -1))  # (N, S, D)
+    out = _WindowCodeAttention.apply(flat(q_blocks), window_keys, window_bias, codes, code_bias,
+                                     flat(_windows(v, L)), flat(_code_means(cache_counts, cache_sums)))
     return out.reshape(B, H, nb * L, -1)[:, :, :T], counts, sums
 
 
