@@ -49,7 +49,9 @@ def ref_vq_attention(q, k, v, codebook, *, causal, assign="hard", temperature=1.
     if not causal:
         return torch.einsum("bhij,bhjd->bhid", torch.softmax(mixture, -1), v)
 
-    L = block_len or 64
+    if block_len is None:
+        raise ValueError("the reference needs an explicit block_len for causal attention")
+    L = block_len
     pos = torch.arange(T)
     in_window = (pos[None, :] // L) >= (pos[:, None] // L) - 1  # (Tq, Tk)
     future = pos[None, :] > pos[:, None]

@@ -50,13 +50,13 @@ def test_hard_on_codebook_equals_softmax(causal, T, block_len, dtype, tol):
 
 @pytest.mark.parametrize("assign", ["hard", "soft", "kernel"])
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("T,block_len", [(1, 4), (5, 8), (37, 8), (64, 16), (100, 16), (70, None)])
+@pytest.mark.parametrize("T,block_len", [(1, 4), (5, 8), (37, 8), (64, 16), (100, 16), (300, None)])
 def test_matches_quadratic_reference_outputs_and_grads(assign, causal, T, block_len):
-    q, k, v, c = make_inputs(T=T, Dv=5)
+    q, k, v, c = make_inputs(B=1, H=2, T=T, Dv=5)
     temperature = 0.7
-    kw = dict(causal=causal, assign=assign, temperature=temperature, block_len=block_len)
-    out, g = grads(lambda *x: vq_attention(*x, **kw), q, k, v, c)
-    ref, g_ref = grads(lambda *x: ref_vq_attention(*x, **kw), q, k, v, c)
+    kw = dict(causal=causal, assign=assign, temperature=temperature)
+    out, g = grads(lambda *x: vq_attention(*x, block_len=block_len, **kw), q, k, v, c)
+    ref, g_ref = grads(lambda *x: ref_vq_attention(*x, block_len=block_len or DEFAULT_BLOCK_LEN, **kw), q, k, v, c)
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
     for name, a, b in zip("qkvc", g, g_ref):
         torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9, msg=f"grad of {name}")

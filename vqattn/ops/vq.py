@@ -50,7 +50,7 @@ from ._checks import (
 ASSIGNMENTS = ("hard", "soft", "kernel")
 
 # Measured in benchmarks/attention_speed.py (README): the fastest block length on CPU for S=512, D=64.
-DEFAULT_BLOCK_LEN = 64
+DEFAULT_BLOCK_LEN = 128
 
 
 @dataclass
@@ -112,12 +112,14 @@ def vq_assign(k: torch.Tensor, codebook: torch.Tensor, *, assign: str, temperatu
     constant exp(max_s ‖c_s‖²/2τ) ≥ them, with its log as ``log_scale``.
     """
     c = codebook  # (H, S, D)
-    kc = k @ c.transpose(-1, -2)  # (B, H, T, S)
     c_sq = (c * c).sum(-1)[:, None, :]  # (H, 1, S)
     if assign == "hard":
-        # ‖k‖² is the same for every code, so it does not change the argmin.
-        index = (c_sq - 2 * kc).argmin(-1)  # (B, H, T)
-        return Assignment(None, index, 0.0)
+        # ‖k‖² is the same for every code, so it does not change the argmin: argmin_s ‖c_s‖² − 2 k·c_s.
+        B, H, T, D = k.shape
+        dist = torch.baddbmm(c_sq.repeat(B, 1, 1), k.reshape(B * H, T, D),
+                             c.transpose(-1, -2).repeat(B, 1, 1), alpha=-2)
+        return Assignment(None, dist.argmin(-1).view(B, H, T), 0.0)
+    kc = k @ c.transpose(-1, -2)  # (B, H, T, S)
     tau = _temperature_tensor(temperature, c.shape[0], k)
     if assign == "soft":
         # −‖k − c‖²/2τ up to a per-key constant, which the softmax removes.
@@ -252,21 +254,20 @@ class _WindowCodeAttention(torch.autograd.Function):
         m = torch.maximum(p_window.amax(-1, keepdim=True), p_codes.amax(-1, keepdim=True))  # finite: the diagonal
         p_window.sub_(m).exp_()
         p_codes.sub_(m).exp_()
-        z = p_window.sum(-1, keepdim=True).add_(p_codes.sum(-1, keepdim=True))
-        p_window.div_(z)
-        p_codes.div_(z)
-        out = torch.matmul(p_window, wv).add_(torch.matmul(p_codes, means))
-        ctx.save_for_backward(qb, wk, codes, wv, means, p_window, p_codes, out)
+        z = p_window.sum(-1, keepdim=True).add_(p_codes.sum(-1, keepdim=True))  # (N, nb, L, 1)
+        # p_* stay unnormalised: dividing the (L, Dv) output is cheaper than the (L, 2L + S) probabilities.
+        out = torch.matmul(p_window, wv).add_(torch.matmul(p_codes, means)).div_(z)
+        ctx.save_for_backward(qb, wk, codes, wv, means, p_window, p_codes, out, z)
         ctx.window_bias_shape = window_bias.shape
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        qb, wk, codes, wv, means, p_window, p_codes, out = ctx.saved_tensors
+        qb, wk, codes, wv, means, p_window, p_codes, out, z = ctx.saved_tensors
         N, nb, L, D = qb.shape
         S = codes.shape[1]
         need = ctx.needs_input_grad
-        grad_out = grad_out.contiguous()
+        grad_out = grad_out / z  # with P = p / z, every P-term below becomes a p-term of this scaled gradient
         delta = (grad_out * out).sum(-1, keepdim=True)  # (N, nb, L, 1)
         ds_window = torch.matmul(grad_out, wv.transpose(-1, -2)).sub_(delta).mul_(p_window)  # dlogits, (N, nb, L, 2L)
         ds_codes = torch.matmul(grad_out, means.transpose(-1, -2)).sub_(delta).mul_(p_codes)  # (N, nb, L, S)
@@ -413,7 +414,7 @@ def vq_attention(
         causal: block-wise linear-time causal attention; else exp(QCᵀ)(ΔᵀV) over all keys.
         assign: "hard" (Transformer-VQ), "soft" (GMM posterior) or "kernel" (unnormalised Gaussian kernel).
         temperature: τ > 0 of soft/kernel assignments: a number, or a tensor with 1 or H elements (learnable).
-        block_len: causal block length L (default 64, or T when T < 64). The window is the current and the
+        block_len: causal block length L (default 128, or T when T < 128). The window is the current and the
             previous block; older blocks are compressed.
         scale: multiplies q·k and q·c; defaults to D**-0.5 as in SDPA.
         exact_window: the window uses the raw keys (exact softmax nearby, codes only for the far past).
