@@ -1,6 +1,6 @@
 """Train a byte-level GPT with any vqattn attention: ``python train.py attention=vq_soft``.
 
-Hydra composes conf/config.yaml (see docs/train.md); every run writes into its Hydra run dir:
+Hydra composes conf/config.yaml (see the README, "Training, comparing and sampling"); every run writes into its Hydra run dir:
 results.json, metrics.csv (train and validation metrics per step), checkpoints/last.ckpt and .hydra/.
 
 Multi-GPU (``trainer=ddp trainer.devices=N``): Lightning re-launches this script once per extra local
@@ -30,7 +30,7 @@ def _ddp_child_argv() -> None:
     Lightning would re-run ``sys.argv`` (which in a sweep still holds ``-m`` and the comma lists) with
     ``hydra.run.dir`` set to the *un-swept* run dir; rank 0's own overrides and output dir are what we need.
     Processes started by an external launcher (torchrun, SLURM) have no VQATTN_DDP_ARGV and keep their
-    arguments; there, pass the same ``hydra.run.dir`` to every rank (docs/train.md).
+    arguments; there, pass the same ``hydra.run.dir`` to every rank (README, "Multi-GPU and multi-node").
     """
     rank = os.environ.get("LOCAL_RANK", "0")
     if rank != "0" and DDP_ARGV in os.environ:
@@ -82,8 +82,11 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
 
+    from vqattn.utils import tune_cpu_allocator
+
     start = time.perf_counter()
     check_config(cfg)
+    tune_cpu_allocator()  # CPU steps reuse freed memory instead of page-faulting every temporary again
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     torch.set_float32_matmul_precision("high")  # TF32 matmuls on GPUs that have them
     datamodule = hydra.utils.instantiate(cfg.data)

@@ -1,5 +1,8 @@
 """Forward+backward time and peak memory: causal SDPA against causal vq_attention (hard and soft).
 
+Gradients flow to q, k, v, and to the codebook for soft (learned by gradient); the hard codebook is an EMA
+buffer without gradient, as in Transformer-VQ and ``Codebook(learning="ema")``.
+
     python benchmarks/attention_speed.py                       # T = 1k … 32k, B=1, H=4, D=64, S=512, fp32
     python benchmarks/attention_speed.py --lengths 1024 8192 --reps 5
     python benchmarks/attention_speed.py --block-lens 32 64 128 256 --lengths 8192 --methods vq_hard vq_soft
@@ -45,6 +48,8 @@ def child(method: str, T: int, device: str, reps: int, block_len: int | None, B=
     torch.manual_seed(0)
     make = lambda *shape: torch.randn(*shape, device=device).requires_grad_(True)  # noqa: E731
     q, k, v, codebook = make(B, H, T, D), make(B, H, T, D), make(B, H, T, D), make(H, S, D)
+    # As in Transformer-VQ, the hard codebook is an EMA k-means buffer (no gradient); the soft one is learned.
+    codebook.requires_grad_(method == "vq_soft")
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -61,7 +66,7 @@ def child(method: str, T: int, device: str, reps: int, block_len: int | None, B=
     times = []
     for _ in range(reps):
         for t in (q, k, v, codebook):
-            t.grad = None
+            t.grad = None  # fresh gradients every repetition, as in a training step
         sync()
         start = time.perf_counter()
         run_once(method, q, k, v, codebook, block_len)
