@@ -16,6 +16,9 @@ SMALL_KWARGS = {
     "performer": {"chunk_len": 4, "features": {"num_features": 16}},
     "linear": {"chunk_len": 4},
     "taylor": {"chunk_len": 4},
+    "kernel_rbf": {},
+    "kernel_poly": {"degree": 3},
+    "kernel_linear": {},
 }
 
 

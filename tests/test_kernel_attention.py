@@ -110,3 +110,17 @@ def test_bad_input():
         kernel_attention(q, k, v, causal=False, position_kernel=-torch.ones(9, 9, dtype=F64))
     with pytest.raises(ValueError, match="does not broadcast"):
         kernel_attention(q, k, v, causal=False, position_kernel=torch.ones(5, 9, 9, dtype=F64))
+
+
+@pytest.mark.parametrize("kernel,degree,normalizer", [("exp", 2, "kernel"), ("rbf", 2, "kernel"), ("poly", 3, "count"),
+                                                      ("linear", 1, "count")])
+def test_causal_queries_are_the_last_positions_when_q_is_shorter(kernel, degree, normalizer):
+    """Causal with Tq < Tk (a KV-cache step): the rows equal the last Tq rows of the full causal call."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 3, 11, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    full = naive_kernel_attention(q, k, v, kernel=kernel, causal=True, degree=degree, normalizer=normalizer)
+    for tq in (1, 4, 11):
+        part = kernel_attention(q[:, :, -tq:], k, v, kernel=kernel, causal=True, degree=degree, normalizer=normalizer)
+        torch.testing.assert_close(part, full[:, :, -tq:], atol=1e-12, rtol=1e-10)
+    with pytest.raises(ValueError, match="no longer than k"):
+        kernel_attention(q, k[:, :, :5], v[:, :, :5], kernel=kernel, causal=True)

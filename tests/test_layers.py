@@ -27,11 +27,13 @@ def heads(layer: Attention, x: torch.Tensor):
 
 
 def test_registry_names():
-    assert set(ATTENTIONS) == {"softmax", "vq_hard", "vq_soft", "performer", "linear", "taylor"}
+    assert set(ATTENTIONS) == {"softmax", "vq_hard", "vq_soft", "performer", "linear", "taylor", "kernel_rbf",
+                               "kernel_poly", "kernel_linear"}
 
 
 def test_unknown_name_lists_valid_names():
-    with pytest.raises(ValueError, match="valid names are: linear, performer, softmax, taylor, vq_hard, vq_soft"):
+    with pytest.raises(ValueError, match="valid names are: kernel_linear, kernel_poly, kernel_rbf, linear, performer, "
+                       "softmax, taylor, vq_hard, vq_soft"):
         build_attention("flash", dim=DIM, num_heads=HEADS)
 
 

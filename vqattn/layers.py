@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from .codebook import Codebook
 from .feature_maps import EluFeatures, FeatureMap, PerformerFeatures, TaylorFeatures
-from .functional import softmax_attention, vq_attention
+from .functional import kernel_attention, softmax_attention, vq_attention
 from .ops.linear import linear_attention
 from .ops._checks import check_positive_int
 
@@ -142,22 +142,64 @@ class Attention(nn.Module):
         return {}
 
 
-class SoftmaxAttention(Attention):
-    """Exact causal softmax attention; decoding keeps a KV cache (memory grows with the sequence)."""
+class CachedAttention(Attention):
+    """Quadratic attention whose decoding state is a KV cache (memory grows with the sequence).
+
+    Subclasses implement ``_quadratic(q, k, v)``: causal attention of the last Tq positions (q) over all Tk ≥ Tq
+    keys, query i sitting at position Tk − Tq + i.
+    """
 
     def _attend(self, q, k, v, pos, state: KVCache | None, return_state):
         q, k = self.rotate(q, pos), self.rotate(k, pos)
         if state is not None:
             k, v = torch.cat((state.k, k), dim=2), torch.cat((state.v, v), dim=2)  # (B, H, P+T, Dh)
+        return self._quadratic(q, k, v), (KVCache(k, v) if return_state else None)
+
+    def _quadratic(self, q, k, v):
+        raise NotImplementedError
+
+
+class SoftmaxAttention(CachedAttention):
+    """Exact causal softmax attention (SDPA)."""
+
+    def _quadratic(self, q, k, v):
         past, t = k.shape[2] - q.shape[2], q.shape[2]
         if past == 0:
-            out = softmax_attention(q, k, v, causal=True)
-        else:
-            # Query i sits at position past + i and sees keys 0..past+i.
-            rows = torch.arange(t, device=q.device)[:, None] + past
-            mask = torch.arange(past + t, device=q.device)[None, :] <= rows  # (T, P+T)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return out, (KVCache(k, v) if return_state else None)
+            return softmax_attention(q, k, v, causal=True)
+        # Query i sits at position past + i and sees keys 0..past+i.
+        rows = torch.arange(t, device=q.device)[:, None] + past
+        mask = torch.arange(past + t, device=q.device)[None, :] <= rows  # (T, P+T)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class KernelSmootherAttention(CachedAttention):
+    """Kernel-smoother attention (Tsai et al. 2019) with an explicit kernel: ``kernel_attention``.
+
+    The analysis baseline of the kernel family, quadratic in T: ``kernel_rbf`` (exp(−s‖q − k‖²/2)),
+    ``kernel_poly`` ((s q·k)^degree, default degree 2) and ``kernel_linear`` (s q·k, signed, count-normalised).
+    """
+
+    kernel: ClassVar[str]
+
+    def __init__(self, dim: int, num_heads: int, *, degree: int = 2, **attention_kwargs):
+        super().__init__(dim, num_heads, **attention_kwargs)
+        check_positive_int("degree", degree)
+        self.degree = degree
+
+    def _quadratic(self, q, k, v):
+        return kernel_attention(q, k, v, kernel=self.kernel, causal=True, degree=self.degree)
+
+
+class RBFSmootherAttention(KernelSmootherAttention):
+    kernel = "rbf"
+
+
+class PolySmootherAttention(KernelSmootherAttention):
+    kernel = "poly"
+
+
+class LinearSmootherAttention(KernelSmootherAttention):
+    kernel = "linear"
 
 
 class VQAttention(Attention):
@@ -315,6 +357,9 @@ ATTENTIONS: dict[str, type[Attention]] = {
     "performer": PerformerAttention,
     "linear": EluLinearAttention,
     "taylor": TaylorAttention,
+    "kernel_rbf": RBFSmootherAttention,
+    "kernel_poly": PolySmootherAttention,
+    "kernel_linear": LinearSmootherAttention,
 }
 
 

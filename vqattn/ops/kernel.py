@@ -34,7 +34,8 @@ def kernel_attention(
       * ``"poly"``:   κ = (s·q·k)^degree
       * ``"linear"``: κ = s·q·k                    (signed)
 
-    q: (B, H, Tq, D), k: (B, H, Tk, D), v: (B, H, Tk, Dv) -> (B, H, Tq, Dv).
+    q: (B, H, Tq, D), k: (B, H, Tk, D), v: (B, H, Tk, Dv) -> (B, H, Tq, Dv). Causal attention allows Tq ≤ Tk:
+    the queries are then the last Tq positions (query t sees keys ≤ Tk − Tq + t), as when decoding with a KV cache.
 
     position_kernel: optional non-negative tensor broadcastable to (B, H, Tq, Tk), e.g. (Tq, Tk); the
     weights become the product kernel κ(q_t, k_s)·P[t, s] (Tsai et al.'s content × position kernel).
@@ -44,7 +45,9 @@ def kernel_attention(
     "count" for signed ones (linear, odd-degree poly), whose row sums can be ≤ 0.
     Half precision is computed in float32.
     """
-    check_qkv(q, k, v, causal=causal)
+    check_qkv(q, k, v, causal=False)
+    if causal and q.shape[2] > k.shape[2]:
+        raise ValueError(f"causal attention needs q no longer than k, got q T={q.shape[2]} and k T={k.shape[2]}")
     check_choice("kernel", kernel, KERNELS)
     check_positive_int("degree", degree)
     if scale is not None and not scale > 0:
@@ -67,7 +70,7 @@ def kernel_attention(
     dots = torch.einsum("bhtd,bhsd->bhts", q, k)  # (B, H, Tq, Tk)
     keep = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device)
     if causal:
-        keep = keep.tril()
+        keep = keep.tril(Tk - Tq)
     if kernel in ("exp", "rbf"):
         if kernel == "exp":
             logits = s * dots
