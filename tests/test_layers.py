@@ -13,6 +13,11 @@ from vqattn.layers import ATTENTIONS, Attention, build_attention, rope_rotate
 DIM, HEADS = 16, 2
 
 
+def run(layer: Attention, x: torch.Tensor) -> torch.Tensor:
+    """The layer's output tensor (B, T, C)."""
+    return layer(x).output
+
+
 def make(name: str, rope: bool = False, **kwargs) -> Attention:
     torch.manual_seed(0)
     layer = build_attention(name, dim=DIM, num_heads=HEADS, rope=rope, **{**layer_kwargs(name, rope), **kwargs})
@@ -44,12 +49,12 @@ def test_causal(name, rope, t):
     """Changing future inputs leaves earlier outputs unchanged."""
     layer = make(name, rope)
     x = torch.randn(2, t, DIM, dtype=torch.float64)
-    out = layer(x)
+    out = run(layer, x)
     assert out.shape == x.shape
     for cut in range(t):
         y = x.clone()
         y[:, cut:] = torch.randn_like(y[:, cut:])
-        torch.testing.assert_close(layer(y)[:, :cut], out[:, :cut], rtol=0, atol=1e-12)
+        torch.testing.assert_close(run(layer, y)[:, :cut], out[:, :cut], rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -57,9 +62,9 @@ def test_causal(name, rope, t):
 def test_chunked_state_matches_full(name, rope):
     layer = make(name, rope)
     x = torch.randn(2, 11, DIM, dtype=torch.float64)
-    full = layer(x)
-    first, state = layer(x[:, :6], return_state=True)
-    second, state = layer(x[:, 6:], state, return_state=True)
+    full = run(layer, x)
+    first, _, state = layer(x[:, :6], return_state=True)
+    second, _, state = layer(x[:, 6:], state, return_state=True)
     assert state.pos == 11
     torch.testing.assert_close(torch.cat((first, second), dim=1), full, rtol=0, atol=1e-12)
 
@@ -87,7 +92,7 @@ def test_vq_rope_inside_one_block_is_softmax_rope(name):
     vq = make(name, rope=True, block_len=8)
     softmax = make("softmax", rope=True)
     softmax.load_state_dict(vq.state_dict(), strict=False)
-    torch.testing.assert_close(vq(x), softmax(x), rtol=0, atol=1e-12)
+    torch.testing.assert_close(run(vq, x), run(softmax, x), rtol=0, atol=1e-12)
 
 
 def test_vq_hard_rope_far_cache_uses_position_free_codes():
@@ -109,44 +114,47 @@ def test_vq_hard_rope_far_cache_uses_position_free_codes():
         w = torch.softmax(torch.cat((cache, window), dim=-1), dim=-1)
         out[:, :, i] = (w.unsqueeze(-1) * v[:, :, : i + 1]).sum(2)
     expected = layer.proj(out.transpose(1, 2).reshape(1, t, DIM))
-    torch.testing.assert_close(layer(x), expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(run(layer, x), expected, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_qk_norm_makes_layer_invariant_to_qk_scale(name):
     layer = make(name, qk_norm=True)
     x = torch.randn(1, 6, DIM, dtype=torch.float64)
-    out = layer(x)
+    out = run(layer, x)
     with torch.no_grad():
         layer.qkv.weight[: 2 * DIM] *= 7.0  # rows producing q and k
-    torch.testing.assert_close(layer(x), out, rtol=0, atol=1e-6)
+    torch.testing.assert_close(run(layer, x), out, rtol=0, atol=1e-6)
     layer_plain = make(name)
     with torch.no_grad():
         layer_plain.qkv.weight[: 2 * DIM] *= 7.0
-    assert not torch.allclose(layer_plain(x), make(name)(x), atol=1e-6)
+    assert not torch.allclose(run(layer_plain, x), run(make(name), x), atol=1e-6)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_aux_loss_and_usage_stats(name):
     layer = make(name).train()
     x = torch.randn(2, 9, DIM, dtype=torch.float64)
-    layer(x)
-    assert layer.aux_loss.shape == () and torch.isfinite(layer.aux_loss)
+    out, aux_loss, state = layer(x)
+    assert out.shape == x.shape and state is None
+    assert aux_loss.shape == () and torch.isfinite(aux_loss)
+    assert not hasattr(layer, "aux_loss")  # returned, never stashed on the module
     stats = layer.usage_stats()
     if name in VQ_NAMES:
         assert {"perplexity", "dead_codes", "quant_error"} <= set(stats)
         assert all(math.isfinite(value) for value in stats.values())
     else:
-        assert layer.aux_loss == 0 and stats == {}
+        assert aux_loss == 0 and stats == {}
     if name == "vq_hard":
-        assert layer.aux_loss > 0 and layer.aux_loss.requires_grad
+        assert aux_loss > 0 and aux_loss.requires_grad
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_backward_reaches_every_projection(name):
     layer = make(name).train()
     x = torch.randn(2, 9, DIM, dtype=torch.float64, requires_grad=True)
-    (layer(x).square().sum() + layer.aux_loss).backward()
+    out, aux_loss, _ = layer(x)
+    (out.square().sum() + aux_loss).backward()
     for param in (layer.qkv.weight, layer.proj.weight, x):
         assert param.grad is not None and torch.isfinite(param.grad).all() and param.grad.abs().sum() > 0
 

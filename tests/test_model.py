@@ -29,11 +29,14 @@ def test_loss_is_nll_and_aux_is_separate(name):
     torch.manual_seed(1)
     model = tiny_model(name).train()
     idx, targets = torch.randint(0, 17, (2, 2, 9)).unbind(0)
+    layer_aux = []  # each layer's returned aux loss, captured on the way
+    for block in model.blocks:
+        block.attn.register_forward_hook(lambda module, args, output: layer_aux.append(output.aux_loss))
     out = model(idx, targets)
     nll = -out.logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).mean()
     torch.testing.assert_close(out.loss, nll, rtol=0, atol=1e-12)
-    assert out.aux_loss.shape == ()
-    torch.testing.assert_close(out.aux_loss, sum(block.attn.aux_loss for block in model.blocks))
+    assert out.aux_loss.shape == () and len(layer_aux) == len(model.blocks)
+    torch.testing.assert_close(out.aux_loss, sum(layer_aux))
     if name == "vq_hard":
         assert out.aux_loss > 0
     elif name not in VQ_NAMES:

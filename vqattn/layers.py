@@ -6,11 +6,14 @@ Every layer maps x: (B, T, C) -> (B, T, C) and is causal. It owns
 * optional per-head RMS normalisation of q and k (``qk_norm``, as in Transformer-VQ),
 * optional rotary position embedding (``rope``); learned absolute positions live in the model,
   so a layer with ``rope=False`` is position-free,
-* ``aux_loss``: a scalar tensor set by every forward (the commitment loss for vq layers, 0 otherwise),
 * ``usage_stats()``: codebook usage for vq layers, ``{}`` otherwise,
 * a recurrent decoding path: ``forward(x, state, return_state=True)`` consumes a chunk of tokens that
   follows the tokens summarised by ``state`` and returns the state after the chunk. Feeding a sequence in
   chunks gives the same outputs as one call on the whole sequence.
+
+``forward`` returns an :class:`AttentionOutput` ``(output, aux_loss, state)``: the auxiliary loss (the commitment
+loss for vq layers, a zero scalar otherwise) is returned, never stashed on the module, so activation checkpointing
+and ``torch.compile`` see it as an ordinary output. Add it to your loss.
 
 Build a layer with ``build_attention(name, dim=..., num_heads=..., **kwargs)``; ``ATTENTIONS`` maps each
 name to its class.
@@ -44,6 +47,14 @@ class AttentionState:
     inner: Any
 
 
+class AttentionOutput(NamedTuple):
+    """What every attention layer returns."""
+
+    output: torch.Tensor  # (B, T, C)
+    aux_loss: torch.Tensor  # scalar: the vq commitment loss, 0 for the other attentions
+    state: AttentionState | None  # the state after this chunk when return_state=True, else None
+
+
 class KVCache(NamedTuple):
     """Softmax decoding state: all past keys (already rotated when RoPE is on) and values, (B, H, P, D)."""
 
@@ -72,9 +83,10 @@ def rope_rotate(x: torch.Tensor, start: int, base: float) -> torch.Tensor:
 class Attention(nn.Module):
     """Base class: projections, q/k normalisation, RoPE and the chunked-state protocol.
 
-    Subclasses implement ``_attend(q, k, v, pos, state, return_state)`` on (B, H, T, Dh) tensors, where
-    q and k are projected and normalised but not rotated (each variant decides where RoPE goes), ``pos``
-    is the absolute position of the first token and ``state`` the op state (or None for a fresh start).
+    Subclasses implement ``_attend(q, k, v, pos, state, return_state) -> (out, aux_loss, op_state)`` on
+    (B, H, T, Dh) tensors, where q and k are projected and normalised but not rotated (each variant decides where
+    RoPE goes), ``pos`` is the absolute position of the first token and ``state`` the op state (or None for a
+    fresh start); ``aux_loss`` may be None (no auxiliary loss).
     """
 
 
@@ -110,16 +122,18 @@ class Attention(nn.Module):
         # Transformer-VQ RMS-normalises q and k per head; this bounds |q.k| and keeps codes comparable.
         self.q_norm = nn.RMSNorm(self.head_dim) if qk_norm else nn.Identity()
         self.k_norm = nn.RMSNorm(self.head_dim) if qk_norm else nn.Identity()
-        self.aux_loss = torch.zeros(())
 
     def rotate(self, x: torch.Tensor, pos: int) -> torch.Tensor:
         """RoPE at positions pos.. when this layer uses it, else x unchanged."""
         return rope_rotate(x, pos, self.rope_base) if self.rope else x
 
-    def forward(self, x: torch.Tensor, state: AttentionState | None = None, return_state: bool = False):
-        """x: (B, T, C) -> (B, T, C), or (out, AttentionState) when ``return_state``.
+    def forward(
+        self, x: torch.Tensor, state: AttentionState | None = None, return_state: bool = False
+    ) -> AttentionOutput:
+        """x: (B, T, C) -> AttentionOutput(output (B, T, C), aux_loss (scalar), state or None).
 
-        ``state`` summarises the tokens before x (from a previous call with ``return_state=True``).
+        ``state`` summarises the tokens before x (from a previous call with ``return_state=True``); the returned
+        state (only when ``return_state``) summarises them and x.
         """
         if x.dim() != 3 or x.shape[-1] != self.dim:
             raise ValueError(f"x must have shape (B, T, {self.dim}), got {tuple(x.shape)}")
@@ -129,10 +143,10 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x).view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, Dh)
         q, k = self.q_norm(q), self.k_norm(k)
         pos = 0 if state is None else state.pos
-        self.aux_loss = x.new_zeros(())
-        out, inner = self._attend(q, k, v, pos, None if state is None else state.inner, return_state)  # (B, H, T, Dh)
+        out, aux_loss, inner = self._attend(q, k, v, pos, None if state is None else state.inner, return_state)
         y = self.resid_dropout(self.proj(out.transpose(1, 2).reshape(b, t, c)))  # (B, T, C)
-        return (y, AttentionState(pos + t, inner)) if return_state else y
+        aux_loss = x.new_zeros(()) if aux_loss is None else aux_loss
+        return AttentionOutput(y, aux_loss, AttentionState(pos + t, inner) if return_state else None)
 
     def _attend(self, q, k, v, pos: int, state, return_state: bool):
         raise NotImplementedError
@@ -153,7 +167,7 @@ class CachedAttention(Attention):
         q, k = self.rotate(q, pos), self.rotate(k, pos)
         if state is not None:
             k, v = torch.cat((state.k, k), dim=2), torch.cat((state.v, v), dim=2)  # (B, H, P+T, Dh)
-        return self._quadratic(q, k, v), (KVCache(k, v) if return_state else None)
+        return self._quadratic(q, k, v), None, (KVCache(k, v) if return_state else None)
 
     def _quadratic(self, q, k, v):
         raise NotImplementedError
@@ -206,7 +220,7 @@ class VQAttention(Attention):
     """Codebook attention (``vq_attention``) with a learned per-head :class:`~vqattn.codebook.Codebook`.
 
     The codebook module quantises the keys (EMA k-means or gradient learning), and its commitment loss is
-    this layer's ``aux_loss``. Decoding keeps ``VQState``: per-code counts and value sums plus a raw window of
+    the ``aux_loss`` this layer returns. Decoding keeps ``VQState``: per-code counts and value sums plus a raw window of
     under 2·block_len keys, i.e. constant memory per token.
 
     RoPE (``rope=True``) acts only inside the uncompressed window, which must hold the raw keys
@@ -252,7 +266,7 @@ class VQAttention(Attention):
         self.codebook = Codebook(num_heads, num_codes, self.head_dim, assign=self.assign, **(codebook or {}))
 
     def _attend(self, q, k, v, pos, state, return_state):
-        codebook, self.aux_loss = self.codebook(k)  # (H, S, Dh), scalar; codes are learned on unrotated keys
+        codebook, aux_loss = self.codebook(k)  # (H, S, Dh), scalar; codes are learned on unrotated keys
         if self.rope:
             q = torch.cat((self.rotate(q, pos), q, -q), dim=-1)  # (B, H, T, 3 Dh)
             k = torch.cat((self.rotate(k, pos), k, k), dim=-1)
@@ -270,7 +284,8 @@ class VQAttention(Attention):
             state=state,
             return_state=return_state,
         )
-        return result if return_state else (result, None)
+        out, op_state = result if return_state else (result, None)
+        return out, aux_loss, op_state
 
     def usage_stats(self) -> dict[str, float]:
         return self.codebook.usage_stats()
@@ -322,7 +337,8 @@ class KernelAttention(Attention):
             state=state,
             return_state=return_state,
         )
-        return result if return_state else (result, None)
+        out, op_state = result if return_state else (result, None)
+        return out, None, op_state
 
 
 class PerformerAttention(KernelAttention):

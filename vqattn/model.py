@@ -95,12 +95,11 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, state: AttentionState | None = None, return_state: bool = False):
-        h = self.attn(self.norm1(x), state, return_state)
-        if return_state:
-            h, state = h
+        """x (B, T, C) -> (x (B, T, C), aux_loss scalar, state after x or None)."""
+        h, aux_loss, state = self.attn(self.norm1(x), state, return_state)
         x = x + h
         x = x + self.mlp(self.norm2(x))
-        return (x, state) if return_state else x
+        return x, aux_loss, state
 
 
 class GPT(nn.Module):
@@ -151,19 +150,18 @@ class GPT(nn.Module):
             )
 
     def _body(self, idx: torch.Tensor, start: int, states: list[AttentionState | None] | None):
-        """Token ids (B, T) at positions start.. -> final hidden states (B, T, C) and new layer states."""
+        """Token ids (B, T) at positions start.. -> final hidden states (B, T, C), the summed auxiliary loss and
+        the new layer states (when ``states`` is given: one per layer, None = fresh start)."""
         x = self.tok_emb(idx)  # (B, T, C)
         if self.pos_emb is not None:
             x = x + self.pos_emb(torch.arange(start, start + idx.shape[1], device=idx.device))
         x = self.dropout(x)
-        new_states = []
+        aux_losses, new_states = [], []
         for i, block in enumerate(self.blocks):
-            if states is None:
-                x = block(x)
-            else:
-                x, s = block(x, states[i], return_state=True)
-                new_states.append(s)
-        return self.norm(x), new_states
+            x, aux_loss, state = block(x, None if states is None else states[i], return_state=states is not None)
+            aux_losses.append(aux_loss)
+            new_states.append(state)
+        return self.norm(x), torch.stack(aux_losses).sum(), new_states
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> GPTOutput:
         """idx, targets: (B, T) token ids. loss is the mean NLL; aux_loss is returned separately."""
@@ -171,16 +169,12 @@ class GPT(nn.Module):
         if targets is not None and (not isinstance(targets, torch.Tensor) or targets.shape != idx.shape):
             shape = tuple(targets.shape) if isinstance(targets, torch.Tensor) else type(targets).__name__
             raise ValueError(f"targets must have the shape of idx {tuple(idx.shape)}, got {shape}")
-        h, _ = self._body(idx, 0, None)
+        h, aux_loss, _ = self._body(idx, 0, None)
         logits = self.head(h)  # (B, T, V)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.flatten(0, 1).to(compute_dtype(logits.dtype)), targets.flatten(), ignore_index=-1)
-        return GPTOutput(logits, loss, self.aux_loss())
-
-    def aux_loss(self) -> torch.Tensor:
-        """Sum of the auxiliary losses of the last forward's attention layers (scalar tensor)."""
-        return torch.stack([block.attn.aux_loss.to(self.head.weight.device) for block in self.blocks]).sum()
+        return GPTOutput(logits, loss, aux_loss)
 
     def forward_step(self, idx: torch.Tensor, state: GPTState | None = None) -> tuple[torch.Tensor, GPTState]:
         """Decode a chunk: idx (B, T) follows the tokens summarised by ``state`` (None: start of sequence).
@@ -192,7 +186,7 @@ class GPT(nn.Module):
             raise ValueError(f"state must be a GPTState or None, got {type(state).__name__}")
         start = 0 if state is None else state.pos
         self._check_idx("idx", idx, start)
-        h, layers = self._body(idx, start, [None] * len(self.blocks) if state is None else state.layers)
+        h, _, layers = self._body(idx, start, [None] * len(self.blocks) if state is None else state.layers)
         return self.head(h), GPTState(start + idx.shape[1], layers)
 
     @torch.no_grad()
