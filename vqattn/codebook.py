@@ -8,47 +8,61 @@ Hard mode (Transformer-VQ) quantises keys to their nearest code and learns the c
   counts Ñ_s = (N_s + ε) / (Σ N + S ε) · Σ N; or
 * ``learning="grad"``: the VQ-VAE codebook loss ‖sg(k) − c_z‖².
 
-Both add the commitment loss β ‖k − sg(c_z)‖² (mean over elements), initialise the codes from the first
-training batch's keys and restart dead codes (EMA usage below ``dead_code_threshold`` keys per step, summed over ranks) from the
-current batch's keys, broadcast from rank 0.
+Both add the commitment loss β ‖k − sg(c_z)‖² (mean over elements). Every training step keeps S random keys per
+head (rank 0's, on every rank) as restart candidates; at the start of the next training step the codes are
+initialised from them (once, with ``data_init``), and codes whose EMA usage fell below ``dead_code_threshold``
+keys per step are restarted on them. (Applied at the start of a step, not the end, because the step's autograd
+graph still holds the codes.)
 
 Soft mode (GMM) learns the codes, and optionally a per-head temperature, by gradient through the attention.
+
+The assignment is computed once per step, here, and handed to ``vq_attention`` (``assignment=``). A training step
+never reads a tensor on the host (no ``.item()``, ``bool(tensor)``): initialisation and restarts are masked
+``torch.where`` updates. Under DDP the statistics and the restart candidates travel in one all-reduce per step.
+Assignments and statistics are computed in float32 (autocast is disabled inside), and the statistics buffers stay
+float32 when the module is cast to a half-precision dtype.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from .ops._checks import check_4d, check_choice, check_positive_int
-from .ops.vq import vq_assign
+from .ops.vq import Assignment, vq_assign
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _all_reduce_sum(*tensors: torch.Tensor) -> None:
-    if _distributed():
-        for t in tensors:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
 
 
-def _broadcast_from_rank0(t: torch.Tensor) -> torch.Tensor:
+def _all_reduce_sum(flat: torch.Tensor) -> None:
+    """Sum a flat tensor over all ranks, in place (a no-op without DDP): the codebook's one collective per step."""
     if _distributed():
-        dist.broadcast(t, src=0)
-    return t
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+
+
+class CodebookOutput(NamedTuple):
+    codes: torch.Tensor  # (H, S, D), in the keys' dtype; pass to vq_attention
+    assignment: Assignment  # of the keys to the codes; pass to vq_attention(assignment=...)
+    aux_loss: torch.Tensor  # scalar: commitment (+ codebook) loss for hard, 0 for soft
 
 
 class Codebook(nn.Module):
     """Per-head codebooks (H, S, D) with EMA k-means or gradient learning.
 
-    ``forward(k)`` with keys (B, H, T, D) returns ``(codebook (H, S, D), aux_loss)``; in training mode it first
-    initialises / restarts codes, and after assigning updates the EMA statistics. Pass ``self.assign`` and
-    ``self.temperature`` on to ``vq_attention``.
+    ``forward(k)`` with keys (B, H, T, D) returns ``CodebookOutput(codes, assignment, aux_loss)``; in training mode
+    it also updates the EMA statistics, initialises codes and restarts dead ones.
     """
 
     def __init__(
@@ -96,105 +110,122 @@ class Codebook(nn.Module):
         # EMA of per-code usage (keys per step): the EMA counts in ema mode, dead-code detection in both.
         self.register_buffer("ema_counts", torch.ones(num_heads, num_codes))
         self.register_buffer("initialized", torch.tensor(not data_init))
+        self.register_buffer("candidates", torch.zeros(num_heads, num_codes, dim))  # restart candidates, see above
+        self.register_buffer("candidates_ready", torch.tensor(False))
+        # perplexity, dead codes, quantisation error of the last forward; a buffer updated in place, not a Python
+        # attribute, so that forward has no side effects torch.compile must trace.
+        self.register_buffer("last_stats", torch.zeros(3), persistent=False)
         log_t = torch.full((num_heads,), math.log(temperature))
         self.log_temperature = nn.Parameter(log_t) if learn_temperature else None
         self.fixed_temperature = temperature
-        self.last_stats: dict[str, torch.Tensor] = {}
+
+    def _apply(self, fn, recurse=True):
+        # model.half() / .bfloat16() must not round the EMA statistics: keep every float buffer at least float32.
+        super()._apply(fn, recurse)
+        for name, buf in self._buffers.items():
+            if buf is not None and buf.dtype in HALF_DTYPES:
+                self._buffers[name] = buf.float()
+        return self
 
     @property
     def temperature(self) -> float | torch.Tensor:
         """τ of the soft assignment: a float, or a learnable (H,) tensor."""
         return self.fixed_temperature if self.log_temperature is None else self.log_temperature.exp()
 
-    def forward(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k: (B, H, T, D) -> (codebook (H, S, D), aux_loss scalar)."""
+    def forward(self, k: torch.Tensor) -> CodebookOutput:
+        """k: (B, H, T, D) -> CodebookOutput(codes (H, S, D), assignment of k, aux_loss scalar)."""
         check_4d("k", k)
         if k.shape[1] != self.num_heads or k.shape[3] != self.dim:
             raise ValueError(f"k must have H={self.num_heads} and D={self.dim}, got shape {tuple(k.shape)}")
-        keys = k.detach().to(self.codes.dtype).transpose(0, 1).reshape(self.num_heads, -1, self.dim)  # (H, B·T, D)
-        if self.training:
-            if not bool(self.initialized):
-                self._replace_codes(torch.ones_like(self.ema_counts, dtype=torch.bool), keys)
-                self.initialized.fill_(True)
-            elif self.dead_code_threshold > 0:
-                self._replace_codes(self.ema_counts < self.dead_code_threshold, keys)
+        with torch.autocast(k.device.type, enabled=False):
+            keys = k.to(torch.promote_types(k.dtype, torch.float32))  # (B, H, T, D), float32 or float64
+            if self.training:
+                self._restart()
+            # EMA codes are updated in place at the end of the step, so attention gets a copy autograd may keep.
+            codes = (self.codes.clone() if self.learning == "ema" else self.codes).to(keys.dtype)
+            temperature = self.temperature if self.assign == "soft" else 1.0
+            assignment = vq_assign(keys if self.assign == "soft" else keys.detach(), codes, assign=self.assign,
+                                   temperature=temperature)
+            index = assignment.index if assignment.index is not None else assignment.weights.detach().argmax(-1)
+            nearest = torch.gather(codes.unsqueeze(0).expand(k.shape[0], -1, -1, -1), 2,
+                                   index.unsqueeze(-1).expand(-1, -1, -1, self.dim))  # (B, H, T, D)
+            aux = keys.new_zeros(())
+            if self.assign == "hard":
+                aux = self.commitment * (keys - nearest.detach()).pow(2).mean()
+                if self.learning == "grad":
+                    aux = aux + (keys.detach() - nearest).pow(2).mean()
+            counts = self._batch_counts(assignment)  # (H, S)
+            if self.training:
+                self._training_update(counts, assignment, keys.detach())
+            self._record_stats(counts, (keys.detach() - nearest.detach()).pow(2).sum(-1).mean())
+        return CodebookOutput(codes.to(k.dtype), assignment, aux.to(k.dtype) if k.dtype.is_floating_point else aux)
 
-        # EMA codes are updated in place below, so attention gets a copy that autograd may keep.
-        codes = self.codes.clone() if self.learning == "ema" else self.codes
-        codes_cd = codes.to(k.dtype)
-        weights, index, _ = vq_assign(k.detach(), codes_cd.detach(), assign=self.assign,
-                                      temperature=self.fixed_temperature if self.log_temperature is None
-                                      else self.temperature.detach())
-        if index is None:  # soft: usage statistics from the most probable code
-            index = weights.argmax(-1)
-        else:
-            weights = torch.nn.functional.one_hot(index, self.num_codes)
-        nearest = torch.gather(codes_cd.unsqueeze(0).expand(k.shape[0], -1, -1, -1), 2,
-                               index.unsqueeze(-1).expand(-1, -1, -1, self.dim))  # (B, H, T, D)
-        aux = k.new_zeros(())
-        if self.assign == "hard":
-            aux = self.commitment * (k - nearest.detach()).pow(2).mean()
-            if self.learning == "grad":
-                aux = aux + (k.detach() - nearest).pow(2).mean()
+    def _slots(self, index: torch.Tensor) -> torch.Tensor:
+        """Code indices (B, H, T) -> flat (H·S) slots (B·H·T,), for scatter-adds over all heads at once."""
+        heads = torch.arange(self.num_heads, device=index.device).view(1, -1, 1)
+        return (heads * self.num_codes + index).flatten()
 
-        counts = weights.detach().to(self.codes.dtype).sum((0, 2))  # (H, S)
-        self._record_stats(counts, (k.detach() - nearest.detach()).pow(2).sum(-1).mean())
-        if self.training:
-            self._update_ema(counts, weights, keys)
-        return codes_cd, aux
+    def _batch_counts(self, assignment: Assignment) -> torch.Tensor:
+        """Keys per code in this batch, (H, S), in the statistics' dtype."""
+        dtype = self.ema_counts.dtype
+        if assignment.index is None:
+            return assignment.weights.detach().sum((0, 2)).to(dtype)
+        index = assignment.index
+        ones = torch.ones(index.numel(), device=index.device, dtype=dtype)
+        counts = torch.zeros(self.num_heads * self.num_codes, device=index.device, dtype=dtype)
+        return counts.index_add_(0, self._slots(index), ones).view(self.num_heads, self.num_codes)
 
     @torch.no_grad()
-    def _update_ema(self, counts: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> None:
-        counts = counts.clone()
-        sums = None
-        if self.learning == "ema":
-            w = weights.detach().to(keys.dtype).transpose(0, 1).reshape(self.num_heads, -1, self.num_codes)  # (H, B·T, S)
-            sums = w.transpose(1, 2) @ keys  # (H, S, D)
-            _all_reduce_sum(counts, sums)
-        else:
-            _all_reduce_sum(counts)
-        # Global sums: DDP is exactly EMA k-means on the union of the ranks' batches.
+    def _training_update(self, counts: torch.Tensor, assignment: Assignment, keys: torch.Tensor) -> None:
+        """EMA update with the all-reduced batch statistics, then initialisation / restart of codes."""
+        H, S, D = self.num_heads, self.num_codes, self.dim
+        B, _, T, _ = keys.shape
+        keys = keys.to(self.ema_counts.dtype)
+        parts = [counts]
+        if self.learning == "ema":  # key sums per code by scatter-add (no one-hot matrix)
+            sums = torch.zeros(H * S, D, device=keys.device, dtype=keys.dtype)
+            parts.append(sums.index_add_(0, self._slots(assignment.index), keys.reshape(-1, D)))
+        # Restart candidates: S random keys per head; rank 0's reach every rank through the same all-reduce.
+        batch, pos = (torch.randint(n, (H, S), device=keys.device) for n in (B, T))
+        candidates = keys[batch, torch.arange(H, device=keys.device)[:, None], pos]  # (H, S, D)
+        parts.append(candidates * (_rank() == 0))
+        flat = torch.cat([p.flatten() for p in parts])
+        _all_reduce_sum(flat)
+        counts, rest = flat[: H * S].view(H, S), flat[H * S :]
         self.ema_counts.lerp_(counts, 1 - self.decay)
-        if sums is None:
-            return
-        self.ema_sums.lerp_(sums, 1 - self.decay)
-        total = self.ema_counts.sum(-1, keepdim=True)
-        smoothed = (self.ema_counts + self.eps) / (total + self.num_codes * self.eps) * total
-        self.codes.copy_(self.ema_sums / smoothed.unsqueeze(-1))
+        if self.learning == "ema":
+            self.ema_sums.lerp_(rest[: H * S * D].view(H, S, D), 1 - self.decay)
+            total = self.ema_counts.sum(-1, keepdim=True)
+            smoothed = (self.ema_counts + self.eps) / (total + S * self.eps) * total
+            self.codes.copy_(self.ema_sums / smoothed.unsqueeze(-1))
+        self.candidates.copy_(rest[-H * S * D :].view(H, S, D))
+        self.candidates_ready.fill_(True)
 
     @torch.no_grad()
-    def _replace_codes(self, mask: torch.Tensor, keys: torch.Tensor) -> None:
-        """Set the codes where mask (H, S) is True to random keys of this batch (rank 0's, on every rank)."""
-        mask = _broadcast_from_rank0(mask.clone())
-        if not bool(mask.any()):
-            return
-        n = keys.shape[1]
-        pick = torch.randint(n, (self.num_heads, self.num_codes), device=keys.device)
-        candidates = torch.gather(keys, 1, pick.unsqueeze(-1).expand(-1, -1, self.dim))  # (H, S, D)
-        candidates = _broadcast_from_rank0(candidates.contiguous())
-        new_codes = torch.where(mask.unsqueeze(-1), candidates.to(self.codes.dtype), self.codes)
-        self.codes.copy_(new_codes)
+    def _restart(self) -> None:
+        """Initialise or restart codes from the previous step's candidates, as masked updates (no host read)."""
+        # (H, S), identical on every rank: the EMA counts and candidates come from the all-reduced statistics.
+        dead = self.candidates_ready & (~self.initialized | (self.ema_counts < self.dead_code_threshold))
+        self.codes.copy_(torch.where(dead.unsqueeze(-1), self.candidates.to(self.codes.dtype), self.codes))
         # A restarted code starts with the usage of a just-alive code, so it is not restarted again at once.
         restart_count = max(self.dead_code_threshold, 1.0)
-        self.ema_counts.copy_(torch.where(mask, torch.full_like(self.ema_counts, restart_count), self.ema_counts))
+        self.ema_counts.masked_fill_(dead, restart_count)
         if self.learning == "ema":
-            self.ema_sums.copy_(torch.where(mask.unsqueeze(-1), new_codes * restart_count, self.ema_sums))
+            self.ema_sums.copy_(torch.where(dead.unsqueeze(-1), self.codes * restart_count, self.ema_sums))
+        self.initialized.logical_or_(self.candidates_ready)
 
+    @torch.no_grad()
     def _record_stats(self, counts: torch.Tensor, quant_error: torch.Tensor) -> None:
         probs = counts / counts.sum(-1, keepdim=True).clamp_min(1e-12)  # (H, S)
         entropy = -(probs * probs.clamp_min(1e-12).log()).sum(-1)  # (H,)
         usage = self.ema_counts if self.assign == "hard" else counts
-        # Tensors, not floats: converting here would synchronise the GPU on every step.
-        self.last_stats = {
-            "perplexity": entropy.exp().mean(),
-            "dead_codes": (usage < max(self.dead_code_threshold, 1e-12)).sum(-1).float().mean(),
-            "quant_error": quant_error,
-        }
+        dead = (usage < max(self.dead_code_threshold, 1e-12)).sum(-1).to(probs.dtype).mean()
+        self.last_stats.copy_(torch.stack([entropy.exp().mean(), dead, quant_error.to(probs.dtype)]))
 
     def usage_stats(self) -> dict[str, float]:
         """Of the last forward: code-usage perplexity (mean over heads; S means uniform use), dead codes per head,
-        mean squared quantisation error ‖k − c_z‖²."""
-        return {name: float(value) for name, value in self.last_stats.items()}
+        mean squared quantisation error ‖k − c_z‖². Reads the device (call it outside the training step)."""
+        return dict(zip(("perplexity", "dead_codes", "quant_error"), self.last_stats.tolist()))
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, codes={self.num_codes}, dim={self.dim}, assign={self.assign}, "

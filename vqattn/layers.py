@@ -266,7 +266,7 @@ class VQAttention(Attention):
         self.codebook = Codebook(num_heads, num_codes, self.head_dim, assign=self.assign, **(codebook or {}))
 
     def _attend(self, q, k, v, pos, state, return_state):
-        codebook, aux_loss = self.codebook(k)  # (H, S, Dh), scalar; codes are learned on unrotated keys
+        codebook, _, aux_loss = self.codebook(k)  # (H, S, Dh), scalar; codes are learned on unrotated keys
         if self.rope:
             q = torch.cat((self.rotate(q, pos), q, -q), dim=-1)  # (B, H, T, 3 Dh)
             k = torch.cat((self.rotate(k, pos), k, k), dim=-1)

@@ -138,7 +138,11 @@ class GPT(nn.Module):
             raise ValueError(f"{name} must be a (B, T) torch.long tensor of token ids, got {shape} {dtype}")
         if idx.shape[1] == 0:
             raise ValueError(f"{name} must hold at least one token (T >= 1)")
-        if idx.numel() and (idx.min() < 0 or idx.max() >= self.config.vocab_size):
+        in_range = ((idx >= 0) & (idx < self.config.vocab_size)).all()
+        if self.training:
+            # A Python-side check would synchronise the GPU on every training step; this assert runs on the device.
+            torch._assert_async(in_range, f"{name} token ids must lie in [0, {self.config.vocab_size})")
+        elif not in_range:
             raise ValueError(f"{name} token ids must lie in [0, {self.config.vocab_size}), got range "
                              f"[{int(idx.min())}, {int(idx.max())}]")
         end = start + idx.shape[1]

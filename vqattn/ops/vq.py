@@ -87,8 +87,8 @@ def _temperature_tensor(temperature, num_heads: int, like: torch.Tensor) -> torc
                 f"temperature must be a number, a 1-element tensor or one value per head ({num_heads}), "
                 f"got shape {tuple(temperature.shape)}"
             )
-        if not bool((temperature > 0).all()):
-            raise ValueError(f"temperature must be > 0, got {temperature.detach().cpu().tolist()}")
+        # Checked on the device: reading the values on the host would synchronise a GPU on every step.
+        torch._assert_async((temperature > 0).all(), "temperature must be > 0")
         return temperature.to(device=like.device, dtype=like.dtype).reshape(-1, 1, 1)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
