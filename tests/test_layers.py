@@ -183,3 +183,20 @@ def test_bad_inputs():
         layer(torch.randn(2, 3, DIM + 1, dtype=torch.float64))
     with pytest.raises(ValueError, match="state must be an AttentionState"):
         layer(torch.randn(2, 3, DIM, dtype=torch.float64), state=(0, None))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_state_floats_counts_the_decoding_state(name):
+    """state_floats equals the numbers actually held by the decoding state after a sequence (minus the raw-window
+    bookkeeping the op keeps in its own layout)."""
+    layer = make(name)
+    t = 11
+    _, _, state = layer(torch.randn(2, t, DIM, dtype=torch.float64), return_state=True)
+    inner = state.inner
+    if name in VQ_NAMES:
+        held = inner.counts[0].numel() + inner.sums[0].numel() + 2 * min(t, 2 * layer.block_len) * DIM
+    elif hasattr(inner, "kv"):
+        held = inner.kv[0].numel() + inner.k_sum[0].numel()
+    else:
+        held = inner.k[0].numel() + inner.v[0].numel()
+    assert layer.state_floats(t) == held

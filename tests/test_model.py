@@ -128,3 +128,30 @@ def test_dropout_only_in_training():
 def test_layer_kwargs_reach_the_layer():
     config = GPTConfig(n_embd=16, n_head=2, attention="vq_hard", attention_kwargs=layer_kwargs("vq_hard"))
     assert all(block.attn.block_len == 4 for block in GPT(config).blocks)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_forward_with_a_carried_state_continues_the_sequence(name):
+    """Segments fed with the (detached) state of the previous one give the logits of one pass over the whole."""
+    torch.manual_seed(3)
+    model = tiny_model(name)
+    idx = torch.randint(0, 17, (2, 13))
+    full = model(idx).logits
+    first = model(idx[:, :6], return_state=True)
+    assert first.state.pos == 6
+    second = model(idx[:, 6:], idx[:, 6:], state=first.state.detached(), return_state=True)
+    torch.testing.assert_close(torch.cat((first.logits, second.logits), 1), full, rtol=0, atol=1e-10)
+    assert second.state.pos == 13 and model(idx).state is None
+
+
+def test_detached_state_has_no_history_and_bounded_kv_cache():
+    model = tiny_model("softmax").train()
+    out = model(torch.randint(0, 17, (2, 9)), return_state=True)
+    cache = out.state.layers[0].inner
+    assert cache.k.requires_grad
+    carried = out.state.detached(max_cache=4)
+    for before, after in zip(out.state.layers, carried.layers):
+        assert after.pos == before.pos == 9
+        assert not after.inner.k.requires_grad and not after.inner.v.requires_grad
+        torch.testing.assert_close(after.inner.k, before.inner.k[:, :, -4:].detach(), rtol=0, atol=0)
+        torch.testing.assert_close(after.inner.v, before.inner.v[:, :, -4:].detach(), rtol=0, atol=0)

@@ -21,6 +21,7 @@ name to its class.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
@@ -32,6 +33,7 @@ from .codebook import Codebook
 from .feature_maps import EluFeatures, FeatureMap, PerformerFeatures, TaylorFeatures
 from .functional import kernel_attention, softmax_attention, vq_attention
 from .ops.linear import linear_attention
+from .ops.vq import DEFAULT_BLOCK_LEN
 from .ops._checks import check_positive_int
 
 
@@ -45,6 +47,25 @@ class AttentionState:
 
     pos: int
     inner: Any
+
+    def detached(self, max_cache: int | None = None) -> AttentionState:
+        """This state without autograd history; KV caches keep their newest ``max_cache`` keys when given."""
+        inner = self.inner
+        if isinstance(inner, KVCache) and max_cache is not None:
+            inner = KVCache(inner.k[:, :, -max_cache:], inner.v[:, :, -max_cache:])
+        return AttentionState(self.pos, _detach(inner))
+
+
+def _detach(obj: Any) -> Any:
+    """Detach every tensor of a (possibly nested) NamedTuple / dataclass state."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach()
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_detach(x) for x in obj))
+    if dataclasses.is_dataclass(obj):
+        return dataclasses.replace(obj, **{f.name: _detach(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                                           if f.init})
+    return obj
 
 
 class AttentionOutput(NamedTuple):
@@ -151,6 +172,11 @@ class Attention(nn.Module):
     def _attend(self, q, k, v, pos: int, state, return_state: bool):
         raise NotImplementedError
 
+    def state_floats(self, seq_len: int) -> int:
+        """Numbers held by this layer's decoding state (all heads) after ``seq_len`` tokens: the memory that
+        recall must fit through, compared across attentions at equal size (as in Zoology)."""
+        raise NotImplementedError
+
     def usage_stats(self) -> dict[str, float]:
         """Codebook usage statistics (vq layers); empty for the others."""
         return {}
@@ -171,6 +197,9 @@ class CachedAttention(Attention):
 
     def _quadratic(self, q, k, v):
         raise NotImplementedError
+
+    def state_floats(self, seq_len: int) -> int:
+        return 2 * seq_len * self.dim  # every key and value
 
 
 class SoftmaxAttention(CachedAttention):
@@ -290,6 +319,10 @@ class VQAttention(Attention):
     def usage_stats(self) -> dict[str, float]:
         return self.codebook.usage_stats()
 
+    def state_floats(self, seq_len: int) -> int:
+        window = min(seq_len, 2 * (self.block_len or DEFAULT_BLOCK_LEN))  # raw keys and values
+        return self.num_heads * self.codebook.num_codes * (self.head_dim + 1) + 2 * window * self.dim
+
 
 class VQHardAttention(VQAttention):
     """Transformer-VQ: keys snap to their nearest code (straight-through gradient in the window)."""
@@ -324,6 +357,9 @@ class KernelAttention(Attention):
 
     def _make_features(self, head_dim: int, layer_idx: int, **kwargs) -> FeatureMap:
         raise NotImplementedError
+
+    def state_floats(self, seq_len: int) -> int:
+        return self.num_heads * self.features.num_features(self.head_dim) * (self.head_dim + 1)  # Σφ(k)vᵀ, Σφ(k)
 
     def _attend(self, q, k, v, pos, state, return_state):
         q, k = self.rotate(q, pos), self.rotate(k, pos)

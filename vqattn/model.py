@@ -50,18 +50,27 @@ class GPTConfig:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
 
 
+@dataclass
+class GPTState:
+    """Recurrent state after ``pos`` tokens: one AttentionState per layer."""
+
+    pos: int
+    layers: list[AttentionState]
+
+    def detached(self, max_cache: int | None = None) -> GPTState:
+        """The state without autograd history, to carry into the next training segment (Transformer-XL style).
+
+        ``max_cache`` keeps only the newest keys of growing KV caches (softmax, kernel smoothers): their memory.
+        The vq and kernel-family states have a constant size and are carried whole.
+        """
+        return GPTState(self.pos, [layer.detached(max_cache) for layer in self.layers])
+
+
 class GPTOutput(NamedTuple):
     logits: torch.Tensor  # (B, T, vocab_size)
     loss: torch.Tensor | None  # mean next-token cross-entropy (nats) when targets are given
     aux_loss: torch.Tensor  # scalar: sum of the attention layers' auxiliary losses
-
-
-@dataclass
-class GPTState:
-    """Decoding state after ``pos`` tokens: one AttentionState per layer."""
-
-    pos: int
-    layers: list[AttentionState]
+    state: GPTState | None = None  # the state after idx, when forward was called with return_state=True
 
 
 class MLP(nn.Module):
@@ -167,18 +176,37 @@ class GPT(nn.Module):
             new_states.append(state)
         return self.norm(x), torch.stack(aux_losses).sum(), new_states
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> GPTOutput:
-        """idx, targets: (B, T) token ids. loss is the mean NLL; aux_loss is returned separately."""
-        self._check_idx("idx", idx, 0)
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        state: GPTState | None = None,
+        return_state: bool = False,
+    ) -> GPTOutput:
+        """idx, targets: (B, T) token ids. loss is the mean NLL; aux_loss is returned separately.
+
+        ``state`` (from an earlier call with ``return_state=True``) makes idx continue the tokens it summarises;
+        with ``return_state`` the output carries the state after idx. Training on consecutive segments with a
+        carried state passes ``out.state.detached()`` to the next step.
+        """
+        if state is not None and not isinstance(state, GPTState):
+            raise ValueError(f"state must be a GPTState or None, got {type(state).__name__}")
+        start = 0 if state is None else state.pos
+        self._check_idx("idx", idx, start)
         if targets is not None and (not isinstance(targets, torch.Tensor) or targets.shape != idx.shape):
             shape = tuple(targets.shape) if isinstance(targets, torch.Tensor) else type(targets).__name__
             raise ValueError(f"targets must have the shape of idx {tuple(idx.shape)}, got {shape}")
-        h, aux_loss, _ = self._body(idx, 0, None)
+        layer_states = None
+        if state is not None or return_state:
+            layer_states = [None] * len(self.blocks) if state is None else state.layers
+        h, aux_loss, layer_states = self._body(idx, start, layer_states)
         logits = self.head(h)  # (B, T, V)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.flatten(0, 1).to(compute_dtype(logits.dtype)), targets.flatten(), ignore_index=-1)
-        return GPTOutput(logits, loss, aux_loss)
+        new_state = GPTState(start + idx.shape[1], layer_states) if return_state else None
+        return GPTOutput(logits, loss, aux_loss, new_state)
 
     def forward_step(self, idx: torch.Tensor, state: GPTState | None = None) -> tuple[torch.Tensor, GPTState]:
         """Decode a chunk: idx (B, T) follows the tokens summarised by ``state`` (None: start of sequence).
@@ -186,12 +214,8 @@ class GPT(nn.Module):
         Returns logits (B, T, V), equal to the matching rows of ``forward`` on the whole sequence, and the
         state after the chunk. Use it for prefill (the prompt) and then for single tokens.
         """
-        if state is not None and not isinstance(state, GPTState):
-            raise ValueError(f"state must be a GPTState or None, got {type(state).__name__}")
-        start = 0 if state is None else state.pos
-        self._check_idx("idx", idx, start)
-        h, _, layers = self._body(idx, start, [None] * len(self.blocks) if state is None else state.layers)
-        return self.head(h), GPTState(start + idx.shape[1], layers)
+        out = self(idx, state=state, return_state=True)
+        return out.logits, out.state
 
     @torch.no_grad()
     def generate(
@@ -239,6 +263,10 @@ class GPT(nn.Module):
             kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
             logits = logits.masked_fill(logits < kth, float("-inf"))
         return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+
+    def state_floats(self, seq_len: int | None = None) -> int:
+        """Numbers in one layer's decoding state after ``seq_len`` tokens (default: config.seq_len)."""
+        return self.blocks[0].attn.state_floats(self.config.seq_len if seq_len is None else seq_len)
 
     def codebook_stats(self) -> dict[str, float]:
         """Codebook usage statistics averaged over the vq layers ({} when there are none)."""
