@@ -158,7 +158,7 @@ class Codebook(nn.Module):
             if self.training:
                 self._training_update(counts, assignment, keys.detach())
             self._record_stats(counts, (keys.detach() - nearest.detach()).pow(2).sum(-1).mean())
-        return CodebookOutput(codes.to(k.dtype), assignment, aux.to(k.dtype) if k.dtype.is_floating_point else aux)
+        return CodebookOutput(codes.to(k.dtype), assignment, aux)  # aux stays float32 (a loss term)
 
     def _slots(self, index: torch.Tensor) -> torch.Tensor:
         """Code indices (B, H, T) -> flat (H·S) slots (B·H·T,), for scatter-adds over all heads at once."""
