@@ -55,15 +55,11 @@ from .vq_assign import (
     mixture_logits,
     vq_assign,
 )
-from .vq_blocks import LaggedPrefixSum, blocks, no_autocast, pad_to_blocks, window_bias, window_code_attention, windows
+from .vq_blocks import DEFAULT_BLOCK_LEN, LaggedPrefixSum, blocks, no_autocast, pad_to_blocks, window_bias, window_code_attention, windows
 from .vq_recurrent import RECURRENT_MAX_LEN, VQState, vq_recurrent, window_start
 
 __all__ = ["vq_attention", "vq_assign", "Assignment", "VQState", "window_start", "DEFAULT_BLOCK_LEN",
            "RECURRENT_MAX_LEN"]
-
-# Measured in benchmarks/attention_speed.py (README): the fastest block length on CPU for S=512, D=64.
-DEFAULT_BLOCK_LEN = 128
-
 
 def _causal(q, k, v, c, a: Assignment, *, L, scale, exact_window, detach_cache, counts0, sums0, G):
     """Block algorithm. q, k: (B, H, T, D), c: (H, S, D), ``a`` the keys' assignment; counts0/sums0: the

@@ -10,6 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# Measured in benchmarks/attention_speed.py (README): the fastest block length on CPU for S=512, D=64.
+DEFAULT_BLOCK_LEN = 128
+
 
 def no_autocast(device: torch.device):
     """The ops compute in float32 (or float64) whatever the ambient autocast says: their softmaxes over
