@@ -387,3 +387,46 @@ def test_kernel_with_large_keys_and_small_temperature_does_not_underflow(causal)
     # the window-mean fallback this guards against is far from the reference
     assert (ref - v.mean(2, keepdim=True)).abs().max() > 0.5
     torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+
+
+def _decode(q, k, v, c, sizes, **kw):
+    """Outputs of consecutive vq_attention calls over chunks of the given sizes, threading the state."""
+    outs, state, a = [], None, 0
+    for n in sizes:
+        out, state = vq_attention(q[:, :, a : a + n], k[:, :, a : a + n], v[:, :, a : a + n], c, state=state,
+                                  return_state=True, **kw)
+        outs.append(out)
+        a += n
+        assert state.length == a and state.keys.shape[2] < 2 * state.block_len
+    return torch.cat(outs, 2)
+
+
+@pytest.mark.parametrize("assign,exact_window", ASSIGN_WINDOW)
+@pytest.mark.parametrize("detach_cache", [False, True])
+def test_token_by_token_recurrence_matches_reference_outputs_and_grads(assign, exact_window, detach_cache, monkeypatch):
+    """Prefill 5 tokens, then 36 single tokens (the recurrent path: the block algorithm is never called)."""
+    import vqattn.ops.vq as vq_module
+
+    q, k, v, c = make_inputs(B=1, H=2, T=41)
+    kw = dict(causal=True, assign=assign, temperature=0.8, block_len=8, exact_window=exact_window,
+              detach_cache=detach_cache)
+    chunked = vq_module._chunked
+    calls = []
+    monkeypatch.setattr(vq_module, "_chunked", lambda *a, **k: calls.append(a[0].shape[2]) or chunked(*a, **k))
+    out, g = grads(lambda *x: _decode(*x, [5] + [1] * 36, **kw), q, k, v, c)
+    assert calls == [5]
+    ref, g_ref = grads(lambda *x: ref_vq_attention(*x, **kw), q, k, v, c)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
+    for name, a, b in zip("qkvc", g, g_ref):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9, msg=f"grad of {name}")
+
+
+def test_recurrent_kernel_with_large_keys_fp32():
+    """The per-key scales and the running count scale G also hold token by token."""
+    q, k, v, c = make_inputs(B=1, H=2, T=40, D=16, S=32, seed=4)
+    k = k / k.norm(dim=-1, keepdim=True) * torch.linspace(17, 4, 40, dtype=F64)[:, None]  # G changes as it goes
+    c = c / c.norm(dim=-1, keepdim=True)
+    kw = dict(causal=True, assign="kernel", temperature=0.05, block_len=8)
+    ref = ref_vq_attention(q, k, v, c, **kw)
+    out = _decode(q.float(), k.float(), v.float(), c.float(), [3] + [1] * 20 + [17], **kw)
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
