@@ -55,7 +55,7 @@ from .vq_assign import (
     mixture_logits,
     vq_assign,
 )
-from .vq_blocks import DEFAULT_BLOCK_LEN, LaggedPrefixSum, blocks, no_autocast, pad_to_blocks, window_bias, window_code_attention, windows
+from .vq_blocks import DEFAULT_BLOCK_LEN, lagged_prefix_sum, blocks, no_autocast, pad_to_blocks, window_bias, window_code_attention, windows
 from .vq_recurrent import RECURRENT_MAX_LEN, VQState, vq_recurrent, window_start
 
 __all__ = ["vq_attention", "vq_assign", "Assignment", "VQState", "window_start", "DEFAULT_BLOCK_LEN",
@@ -76,8 +76,8 @@ def _causal(q, k, v, c, a: Assignment, *, L, scale, exact_window, detach_cache, 
     counts, sums = code_statistics(a, v, S, nb, G)  # (B, H, nb, S), (B, H, nb, S, Dv)
     if detach_cache:
         counts, sums = counts.detach(), sums.detach()
-    cache_counts = LaggedPrefixSum.apply(counts, counts0)  # (B, H, nb, S)
-    cache_sums = LaggedPrefixSum.apply(sums, sums0)  # (B, H, nb, S, Dv)
+    cache_counts = lagged_prefix_sum(counts, counts0)  # (B, H, nb, S)
+    cache_sums = lagged_prefix_sum(sums, sums0)  # (B, H, nb, S, Dv)
 
     q = q * scale  # scaling q is cheaper than scaling the logits
     code_logits = blocks(q @ c.transpose(-1, -2), L)  # (B, H, nb, L, S): the one q·cᵀ product

@@ -51,12 +51,28 @@ def window_bias(num_blocks: int, L: int, device: torch.device, dtype: torch.dtyp
     return bias
 
 
-class LaggedPrefixSum(torch.autograd.Function):
+def lagged_prefix_sum(x: torch.Tensor, initial: torch.Tensor) -> torch.Tensor:
     """out[:, :, b] = initial + Σ_{b' ≤ b−2} x[:, :, b'] for x (B, H, nb, ...): the cache of every block.
 
-    An in-place loop over blocks: ``torch.cumsum`` along a middle dim is ~10× slower on CPU, and this runs on
-    the largest tensor of the algorithm, (B, H, nb, S, Dv).
+    It runs on the largest tensor of the algorithm, (B, H, nb, S, Dv). On CPU in eager mode an in-place loop
+    over blocks (:class:`LaggedPrefixSum`) is 2.5-4× faster than ``torch.cumsum`` along the block dim
+    (measured at nb = 64 and 256, S = 512, Dv = 64); on GPUs and under ``torch.compile`` one cumsum is one
+    kernel instead of nb launches, and traces without graph breaks.
     """
+    if x.device.type == "cpu" and not torch.compiler.is_compiling():
+        return LaggedPrefixSum.apply(x, initial)
+    return lagged_cumsum(x, initial)
+
+
+def lagged_cumsum(x: torch.Tensor, initial: torch.Tensor) -> torch.Tensor:
+    """:func:`lagged_prefix_sum` as one ``torch.cumsum`` (autograd gives the reversed cumsum backward)."""
+    nb = x.shape[2]
+    shifted = F.pad(torch.cumsum(x[:, :, : max(nb - 2, 0)], 2), (0, 0) * (x.dim() - 3) + (2, 0))[:, :, :nb]
+    return initial.unsqueeze(2) + shifted
+
+
+class LaggedPrefixSum(torch.autograd.Function):
+    """:func:`lagged_prefix_sum` as an in-place loop over blocks, with its hand-written backward."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, initial: torch.Tensor) -> torch.Tensor:
