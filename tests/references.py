@@ -72,3 +72,12 @@ def ref_vq_attention(q, k, v, codebook, *, causal, assign="hard", temperature=1.
     return torch.einsum("bhij,bhjd->bhid", probs * in_window, v) + torch.einsum(
         "bhij,bhjd->bhid", probs * ~in_window, v_far
     )
+
+
+def ref_window_attention(q, k, v, *, block_len, scale=None):
+    """Causal softmax attention restricted to the current and the previous block: an explicit (T, T) band mask."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    logits = scale * torch.einsum("bhid,bhjd->bhij", q, k)
+    pos = torch.arange(q.shape[2])
+    visible = (pos[None, :] <= pos[:, None]) & (pos[None, :] // block_len >= pos[:, None] // block_len - 1)
+    return torch.einsum("bhij,bhjd->bhid", torch.softmax(logits.masked_fill(~visible, -math.inf), -1), v)

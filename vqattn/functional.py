@@ -4,6 +4,7 @@ from .ops.kernel import kernel_attention
 from .ops.linear import LinearState, linear_attention
 from .ops.softmax import softmax_attention
 from .ops.vq import Assignment, VQState, vq_assign, vq_attention
+from .ops.window import WindowState, window_attention
 
 __all__ = [
     "softmax_attention",
@@ -11,6 +12,8 @@ __all__ = [
     "vq_assign",
     "Assignment",
     "VQState",
+    "window_attention",
+    "WindowState",
     "linear_attention",
     "LinearState",
     "kernel_attention",

@@ -1,0 +1,113 @@
+"""Sliding-window softmax attention over exactly the raw window that causal ``vq_attention`` keeps.
+
+Query i in block b = i // L attends to the keys j ≤ i of blocks b−1 and b:
+
+    out_i = Σ_{j ∈ W(i)} e^{σ q_i·k_j} v_j / Σ_{j ∈ W(i)} e^{σ q_i·k_j},   W(i) = {j : (b−1)·L ≤ j ≤ i}
+
+so it sees between L and 2L−1 keys. It is ``vq_attention`` without the compressed cache, and runs the same
+block kernel (:class:`~vqattn.ops.vq_blocks.WindowCodeAttention` without codes) and the same recurrence:
+O(T·L·D) time, no T×T tensor, and a decoding state of fewer than 2L raw keys and values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._checks import check_positive_int, check_qkv, compute_dtype
+from .vq_blocks import DEFAULT_BLOCK_LEN, blocks, no_autocast, pad_to_blocks, window_bias, window_code_attention, windows
+from .vq_recurrent import RECURRENT_MAX_LEN, attend_one, window_start
+
+@dataclass
+class WindowState:
+    """Raw keys (B, H, W, D) and values (B, H, W, Dv) from ``window_start(length, block_len)`` on, W < 2L."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    length: int
+    block_len: int
+
+
+def _chunked(q, k, v, L: int, scale: float) -> torch.Tensor:
+    T = q.shape[2]
+    q, k, v = (pad_to_blocks(x, L) for x in (q, k, v))  # padding comes after every real query: masked
+    nb = q.shape[2] // L
+    out = window_code_attention(blocks(q * scale, L), windows(k, L), window_bias(nb, L, q.device, q.dtype),
+                                windows(v, L))
+    return out[:, :, :T]
+
+
+def _recurrent(q, k, v, state: WindowState, scale: float) -> tuple[torch.Tensor, WindowState]:
+    """Token by token: each query scores the state's raw window plus itself."""
+    outs, keys, values, length, L = [], state.keys, state.values, state.length, state.block_len
+    for t in range(q.shape[2]):
+        keys, values = torch.cat([keys, k[:, :, t : t + 1]], 2), torch.cat([values, v[:, :, t : t + 1]], 2)
+        outs.append(attend_one((q[:, :, t : t + 1] * scale) @ keys.transpose(-1, -2), values))
+        drop = window_start(length + 1, L) - window_start(length, L)
+        keys, values, length = keys[:, :, drop:], values[:, :, drop:], length + 1
+    return torch.cat(outs, 2), WindowState(keys, values, length, L)
+
+
+def _validate(q, k, v, block_len, state) -> None:
+    check_qkv(q, k, v, causal=True)
+    if block_len is not None:
+        check_positive_int("block_len", block_len)
+    if state is not None:
+        if not isinstance(state, WindowState):
+            raise ValueError(f"state must be a WindowState returned by window_attention, got {type(state).__name__}")
+        if block_len is not None and block_len != state.block_len:
+            raise ValueError(f"block_len={block_len} differs from the state's block_len={state.block_len}")
+        if state.keys.shape[:2] != k.shape[:2] or state.keys.shape[-1] != k.shape[-1] or \
+                state.values.shape[-1] != v.shape[-1]:
+            raise ValueError(f"state does not match the inputs: keys {tuple(state.keys.shape)}, values "
+                             f"{tuple(state.values.shape)} for k {tuple(k.shape)}, v {tuple(v.shape)}")
+
+
+def window_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    block_len: int | None = None,
+    scale: float | None = None,
+    state: WindowState | None = None,
+    return_state: bool = False,
+):
+    """Causal softmax attention over the current and the previous block of ``block_len`` (see module doc).
+
+    Args:
+        q, k: (B, H, T, D); v: (B, H, T, Dv).
+        block_len: L (default 128, as vq_attention); each query sees L to 2L−1 keys.
+        scale: multiplies q·k; defaults to D**-0.5.
+        state: a :class:`WindowState` from an earlier call; the inputs then continue that sequence. Up to
+            ``RECURRENT_MAX_LEN`` new tokens run token by token, longer chunks the block kernel.
+        return_state: also return the state after this call.
+
+    Returns:
+        out (B, H, T, Dv) in the input dtype (computed in float32 for half precision and under autocast), or
+        (out, state) when ``return_state``.
+    """
+    _validate(q, k, v, block_len, state)
+    L = block_len or (state.block_len if state is not None else DEFAULT_BLOCK_LEN)
+    with no_autocast(q.device):
+        in_dtype, dtype = q.dtype, compute_dtype(q.dtype)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        if state is not None:
+            state = WindowState(state.keys.to(dtype), state.values.to(dtype), state.length, state.block_len)
+        if state is not None and q.shape[2] <= RECURRENT_MAX_LEN:
+            out, new_state = _recurrent(q, k, v, state, scale)
+            return (out.to(in_dtype), new_state) if return_state else out.to(in_dtype)
+        T, start = q.shape[2], 0
+        if state is not None:  # re-run the state's raw window (block-aligned) in front; drop its outputs
+            start, prefix = state.length - state.keys.shape[2], state.keys.shape[2]
+            q = torch.cat([q.new_zeros(*q.shape[:2], prefix, q.shape[-1]), q], 2)
+            k, v = torch.cat([state.keys, k], 2), torch.cat([state.values, v], 2)
+        L_run = L if state is not None or return_state else min(L, T)  # one block: same result, less padding
+        out = _chunked(q, k, v, L_run, scale)[:, :, -T:].to(in_dtype)
+        if not return_state:
+            return out
+        length = start + k.shape[2]
+        keep = window_start(length, L) - start
+        return out, WindowState(k[:, :, keep:], v[:, :, keep:], length, L)
