@@ -13,6 +13,7 @@ SMALL_KWARGS = {
     "softmax": {},
     "vq_hard": {"num_codes": 8, "block_len": 4},
     "vq_soft": {"num_codes": 8, "block_len": 4},
+    "window": {"block_len": 4},
     "performer": {"chunk_len": 4, "features": {"num_features": 16}},
     "linear": {"chunk_len": 4},
     "taylor": {"chunk_len": 4},

@@ -32,13 +32,13 @@ def heads(layer: Attention, x: torch.Tensor):
 
 
 def test_registry_names():
-    assert set(ATTENTIONS) == {"softmax", "vq_hard", "vq_soft", "performer", "linear", "taylor", "kernel_rbf",
-                               "kernel_poly", "kernel_linear"}
+    assert set(ATTENTIONS) == {"softmax", "vq_hard", "vq_soft", "window", "performer", "linear", "taylor",
+                               "kernel_rbf", "kernel_poly", "kernel_linear"}
 
 
 def test_unknown_name_lists_valid_names():
     with pytest.raises(ValueError, match="valid names are: kernel_linear, kernel_poly, kernel_rbf, linear, performer, "
-                       "softmax, taylor, vq_hard, vq_soft"):
+                       "softmax, taylor, vq_hard, vq_soft, window"):
         build_attention("flash", dim=DIM, num_heads=HEADS)
 
 
@@ -195,8 +195,24 @@ def test_state_floats_counts_the_decoding_state(name):
     inner = state.inner
     if name in VQ_NAMES:
         held = inner.counts[0].numel() + inner.sums[0].numel() + 2 * min(t, 2 * layer.block_len) * DIM
+    elif name == "window":
+        held = 2 * min(t, 2 * layer.block_len) * DIM  # the bound: the state holds L to 2L − 1 keys
     elif hasattr(inner, "kv"):
         held = inner.kv[0].numel() + inner.k_sum[0].numel()
     else:
         held = inner.k[0].numel() + inner.v[0].numel()
     assert layer.state_floats(t) == held
+
+
+@pytest.mark.parametrize("t", [3, 8, 13])
+def test_window_layer_is_banded_rope_softmax(t):
+    """Naive float64 reference: query i attends to keys j ≤ i with j ≥ (i // L − 1)·L, RoPE on both."""
+    layer = make("window", rope=True)  # block_len 4
+    x = torch.randn(2, t, DIM, dtype=torch.float64)
+    q, k, v = heads(layer, x)
+    q, k = rope_rotate(q, 0, layer.rope_base), rope_rotate(k, 0, layer.rope_base)
+    i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
+    visible = (j <= i) & (j >= (i // 4 - 1) * 4)
+    scores = (q @ k.transpose(-1, -2) / math.sqrt(DIM // HEADS)).masked_fill(~visible, float("-inf"))
+    expected = layer.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(2, t, DIM))
+    torch.testing.assert_close(run(layer, x), expected, rtol=0, atol=1e-12)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from .codebook import Codebook
 from .feature_maps import EluFeatures, FeatureMap, PerformerFeatures, TaylorFeatures
-from .functional import kernel_attention, softmax_attention, vq_attention
+from .functional import kernel_attention, softmax_attention, vq_attention, window_attention
 from .ops.linear import linear_attention
 from .ops.vq import DEFAULT_BLOCK_LEN
 from .ops._checks import check_positive_int
@@ -295,7 +295,7 @@ class VQAttention(Attention):
         self.codebook = Codebook(num_heads, num_codes, self.head_dim, assign=self.assign, **(codebook or {}))
 
     def _attend(self, q, k, v, pos, state, return_state):
-        codebook, _, aux_loss = self.codebook(k)  # (H, S, Dh), scalar; codes are learned on unrotated keys
+        codebook, assignment, aux_loss = self.codebook(k)  # (H, S, Dh); codes are learned on unrotated keys
         if self.rope:
             q = torch.cat((self.rotate(q, pos), q, -q), dim=-1)  # (B, H, T, 3 Dh)
             k = torch.cat((self.rotate(k, pos), k, k), dim=-1)
@@ -312,6 +312,7 @@ class VQAttention(Attention):
             detach_cache=self.detach_cache,
             state=state,
             return_state=return_state,
+            assignment=assignment,  # computed once, by the codebook; unchanged by the RoPE augmentation
         )
         out, op_state = result if return_state else (result, None)
         return out, aux_loss, op_state
@@ -334,6 +335,28 @@ class VQSoftAttention(VQAttention):
     """Gaussian-mixture codebook attention: keys spread over codes by their posterior p(s | k)."""
 
     assign = "soft"
+
+
+class WindowAttention(Attention):
+    """The control for codebook attention: causal softmax over exactly the raw window a vq layer keeps (the current
+    and the previous block of ``block_len``), with the same RoPE, and no compressed cache (``window_attention``).
+
+    Linear time; the decoding state holds under 2·block_len keys and values.
+    """
+
+    def __init__(self, dim: int, num_heads: int, *, block_len: int = 64, **attention_kwargs):
+        super().__init__(dim, num_heads, **attention_kwargs)
+        check_positive_int("block_len", block_len)
+        self.block_len = block_len
+
+    def _attend(self, q, k, v, pos, state, return_state):
+        q, k = self.rotate(q, pos), self.rotate(k, pos)  # the state keeps rotated keys, like a KV cache
+        result = window_attention(q, k, v, block_len=self.block_len, state=state, return_state=return_state)
+        out, op_state = result if return_state else (result, None)
+        return out, None, op_state
+
+    def state_floats(self, seq_len: int) -> int:
+        return 2 * min(seq_len, 2 * self.block_len) * self.dim
 
 
 class KernelAttention(Attention):
@@ -406,6 +429,7 @@ ATTENTIONS: dict[str, type[Attention]] = {
     "softmax": SoftmaxAttention,
     "vq_hard": VQHardAttention,
     "vq_soft": VQSoftAttention,
+    "window": WindowAttention,
     "performer": PerformerAttention,
     "linear": EluLinearAttention,
     "taylor": TaylorAttention,
