@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from references_kernel import exp_definition_kernel, favor_features, naive_linear_attention, taylor_kernel
+from references_kernel import (
+    exp_definition_kernel, favor_features, naive_favor_attention, naive_linear_attention, taylor_kernel,
+)
 from vqattn.analysis import exact_exp_kernel, performer_estimates
 from vqattn.feature_maps import (
     EluFeatures,
@@ -130,6 +132,33 @@ def test_performer_features_are_per_position():
     y[:, :, 6:] *= 10
     for is_query in (True, False):
         torch.testing.assert_close(fm(x, is_query)[:, :, :6], fm(y, is_query)[:, :, :6], rtol=0, atol=0)
+    for a, b in zip(fm.map_qk(x, x), fm.map_qk(y, y)):  # the key stabiliser is per key too
+        torch.testing.assert_close(a[:, :, :6], b[:, :, :6], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("D,m,unit,tol", [(16, 64, 1.0, 1e-5), (16, 64, 10.0, 2e-5), (64, 256, 4.0, 5e-5)])
+def test_performer_attention_is_scale_aware(causal, D, m, unit, tol):
+    # q, k at `unit` × unit scale (entries N(0, unit²)); float32 against the float64 log-domain reference with
+    # the same ω. Before the stabilisers (absolute 1e-6 clamp, unshifted keys) the error at 4× and 10× was the
+    # size of the output itself (keys underflowed to 0). tol: float32 rounding of logits of size ~scale·‖k‖².
+    fm = PerformerFeatures(D, m, seed=4)
+    g = torch.Generator().manual_seed(D)
+    q, k, v = (torch.randn(2, 2, 37, D, generator=g, dtype=F64) for _ in range(3))
+    q, k = unit * q, unit * k
+    ref = naive_favor_attention(q, k, v, fm.omega, fm.scale, causal=causal)
+    phq, phk, log_scale = fm.map_qk(q.float(), k.float())
+    out = linear_attention(phq, phk, v.float(), causal=causal, k_log_scale=log_scale, chunk_len=8)
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=tol)
+    # gradients, in float64 (the same ω), against the reference's
+    fm64 = fm.double()
+    inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+    phq, phk, log_scale = fm64.map_qk(*inputs[:2])
+    out = linear_attention(phq, phk, inputs[2], causal=causal, k_log_scale=log_scale, chunk_len=8)
+    ref = naive_favor_attention(*inputs, fm64.omega, fm64.scale, causal=causal)
+    w = torch.randn(ref.shape, generator=g, dtype=F64)
+    for a, b in zip(torch.autograd.grad((out * w).sum(), inputs), torch.autograd.grad((ref * w).sum(), inputs)):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-8 * b.abs().max().item())
 
 
 def test_performer_causal_attention_is_causal_and_matches_naive():
@@ -173,10 +202,10 @@ def test_redraw_schedule_and_ranks_agree():
     omegas = []
     for _ in range(7):
         omegas.append(a.omega.clone())
-        phq, phk = a.map_qk(x, x)
+        phq, phk, log_scale = a.map_qk(x, x)
         # queries and keys of one step both use the ω held before the step (the redraw happens after it)
         ref = favor_features(x.double(), omegas[-1].double(), a.scale)
-        torch.testing.assert_close(phk.double(), ref, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(phk.double() * log_scale.double().exp().unsqueeze(-1), ref, rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(phq.double(), ref / ref.amax(-1, keepdim=True) / math.sqrt(8), rtol=1e-5, atol=1e-7)
         a.feature_map(x, is_query=True)  # separate calls never advance the step
         b.map_qk(x, x)

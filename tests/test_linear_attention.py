@@ -130,3 +130,64 @@ def test_bad_input():
     bad = LinearState(kv=torch.zeros(2, 2, 3, 5, dtype=F64), k_sum=torch.zeros(2, 2, 3, dtype=F64), length=4)
     with pytest.raises(ValueError, match="state does not match"):
         linear_attention(phi_q, phi_k, v, causal=True, state=bad)
+
+
+# ---------------------------------------------------------------------------------- per-key log scales
+
+
+def _log_scaled(T, spread, seed=2, dtype=F64):
+    phi_q, phi_k, v = (x.detach().to(dtype) for x in _inputs(T=T, seed=seed))
+    g = torch.Generator().manual_seed(seed + 1)
+    ls = (spread * (torch.rand(2, 2, T, generator=g, dtype=F64) - 0.5)).to(dtype)
+    return phi_q, phi_k, v, ls
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("normalizer", ["kernel", "count", "none"])
+@pytest.mark.parametrize("T,chunk_len", [(13, 4), (17, 17), (5, 2)])
+def test_log_scale_matches_naive_values_and_grads(causal, normalizer, T, chunk_len):
+    phi_q, phi_k, v, ls = _log_scaled(T, spread=6.0)
+    inputs = [x.requires_grad_() for x in (phi_q, phi_k, v, ls)]
+    out = linear_attention(*inputs[:3], causal=causal, k_log_scale=inputs[3], chunk_len=chunk_len, normalizer=normalizer)
+    ref = naive_linear_attention(*inputs[:3], causal=causal, k_log_scale=inputs[3], normalizer=normalizer)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    for g, gr in zip(_grads(out, inputs), _grads(ref, inputs)):
+        torch.testing.assert_close(g, gr, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_log_scale_beyond_float32_range(causal):
+    # log scales spread over 400 nats: exp of them over/underflows float32, the stabilised op must not
+    phi_q, phi_k, v, ls = _log_scaled(29, spread=400.0, seed=5)
+    ref = naive_linear_attention(phi_q, phi_k, v, causal=causal, k_log_scale=ls)
+    out = linear_attention(phi_q.float(), phi_k.float(), v.float(), causal=causal, k_log_scale=ls.float(), chunk_len=4)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("splits", [[5, 1, 1, 10], [1] * 6 + [11]])
+def test_log_scale_state_pieces_equal_full(splits):
+    phi_q, phi_k, v, ls = _log_scaled(17, spread=300.0, seed=7)
+    phi_q, phi_k, v, ls = phi_q.float(), phi_k.float(), v.float(), ls.float()
+    full = linear_attention(phi_q, phi_k, v, causal=True, chunk_len=4, k_log_scale=ls)
+    state, outs, start = None, [], 0
+    for n in splits:
+        sl = slice(start, start + n)
+        out, state = linear_attention(phi_q[:, :, sl], phi_k[:, :, sl], v[:, :, sl], causal=True, chunk_len=4,
+                                      k_log_scale=ls[:, :, sl], state=state, return_state=True)
+        outs.append(out)
+        start += n
+    torch.testing.assert_close(torch.cat(outs, dim=2), full, rtol=1e-5, atol=1e-5)
+    r = ls.amax(-1)
+    torch.testing.assert_close(state.log_scale, r)
+    w = torch.exp(ls.double() - r.double().unsqueeze(-1)).unsqueeze(-1)
+    torch.testing.assert_close(state.kv.double(), torch.einsum("bhtm,bhtd->bhmd", phi_k.double() * w, v.double()),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_log_scale_bad_input():
+    phi_q, phi_k, v, ls = _log_scaled(6, spread=1.0)
+    with pytest.raises(ValueError, match="k_log_scale must have shape"):
+        linear_attention(phi_q, phi_k, v, causal=True, k_log_scale=ls[:, :, :3])
+    with pytest.raises(ValueError, match="k_log_scale must be a floating-point"):
+        linear_attention(phi_q, phi_k, v, causal=True, k_log_scale=ls.long())

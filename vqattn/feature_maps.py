@@ -16,11 +16,22 @@ accepts float32 features with half-precision values. ``nonnegative`` says whethe
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from .ops._checks import check_positive_int, compute_dtype
+
+
+class QKFeatures(NamedTuple):
+    """phi_q: (..., Tq, M); phi_k: (..., Tk, M); k_log_scale: (..., Tk) or None. The true key features are
+    phi_k · exp(k_log_scale) (see ``linear_attention``); phi_q may carry a per-query factor, which the
+    default "kernel" normaliser cancels."""
+
+    phi_q: torch.Tensor
+    phi_k: torch.Tensor
+    k_log_scale: torch.Tensor | None
 
 
 class FeatureMap(nn.Module):
@@ -33,13 +44,19 @@ class FeatureMap(nn.Module):
 
     def feature_map(self, x: torch.Tensor, is_query: bool = False) -> torch.Tensor:
         """x: (..., D) -> (..., M). ``is_query`` only matters for maps with a query-side stabiliser."""
+        return self._phi(self._prepare(x), is_query)
+
+    @staticmethod
+    def _prepare(x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() == 0:
             raise ValueError(f"x must be a floating-point tensor of shape (..., D), got {x!r:.80}")
-        return self._phi(x.to(compute_dtype(x.dtype)), is_query)
+        return x.to(compute_dtype(x.dtype))
 
-    def map_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(φ(q) with the query stabiliser, φ(k)): what an attention layer calls once per forward."""
-        return self.feature_map(q, is_query=True), self.feature_map(k, is_query=False)
+    def map_qk(self, q: torch.Tensor, k: torch.Tensor) -> QKFeatures:
+        """What an attention layer calls once per forward: ``linear_attention(phi_q, phi_k, v,
+        k_log_scale=k_log_scale, ...)``. Here φ(q) with the query stabiliser and the exact φ(k) (log scale None);
+        maps whose key features exceed float32's range return them divided by a per-key factor instead."""
+        return QKFeatures(self.feature_map(q, is_query=True), self.feature_map(k, is_query=False), None)
 
     def _phi(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
         raise NotImplementedError
@@ -204,10 +221,14 @@ class PerformerFeatures(FeatureMap):
     E_ω[φ(q)·φ(k)] = exp(scale·q·k) (unbiased; relative variance (exp‖q'+k'‖² − 1)/m for iid ω).
     ``scale`` defaults to D**-0.5 as in softmax attention.
 
-    Stabiliser: with ``is_query=True`` the features of each query are divided by their own max
-    (a per-query constant, which cancels in the normalised attention). Nothing is ever maximised over the
-    key sequence: in causal attention that would leak future keys into earlier outputs. Key features need no
-    stabiliser: ω·x − ‖x‖²/2 ≤ ‖ω‖²/2, so they cannot overflow float32 for any x.
+    Stabilisers (``stabilize=True``), both computed in the log domain before exp, both exact:
+      * queries (``is_query=True``): each query's logits minus their own max, a per-query factor that the
+        "kernel" normaliser of ``linear_attention`` cancels;
+      * keys (``map_qk``): each key's logits minus their own max β_s, returned as ``k_log_scale`` = β so that
+        ``linear_attention`` multiplies exp(β_s − r_t) back in, against a running max r_t over the keys that
+        query t sees (never a future one). Without it, keys of norm ‖k‖ get features ~ exp(−scale‖k‖²/2):
+        at 10× unit scale and D = 64 that is e^−400, below float32's range, and the attention collapses.
+    ``feature_map(x)`` on keys stays the exact, unshifted φ (it never looks at other positions).
 
     Redrawing: ω is a deterministic function of (seed, draw index), draw index = step // redraw_interval
     (always 0 when redraw_interval is None). The step advances by one on every training-mode
@@ -269,8 +290,9 @@ class PerformerFeatures(FeatureMap):
         self.step = step
         self._sync_omega()
 
-    def map_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out = super().map_qk(q, k)
+    def map_qk(self, q: torch.Tensor, k: torch.Tensor) -> QKFeatures:
+        phi_k, beta = self._key_features(k)
+        out = QKFeatures(self.feature_map(q, is_query=True), phi_k, beta)
         if self.training:
             self.set_step(self.step + 1)
         return out
@@ -282,18 +304,30 @@ class PerformerFeatures(FeatureMap):
         self.step, self.draw_index = state["step"], -1  # force ω to be re-derived
         self._sync_omega()
 
-    def _phi(self, x, is_query):
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.head_dim:
             raise ValueError(f"x must have last dim head_dim={self.head_dim}, got {x.shape[-1]}")
-        logits = favor_logits(x, self.omega.to(x.dtype), self.scale)  # (..., m)
+        return favor_logits(x, self.omega.to(x.dtype), self.scale)  # (..., m)
+
+    def _phi(self, x, is_query):
+        logits = self._logits(x)
         if is_query and self.stabilize:
             # per-query constant: cancels between numerator and normaliser, so detaching it is exact
             logits = logits - logits.amax(dim=-1, keepdim=True).detach()
         return torch.exp(logits) / math.sqrt(self.m)
 
+    def _key_features(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(exp(logits − β)/√m, β) with β the per-key max logit (detached: it multiplies back exactly)."""
+        if not self.stabilize:
+            return self.feature_map(k), None
+        logits = self._logits(self._prepare(k))
+        beta = logits.amax(dim=-1).detach()
+        return torch.exp(logits - beta.unsqueeze(-1)) / math.sqrt(self.m), beta
+
 
 __all__ = [
     "FeatureMap",
+    "QKFeatures",
     "EluFeatures",
     "ReluFeatures",
     "IdentityFeatures",

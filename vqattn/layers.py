@@ -312,12 +312,13 @@ class KernelAttention(Attention):
 
     def _attend(self, q, k, v, pos, state, return_state):
         q, k = self.rotate(q, pos), self.rotate(k, pos)
-        phi_q, phi_k = self.features.map_qk(q, k)  # (B, H, T, M); one call = one step for Performer redraws
+        phi_q, phi_k, k_log_scale = self.features.map_qk(q, k)  # (B, H, T, M), (B, H, T) or None
         result = linear_attention(
             phi_q,
             phi_k,
             v,
             causal=True,
+            k_log_scale=k_log_scale,
             chunk_len=self.chunk_len,
             state=state,
             return_state=return_state,
