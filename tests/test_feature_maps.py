@@ -40,13 +40,24 @@ def test_taylor_is_exact_truncated_series(order, scale):
     fm = TaylorFeatures(order, scale=scale)
     est = fm(q) @ fm(k).T
     torch.testing.assert_close(est, taylor_kernel(q, k, order, scale), rtol=1e-12, atol=1e-12)
-    assert fm(q).shape[-1] == fm.num_features(3) == sum(3**m for m in range(order + 1))
+    assert fm(q).shape[-1] == fm.num_features(3) == sum(math.comb(3 + m - 1, m) for m in range(order + 1))
+
+
+@pytest.mark.parametrize("D", [1, 5, 16])
+def test_taylor_order2_is_symmetric_and_exact(D):
+    # 1 + D + D(D+1)/2 features (no duplicated x_i x_j, x_j x_i) and the kernel 1 + s q·k + (s q·k)²/2 to 1e-10
+    g = torch.Generator().manual_seed(D)
+    q, k = 2 * torch.randn(7, D, generator=g, dtype=F64), 2 * torch.randn(9, D, generator=g, dtype=F64)
+    fm = TaylorFeatures(2, scale=D**-0.5)
+    assert fm(q).shape[-1] == fm.num_features(D) == 1 + D + D * (D + 1) // 2
+    x = D**-0.5 * q @ k.T
+    assert (fm(q) @ fm(k).T - (1 + x + x**2 / 2)).abs().max() < 1e-10
 
 
 def test_taylor_order2_layout():
     x = torch.tensor([[2.0, -1.0]], dtype=F64)
-    expected = torch.tensor([[1.0, 2.0, -1.0, 4 / math.sqrt(2), -2 / math.sqrt(2), -2 / math.sqrt(2), 1 / math.sqrt(2)]],
-                            dtype=F64)
+    # [1, x0, x1, x0²/√2, x0·x1 (= the two symmetric entries x0x1/√2 of x⊗x/√2 merged: weight √2), x1²/√2]
+    expected = torch.tensor([[1.0, 2.0, -1.0, 4 / math.sqrt(2), -2.0, 1 / math.sqrt(2)]], dtype=F64)
     torch.testing.assert_close(TaylorFeatures(2)(x), expected)
 
 

@@ -15,6 +15,8 @@ accepts float32 features with half-precision values. ``nonnegative`` says whethe
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from typing import NamedTuple
 
@@ -109,11 +111,27 @@ def _check_expansion(name: str, size: int, max_features: int, hint: str) -> None
         raise ValueError(f"{name} has {size} features, more than max_features={max_features}; {hint}")
 
 
-class TaylorFeatures(FeatureMap):
-    """Truncated Taylor series of exp: φ(x) = [⊗^m (√s·x) / √(m!)]_{m=0..order}, s = ``scale``.
+@functools.lru_cache(maxsize=64)
+def _monomials(dim: int, degree: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The monomials x^α with |α| = degree, once each, in the order of sorted index tuples (i1 ≤ … ≤ id).
 
-    φ(q)·φ(k) = Σ_{m≤order} (s·q·k)^m / m!  exactly; order 2 is [1, x, x⊗x/√2] -> 1 + q·k + (q·k)²/2.
-    M = Σ_{m≤order} D^m (full tensor powers; symmetric duplicates are kept for simplicity).
+    Returns (index, weight): monomial n is entry index[n] of the flattened (previous degree's monomials) ⊗ x,
+    i.e. prev_position(i1..i_{d-1})·dim + i_d; weight[n] = 1/√(α!). n = C(dim + degree − 1, degree).
+    """
+    prev = {c: n for n, c in enumerate(itertools.combinations_with_replacement(range(dim), degree - 1))}
+    combos = list(itertools.combinations_with_replacement(range(dim), degree))
+    index = [prev[c[:-1]] * dim + c[-1] for c in combos]
+    weights = [1 / math.sqrt(math.prod(math.factorial(c.count(i)) for i in set(c))) for c in combos]
+    return torch.tensor(index, dtype=torch.long), torch.tensor(weights, dtype=torch.float64)
+
+
+class TaylorFeatures(FeatureMap):
+    """Truncated Taylor series of exp, one feature per monomial: φ(x) = [x'^α / √(α!)]_{|α| ≤ order}, x' = √s·x.
+
+    By the multinomial theorem (s·q·k)^m / m! = Σ_{|α|=m} q'^α k'^α / α!, so φ(q)·φ(k) = Σ_{m≤order} (s·q·k)^m / m!
+    exactly; order 2 is [1, x', x'_i²/√2, x'_i x'_j (i < j)] -> 1 + s·q·k + (s·q·k)²/2.
+    M = Σ_{m≤order} C(D+m−1, m): 1 + D + D(D+1)/2 at order 2 (the symmetric products x_i x_j = x_j x_i are
+    kept once, weight √2 relative to the tensor power x⊗x/√2, instead of D² duplicated entries).
     Even orders give a positive kernel (the truncated series of exp has no real root); odd orders do not.
     """
 
@@ -127,7 +145,7 @@ class TaylorFeatures(FeatureMap):
         self.nonnegative = order % 2 == 0
 
     def num_features(self, head_dim):
-        return sum(head_dim**m for m in range(self.order + 1))
+        return sum(math.comb(head_dim + m - 1, m) for m in range(self.order + 1))
 
     def _phi(self, x, is_query):
         D = x.shape[-1]
@@ -136,12 +154,12 @@ class TaylorFeatures(FeatureMap):
             "lower the order or raise max_features",
         )
         x = x * math.sqrt(self.scale)
-        term = torch.ones_like(x[..., :1])
-        terms = [term]
-        for m in range(1, self.order + 1):
-            # ⊗^m x / √(m!) built recursively: (⊗^(m-1) x / √((m-1)!)) ⊗ x / √m
-            term = (term.unsqueeze(-1) * x.unsqueeze(-2)).flatten(-2) / math.sqrt(m)
-            terms.append(term)
+        terms, mono = [torch.ones_like(x[..., :1]), x], x  # mono: the degree-m monomials x^α, unweighted
+        for m in range(2, self.order + 1):
+            index, weight = _monomials(D, m)
+            # extend each degree-(m−1) monomial by the factors whose index is ≥ its last one: no duplicates
+            mono = (mono.unsqueeze(-1) * x.unsqueeze(-2)).flatten(-2)[..., index.to(x.device)]
+            terms.append(mono * weight.to(x.device, x.dtype))  # (..., C(D+m-1, m))
         return torch.cat(terms, dim=-1)
 
 
