@@ -195,6 +195,9 @@ class ExpDefinitionFeatures(FeatureMap):
         return out
 
 
+DEFAULT_REDRAW_INTERVAL = 1000
+
+
 def draw_random_features(
     num_features: int, dim: int, *, orthogonal: bool, generator: torch.Generator | None = None,
     num_draws: int | None = None,
@@ -248,14 +251,13 @@ class PerformerFeatures(FeatureMap):
         at 10× unit scale and D = 64 that is e^−400, below float32's range, and the attention collapses.
     ``feature_map(x)`` on keys stays the exact, unshifted φ (it never looks at other positions).
 
-    Redrawing: ω is a deterministic function of (seed, draw index), draw index = step // redraw_interval
-    (always 0 when redraw_interval is None). The step advances by one on every training-mode
-    ``map_qk(q, k)`` call (an attention layer maps its queries and keys together once per forward; both
-    use the same ω, the redraw happens after). ``set_step(global_step)`` pins it to the trainer's step
-    instead (exact under gradient accumulation and resume). ``feature_map`` alone never advances it, since
-    separate query / key calls cannot tell where a step ends. Nothing random is shared, so all DDP ranks
-    hold the same ω without communication. ``step`` is saved in the state dict and ω is re-derived on
-    load. Use a different ``seed`` per layer.
+    Redrawing: ω is a pure function of (seed, step // redraw_interval), ``redraw_interval`` defaulting to
+    1000 steps (Performer redrew about every 1000; None = never). ``step`` is set from outside, by the trainer:
+    ``set_feature_step(model, global_step)`` before each training batch (``LitLM.on_train_batch_start``
+    does it), so every DDP rank, a resumed run and an uninterrupted run hold the same ω at the same global
+    step without communication, and every micro-batch of an accumulated step shares one ω. Forward passes
+    never change it. ``step`` is saved in the state dict (extra state) and ω, a non-persistent buffer, is
+    re-derived on load. Layers use a different ``seed`` each (``PerformerAttention``: seed + layer index).
     """
 
     def __init__(
@@ -264,7 +266,7 @@ class PerformerFeatures(FeatureMap):
         num_features: int,
         *,
         orthogonal: bool = True,
-        redraw_interval: int | None = None,
+        redraw_interval: int | None = DEFAULT_REDRAW_INTERVAL,
         seed: int = 0,
         scale: float | None = None,
         stabilize: bool = True,
@@ -310,10 +312,7 @@ class PerformerFeatures(FeatureMap):
 
     def map_qk(self, q: torch.Tensor, k: torch.Tensor) -> QKFeatures:
         phi_k, beta = self._key_features(k)
-        out = QKFeatures(self.feature_map(q, is_query=True), phi_k, beta)
-        if self.training:
-            self.set_step(self.step + 1)
-        return out
+        return QKFeatures(self.feature_map(q, is_query=True), phi_k, beta)
 
     def get_extra_state(self):
         return {"step": self.step}
@@ -343,7 +342,17 @@ class PerformerFeatures(FeatureMap):
         return torch.exp(logits - beta.unsqueeze(-1)) / math.sqrt(self.m), beta
 
 
+def set_feature_step(module: nn.Module, step: int) -> None:
+    """Set the step of every step-driven feature map in ``module`` (e.g. a GPT) to the trainer's global step;
+    each redraws its ω when ``step // redraw_interval`` changed. Call it before every training batch."""
+    for m in module.modules():
+        if isinstance(m, PerformerFeatures):
+            m.set_step(step)
+
+
 __all__ = [
+    "DEFAULT_REDRAW_INTERVAL",
+    "set_feature_step",
     "FeatureMap",
     "QKFeatures",
     "EluFeatures",
