@@ -302,3 +302,37 @@ def test_orthogonal_beats_iid(m):
     gain = per_draw[False].mean() - per_draw[True].mean()
     stderr = math.sqrt(per_draw[False].var() / R + per_draw[True].var() / R)
     assert gain > 4 * stderr  # the MSE reduction is ~10% here, 7+ standard errors at this R
+
+
+# ------------------------------------------------------------------------------------------ autocast
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("amp", [torch.bfloat16, torch.float16])
+def test_performer_under_autocast_matches_float64(causal, amp):
+    fm = PerformerFeatures(16, 64, seed=2)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (2 * torch.randn(2, 2, 21, 16, generator=g, dtype=F64) for _ in range(3))
+    ref = naive_favor_attention(q, k, v, fm.omega, fm.scale, causal=causal)
+    with torch.autocast("cpu", dtype=amp):
+        phq, phk, log_scale = fm.map_qk(q.float(), k.float())
+        out = linear_attention(phq, phk, v.float(), causal=causal, k_log_scale=log_scale, chunk_len=8)
+    assert phq.dtype == phk.dtype == log_scale.dtype == out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 inputs: finite and close
+        phq, phk, log_scale = fm.map_qk(q.bfloat16(), k.bfloat16())
+        out = linear_attention(phq, phk, v.bfloat16(), causal=causal, k_log_scale=log_scale, chunk_len=8)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    ref = naive_favor_attention(q.bfloat16().double(), k.bfloat16().double(), v.bfloat16().double(), fm.omega,
+                                fm.scale, causal=causal)
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=3e-2)
+
+
+@pytest.mark.parametrize("is_query", [False, True])
+def test_performer_feature_map_under_autocast_computes_in_float32(is_query):
+    fm = PerformerFeatures(16, 32, seed=1)
+    x = 2 * torch.randn(3, 5, 16, dtype=F64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = fm(x.float(), is_query=is_query)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), fm.double()(x, is_query=is_query), rtol=1e-5, atol=1e-7)

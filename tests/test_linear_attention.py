@@ -191,3 +191,33 @@ def test_log_scale_bad_input():
         linear_attention(phi_q, phi_k, v, causal=True, k_log_scale=ls[:, :, :3])
     with pytest.raises(ValueError, match="k_log_scale must be a floating-point"):
         linear_attention(phi_q, phi_k, v, causal=True, k_log_scale=ls.long())
+
+
+# ------------------------------------------------------------------------------------------ autocast
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("amp", [torch.bfloat16, torch.float16])
+def test_float32_inputs_under_autocast_match_float64(causal, amp):
+    phi_q, phi_k, v, ls = _log_scaled(19, spread=8.0, seed=3)
+    ref = naive_linear_attention(phi_q, phi_k, v, causal=causal, k_log_scale=ls)
+    inputs = [x.float().requires_grad_() for x in (phi_q, phi_k, v, ls)]
+    with torch.autocast("cpu", dtype=amp):
+        out = linear_attention(*inputs[:3], causal=causal, k_log_scale=inputs[3], chunk_len=4)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    ref_inputs = [x.detach().double().requires_grad_() for x in inputs]
+    ref = naive_linear_attention(*ref_inputs[:3], causal=causal, k_log_scale=ref_inputs[3])
+    w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1), dtype=F64)
+    grads = torch.autograd.grad((out * w.float()).sum(), inputs)
+    for g, gr in zip(grads, torch.autograd.grad((ref * w).sum(), ref_inputs)):
+        torch.testing.assert_close(g.double(), gr, rtol=1e-4, atol=1e-5)
+
+
+def test_bfloat16_inputs_under_autocast_are_finite_and_close():
+    phi_q, phi_k, v = (x.detach() for x in _inputs(T=21))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = linear_attention(phi_q.bfloat16(), phi_k.bfloat16(), v.bfloat16(), causal=True, chunk_len=8)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    ref = naive_linear_attention(*(x.bfloat16().double() for x in (phi_q, phi_k, v)), causal=True)
+    torch.testing.assert_close(out.double(), ref, rtol=1.6e-2, atol=1.6e-2)  # one bf16 rounding of the output

@@ -9,8 +9,9 @@ Three finite views of the softmax kernel exp(scale·q·k) plus the classic linea
 
 All maps are ``nn.Module``s: ``phi(x, is_query=False)`` (same as ``phi.feature_map(x, is_query)``).
 Half-precision inputs give float32 features (exp features under/overflow float16); ``linear_attention``
-accepts float32 features with half-precision values. ``nonnegative`` says whether every kernel value
-φ(q)·φ(k) is ≥ 0, i.e. whether the default "kernel" normaliser of ``linear_attention`` is valid.
+accepts float32 features with half-precision values. Under ``torch.autocast`` the maps still compute in float32
+(autocast is disabled inside: FAVOR+ logits of size ~scale·‖x‖² lose whole units in bf16).
+``nonnegative`` says whether every kernel value φ(q)·φ(k) is ≥ 0, i.e. whether the default "kernel" normaliser of ``linear_attention`` is valid.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from .ops._checks import check_positive_int, compute_dtype
+from .ops.linear import autocast_off
 
 
 class QKFeatures(NamedTuple):
@@ -44,6 +46,7 @@ class FeatureMap(nn.Module):
     def forward(self, x: torch.Tensor, is_query: bool = False) -> torch.Tensor:
         return self.feature_map(x, is_query)
 
+    @autocast_off
     def feature_map(self, x: torch.Tensor, is_query: bool = False) -> torch.Tensor:
         """x: (..., D) -> (..., M). ``is_query`` only matters for maps with a query-side stabiliser."""
         return self._phi(self._prepare(x), is_query)
@@ -333,6 +336,7 @@ class PerformerFeatures(FeatureMap):
             logits = logits - logits.amax(dim=-1, keepdim=True).detach()
         return torch.exp(logits) / math.sqrt(self.m)
 
+    @autocast_off
     def _key_features(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(exp(logits − β)/√m, β) with β the per-key max logit (detached: it multiplies back exactly)."""
         if not self.stabilize:

@@ -9,11 +9,12 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_choice, check_positive_int, check_qkv, compute_dtype
-from .linear import NORMALIZERS, _normalize
+from .linear import NORMALIZERS, _normalize, autocast_off
 
 KERNELS = ("exp", "rbf", "poly", "linear")
 
 
+@autocast_off
 def kernel_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -43,7 +44,7 @@ def kernel_attention(
     normalizer: as in ``linear_attention`` ("kernel": row sum clamped at eps, "count": number of keys
     attended, "none"). Default: "kernel" for the non-negative kernels (exp, rbf, even-degree poly) and
     "count" for signed ones (linear, odd-degree poly), whose row sums can be ≤ 0.
-    Half precision is computed in float32.
+    Half precision is computed in float32, also under ``torch.autocast`` (disabled inside); the output has v's dtype.
     """
     check_qkv(q, k, v, causal=False)
     if causal and q.shape[2] > k.shape[2]:

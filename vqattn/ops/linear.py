@@ -12,6 +12,7 @@ Cost O(T·M·Dv + T·C·(M + Dv)); memory holds one (M × Dv) state per chunk, n
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,25 @@ import torch.nn.functional as F
 from ._checks import check_4d, check_choice, check_positive_int, check_qkv, check_same_device_dtype, compute_dtype
 
 NORMALIZERS = ("kernel", "count", "none")
+
+
+def autocast_off(fn):
+    """Run ``fn`` with autocast disabled on the device of its first tensor argument.
+
+    These ops promise float32 arithmetic for half inputs (exp features and long sums need it); under
+    ``torch.autocast`` their matmuls would otherwise run in bf16/fp16 whatever the input dtype. The result keeps
+    the dtype the op gives without autocast (the input's), which autocast's callers accept as is.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if x is None:  # not a tensor: fn's own checks raise the ValueError
+            return fn(*args, **kwargs)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 @dataclass
@@ -47,6 +67,7 @@ def _normalize(num: torch.Tensor, den: torch.Tensor, count: torch.Tensor, normal
     return num
 
 
+@autocast_off
 def linear_attention(
     phi_q: torch.Tensor,
     phi_k: torch.Tensor,
@@ -88,7 +109,8 @@ def linear_attention(
     state / return_state (causal only): ``state`` holds the sums over all earlier keys (``LinearState``);
     with ``return_state=True`` the call returns ``(out, new_state)``. Feeding a sequence in pieces with the
     returned state gives the same outputs as a single call. Half precision is computed in float32; the
-    state stays float32.
+    state stays float32. Under ``torch.autocast`` the op still computes in float32 (autocast is disabled
+    inside) and returns v's dtype.
     """
     for name, x in (("phi_q", phi_q), ("phi_k", phi_k), ("v", v)):
         check_4d(name, x)
