@@ -336,3 +336,24 @@ def test_performer_feature_map_under_autocast_computes_in_float32(is_query):
         out = fm(x.float(), is_query=is_query)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out.double(), fm.double()(x, is_query=is_query), rtol=1e-5, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------------------- torch.compile
+
+
+@pytest.mark.slow  # inductor's C++ compilation takes about a minute on 2 CPU cores
+def test_performer_linear_attention_compiles_in_one_graph_and_matches_eager():
+    fm = PerformerFeatures(16, 32, seed=1)
+
+    def attend(q, k, v):
+        phq, phk, log_scale = fm.map_qk(q, k)
+        return linear_attention(phq, phk, v, causal=True, k_log_scale=log_scale, chunk_len=8)
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 37, 16, generator=g).requires_grad_() for _ in range(3))  # 37: a partial chunk
+    compiled = torch.compile(attend, fullgraph=True, backend="inductor")  # fullgraph: a graph break fails
+    out, ref = compiled(q, k, v), attend(q, k, v)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    w = torch.randn(ref.shape, generator=g)
+    for a, b in zip(torch.autograd.grad((out * w).sum(), (q, k, v)), torch.autograd.grad((ref * w).sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
