@@ -256,6 +256,19 @@ def test_ranks_and_resumed_runs_draw_the_same_features():
         set_feature_step(resumed, -1)
 
 
+def test_trainer_hook_sets_the_global_step():
+    # LitLM.on_train_batch_start is where the trainer hands its global step to the feature maps
+    lit_module = pytest.importorskip("vqattn.lit")
+    from types import SimpleNamespace
+
+    lit = lit_module.LitLM({"vocab_size": 17, "seq_len": 16, "n_layer": 2, "n_head": 2, "n_embd": 16,
+                            "attention": "performer"})
+    lit._trainer = SimpleNamespace(global_step=2 * DEFAULT_REDRAW_INTERVAL + 3)  # stands in for the Trainer
+    lit.on_train_batch_start((torch.zeros(1, 4, dtype=torch.long),), 0)
+    steps = [m.step for m in lit.modules() if isinstance(m, PerformerFeatures)]
+    assert steps == [2 * DEFAULT_REDRAW_INTERVAL + 3] * 2
+
+
 def test_no_redraw_without_interval():
     a = PerformerFeatures(4, 8, redraw_interval=None)
     w = a.omega.clone()
