@@ -256,6 +256,17 @@ def test_ranks_and_resumed_runs_draw_the_same_features():
         set_feature_step(resumed, -1)
 
 
+def test_checkpoint_restores_the_draw_it_was_trained_with():
+    trained = PerformerFeatures(4, 8, redraw_interval=5, seed=3)
+    trained.set_step(12)  # draw 2
+    loaded = PerformerFeatures(4, 8, redraw_interval=1000, seed=3)  # another interval in the loading config
+    loaded.load_state_dict(trained.state_dict())
+    assert loaded.step == 12 and torch.equal(loaded.omega, trained.omega)
+    old = PerformerFeatures(4, 8, seed=3)
+    old.set_extra_state({"step": 1500})  # a checkpoint from before global-step redraws: never redrawn
+    assert torch.equal(old.omega, PerformerFeatures(4, 8, seed=3).omega)
+
+
 def test_trainer_hook_sets_the_global_step():
     # LitLM.on_train_batch_start is where the trainer hands its global step to the feature maps
     lit_module = pytest.importorskip("vqattn.lit")

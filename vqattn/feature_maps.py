@@ -259,8 +259,8 @@ class PerformerFeatures(FeatureMap):
     ``set_feature_step(model, global_step)`` before each training batch (``LitLM.on_train_batch_start``
     does it), so every DDP rank, a resumed run and an uninterrupted run hold the same ω at the same global
     step without communication, and every micro-batch of an accumulated step shares one ω. Forward passes
-    never change it. ``step`` is saved in the state dict (extra state) and ω, a non-persistent buffer, is
-    re-derived on load. Layers use a different ``seed`` each (``PerformerAttention``: seed + layer index).
+    never change it. ``step`` and the draw index are saved in the state dict (extra state) and ω, a non-persistent
+    buffer, is re-derived from them on load. Layers use a different ``seed`` each (``PerformerAttention``: seed + layer index).
     """
 
     def __init__(
@@ -289,7 +289,7 @@ class PerformerFeatures(FeatureMap):
         self.stabilize = stabilize
         self.step = 0
         self.draw_index = 0
-        # not persistent: ω is re-derived from (seed, step) by set_extra_state
+        # not persistent: ω is re-derived from (seed, draw index) by set_extra_state
         self.register_buffer("omega", self._draw(0).float(), persistent=False)  # (m, D)
 
     def num_features(self, head_dim):
@@ -300,8 +300,9 @@ class PerformerFeatures(FeatureMap):
         gen = torch.Generator().manual_seed((self.seed * 0x9E3779B97F4A7C15 + index) % (1 << 63))
         return draw_random_features(self.m, self.head_dim, orthogonal=self.orthogonal, generator=gen)
 
-    def _sync_omega(self) -> None:
-        index = 0 if self.redraw_interval is None else self.step // self.redraw_interval
+    def _sync_omega(self, index: int | None = None) -> None:
+        if index is None:
+            index = 0 if self.redraw_interval is None else self.step // self.redraw_interval
         if index != self.draw_index:
             self.omega.copy_(self._draw(index))
             self.draw_index = index
@@ -318,11 +319,13 @@ class PerformerFeatures(FeatureMap):
         return QKFeatures(self.feature_map(q, is_query=True), phi_k, beta)
 
     def get_extra_state(self):
-        return {"step": self.step}
+        return {"step": self.step, "draw_index": self.draw_index}
 
     def set_extra_state(self, state):
-        self.step, self.draw_index = state["step"], -1  # force ω to be re-derived
-        self._sync_omega()
+        # the saved draw, not one recomputed from the step: the loaded weights were trained with exactly this ω,
+        # whatever redraw_interval the loading code uses (checkpoints without it predate redraws by default: 0)
+        self.step, self.draw_index = state["step"], -1
+        self._sync_omega(state.get("draw_index", 0))
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.head_dim:
