@@ -10,7 +10,7 @@ import math
 import torch
 
 
-def _rows(weights_fn, Tq, Tk, causal, v, normalizer, eps=1e-6):
+def _rows(weights_fn, Tq, Tk, causal, v, normalizer, eps):
     """Build out_t = Σ_{s allowed} w_ts v_s / n_t one query position at a time."""
     outs = []
     for t in range(Tq):
@@ -58,7 +58,7 @@ def naive_kernel_attention(q, k, v, *, kernel, causal, scale=None, degree=2, nor
             w = w * position[..., t, :stop]
         return w
 
-    return _rows(weights, Tq, Tk, causal, v, normalizer)
+    return _rows(weights, Tq, Tk, causal, v, normalizer, eps=torch.finfo(torch.float64).tiny)
 
 
 def naive_softmax_attention(q, k, v, *, causal, scale=None):

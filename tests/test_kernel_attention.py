@@ -148,3 +148,12 @@ def test_bfloat16_inputs_under_autocast_are_finite_and_close():
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     ref = naive_softmax_attention(*(x.bfloat16().double() for x in (q, k, v)), causal=True)
     torch.testing.assert_close(out.double(), ref, rtol=1.6e-2, atol=1.6e-2)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_kernel_normaliser_is_scale_free(causal):
+    # (s·q·k)² normalised is invariant to the scale of q and k; an absolute clamp at 1e-6 broke that at 1e-3 scale
+    q, k, v = (x.detach() for x in _qkv(seed=6))
+    unit = kernel_attention(q, k, v, kernel="poly", degree=2, causal=causal)
+    tiny = kernel_attention(1e-3 * q, 1e-3 * k, v, kernel="poly", degree=2, causal=causal)
+    torch.testing.assert_close(tiny, unit, rtol=1e-9, atol=1e-10)

@@ -26,7 +26,7 @@ def kernel_attention(
     degree: int = 2,
     normalizer: str | None = None,
     position_kernel: torch.Tensor | None = None,
-    eps: float = 1e-6,
+    eps: float | None = None,
 ) -> torch.Tensor:
     """Attention with an explicit kernel, s = ``scale`` (default D**-0.5):
 
@@ -41,7 +41,8 @@ def kernel_attention(
     position_kernel: optional non-negative tensor broadcastable to (B, H, Tq, Tk), e.g. (Tq, Tk); the
     weights become the product kernel κ(q_t, k_s)·P[t, s] (Tsai et al.'s content × position kernel).
 
-    normalizer: as in ``linear_attention`` ("kernel": row sum clamped at eps, "count": number of keys
+    normalizer: as in ``linear_attention`` ("kernel": row sum clamped at eps, by default the smallest normal
+    number of the compute dtype, so only an all-zero row is affected and the output is scale-free; "count": number of keys
     attended, "none"). Default: "kernel" for the non-negative kernels (exp, rbf, even-degree poly) and
     "count" for signed ones (linear, odd-degree poly), whose row sums can be ≤ 0.
     Half precision is computed in float32, also under ``torch.autocast`` (disabled inside); the output has v's dtype.
@@ -53,8 +54,8 @@ def kernel_attention(
     check_positive_int("degree", degree)
     if scale is not None and not scale > 0:
         raise ValueError(f"scale must be > 0 or None, got {scale!r}")
-    if not eps > 0:
-        raise ValueError(f"eps must be > 0, got {eps!r}")
+    if eps is not None and not eps > 0:
+        raise ValueError(f"eps must be > 0 or None, got {eps!r}")
     signed = kernel == "linear" or (kernel == "poly" and degree % 2 == 1)
     if normalizer is None:
         normalizer = "count" if signed else "kernel"
@@ -93,6 +94,7 @@ def kernel_attention(
 
     num = weights @ v  # (B, H, Tq, Dv)
     count = keep.sum(-1).to(dt).expand(B, H, Tq)
+    eps = torch.finfo(dt).tiny if eps is None else eps
     return _normalize(num, weights.sum(-1), count, normalizer, eps).to(out_dtype)
 
 
