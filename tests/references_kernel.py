@@ -89,8 +89,12 @@ def naive_favor_attention(q, k, v, omega, scale, *, causal):
     q' = √scale q; out_t = Σ_s softmax_s(log κ_ts) v_s over the allowed s."""
     q, k, v, omega = (x.double() for x in (q, k, v, omega))
     m = omega.shape[0]
-    a = torch.stack([(q * math.sqrt(scale) * omega[j]).sum(-1) for j in range(m)], -1) - scale * (q**2).sum(-1, keepdim=True) / 2
-    b = torch.stack([(k * math.sqrt(scale) * omega[j]).sum(-1) for j in range(m)], -1) - scale * (k**2).sum(-1, keepdim=True) / 2
+
+    def logits(x):  # (B, H, T, m), one feature column at a time
+        cols = [(x * math.sqrt(scale) * omega[j]).sum(-1) for j in range(m)]
+        return torch.stack(cols, -1) - scale * (x**2).sum(-1, keepdim=True) / 2
+
+    a, b = logits(q), logits(k)
     outs = []
     for t in range(q.shape[2]):
         stop = t + 1 if causal else k.shape[2]

@@ -10,8 +10,9 @@ Three finite views of the softmax kernel exp(scale·q·k) plus the classic linea
 All maps are ``nn.Module``s: ``phi(x, is_query=False)`` (same as ``phi.feature_map(x, is_query)``).
 Half-precision inputs give float32 features (exp features under/overflow float16); ``linear_attention``
 accepts float32 features with half-precision values. Under ``torch.autocast`` the maps still compute in float32
-(autocast is disabled inside: FAVOR+ logits of size ~scale·‖x‖² lose whole units in bf16).
-``nonnegative`` says whether every kernel value φ(q)·φ(k) is ≥ 0, i.e. whether the default "kernel" normaliser of ``linear_attention`` is valid.
+(autocast is disabled inside: FAVOR+ logits of size ~scale·‖x‖² lose whole units in bf16). ``nonnegative`` says
+whether every kernel value φ(q)·φ(k) is ≥ 0, i.e. whether the default "kernel" normaliser of ``linear_attention``
+is valid.
 """
 
 from __future__ import annotations
@@ -129,10 +130,10 @@ def _monomials(dim: int, degree: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class TaylorFeatures(FeatureMap):
-    """Truncated Taylor series of exp, one feature per monomial: φ(x) = [x'^α / √(α!)]_{|α| ≤ order}, x' = √s·x.
+    """Truncated Taylor series of exp, one feature per monomial: φ(x) = [x'^α / √(α!)]_{|α|≤order}, x' = √s·x.
 
-    By the multinomial theorem (s·q·k)^m / m! = Σ_{|α|=m} q'^α k'^α / α!, so φ(q)·φ(k) = Σ_{m≤order} (s·q·k)^m / m!
-    exactly; order 2 is [1, x', x'_i²/√2, x'_i x'_j (i < j)] -> 1 + s·q·k + (s·q·k)²/2.
+    By the multinomial theorem (s·q·k)^m / m! = Σ_{|α|=m} q'^α k'^α / α!, so
+    φ(q)·φ(k) = Σ_{m≤order} (s·q·k)^m / m! exactly; order 2 is [1, x', x'_i²/√2, x'_i x'_j (i < j)] -> 1 + s·q·k + (s·q·k)²/2.
     M = Σ_{m≤order} C(D+m−1, m): 1 + D + D(D+1)/2 at order 2 (the symmetric products x_i x_j = x_j x_i are
     kept once, weight √2 relative to the tensor power x⊗x/√2, instead of D² duplicated entries).
     Even orders give a positive kernel (the truncated series of exp has no real root); odd orders do not.
@@ -260,7 +261,8 @@ class PerformerFeatures(FeatureMap):
     does it), so every DDP rank, a resumed run and an uninterrupted run hold the same ω at the same global
     step without communication, and every micro-batch of an accumulated step shares one ω. Forward passes
     never change it. ``step`` and the draw index are saved in the state dict (extra state) and ω, a non-persistent
-    buffer, is re-derived from them on load. Layers use a different ``seed`` each (``PerformerAttention``: seed + layer index).
+    buffer, is re-derived from them on load. Layers use a different ``seed`` each (``PerformerAttention``: seed +
+    layer index).
     """
 
     def __init__(

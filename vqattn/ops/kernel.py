@@ -42,8 +42,8 @@ def kernel_attention(
     weights become the product kernel κ(q_t, k_s)·P[t, s] (Tsai et al.'s content × position kernel).
 
     normalizer: as in ``linear_attention`` ("kernel": row sum clamped at eps, by default the smallest normal
-    number of the compute dtype, so only an all-zero row is affected and the output is scale-free; "count": number of keys
-    attended, "none"). Default: "kernel" for the non-negative kernels (exp, rbf, even-degree poly) and
+    number of the compute dtype, so only an all-zero row is affected and the output is scale-free; "count": number
+    of keys attended, "none"). Default: "kernel" for the non-negative kernels (exp, rbf, even-degree poly) and
     "count" for signed ones (linear, odd-degree poly), whose row sums can be ≤ 0.
     Half precision is computed in float32, also under ``torch.autocast`` (disabled inside); the output has v's dtype.
     """

@@ -206,7 +206,8 @@ def _causal(phi_q, phi_k, v, ls, state, C, normalizer, eps):
     if scaled:
         kv, ksum, log_scale = last
     else:
-        kv, ksum, log_scale = prefix_kv[:, :, -1] + chunk_kv[:, :, -1], prefix_ksum[:, :, -1] + chunk_ksum[:, :, -1], None
+        kv, ksum = prefix_kv[:, :, -1] + chunk_kv[:, :, -1], prefix_ksum[:, :, -1] + chunk_ksum[:, :, -1]
+        log_scale = None
     return out, LinearState(kv=kv, k_sum=ksum, length=length0 + T, log_scale=log_scale)
 
 
