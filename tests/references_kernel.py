@@ -18,7 +18,8 @@ def _rows(weights_fn, Tq, Tk, causal, v, normalizer, eps):
         w = weights_fn(t, stop)  # (B, H, stop)
         num = (w.unsqueeze(-1) * v[:, :, :stop]).sum(2)
         if normalizer == "kernel":
-            den = torch.clamp(w.sum(-1), min=eps)
+            den = w.sum(-1)
+            den = torch.where(den > 0, den, 1.0) if eps is None else den.clamp_min(eps)  # 0 rows give 0
         elif normalizer == "count":
             den = torch.full_like(w[..., 0], stop)
         else:
@@ -28,8 +29,8 @@ def _rows(weights_fn, Tq, Tk, causal, v, normalizer, eps):
 
 
 def naive_linear_attention(phi_q, phi_k, v, *, causal, normalizer="kernel", k_log_scale=None):
-    """k_log_scale (B, H, Tk): true key features are phi_k · exp(k_log_scale). The kernel normaliser only
-    guards exact zeros (clamp at the smallest normal float64)."""
+    """k_log_scale (B, H, Tk): true key features are phi_k · exp(k_log_scale). The kernel normaliser is the row
+    sum (rows of zero weights give 0)."""
     Tq, Tk = phi_q.shape[2], phi_k.shape[2]
     if k_log_scale is not None:
         phi_k = phi_k * torch.exp(k_log_scale).unsqueeze(-1)
@@ -37,7 +38,7 @@ def naive_linear_attention(phi_q, phi_k, v, *, causal, normalizer="kernel", k_lo
     def weights(t, stop):
         return (phi_q[:, :, t : t + 1] * phi_k[:, :, :stop]).sum(-1)
 
-    return _rows(weights, Tq, Tk, causal, v, normalizer, eps=torch.finfo(torch.float64).tiny)
+    return _rows(weights, Tq, Tk, causal, v, normalizer, eps=None)
 
 
 def naive_kernel_attention(q, k, v, *, kernel, causal, scale=None, degree=2, normalizer="kernel", position=None):
@@ -58,7 +59,7 @@ def naive_kernel_attention(q, k, v, *, kernel, causal, scale=None, degree=2, nor
             w = w * position[..., t, :stop]
         return w
 
-    return _rows(weights, Tq, Tk, causal, v, normalizer, eps=torch.finfo(torch.float64).tiny)
+    return _rows(weights, Tq, Tk, causal, v, normalizer, eps=None)
 
 
 def naive_softmax_attention(q, k, v, *, causal, scale=None):

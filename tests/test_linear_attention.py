@@ -102,11 +102,25 @@ def test_half_precision_computed_in_float32(dtype):
     assert out32.dtype == dtype
 
 
-def test_all_zero_row_gives_zero_not_nan():
-    phi_q, phi_k, v = (x.detach() for x in _inputs(T=6))
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_all_zero_row_gives_zero_not_nan(dtype):
+    phi_q, phi_k, v = (x.detach().to(dtype) for x in _inputs(T=6))
     phi_q[:, :, 2] = 0.0  # relu features can vanish
-    out = linear_attention(phi_q, phi_k, v, causal=True)
+    inputs = [x.requires_grad_() for x in (phi_q, phi_k, 3 * v)]
+    out = linear_attention(*inputs, causal=True)
     assert torch.isfinite(out).all() and out[:, :, 2].abs().max() == 0
+    # and the gradients stay finite (a clamp at the smallest normal number made them 0·inf = NaN)
+    assert all(torch.isfinite(g).all() for g in _grads(3 * out, inputs))
+
+
+def test_eps_floor_is_kept_on_request():
+    phi_q, phi_k, v = (x.detach() for x in _inputs(T=6))
+    small = linear_attention(1e-4 * phi_q, 1e-4 * phi_k, v, causal=True)  # row sums ~1e-8
+    torch.testing.assert_close(small, linear_attention(phi_q, phi_k, v, causal=True))  # scale-free by default
+    floored = linear_attention(1e-4 * phi_q, 1e-4 * phi_k, v, causal=True, eps=1e-6)
+    ref = naive_linear_attention(1e-4 * phi_q, 1e-4 * phi_k, v, causal=True, normalizer="none")
+    den = naive_linear_attention(1e-4 * phi_q, 1e-4 * phi_k, torch.ones_like(v[..., :1]), causal=True, normalizer="none")
+    torch.testing.assert_close(floored, ref / den.clamp_min(1e-6))
 
 
 def test_bad_input():

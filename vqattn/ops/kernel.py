@@ -41,9 +41,8 @@ def kernel_attention(
     position_kernel: optional non-negative tensor broadcastable to (B, H, Tq, Tk), e.g. (Tq, Tk); the
     weights become the product kernel κ(q_t, k_s)·P[t, s] (Tsai et al.'s content × position kernel).
 
-    normalizer: as in ``linear_attention`` ("kernel": row sum clamped at eps, by default the smallest normal
-    number of the compute dtype, so only an all-zero row is affected and the output is scale-free; "count": number
-    of keys attended, "none"). Default: "kernel" for the non-negative kernels (exp, rbf, even-degree poly) and
+    normalizer: as in ``linear_attention`` ("kernel": the row sum, scale-free, an all-zero row gives 0; with
+    ``eps`` given the row sum clamped at eps; "count": number of keys attended, "none"). Default: "kernel" for the non-negative kernels (exp, rbf, even-degree poly) and
     "count" for signed ones (linear, odd-degree poly), whose row sums can be ≤ 0.
     Half precision is computed in float32, also under ``torch.autocast`` (disabled inside); the output has v's dtype.
     """
@@ -94,7 +93,6 @@ def kernel_attention(
 
     num = weights @ v  # (B, H, Tq, Dv)
     count = keep.sum(-1).to(dt).expand(B, H, Tq)
-    eps = torch.finfo(dt).tiny if eps is None else eps
     return _normalize(num, weights.sum(-1), count, normalizer, eps).to(out_dtype)
 
 

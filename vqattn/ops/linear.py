@@ -56,11 +56,16 @@ class LinearState:
     log_scale: torch.Tensor | None = None
 
 
-def _normalize(num: torch.Tensor, den: torch.Tensor, count: torch.Tensor, normalizer: str, eps: float) -> torch.Tensor:
+def _normalize(
+    num: torch.Tensor, den: torch.Tensor, count: torch.Tensor, normalizer: str, eps: float | None
+) -> torch.Tensor:
     """num: (..., T, Dv); den, count: (..., T). See ``linear_attention`` for the three normalisers."""
     if normalizer == "kernel":
-        # clamp_min instead of den + eps: an exact row sum is kept unbiased, and a row whose weights are all
-        # zero (relu features) gives 0 instead of 0/0.
+        if eps is None:
+            # the row sum itself, at any scale; a row of zero weights (relu) has num = 0 and gives 0. Dividing
+            # it by 1, not by a tiny clamp, keeps its gradient finite (1/tiny overflows to inf, then 0·inf = NaN).
+            return num / torch.where(den > 0, den, torch.ones_like(den)).unsqueeze(-1)
+        # clamp_min instead of den + eps: an exact row sum is kept unbiased
         return num / den.clamp_min(eps).unsqueeze(-1)
     if normalizer == "count":
         return num / count.unsqueeze(-1)
@@ -96,12 +101,12 @@ def linear_attention(
     below 1e-38 of the largest visible one.
 
     normalizer, the divisor n_t of row t:
-      * ``"kernel"`` (default): n_t = max(Σ_s κ_ts, eps), the usual normalised attention. Valid when the
+      * ``"kernel"`` (default): n_t = Σ_s κ_ts, the usual normalised attention, invariant to the scale of the
+        features; a row whose weights are all 0 (relu features) gives 0. With ``eps`` given, n_t =
+        max(Σ_s κ_ts, eps) instead (an absolute floor, which rescales rows of small weights). Valid when the
         kernel values are non-negative (performer, elu+1, relu, even-order taylor / exp-definition; see
-        ``FeatureMap.nonnegative``). ``eps`` defaults to the smallest normal number of the compute dtype, so
-        it only turns an all-zero row (relu features) into 0 instead of 0/0 and never rescales a real
-        row: the output is invariant to the scale of the features. With signed kernels (identity) the row
-        sum can be ≤ 0 and the clamp would flip signs, so use one of the other two.
+        ``FeatureMap.nonnegative``). With signed kernels (identity) the row sum can be ≤ 0 and the division
+        would flip signs, so use one of the other two.
       * ``"count"``: n_t = number of keys attended (a mean). Bounded for any kernel; the safe choice for
         identity features, whose "minimal linear attention" row is the raw scores q·k.
       * ``"none"``: n_t = 1.
@@ -121,9 +126,7 @@ def linear_attention(
     phi_q, phi_k, v = phi_q.to(dt), phi_k.to(dt), v.to(dt)
     check_qkv(phi_q, phi_k, v, causal=causal)
     check_choice("normalizer", normalizer, NORMALIZERS)
-    if eps is None:
-        eps = torch.finfo(dt).tiny
-    elif not eps > 0:
+    if eps is not None and not eps > 0:
         raise ValueError(f"eps must be > 0 or None, got {eps!r}")
     if chunk_len is not None:
         check_positive_int("chunk_len", chunk_len)
