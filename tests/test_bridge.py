@@ -30,7 +30,8 @@ def test_kernel_assignment_equals_favor(causal, T, block_len, scale):
     fm = PerformerFeatures(D, m, seed=T, scale=scale).double()
     s = fm.scale
     q, k, v = _qkv(T, D)
-    favor = linear_attention(*fm.map_qk(q, k), v, causal=causal, chunk_len=block_len)
+    phq, phk, k_log_scale = fm.map_qk(q, k)
+    favor = linear_attention(phq, phk, v, causal=causal, chunk_len=block_len, k_log_scale=k_log_scale)
     vq = vq_attention(
         q, k, v, fm.omega.double() / math.sqrt(s), causal=causal, assign="kernel", temperature=1 / s,
         block_len=block_len, scale=s,
@@ -65,7 +66,7 @@ def test_soft_assignment_is_kernel_with_per_key_and_per_code_factors(causal, equ
         fm.omega.copy_(fm.omega / fm.omega.norm(dim=1, keepdim=True) * math.sqrt(D))
     c, tau = fm.omega.double() / math.sqrt(s), 1 / s
     q, k, v = (x.detach() for x in _qkv(T, D))
-    phq, phk = fm.map_qk(q, k)
+    phq, phk = fm(q, is_query=True), fm(k)
     per_key, per_code = kernel_soft_factors(k, c, tau)
     soft = vq_attention(q, k, v, c, causal=causal, assign="soft", temperature=tau, block_len=8, scale=s)
     kernel = vq_attention(q, k, v, c, causal=causal, assign="kernel", temperature=tau, block_len=8, scale=s)

@@ -124,3 +124,36 @@ def test_causal_queries_are_the_last_positions_when_q_is_shorter(kernel, degree,
         torch.testing.assert_close(part, full[:, :, -tq:], atol=1e-12, rtol=1e-10)
     with pytest.raises(ValueError, match="no longer than k"):
         kernel_attention(q, k[:, :, :5], v[:, :, :5], kernel=kernel, causal=True)
+
+
+@pytest.mark.parametrize("kernel,degree", [("exp", 2), ("rbf", 2), ("poly", 2), ("linear", 1)])
+@pytest.mark.parametrize("amp", [torch.bfloat16, torch.float16])
+def test_float32_inputs_under_autocast_match_float64(kernel, degree, amp):
+    q, k, v = (x.detach() for x in _qkv(Tq=7, Tk=11, seed=4))
+    ref = naive_kernel_attention(q, k, v, kernel=kernel, causal=False, degree=degree,
+                                 normalizer="count" if kernel == "linear" else "kernel")
+    with torch.autocast("cpu", dtype=amp):
+        out = kernel_attention(q.float(), k.float(), v.float(), kernel=kernel, causal=False, degree=degree)
+        causal = kernel_attention(q.float(), k.float(), v.float(), kernel=kernel, causal=True, degree=degree)
+    assert out.dtype == causal.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    ref_causal = kernel_attention(q, k, v, kernel=kernel, causal=True, degree=degree)  # float64, checked above
+    torch.testing.assert_close(causal.double(), ref_causal, rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_inputs_under_autocast_are_finite_and_close():
+    q, k, v = (x.detach() for x in _qkv(seed=5))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = kernel_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), kernel="exp", causal=True)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    ref = naive_softmax_attention(*(x.bfloat16().double() for x in (q, k, v)), causal=True)
+    torch.testing.assert_close(out.double(), ref, rtol=1.6e-2, atol=1.6e-2)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_kernel_normaliser_is_scale_free(causal):
+    # (s·q·k)² normalised is invariant to the scale of q and k; an absolute clamp at 1e-6 broke that at 1e-3 scale
+    q, k, v = (x.detach() for x in _qkv(seed=6))
+    unit = kernel_attention(q, k, v, kernel="poly", degree=2, causal=causal)
+    tiny = kernel_attention(1e-3 * q, 1e-3 * k, v, kernel="poly", degree=2, causal=causal)
+    torch.testing.assert_close(tiny, unit, rtol=1e-9, atol=1e-10)

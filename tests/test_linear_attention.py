@@ -102,11 +102,25 @@ def test_half_precision_computed_in_float32(dtype):
     assert out32.dtype == dtype
 
 
-def test_all_zero_row_gives_zero_not_nan():
-    phi_q, phi_k, v = (x.detach() for x in _inputs(T=6))
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_all_zero_row_gives_zero_not_nan(dtype):
+    phi_q, phi_k, v = (x.detach().to(dtype) for x in _inputs(T=6))
     phi_q[:, :, 2] = 0.0  # relu features can vanish
-    out = linear_attention(phi_q, phi_k, v, causal=True)
+    inputs = [x.requires_grad_() for x in (phi_q, phi_k, 3 * v)]
+    out = linear_attention(*inputs, causal=True)
     assert torch.isfinite(out).all() and out[:, :, 2].abs().max() == 0
+    # and the gradients stay finite (a clamp at the smallest normal number made them 0·inf = NaN)
+    assert all(torch.isfinite(g).all() for g in _grads(3 * out, inputs))
+
+
+def test_eps_floor_is_kept_on_request():
+    phi_q, phi_k, v = (x.detach() for x in _inputs(T=6))
+    small = linear_attention(1e-4 * phi_q, 1e-4 * phi_k, v, causal=True)  # row sums ~1e-8
+    torch.testing.assert_close(small, linear_attention(phi_q, phi_k, v, causal=True))  # scale-free by default
+    floored = linear_attention(1e-4 * phi_q, 1e-4 * phi_k, v, causal=True, eps=1e-6)
+    ref = naive_linear_attention(1e-4 * phi_q, 1e-4 * phi_k, v, causal=True, normalizer="none")
+    den = naive_linear_attention(1e-4 * phi_q, 1e-4 * phi_k, torch.ones_like(v[..., :1]), causal=True, normalizer="none")
+    torch.testing.assert_close(floored, ref / den.clamp_min(1e-6))
 
 
 def test_bad_input():
@@ -130,3 +144,94 @@ def test_bad_input():
     bad = LinearState(kv=torch.zeros(2, 2, 3, 5, dtype=F64), k_sum=torch.zeros(2, 2, 3, dtype=F64), length=4)
     with pytest.raises(ValueError, match="state does not match"):
         linear_attention(phi_q, phi_k, v, causal=True, state=bad)
+
+
+# ---------------------------------------------------------------------------------- per-key log scales
+
+
+def _log_scaled(T, spread, seed=2, dtype=F64):
+    phi_q, phi_k, v = (x.detach().to(dtype) for x in _inputs(T=T, seed=seed))
+    g = torch.Generator().manual_seed(seed + 1)
+    ls = (spread * (torch.rand(2, 2, T, generator=g, dtype=F64) - 0.5)).to(dtype)
+    return phi_q, phi_k, v, ls
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("normalizer", ["kernel", "count", "none"])
+@pytest.mark.parametrize("T,chunk_len", [(13, 4), (17, 17), (5, 2)])
+def test_log_scale_matches_naive_values_and_grads(causal, normalizer, T, chunk_len):
+    phi_q, phi_k, v, ls = _log_scaled(T, spread=6.0)
+    inputs = [x.requires_grad_() for x in (phi_q, phi_k, v, ls)]
+    out = linear_attention(*inputs[:3], causal=causal, k_log_scale=inputs[3], chunk_len=chunk_len, normalizer=normalizer)
+    ref = naive_linear_attention(*inputs[:3], causal=causal, k_log_scale=inputs[3], normalizer=normalizer)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    for g, gr in zip(_grads(out, inputs), _grads(ref, inputs)):
+        torch.testing.assert_close(g, gr, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_log_scale_beyond_float32_range(causal):
+    # log scales spread over 400 nats: exp of them over/underflows float32, the stabilised op must not
+    phi_q, phi_k, v, ls = _log_scaled(29, spread=400.0, seed=5)
+    ref = naive_linear_attention(phi_q, phi_k, v, causal=causal, k_log_scale=ls)
+    out = linear_attention(phi_q.float(), phi_k.float(), v.float(), causal=causal, k_log_scale=ls.float(), chunk_len=4)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("splits", [[5, 1, 1, 10], [1] * 6 + [11]])
+def test_log_scale_state_pieces_equal_full(splits):
+    phi_q, phi_k, v, ls = _log_scaled(17, spread=300.0, seed=7)
+    phi_q, phi_k, v, ls = phi_q.float(), phi_k.float(), v.float(), ls.float()
+    full = linear_attention(phi_q, phi_k, v, causal=True, chunk_len=4, k_log_scale=ls)
+    state, outs, start = None, [], 0
+    for n in splits:
+        sl = slice(start, start + n)
+        out, state = linear_attention(phi_q[:, :, sl], phi_k[:, :, sl], v[:, :, sl], causal=True, chunk_len=4,
+                                      k_log_scale=ls[:, :, sl], state=state, return_state=True)
+        outs.append(out)
+        start += n
+    torch.testing.assert_close(torch.cat(outs, dim=2), full, rtol=1e-5, atol=1e-5)
+    r = ls.amax(-1)
+    torch.testing.assert_close(state.log_scale, r)
+    w = torch.exp(ls.double() - r.double().unsqueeze(-1)).unsqueeze(-1)
+    torch.testing.assert_close(state.kv.double(), torch.einsum("bhtm,bhtd->bhmd", phi_k.double() * w, v.double()),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_log_scale_bad_input():
+    phi_q, phi_k, v, ls = _log_scaled(6, spread=1.0)
+    with pytest.raises(ValueError, match="k_log_scale must have shape"):
+        linear_attention(phi_q, phi_k, v, causal=True, k_log_scale=ls[:, :, :3])
+    with pytest.raises(ValueError, match="k_log_scale must be a floating-point"):
+        linear_attention(phi_q, phi_k, v, causal=True, k_log_scale=ls.long())
+
+
+# ------------------------------------------------------------------------------------------ autocast
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("amp", [torch.bfloat16, torch.float16])
+def test_float32_inputs_under_autocast_match_float64(causal, amp):
+    phi_q, phi_k, v, ls = _log_scaled(19, spread=8.0, seed=3)
+    ref = naive_linear_attention(phi_q, phi_k, v, causal=causal, k_log_scale=ls)
+    inputs = [x.float().requires_grad_() for x in (phi_q, phi_k, v, ls)]
+    with torch.autocast("cpu", dtype=amp):
+        out = linear_attention(*inputs[:3], causal=causal, k_log_scale=inputs[3], chunk_len=4)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    ref_inputs = [x.detach().double().requires_grad_() for x in inputs]
+    ref = naive_linear_attention(*ref_inputs[:3], causal=causal, k_log_scale=ref_inputs[3])
+    w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1), dtype=F64)
+    grads = torch.autograd.grad((out * w.float()).sum(), inputs)
+    for g, gr in zip(grads, torch.autograd.grad((ref * w).sum(), ref_inputs)):
+        torch.testing.assert_close(g.double(), gr, rtol=1e-4, atol=1e-5)
+
+
+def test_bfloat16_inputs_under_autocast_are_finite_and_close():
+    phi_q, phi_k, v = (x.detach() for x in _inputs(T=21))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = linear_attention(phi_q.bfloat16(), phi_k.bfloat16(), v.bfloat16(), causal=True, chunk_len=8)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    ref = naive_linear_attention(*(x.bfloat16().double() for x in (phi_q, phi_k, v)), causal=True)
+    torch.testing.assert_close(out.double(), ref, rtol=1.6e-2, atol=1.6e-2)  # one bf16 rounding of the output

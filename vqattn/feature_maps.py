@@ -9,18 +9,34 @@ Three finite views of the softmax kernel exp(scale·q·k) plus the classic linea
 
 All maps are ``nn.Module``s: ``phi(x, is_query=False)`` (same as ``phi.feature_map(x, is_query)``).
 Half-precision inputs give float32 features (exp features under/overflow float16); ``linear_attention``
-accepts float32 features with half-precision values. ``nonnegative`` says whether every kernel value
-φ(q)·φ(k) is ≥ 0, i.e. whether the default "kernel" normaliser of ``linear_attention`` is valid.
+accepts float32 features with half-precision values. Under ``torch.autocast`` the maps still compute in float32
+(autocast is disabled inside: FAVOR+ logits of size ~scale·‖x‖² lose whole units in bf16). ``nonnegative`` says
+whether every kernel value φ(q)·φ(k) is ≥ 0, i.e. whether the default "kernel" normaliser of ``linear_attention``
+is valid.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from .ops._checks import check_positive_int, compute_dtype
+from .ops.linear import autocast_off
+
+
+class QKFeatures(NamedTuple):
+    """phi_q: (..., Tq, M); phi_k: (..., Tk, M); k_log_scale: (..., Tk) or None. The true key features are
+    phi_k · exp(k_log_scale) (see ``linear_attention``); phi_q may carry a per-query factor, which the
+    default "kernel" normaliser cancels."""
+
+    phi_q: torch.Tensor
+    phi_k: torch.Tensor
+    k_log_scale: torch.Tensor | None
 
 
 class FeatureMap(nn.Module):
@@ -31,15 +47,22 @@ class FeatureMap(nn.Module):
     def forward(self, x: torch.Tensor, is_query: bool = False) -> torch.Tensor:
         return self.feature_map(x, is_query)
 
+    @autocast_off
     def feature_map(self, x: torch.Tensor, is_query: bool = False) -> torch.Tensor:
         """x: (..., D) -> (..., M). ``is_query`` only matters for maps with a query-side stabiliser."""
+        return self._phi(self._prepare(x), is_query)
+
+    @staticmethod
+    def _prepare(x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() == 0:
             raise ValueError(f"x must be a floating-point tensor of shape (..., D), got {x!r:.80}")
-        return self._phi(x.to(compute_dtype(x.dtype)), is_query)
+        return x.to(compute_dtype(x.dtype))
 
-    def map_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(φ(q) with the query stabiliser, φ(k)): what an attention layer calls once per forward."""
-        return self.feature_map(q, is_query=True), self.feature_map(k, is_query=False)
+    def map_qk(self, q: torch.Tensor, k: torch.Tensor) -> QKFeatures:
+        """What an attention layer calls once per forward: ``linear_attention(phi_q, phi_k, v,
+        k_log_scale=k_log_scale, ...)``. Here φ(q) with the query stabiliser and the exact φ(k) (log scale None);
+        maps whose key features exceed float32's range return them divided by a per-key factor instead."""
+        return QKFeatures(self.feature_map(q, is_query=True), self.feature_map(k, is_query=False), None)
 
     def _phi(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
         raise NotImplementedError
@@ -92,11 +115,27 @@ def _check_expansion(name: str, size: int, max_features: int, hint: str) -> None
         raise ValueError(f"{name} has {size} features, more than max_features={max_features}; {hint}")
 
 
-class TaylorFeatures(FeatureMap):
-    """Truncated Taylor series of exp: φ(x) = [⊗^m (√s·x) / √(m!)]_{m=0..order}, s = ``scale``.
+@functools.lru_cache(maxsize=64)
+def _monomials(dim: int, degree: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The monomials x^α with |α| = degree, once each, in the order of sorted index tuples (i1 ≤ … ≤ id).
 
-    φ(q)·φ(k) = Σ_{m≤order} (s·q·k)^m / m!  exactly; order 2 is [1, x, x⊗x/√2] -> 1 + q·k + (q·k)²/2.
-    M = Σ_{m≤order} D^m (full tensor powers; symmetric duplicates are kept for simplicity).
+    Returns (index, weight): monomial n is entry index[n] of the flattened (previous degree's monomials) ⊗ x,
+    i.e. prev_position(i1..i_{d-1})·dim + i_d; weight[n] = 1/√(α!). n = C(dim + degree − 1, degree).
+    """
+    prev = {c: n for n, c in enumerate(itertools.combinations_with_replacement(range(dim), degree - 1))}
+    combos = list(itertools.combinations_with_replacement(range(dim), degree))
+    index = [prev[c[:-1]] * dim + c[-1] for c in combos]
+    weights = [1 / math.sqrt(math.prod(math.factorial(c.count(i)) for i in set(c))) for c in combos]
+    return torch.tensor(index, dtype=torch.long), torch.tensor(weights, dtype=torch.float64)
+
+
+class TaylorFeatures(FeatureMap):
+    """Truncated Taylor series of exp, one feature per monomial: φ(x) = [x'^α / √(α!)]_{|α|≤order}, x' = √s·x.
+
+    By the multinomial theorem (s·q·k)^m / m! = Σ_{|α|=m} q'^α k'^α / α!, so
+    φ(q)·φ(k) = Σ_{m≤order} (s·q·k)^m / m! exactly; order 2 is [1, x', x'_i²/√2, x'_i x'_j (i < j)] -> 1 + s·q·k + (s·q·k)²/2.
+    M = Σ_{m≤order} C(D+m−1, m): 1 + D + D(D+1)/2 at order 2 (the symmetric products x_i x_j = x_j x_i are
+    kept once, weight √2 relative to the tensor power x⊗x/√2, instead of D² duplicated entries).
     Even orders give a positive kernel (the truncated series of exp has no real root); odd orders do not.
     """
 
@@ -110,7 +149,7 @@ class TaylorFeatures(FeatureMap):
         self.nonnegative = order % 2 == 0
 
     def num_features(self, head_dim):
-        return sum(head_dim**m for m in range(self.order + 1))
+        return sum(math.comb(head_dim + m - 1, m) for m in range(self.order + 1))
 
     def _phi(self, x, is_query):
         D = x.shape[-1]
@@ -119,12 +158,12 @@ class TaylorFeatures(FeatureMap):
             "lower the order or raise max_features",
         )
         x = x * math.sqrt(self.scale)
-        term = torch.ones_like(x[..., :1])
-        terms = [term]
-        for m in range(1, self.order + 1):
-            # ⊗^m x / √(m!) built recursively: (⊗^(m-1) x / √((m-1)!)) ⊗ x / √m
-            term = (term.unsqueeze(-1) * x.unsqueeze(-2)).flatten(-2) / math.sqrt(m)
-            terms.append(term)
+        terms, mono = [torch.ones_like(x[..., :1]), x], x  # mono: the degree-m monomials x^α, unweighted
+        for m in range(2, self.order + 1):
+            index, weight = _monomials(D, m)
+            # extend each degree-(m−1) monomial by the factors whose index is ≥ its last one: no duplicates
+            mono = (mono.unsqueeze(-1) * x.unsqueeze(-2)).flatten(-2)[..., index.to(x.device)]
+            terms.append(mono * weight.to(x.device, x.dtype))  # (..., C(D+m-1, m))
         return torch.cat(terms, dim=-1)
 
 
@@ -158,6 +197,9 @@ class ExpDefinitionFeatures(FeatureMap):
         for _ in range(self.n - 1):
             out = (out.unsqueeze(-1) * base.unsqueeze(-2)).flatten(-2)
         return out
+
+
+DEFAULT_REDRAW_INTERVAL = 1000
 
 
 def draw_random_features(
@@ -204,19 +246,23 @@ class PerformerFeatures(FeatureMap):
     E_ω[φ(q)·φ(k)] = exp(scale·q·k) (unbiased; relative variance (exp‖q'+k'‖² − 1)/m for iid ω).
     ``scale`` defaults to D**-0.5 as in softmax attention.
 
-    Stabiliser: with ``is_query=True`` the features of each query are divided by their own max
-    (a per-query constant, which cancels in the normalised attention). Nothing is ever maximised over the
-    key sequence: in causal attention that would leak future keys into earlier outputs. Key features need no
-    stabiliser: ω·x − ‖x‖²/2 ≤ ‖ω‖²/2, so they cannot overflow float32 for any x.
+    Stabilisers (``stabilize=True``), both computed in the log domain before exp, both exact:
+      * queries (``is_query=True``): each query's logits minus their own max, a per-query factor that the
+        "kernel" normaliser of ``linear_attention`` cancels;
+      * keys (``map_qk``): each key's logits minus their own max β_s, returned as ``k_log_scale`` = β so that
+        ``linear_attention`` multiplies exp(β_s − r_t) back in, against a running max r_t over the keys that
+        query t sees (never a future one). Without it, keys of norm ‖k‖ get features ~ exp(−scale‖k‖²/2):
+        at 10× unit scale and D = 64 that is e^−400, below float32's range, and the attention collapses.
+    ``feature_map(x)`` on keys stays the exact, unshifted φ (it never looks at other positions).
 
-    Redrawing: ω is a deterministic function of (seed, draw index), draw index = step // redraw_interval
-    (always 0 when redraw_interval is None). The step advances by one on every training-mode
-    ``map_qk(q, k)`` call (an attention layer maps its queries and keys together once per forward; both
-    use the same ω, the redraw happens after). ``set_step(global_step)`` pins it to the trainer's step
-    instead (exact under gradient accumulation and resume). ``feature_map`` alone never advances it, since
-    separate query / key calls cannot tell where a step ends. Nothing random is shared, so all DDP ranks
-    hold the same ω without communication. ``step`` is saved in the state dict and ω is re-derived on
-    load. Use a different ``seed`` per layer.
+    Redrawing: ω is a pure function of (seed, step // redraw_interval), ``redraw_interval`` defaulting to
+    1000 steps (Performer redrew about every 1000; None = never). ``step`` is set from outside, by the trainer:
+    ``set_feature_step(model, global_step)`` before each training batch (``LitLM.on_train_batch_start``
+    does it), so every DDP rank, a resumed run and an uninterrupted run hold the same ω at the same global
+    step without communication, and every micro-batch of an accumulated step shares one ω. Forward passes
+    never change it. ``step`` and the draw index are saved in the state dict (extra state) and ω, a non-persistent
+    buffer, is re-derived from them on load. Layers use a different ``seed`` each (``PerformerAttention``: seed +
+    layer index).
     """
 
     def __init__(
@@ -225,7 +271,7 @@ class PerformerFeatures(FeatureMap):
         num_features: int,
         *,
         orthogonal: bool = True,
-        redraw_interval: int | None = None,
+        redraw_interval: int | None = DEFAULT_REDRAW_INTERVAL,
         seed: int = 0,
         scale: float | None = None,
         stabilize: bool = True,
@@ -245,7 +291,7 @@ class PerformerFeatures(FeatureMap):
         self.stabilize = stabilize
         self.step = 0
         self.draw_index = 0
-        # not persistent: ω is re-derived from (seed, step) by set_extra_state
+        # not persistent: ω is re-derived from (seed, draw index) by set_extra_state
         self.register_buffer("omega", self._draw(0).float(), persistent=False)  # (m, D)
 
     def num_features(self, head_dim):
@@ -256,8 +302,9 @@ class PerformerFeatures(FeatureMap):
         gen = torch.Generator().manual_seed((self.seed * 0x9E3779B97F4A7C15 + index) % (1 << 63))
         return draw_random_features(self.m, self.head_dim, orthogonal=self.orthogonal, generator=gen)
 
-    def _sync_omega(self) -> None:
-        index = 0 if self.redraw_interval is None else self.step // self.redraw_interval
+    def _sync_omega(self, index: int | None = None) -> None:
+        if index is None:
+            index = 0 if self.redraw_interval is None else self.step // self.redraw_interval
         if index != self.draw_index:
             self.omega.copy_(self._draw(index))
             self.draw_index = index
@@ -269,31 +316,54 @@ class PerformerFeatures(FeatureMap):
         self.step = step
         self._sync_omega()
 
-    def map_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out = super().map_qk(q, k)
-        if self.training:
-            self.set_step(self.step + 1)
-        return out
+    def map_qk(self, q: torch.Tensor, k: torch.Tensor) -> QKFeatures:
+        phi_k, beta = self._key_features(k)
+        return QKFeatures(self.feature_map(q, is_query=True), phi_k, beta)
 
     def get_extra_state(self):
-        return {"step": self.step}
+        return {"step": self.step, "draw_index": self.draw_index}
 
     def set_extra_state(self, state):
-        self.step, self.draw_index = state["step"], -1  # force ω to be re-derived
-        self._sync_omega()
+        # the saved draw, not one recomputed from the step: the loaded weights were trained with exactly this ω,
+        # whatever redraw_interval the loading code uses (checkpoints without it predate redraws by default: 0)
+        self.step, self.draw_index = state["step"], -1
+        self._sync_omega(state.get("draw_index", 0))
 
-    def _phi(self, x, is_query):
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.head_dim:
             raise ValueError(f"x must have last dim head_dim={self.head_dim}, got {x.shape[-1]}")
-        logits = favor_logits(x, self.omega.to(x.dtype), self.scale)  # (..., m)
+        return favor_logits(x, self.omega.to(x.dtype), self.scale)  # (..., m)
+
+    def _phi(self, x, is_query):
+        logits = self._logits(x)
         if is_query and self.stabilize:
             # per-query constant: cancels between numerator and normaliser, so detaching it is exact
             logits = logits - logits.amax(dim=-1, keepdim=True).detach()
         return torch.exp(logits) / math.sqrt(self.m)
 
+    @autocast_off
+    def _key_features(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(exp(logits − β)/√m, β) with β the per-key max logit (detached: it multiplies back exactly)."""
+        if not self.stabilize:
+            return self.feature_map(k), None
+        logits = self._logits(self._prepare(k))
+        beta = logits.amax(dim=-1).detach()
+        return torch.exp(logits - beta.unsqueeze(-1)) / math.sqrt(self.m), beta
+
+
+def set_feature_step(module: nn.Module, step: int) -> None:
+    """Set the step of every step-driven feature map in ``module`` (e.g. a GPT) to the trainer's global step;
+    each redraws its ω when ``step // redraw_interval`` changed. Call it before every training batch."""
+    for m in module.modules():
+        if isinstance(m, PerformerFeatures):
+            m.set_step(step)
+
 
 __all__ = [
+    "DEFAULT_REDRAW_INTERVAL",
+    "set_feature_step",
     "FeatureMap",
+    "QKFeatures",
     "EluFeatures",
     "ReluFeatures",
     "IdentityFeatures",

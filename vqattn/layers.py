@@ -386,12 +386,13 @@ class KernelAttention(Attention):
 
     def _attend(self, q, k, v, pos, state, return_state):
         q, k = self.rotate(q, pos), self.rotate(k, pos)
-        phi_q, phi_k = self.features.map_qk(q, k)  # (B, H, T, M); one call = one step for Performer redraws
+        phi_q, phi_k, k_log_scale = self.features.map_qk(q, k)  # (B, H, T, M), (B, H, T) or None
         result = linear_attention(
             phi_q,
             phi_k,
             v,
             causal=True,
+            k_log_scale=k_log_scale,
             chunk_len=self.chunk_len,
             state=state,
             return_state=return_state,
@@ -419,7 +420,7 @@ class EluLinearAttention(KernelAttention):
 
 
 class TaylorAttention(KernelAttention):
-    """Second-order Taylor kernel 1 + s q·k + (s q·k)²/2 with s = 1/√D (M = 1 + D + D² features)."""
+    """Second-order Taylor kernel 1 + s q·k + (s q·k)²/2 with s = 1/√D (M = 1 + D + D(D+1)/2 features: each symmetric product once)."""
 
     def _make_features(self, head_dim, layer_idx, *, order=2, **kwargs):
         return TaylorFeatures(order, scale=head_dim**-0.5, **kwargs)

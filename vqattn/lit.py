@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torchmetrics import Metric
 
 from .data import IGNORE_INDEX
+from .feature_maps import set_feature_step
 from .model import GPT, GPTConfig
 
 LN2 = math.log(2.0)
@@ -102,6 +103,7 @@ class LitLM(L.LightningModule):
 
     def on_train_batch_start(self, batch, batch_idx):
         self._step_start = time.perf_counter()
+        set_feature_step(self.model, self.trainer.global_step)  # Performer redraws follow the global step
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         seconds = time.perf_counter() - self._step_start

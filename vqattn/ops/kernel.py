@@ -9,11 +9,12 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_choice, check_positive_int, check_qkv, compute_dtype
-from .linear import NORMALIZERS, _normalize
+from .linear import NORMALIZERS, _normalize, autocast_off
 
 KERNELS = ("exp", "rbf", "poly", "linear")
 
 
+@autocast_off
 def kernel_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -25,7 +26,7 @@ def kernel_attention(
     degree: int = 2,
     normalizer: str | None = None,
     position_kernel: torch.Tensor | None = None,
-    eps: float = 1e-6,
+    eps: float | None = None,
 ) -> torch.Tensor:
     """Attention with an explicit kernel, s = ``scale`` (default D**-0.5):
 
@@ -40,10 +41,10 @@ def kernel_attention(
     position_kernel: optional non-negative tensor broadcastable to (B, H, Tq, Tk), e.g. (Tq, Tk); the
     weights become the product kernel κ(q_t, k_s)·P[t, s] (Tsai et al.'s content × position kernel).
 
-    normalizer: as in ``linear_attention`` ("kernel": row sum clamped at eps, "count": number of keys
-    attended, "none"). Default: "kernel" for the non-negative kernels (exp, rbf, even-degree poly) and
+    normalizer: as in ``linear_attention`` ("kernel": the row sum, scale-free, an all-zero row gives 0; with
+    ``eps`` given the row sum clamped at eps; "count": number of keys attended, "none"). Default: "kernel" for the non-negative kernels (exp, rbf, even-degree poly) and
     "count" for signed ones (linear, odd-degree poly), whose row sums can be ≤ 0.
-    Half precision is computed in float32.
+    Half precision is computed in float32, also under ``torch.autocast`` (disabled inside); the output has v's dtype.
     """
     check_qkv(q, k, v, causal=False)
     if causal and q.shape[2] > k.shape[2]:
@@ -52,8 +53,8 @@ def kernel_attention(
     check_positive_int("degree", degree)
     if scale is not None and not scale > 0:
         raise ValueError(f"scale must be > 0 or None, got {scale!r}")
-    if not eps > 0:
-        raise ValueError(f"eps must be > 0, got {eps!r}")
+    if eps is not None and not eps > 0:
+        raise ValueError(f"eps must be > 0 or None, got {eps!r}")
     signed = kernel == "linear" or (kernel == "poly" and degree % 2 == 1)
     if normalizer is None:
         normalizer = "count" if signed else "kernel"

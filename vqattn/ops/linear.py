@@ -12,6 +12,7 @@ Cost O(T·M·Dv + T·C·(M + Dv)); memory holds one (M × Dv) state per chunk, n
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -22,36 +23,64 @@ from ._checks import check_4d, check_choice, check_positive_int, check_qkv, chec
 NORMALIZERS = ("kernel", "count", "none")
 
 
+def autocast_off(fn):
+    """Run ``fn`` with autocast disabled on the device of its first tensor argument.
+
+    These ops promise float32 arithmetic for half inputs (exp features and long sums need it); under
+    ``torch.autocast`` their matmuls would otherwise run in bf16/fp16 whatever the input dtype. The result keeps
+    the dtype the op gives without autocast (the input's), which autocast's callers accept as is.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if x is None:  # not a tensor: fn's own checks raise the ValueError
+            return fn(*args, **kwargs)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
 @dataclass
 class LinearState:
     """Running sums of a causal linear attention after ``length`` keys (all in the compute dtype).
 
-    kv: (B, H, M, Dv) = Σ_s φ(k_s) v_sᵀ;  k_sum: (B, H, M) = Σ_s φ(k_s);  length: number of keys seen.
+    kv: (B, H, M, Dv) = Σ_s φ(k_s) v_sᵀ / e^r;  k_sum: (B, H, M) = Σ_s φ(k_s) / e^r;  length: keys seen;
+    log_scale: (B, H) the reference r of the sums (None = 0), set when keys came with ``k_log_scale``.
     """
 
     kv: torch.Tensor
     k_sum: torch.Tensor
     length: int
+    log_scale: torch.Tensor | None = None
 
 
-def _normalize(num: torch.Tensor, den: torch.Tensor, count: torch.Tensor, normalizer: str, eps: float) -> torch.Tensor:
+def _normalize(
+    num: torch.Tensor, den: torch.Tensor, count: torch.Tensor, normalizer: str, eps: float | None
+) -> torch.Tensor:
     """num: (..., T, Dv); den, count: (..., T). See ``linear_attention`` for the three normalisers."""
     if normalizer == "kernel":
-        # clamp_min instead of den + eps: an exact row sum is kept unbiased, and a row whose weights are all
-        # zero (relu features) gives 0 instead of 0/0.
+        if eps is None:
+            # the row sum itself, at any scale; a row of zero weights (relu) has num = 0 and gives 0. Dividing
+            # it by 1, not by a tiny clamp, keeps its gradient finite (1/tiny overflows to inf, then 0·inf = NaN).
+            return num / torch.where(den > 0, den, torch.ones_like(den)).unsqueeze(-1)
+        # clamp_min instead of den + eps: an exact row sum is kept unbiased
         return num / den.clamp_min(eps).unsqueeze(-1)
     if normalizer == "count":
         return num / count.unsqueeze(-1)
     return num
 
 
+@autocast_off
 def linear_attention(
     phi_q: torch.Tensor,
     phi_k: torch.Tensor,
     v: torch.Tensor,
     *,
     causal: bool,
-    eps: float = 1e-6,
+    k_log_scale: torch.Tensor | None = None,
+    eps: float | None = None,
     normalizer: str = "kernel",
     chunk_len: int | None = None,
     state: LinearState | None = None,
@@ -64,10 +93,19 @@ def linear_attention(
     Non-causal: out = φ(Q) (φ(K)ᵀ V) / n.  Causal: out_t sums over s ≤ t only, computed chunk by chunk
     (``chunk_len`` positions, default 64; T need not be a multiple of it).
 
+    k_log_scale: optional (B, H, Tk): the true key features are ``phi_k · exp(k_log_scale)``. Feature maps
+    whose features span more than float32's range (Performer at large ‖k‖) pass keys divided by their own
+    max this way (``FeatureMap.map_qk``). Query t then works relative to r_t = max_{s≤t} k_log_scale_s
+    (causal: a running max, so no future key enters; chunk prefix states are rescaled between chunks), and
+    every factor exp(log scale − r) is ≤ 1: nothing overflows, and a key underflows only when its weight is
+    below 1e-38 of the largest visible one.
+
     normalizer, the divisor n_t of row t:
-      * ``"kernel"`` (default): n_t = max(Σ_s κ_ts, eps), the usual normalised attention. Valid when the
+      * ``"kernel"`` (default): n_t = Σ_s κ_ts, the usual normalised attention, invariant to the scale of the
+        features; a row whose weights are all 0 (relu features) gives 0. With ``eps`` given, n_t =
+        max(Σ_s κ_ts, eps) instead (an absolute floor, which rescales rows of small weights). Valid when the
         kernel values are non-negative (performer, elu+1, relu, even-order taylor / exp-definition; see
-        ``FeatureMap.nonnegative``). With signed kernels (identity) the row sum can be ≤ 0 and the clamp
+        ``FeatureMap.nonnegative``). With signed kernels (identity) the row sum can be ≤ 0 and the division
         would flip signs, so use one of the other two.
       * ``"count"``: n_t = number of keys attended (a mean). Bounded for any kernel; the safe choice for
         identity features, whose "minimal linear attention" row is the raw scores q·k.
@@ -76,7 +114,8 @@ def linear_attention(
     state / return_state (causal only): ``state`` holds the sums over all earlier keys (``LinearState``);
     with ``return_state=True`` the call returns ``(out, new_state)``. Feeding a sequence in pieces with the
     returned state gives the same outputs as a single call. Half precision is computed in float32; the
-    state stays float32.
+    state stays float32. Under ``torch.autocast`` the op still computes in float32 (autocast is disabled
+    inside) and returns v's dtype.
     """
     for name, x in (("phi_q", phi_q), ("phi_k", phi_k), ("v", v)):
         check_4d(name, x)
@@ -87,57 +126,143 @@ def linear_attention(
     phi_q, phi_k, v = phi_q.to(dt), phi_k.to(dt), v.to(dt)
     check_qkv(phi_q, phi_k, v, causal=causal)
     check_choice("normalizer", normalizer, NORMALIZERS)
-    if not eps > 0:
-        raise ValueError(f"eps must be > 0, got {eps!r}")
+    if eps is not None and not eps > 0:
+        raise ValueError(f"eps must be > 0 or None, got {eps!r}")
     if chunk_len is not None:
         check_positive_int("chunk_len", chunk_len)
     if not causal and (state is not None or return_state):
         raise ValueError("state and return_state are only supported with causal=True")
-    B, H, T, M = phi_k.shape
-    Dv = v.shape[-1]
-
-    if not causal:
-        kv = torch.einsum("bhsm,bhsd->bhmd", phi_k, v)  # (B, H, M, Dv)
-        num = torch.einsum("bhtm,bhmd->bhtd", phi_q, kv)  # (B, H, Tq, Dv)
-        den = torch.einsum("bhtm,bhm->bht", phi_q, phi_k.sum(dim=2))  # (B, H, Tq)
-        count = torch.full_like(den, T)
-        return _normalize(num, den, count, normalizer, eps).to(out_dtype)
-
-    if state is None:
-        kv0 = phi_k.new_zeros(B, H, M, Dv)
-        ksum0 = phi_k.new_zeros(B, H, M)
-        length0 = 0
-    else:
+    if k_log_scale is not None:
+        k_log_scale = _check_log_scale(k_log_scale, phi_k).to(dt)
+    if state is not None:
         _check_state(state, phi_k, v)
-        kv0, ksum0, length0 = state.kv.to(dt), state.k_sum.to(dt), state.length
+    if not causal:
+        out = _noncausal(phi_q, phi_k, v, k_log_scale, normalizer, eps)
+        return out.to(out_dtype)
+    out, new_state = _causal(phi_q, phi_k, v, k_log_scale, state, chunk_len or 64, normalizer, eps)
+    return (out.to(out_dtype), new_state) if return_state else out.to(out_dtype)
 
-    C = min(chunk_len or 64, T)
+
+def _noncausal(phi_q, phi_k, v, ls, normalizer, eps):
+    T = phi_k.shape[2]
+    ref = None
+    if ls is not None:  # one reference for all keys: the largest log scale (detached: it cancels exactly)
+        ref = ls.amax(-1, keepdim=True).detach()  # (B, H, 1)
+        phi_k = phi_k * torch.exp(ls - ref).unsqueeze(-1)
+    kv = torch.einsum("bhsm,bhsd->bhmd", phi_k, v)  # (B, H, M, Dv)
+    num = torch.einsum("bhtm,bhmd->bhtd", phi_q, kv)  # (B, H, Tq, Dv)
+    den = torch.einsum("bhtm,bhm->bht", phi_q, phi_k.sum(dim=2))  # (B, H, Tq)
+    if ref is not None and normalizer != "kernel":  # back to the true scale (the kernel normaliser cancels it)
+        num = num * torch.exp(ref).unsqueeze(-1)
+    return _normalize(num, den, torch.full_like(den, T), normalizer, eps)
+
+
+def _causal(phi_q, phi_k, v, ls, state, C, normalizer, eps):
+    """Chunked causal form; see ``linear_attention``. Returns (out in the compute dtype, new LinearState)."""
+    B, H, T, M = phi_k.shape
+    Dv, dt = v.shape[-1], v.dtype
+    scaled = ls is not None or (state is not None and state.log_scale is not None)
+    if scaled and ls is None:
+        ls = phi_k.new_zeros(B, H, T)
+    kv0 = phi_k.new_zeros(B, H, M, Dv) if state is None else state.kv.to(dt)
+    ksum0 = phi_k.new_zeros(B, H, M) if state is None else state.k_sum.to(dt)
+    length0 = 0 if state is None else state.length
+    C = min(C, T)
     N = -(-T // C)
     pad = N * C - T
     # zero padding at the end: padded keys come after every real query, so causally they are never seen
     qc = F.pad(phi_q, (0, 0, 0, pad)).view(B, H, N, C, M)
     kc = F.pad(phi_k, (0, 0, 0, pad)).view(B, H, N, C, M)
     vc = F.pad(v, (0, 0, 0, pad)).view(B, H, N, C, Dv)
-
-    # prefix states at the start of each chunk: one (M x Dv) matrix per chunk, never per position
+    mask = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
+    intra = torch.einsum("bhncm,bhnsm->bhncs", qc, kc)  # (B, H, N, C, C)
+    if scaled:
+        r0 = _initial_reference(state, ls, phi_k)
+        rel, chunk_scale, pos_ref = _chunk_references(ls.detach(), r0, N, C, pad)
+        ref = pos_ref.view(B, H, N, C)
+        lsc = F.pad(ls, (0, pad), value=float("-inf")).view(B, H, N, C)
+        # key s seen from query t: exp(ls_s − r_t) ≤ 1 for s ≤ t; masked before exp so s > t cannot overflow
+        intra = intra * torch.exp((lsc.unsqueeze(-2) - ref.unsqueeze(-1)).masked_fill(~mask, float("-inf")))
+        kc = kc * torch.exp(lsc - chunk_scale.unsqueeze(-1)).unsqueeze(-1)  # chunk sums relative to chunk max
+        to_query = torch.exp(rel - ref)  # prefix reference -> query reference, ≤ 1
+    else:
+        intra = intra.masked_fill(~mask, 0.0)
     chunk_kv = torch.einsum("bhncm,bhncd->bhnmd", kc, vc)  # (B, H, N, M, Dv)
     chunk_ksum = kc.sum(dim=3)  # (B, H, N, M)
-    prefix_kv = kv0.unsqueeze(2) + torch.cumsum(chunk_kv, dim=2) - chunk_kv  # exclusive scan
-    prefix_ksum = ksum0.unsqueeze(2) + torch.cumsum(chunk_ksum, dim=2) - chunk_ksum
-
-    mask = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
-    intra = torch.einsum("bhncm,bhnsm->bhncs", qc, kc).masked_fill(~mask, 0.0)  # (B, H, N, C, C)
-    num = torch.einsum("bhncs,bhnsd->bhncd", intra, vc) + torch.einsum("bhncm,bhnmd->bhncd", qc, prefix_kv)
-    den = intra.sum(dim=-1) + torch.einsum("bhncm,bhnm->bhnc", qc, prefix_ksum)
+    if scaled:
+        prefix_kv, prefix_ksum, last = _scaled_prefix(chunk_kv, chunk_ksum, kv0, ksum0, chunk_scale, rel[..., 0], r0)
+    else:
+        # prefix states at the start of each chunk: one (M x Dv) matrix per chunk, never per position
+        prefix_kv = kv0.unsqueeze(2) + torch.cumsum(chunk_kv, dim=2) - chunk_kv  # exclusive scan
+        prefix_ksum = ksum0.unsqueeze(2) + torch.cumsum(chunk_ksum, dim=2) - chunk_ksum
+    inter_num = torch.einsum("bhncm,bhnmd->bhncd", qc, prefix_kv)
+    inter_den = torch.einsum("bhncm,bhnm->bhnc", qc, prefix_ksum)
+    if scaled:
+        inter_num, inter_den = inter_num * to_query.unsqueeze(-1), inter_den * to_query
+    num = torch.einsum("bhncs,bhnsd->bhncd", intra, vc) + inter_num
+    den = intra.sum(dim=-1) + inter_den
     num, den = num.reshape(B, H, N * C, Dv)[:, :, :T], den.reshape(B, H, N * C)[:, :, :T]
+    if scaled and normalizer != "kernel":  # back to the true scale (the kernel normaliser cancels it)
+        num = num * torch.exp(pos_ref[:, :, :T]).unsqueeze(-1)
     count = torch.arange(length0 + 1, length0 + T + 1, device=v.device, dtype=dt).expand(B, H, T)
-    out = _normalize(num, den, count, normalizer, eps).to(out_dtype)
-    if not return_state:
-        return out
-    new_state = LinearState(
-        kv=prefix_kv[:, :, -1] + chunk_kv[:, :, -1], k_sum=prefix_ksum[:, :, -1] + chunk_ksum[:, :, -1], length=length0 + T
-    )
-    return out, new_state
+    out = _normalize(num, den, count, normalizer, eps)
+    if scaled:
+        kv, ksum, log_scale = last
+    else:
+        kv, ksum = prefix_kv[:, :, -1] + chunk_kv[:, :, -1], prefix_ksum[:, :, -1] + chunk_ksum[:, :, -1]
+        log_scale = None
+    return out, LinearState(kv=kv, k_sum=ksum, length=length0 + T, log_scale=log_scale)
+
+
+def _initial_reference(state, ls, phi_k):
+    """(B, H) reference of the incoming state's sums; without a state, the first key's log scale."""
+    if state is None:
+        return ls[:, :, 0].detach()
+    if state.log_scale is None:
+        return phi_k.new_zeros(phi_k.shape[:2])
+    return state.log_scale.to(phi_k.dtype)
+
+
+def _chunk_references(ls, r0, N, C, pad):
+    """References (all detached, they cancel exactly): per chunk the exclusive running max ``rel`` (B, H, N, 1)
+    of the state and earlier chunks, the chunk's own max (B, H, N), and per position the inclusive running
+    max (B, H, N·C), where padded positions repeat the last real one."""
+    B, H, T = ls.shape
+    ls = F.pad(ls, (0, pad), value=float("-inf"))
+    pos_ref = torch.cummax(torch.maximum(ls, r0.unsqueeze(-1)), dim=-1).values  # (B, H, N·C)
+    chunk_scale = ls.view(B, H, N, C).amax(-1)  # (B, H, N), finite: every chunk holds a real key
+    before = pos_ref.view(B, H, N, C)[..., -1]  # running max at each chunk's end
+    rel = torch.cat([r0.unsqueeze(-1), before[..., :-1]], dim=-1).unsqueeze(-1)
+    return rel, chunk_scale, pos_ref
+
+
+def _scaled_prefix(chunk_kv, chunk_ksum, kv0, ksum0, chunk_scale, rel, r0):
+    """Prefix sums at each chunk start relative to ``rel`` (B, H, N), and the final state.
+
+    prefix_n = e^(r0 − rel_n) state + Σ_{n' < n} e^(c_n' − rel_n) chunk_n': every factor ≤ 1. Written as an
+    (N × N) lower-triangular weight matrix, O(N²·M·Dv) — small next to O(T·M·Dv) while N ≤ C.
+    """
+    N = chunk_kv.shape[2]
+    strict = torch.ones(N, N, dtype=torch.bool, device=chunk_kv.device).tril(-1)
+    w = torch.exp((chunk_scale.unsqueeze(-2) - rel.unsqueeze(-1)).masked_fill(~strict, float("-inf")))  # (B,H,N,N)
+    w0 = torch.exp(r0.unsqueeze(-1) - rel)  # (B, H, N)
+    prefix_kv = torch.einsum("bhnk,bhkmd->bhnmd", w, chunk_kv) + w0[..., None, None] * kv0.unsqueeze(2)
+    prefix_ksum = torch.einsum("bhnk,bhkm->bhnm", w, chunk_ksum) + w0.unsqueeze(-1) * ksum0.unsqueeze(2)
+    end = torch.maximum(rel[..., -1], chunk_scale[..., -1])  # running max after the last chunk
+    a, b = torch.exp(rel[..., -1] - end), torch.exp(chunk_scale[..., -1] - end)
+    kv = a[..., None, None] * prefix_kv[:, :, -1] + b[..., None, None] * chunk_kv[:, :, -1]
+    ksum = a.unsqueeze(-1) * prefix_ksum[:, :, -1] + b.unsqueeze(-1) * chunk_ksum[:, :, -1]
+    return prefix_kv, prefix_ksum, (kv, ksum, end)
+
+
+def _check_log_scale(ls, phi_k: torch.Tensor) -> torch.Tensor:
+    if not isinstance(ls, torch.Tensor) or not ls.is_floating_point():
+        raise ValueError(f"k_log_scale must be a floating-point tensor of shape (B, H, Tk), got {ls!r:.60}")
+    if tuple(ls.shape) != tuple(phi_k.shape[:3]):
+        raise ValueError(f"k_log_scale must have shape (B, H, Tk) = {tuple(phi_k.shape[:3])}, got {tuple(ls.shape)}")
+    if ls.device != phi_k.device:
+        raise ValueError(f"k_log_scale is on {ls.device} but phi_k is on {phi_k.device}")
+    return ls
 
 
 def _check_state(state: LinearState, phi_k: torch.Tensor, v: torch.Tensor) -> None:
@@ -152,6 +277,8 @@ def _check_state(state: LinearState, phi_k: torch.Tensor, v: torch.Tensor) -> No
         )
     if state.kv.device != v.device:
         raise ValueError(f"state is on {state.kv.device} but the inputs are on {v.device}")
+    if state.log_scale is not None and tuple(state.log_scale.shape) != (B, H):
+        raise ValueError(f"state.log_scale must have shape (B, H) = {(B, H)}, got {tuple(state.log_scale.shape)}")
 
 
 __all__ = ["LinearState", "linear_attention", "NORMALIZERS"]
