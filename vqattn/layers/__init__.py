@@ -1,0 +1,63 @@
+"""Attention layers (nn.Modules) built on the functional ops, and a registry to pick them by name.
+
+Every layer maps x: (B, T, C) -> (B, T, C) and is causal. It owns
+
+* a fused q/k/v projection and an output projection,
+* optional per-head RMS normalisation of q and k (``qk_norm``, as in Transformer-VQ),
+* optional rotary position embedding (``rope``); learned absolute positions live in the model,
+  so a layer with ``rope=False`` is position-free,
+* ``usage_stats()``: codebook usage for vq layers, ``{}`` otherwise,
+* a recurrent decoding path: ``forward(x, state, return_state=True)`` consumes a chunk of tokens that
+  follows the tokens summarised by ``state`` and returns the state after the chunk. Feeding a sequence in
+  chunks gives the same outputs as one call on the whole sequence.
+
+``forward`` returns an :class:`AttentionOutput` ``(output, aux_loss, state)``: the auxiliary loss (the commitment
+loss for vq layers, a zero scalar otherwise) is returned, never stashed on the module, so activation checkpointing
+and ``torch.compile`` see it as an ordinary output. Add it to your loss.
+
+Build a layer with ``build_attention(name, dim=..., num_heads=..., **kwargs)``; ``ATTENTIONS`` maps each
+name to its class.
+"""
+
+
+from __future__ import annotations
+
+from .base import Attention, AttentionOutput, AttentionState, CachedAttention, KVCache, rope_rotate
+from .codebook import VQAttention, VQHardAttention, VQSoftAttention
+from .kernel import EluLinearAttention, KernelAttention, PerformerAttention, TaylorAttention
+from .quadratic import (
+    KernelSmootherAttention,
+    LinearSmootherAttention,
+    PolySmootherAttention,
+    RBFSmootherAttention,
+    SoftmaxAttention,
+    WindowAttention,
+)
+
+ATTENTIONS: dict[str, type[Attention]] = {
+    "softmax": SoftmaxAttention,
+    "vq_hard": VQHardAttention,
+    "vq_soft": VQSoftAttention,
+    "window": WindowAttention,
+    "performer": PerformerAttention,
+    "linear": EluLinearAttention,
+    "taylor": TaylorAttention,
+    "kernel_rbf": RBFSmootherAttention,
+    "kernel_poly": PolySmootherAttention,
+    "kernel_linear": LinearSmootherAttention,
+}
+
+
+def build_attention(name: str, **kwargs) -> Attention:
+    """Instantiate the attention layer registered as ``name``; kwargs go to its constructor."""
+    if name not in ATTENTIONS:
+        raise ValueError(f"unknown attention {name!r}; valid names are: {', '.join(sorted(ATTENTIONS))}")
+    return ATTENTIONS[name](**kwargs)
+
+
+__all__ = [
+    "ATTENTIONS", "Attention", "AttentionOutput", "AttentionState", "CachedAttention", "EluLinearAttention",
+    "KVCache", "KernelAttention", "KernelSmootherAttention", "LinearSmootherAttention", "PerformerAttention",
+    "PolySmootherAttention", "RBFSmootherAttention", "SoftmaxAttention", "TaylorAttention", "VQAttention",
+    "VQHardAttention", "VQSoftAttention", "WindowAttention", "build_attention", "rope_rotate",
+]

@@ -1,0 +1,181 @@
+"""The attention base class (projections, q/k normalisation, RoPE, the chunked-state protocol) and the
+state and output types every layer shares."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn as nn
+
+from ..ops._checks import check_positive_int
+
+
+
+@dataclass
+class AttentionState:
+    """Decoding state of one layer after ``pos`` tokens: the op's own state plus the position counter.
+
+    ``inner`` is a ``KVCache`` for softmax, the op's ``VQState`` for vq layers and its ``LinearState``
+    for the kernel family.
+    """
+
+    pos: int
+    inner: Any
+
+    def detached(self, max_cache: int | None = None) -> AttentionState:
+        """This state without autograd history; KV caches keep their newest ``max_cache`` keys when given."""
+        inner = self.inner
+        if isinstance(inner, KVCache) and max_cache is not None:
+            inner = KVCache(inner.k[:, :, -max_cache:], inner.v[:, :, -max_cache:])
+        return AttentionState(self.pos, _detach(inner))
+
+
+def _detach(obj: Any) -> Any:
+    """Detach every tensor of a (possibly nested) NamedTuple / dataclass state."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach()
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_detach(x) for x in obj))
+    if dataclasses.is_dataclass(obj):
+        return dataclasses.replace(obj, **{f.name: _detach(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                                           if f.init})
+    return obj
+
+
+class AttentionOutput(NamedTuple):
+    """What every attention layer returns."""
+
+    output: torch.Tensor  # (B, T, C)
+    aux_loss: torch.Tensor  # scalar: the vq commitment loss, 0 for the other attentions
+    state: AttentionState | None  # the state after this chunk when return_state=True, else None
+
+
+class KVCache(NamedTuple):
+    """Softmax decoding state: all past keys (already rotated when RoPE is on) and values, (B, H, P, D)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+def rope_rotate(x: torch.Tensor, start: int, base: float) -> torch.Tensor:
+    """Rotary position embedding of x: (B, H, T, D) at absolute positions start..start+T-1.
+
+    Feature pairs (x_m, x_{m+D/2}) are rotated by the angle pos * base^(-2m/D), so that
+    <rope(q, i), rope(k, j)> depends on i and j only through i - j. Angles are computed in float64
+    and the rotation in at least float32, so fp64 decoding matches the full pass to rounding.
+    """
+    d = x.shape[-1]
+    half = d // 2
+    inv_freq = base ** (-torch.arange(half, dtype=torch.float64, device=x.device) * 2.0 / d)  # (D/2,)
+    pos = torch.arange(start, start + x.shape[-2], dtype=torch.float64, device=x.device)  # (T,)
+    angle = pos[:, None] * inv_freq[None, :]  # (T, D/2)
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    x1, x2 = x[..., :half].to(dtype), x[..., half:].to(dtype)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Base class: projections, q/k normalisation, RoPE and the chunked-state protocol.
+
+    Subclasses implement ``_attend(q, k, v, pos, state, return_state) -> (out, aux_loss, op_state)`` on
+    (B, H, T, Dh) tensors, where q and k are projected and normalised but not rotated (each variant decides where
+    RoPE goes), ``pos`` is the absolute position of the first token and ``state`` the op state (or None for a
+    fresh start); ``aux_loss`` may be None (no auxiliary loss).
+    """
+
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        *,
+        bias: bool = False,
+        dropout: float = 0.0,
+        qk_norm: bool = False,
+        rope: bool = False,
+        rope_base: float = 10000.0,
+        layer_idx: int = 0,
+    ):
+        """layer_idx: position of the layer in its model; layers with random features derive their seed from it."""
+        super().__init__()
+        check_positive_int("dim", dim)
+        check_positive_int("num_heads", num_heads)
+        if dim % num_heads:
+            raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
+        self.dim, self.num_heads, self.head_dim = dim, num_heads, dim // num_heads
+        if rope and self.head_dim % 2:
+            raise ValueError(f"rope needs an even head dim, got dim // num_heads = {self.head_dim}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+        if rope_base <= 0:
+            raise ValueError(f"rope_base must be > 0, got {rope_base!r}")
+        self.rope, self.rope_base, self.layer_idx = rope, rope_base, layer_idx
+        self.qkv = nn.Linear(dim, 3 * dim, bias=bias)
+        self.proj = nn.Linear(dim, dim, bias=bias)
+        self.resid_dropout = nn.Dropout(dropout)
+        # Transformer-VQ RMS-normalises q and k per head; this bounds |q.k| and keeps codes comparable.
+        self.q_norm = nn.RMSNorm(self.head_dim) if qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(self.head_dim) if qk_norm else nn.Identity()
+
+    def rotate(self, x: torch.Tensor, pos: int) -> torch.Tensor:
+        """RoPE at positions pos.. when this layer uses it, else x unchanged."""
+        return rope_rotate(x, pos, self.rope_base) if self.rope else x
+
+    def forward(
+        self, x: torch.Tensor, state: AttentionState | None = None, return_state: bool = False
+    ) -> AttentionOutput:
+        """x: (B, T, C) -> AttentionOutput(output (B, T, C), aux_loss (scalar), state or None).
+
+        ``state`` summarises the tokens before x (from a previous call with ``return_state=True``); the returned
+        state (only when ``return_state``) summarises them and x.
+        """
+        if x.dim() != 3 or x.shape[-1] != self.dim:
+            raise ValueError(f"x must have shape (B, T, {self.dim}), got {tuple(x.shape)}")
+        if state is not None and not isinstance(state, AttentionState):
+            raise ValueError(f"state must be an AttentionState or None, got {type(state).__name__}")
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, Dh)
+        q, k = self.q_norm(q), self.k_norm(k)
+        pos = 0 if state is None else state.pos
+        out, aux_loss, inner = self._attend(q, k, v, pos, None if state is None else state.inner, return_state)
+        y = self.resid_dropout(self.proj(out.transpose(1, 2).reshape(b, t, c)))  # (B, T, C)
+        aux_loss = x.new_zeros(()) if aux_loss is None else aux_loss
+        return AttentionOutput(y, aux_loss, AttentionState(pos + t, inner) if return_state else None)
+
+    def _attend(self, q, k, v, pos: int, state, return_state: bool):
+        raise NotImplementedError
+
+    def state_floats(self, seq_len: int) -> int:
+        """Numbers held by this layer's decoding state (all heads) after ``seq_len`` tokens: the memory that
+        recall must fit through, compared across attentions at equal size (as in Zoology)."""
+        raise NotImplementedError
+
+    def usage_stats(self) -> dict[str, float]:
+        """Codebook usage statistics (vq layers); empty for the others."""
+        return {}
+
+
+class CachedAttention(Attention):
+    """Quadratic attention whose decoding state is a KV cache (memory grows with the sequence).
+
+    Subclasses implement ``_quadratic(q, k, v)``: causal attention of the last Tq positions (q) over all Tk ≥ Tq
+    keys, query i sitting at position Tk − Tq + i.
+    """
+
+    def _attend(self, q, k, v, pos, state: KVCache | None, return_state):
+        q, k = self.rotate(q, pos), self.rotate(k, pos)
+        if state is not None:
+            k, v = torch.cat((state.k, k), dim=2), torch.cat((state.v, v), dim=2)  # (B, H, P+T, Dh)
+        return self._quadratic(q, k, v), None, (KVCache(k, v) if return_state else None)
+
+    def _quadratic(self, q, k, v):
+        raise NotImplementedError
+
+    def state_floats(self, seq_len: int) -> int:
+        return 2 * seq_len * self.dim  # every key and value
+
+

@@ -1,0 +1,105 @@
+"""Codebook attention layers: Transformer-VQ (hard) and the Gaussian mixture (soft)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from ..codebook import Codebook
+from ..functional import vq_attention
+from ..ops._checks import check_positive_int
+from ..ops.vq import DEFAULT_BLOCK_LEN
+from .base import Attention
+
+
+class VQAttention(Attention):
+    """Codebook attention (``vq_attention``) with a learned per-head :class:`~vqattn.codebook.Codebook`.
+
+    The codebook module quantises the keys (EMA k-means or gradient learning), and its commitment loss is
+    the ``aux_loss`` this layer returns. Decoding keeps ``VQState``: per-code counts and value sums plus a raw window of
+    under 2·block_len keys, i.e. constant memory per token.
+
+    RoPE (``rope=True``) acts only inside the uncompressed window, which must hold the raw keys
+    (``exact_window=True``): the codes stay position-free, so the compressed cache is the same whichever
+    position a key came from. Rotating keys before quantisation would instead make the code of a key depend
+    on its absolute position (the codebook would have to cover every rotation of every key), and rotating
+    quantised keys per position cannot be summed per code. The layer implements window-only RoPE with the
+    unchanged op by running it on augmented vectors (D' = 3D):
+
+        q' = [R_i q, q, −q]    k' = [R_j k, k, k]    c' = [0, c, 0]
+
+    so that the window logit q'·k' = (R_i q)·(R_j k) is RoPE attention, the cache logit q'·c' = q·c is the
+    position-free code score, and ‖k' − c'‖² = ‖k − c‖² + 2‖k‖² gives the same hard and soft assignments.
+    """
+
+    assign: ClassVar[str]
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        *,
+        num_codes: int = 64,
+        block_len: int | None = None,
+        exact_window: bool = False,
+        detach_cache: bool = False,
+        codebook: dict | None = None,
+        **attention_kwargs,
+    ):
+        """``codebook``: extra :class:`~vqattn.codebook.Codebook` kwargs (learning, decay, commitment, ...);
+        ``attention_kwargs`` go to :class:`Attention`."""
+        super().__init__(dim, num_heads, **attention_kwargs)
+        if self.rope and not exact_window:
+            raise ValueError(
+                f"{type(self).__name__} with rope=True needs exact_window=True: RoPE is applied only inside the "
+                "uncompressed window, which must then hold the raw keys (codes are position-free so that the "
+                "compressed cache stays valid). Pass exact_window=True, or use learned or no positions."
+            )
+        if block_len is not None:
+            check_positive_int("block_len", block_len)
+        check_positive_int("num_codes", num_codes)
+        self.block_len, self.exact_window, self.detach_cache = block_len, exact_window, detach_cache
+        self.codebook = Codebook(num_heads, num_codes, self.head_dim, assign=self.assign, **(codebook or {}))
+
+    def _attend(self, q, k, v, pos, state, return_state):
+        codebook, assignment, aux_loss = self.codebook(k)  # (H, S, Dh); codes are learned on unrotated keys
+        if self.rope:
+            q = torch.cat((self.rotate(q, pos), q, -q), dim=-1)  # (B, H, T, 3 Dh)
+            k = torch.cat((self.rotate(k, pos), k, k), dim=-1)
+            zeros = torch.zeros_like(codebook)
+            codebook = torch.cat((zeros, codebook, zeros), dim=-1)  # (H, S, 3 Dh)
+        result = vq_attention(
+            q, k, v, codebook,
+            causal=True,
+            assign=self.codebook.assign,
+            temperature=self.codebook.temperature,
+            block_len=self.block_len,
+            scale=self.head_dim**-0.5,
+            exact_window=self.exact_window,
+            detach_cache=self.detach_cache,
+            state=state,
+            return_state=return_state,
+            assignment=assignment,  # computed once, by the codebook; unchanged by the RoPE augmentation
+        )
+        out, op_state = result if return_state else (result, None)
+        return out, aux_loss, op_state
+
+    def usage_stats(self) -> dict[str, float]:
+        return self.codebook.usage_stats()
+
+    def state_floats(self, seq_len: int) -> int:
+        window = min(seq_len, 2 * (self.block_len or DEFAULT_BLOCK_LEN))  # raw keys and values
+        return self.num_heads * self.codebook.num_codes * (self.head_dim + 1) + 2 * window * self.dim
+
+
+class VQHardAttention(VQAttention):
+    """Transformer-VQ: keys snap to their nearest code (straight-through gradient in the window)."""
+
+    assign = "hard"
+
+
+class VQSoftAttention(VQAttention):
+    """Gaussian-mixture codebook attention: keys spread over codes by their posterior p(s | k)."""
+
+    assign = "soft"

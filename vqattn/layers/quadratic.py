@@ -1,0 +1,79 @@
+"""Attentions whose decoding state is a KV cache or a raw window: exact softmax, the kernel smoothers and the
+window-only control."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from ..functional import kernel_attention, softmax_attention, window_attention
+from ..ops._checks import check_positive_int
+from .base import Attention, CachedAttention
+
+
+class SoftmaxAttention(CachedAttention):
+    """Exact causal softmax attention (SDPA)."""
+
+    def _quadratic(self, q, k, v):
+        past, t = k.shape[2] - q.shape[2], q.shape[2]
+        if past == 0:
+            return softmax_attention(q, k, v, causal=True)
+        # Query i sits at position past + i and sees keys 0..past+i.
+        rows = torch.arange(t, device=q.device)[:, None] + past
+        mask = torch.arange(past + t, device=q.device)[None, :] <= rows  # (T, P+T)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class KernelSmootherAttention(CachedAttention):
+    """Kernel-smoother attention (Tsai et al. 2019) with an explicit kernel: ``kernel_attention``.
+
+    The analysis baseline of the kernel family, quadratic in T: ``kernel_rbf`` (exp(−s‖q − k‖²/2)),
+    ``kernel_poly`` ((s q·k)^degree, default degree 2) and ``kernel_linear`` (s q·k, signed, count-normalised).
+    """
+
+    kernel: ClassVar[str]
+
+    def __init__(self, dim: int, num_heads: int, *, degree: int = 2, **attention_kwargs):
+        super().__init__(dim, num_heads, **attention_kwargs)
+        check_positive_int("degree", degree)
+        self.degree = degree
+
+    def _quadratic(self, q, k, v):
+        return kernel_attention(q, k, v, kernel=self.kernel, causal=True, degree=self.degree)
+
+
+class RBFSmootherAttention(KernelSmootherAttention):
+    kernel = "rbf"
+
+
+class PolySmootherAttention(KernelSmootherAttention):
+    kernel = "poly"
+
+
+class LinearSmootherAttention(KernelSmootherAttention):
+    kernel = "linear"
+
+
+
+class WindowAttention(Attention):
+    """The control for codebook attention: causal softmax over exactly the raw window a vq layer keeps (the current
+    and the previous block of ``block_len``), with the same RoPE, and no compressed cache (``window_attention``).
+
+    Linear time; the decoding state holds under 2·block_len keys and values.
+    """
+
+    def __init__(self, dim: int, num_heads: int, *, block_len: int = 64, **attention_kwargs):
+        super().__init__(dim, num_heads, **attention_kwargs)
+        check_positive_int("block_len", block_len)
+        self.block_len = block_len
+
+    def _attend(self, q, k, v, pos, state, return_state):
+        q, k = self.rotate(q, pos), self.rotate(k, pos)  # the state keeps rotated keys, like a KV cache
+        result = window_attention(q, k, v, block_len=self.block_len, state=state, return_state=return_state)
+        out, op_state = result if return_state else (result, None)
+        return out, None, op_state
+
+    def state_floats(self, seq_len: int) -> int:
+        return 2 * min(seq_len, 2 * self.block_len) * self.dim
