@@ -1,4 +1,5 @@
-"""Forward+backward time and peak memory: causal SDPA against causal vq_attention (hard and soft).
+"""Forward+backward time and peak memory: causal SDPA against causal vq_attention (hard and soft) and
+window_attention.
 
 Gradients flow to q, k, v, and to the codebook for soft (learned by gradient); the hard codebook is an EMA
 buffer without gradient, as in Transformer-VQ and ``Codebook(learning="ema")``.
@@ -6,10 +7,14 @@ buffer without gradient, as in Transformer-VQ and ``Codebook(learning="ema")``.
     python benchmarks/attention_speed.py                       # T = 1k … 32k, B=1, H=4, D=64, S=512, fp32
     python benchmarks/attention_speed.py --lengths 1024 8192 --reps 5
     python benchmarks/attention_speed.py --block-lens 32 64 128 256 --lengths 8192 --methods vq_hard vq_soft
+    python benchmarks/attention_speed.py --modes default compiled
 
-By default each measuring process calls ``vqattn.utils.tune_cpu_allocator()`` (glibc keeps freed memory instead
-of page-faulting every large temporary again on every step; it applies to SDPA and vq alike); ``--glibc-default``
-measures with the allocator untouched.
+Every method runs in up to three modes (``--modes``), each a column group with the SDPA ratio of that mode:
+
+* ``default``: the allocator untouched, which is what a user's own training script gets;
+* ``tuned``: the process calls ``vqattn.utils.tune_cpu_allocator()`` first (glibc keeps freed memory instead of
+  page-faulting every large temporary again on every step; it applies to SDPA and vq alike);
+* ``compiled``: default allocator, the op wrapped in ``torch.compile`` (compilation is in the warm-up call).
 
 Every (method, T) runs in its own subprocess, so CPU peak memory is that process's high-water RSS above what it
 held just before the call (inputs included), and one run's allocations cannot flatter the next. On CUDA the peak
@@ -29,22 +34,23 @@ import time
 
 import torch
 
-from vqattn.functional import softmax_attention, vq_attention
+from vqattn.functional import softmax_attention, vq_attention, window_attention
 from vqattn.utils import tune_cpu_allocator
 
-METHODS = ("sdpa", "vq_hard", "vq_soft")
+METHODS = ("sdpa", "vq_hard", "vq_soft", "window")
+MODES = ("default", "tuned", "compiled")
 
 
-def run_once(method: str, q, k, v, codebook, block_len):
+def attention(method: str, q, k, v, codebook, block_len):
     if method == "sdpa":
-        out = softmax_attention(q, k, v, causal=True)
-    else:
-        assign = method.removeprefix("vq_")
-        out = vq_attention(q, k, v, codebook, causal=True, assign=assign, block_len=block_len)
-    out.backward(torch.ones_like(out))
+        return softmax_attention(q, k, v, causal=True)
+    if method == "window":
+        return window_attention(q, k, v, block_len=block_len)
+    return vq_attention(q, k, v, codebook, causal=True, assign=method.removeprefix("vq_"), block_len=block_len)
 
 
-def child(method: str, T: int, device: str, reps: int, block_len: int | None, B=1, H=4, D=64, S=512) -> dict:
+def child(method: str, T: int, device: str, reps: int, block_len: int | None, compiled: bool, B=1, H=4, D=64,
+          S=512) -> dict:
     torch.manual_seed(0)
     make = lambda *shape: torch.randn(*shape, device=device).requires_grad_(True)  # noqa: E731
     q, k, v, codebook = make(B, H, T, D), make(B, H, T, D), make(B, H, T, D), make(H, S, D)
@@ -57,7 +63,13 @@ def child(method: str, T: int, device: str, reps: int, block_len: int | None, B=
     else:
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
         rss_before = _current_rss_kib()
-    run_once(method, q, k, v, codebook, block_len)  # warm-up; also the memory measurement
+    fn = torch.compile(attention, fullgraph=True) if compiled else attention
+
+    def run_once():
+        out = fn(method, q, k, v, codebook, block_len)
+        out.backward(torch.ones_like(out))
+
+    run_once()  # warm-up (and compilation); also the memory measurement
     sync()
     if device == "cuda":
         peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20
@@ -69,7 +81,7 @@ def child(method: str, T: int, device: str, reps: int, block_len: int | None, B=
             t.grad = None  # fresh gradients every repetition, as in a training step
         sync()
         start = time.perf_counter()
-        run_once(method, q, k, v, codebook, block_len)
+        run_once()
         sync()
         times.append(time.perf_counter() - start)
     return {"ms": 1000 * statistics.median(times), "peak_mb": peak_mb}
@@ -83,9 +95,8 @@ def _current_rss_kib() -> int:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
-def measure(method, T, device, reps, block_len, tuned_allocator):
-    cmd = [sys.executable, __file__, "--child", method, str(T), device, str(reps), str(block_len or 0),
-           str(int(tuned_allocator))]
+def measure(method, T, device, reps, block_len, mode):
+    cmd = [sys.executable, __file__, "--child", method, str(T), device, str(reps), str(block_len or 0), mode]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         return {"ms": float("nan"), "peak_mb": float("nan"), "error": result.stderr.strip().splitlines()[-1:]}
@@ -102,42 +113,42 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--block-lens", type=int, nargs="+", default=[0], help="0 = vq_attention's default")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--glibc-default", action="store_true", help="do not call tune_cpu_allocator()")
     args = parser.parse_args()
-    tuned = not args.glibc_default
 
-    print(f"# causal fwd+bwd, B=1 H=4 D=64 S=512 fp32, {args.device}: {machine()}, torch {torch.__version__}, "
-          f"allocator {'tuned' if tuned else 'glibc default'}; median of {args.reps}")
-    vq_methods = [m for m in args.methods if m != "sdpa"]
-    header = ["T", "block_len"] + [f"{m} ms" for m in args.methods]
-    header += [f"sdpa/{m}" for m in vq_methods if "sdpa" in args.methods]
-    header += [f"{m} MB" for m in args.methods]
+    print(f"# causal fwd+bwd, B=1 H=4 D=64 S=512 fp32, {args.device}: {machine()}, torch {torch.__version__}; "
+          f"median of {args.reps}; peak MB from the {args.modes[0]} mode")
+    header = ["T", "block_len", "method"]
+    for mode in args.modes:
+        header += [f"{mode} ms", f"sdpa/x {mode}"]
+    header += ["peak MB"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for T in args.lengths:
-        sdpa = measure("sdpa", T, args.device, args.reps, None, tuned) if "sdpa" in args.methods else None
         for block_len in args.block_lens:
-            results = {m: measure(m, T, args.device, args.reps, block_len, tuned) for m in vq_methods}
-            if sdpa is not None:
-                results = {"sdpa": sdpa, **results}
-            row = [str(T), str(block_len or "default")]
-            row += [f"{results[m]['ms']:.1f}" for m in args.methods]
-            row += [f"{sdpa['ms'] / results[m]['ms']:.2f}x" for m in vq_methods if sdpa is not None]
-            row += [f"{results[m]['peak_mb']:.0f}" for m in args.methods]
-            print("| " + " | ".join(row) + " |", flush=True)
-            for m, r in results.items():
+            results = {(m, mode): measure(m, T, args.device, args.reps, block_len, mode)
+                       for mode in args.modes for m in args.methods}
+            for m in args.methods:
+                row = [str(T), str(block_len or "default"), m]
+                for mode in args.modes:
+                    ms = results[m, mode]["ms"]
+                    sdpa = results["sdpa", mode]["ms"] if "sdpa" in args.methods else float("nan")
+                    row += [f"{ms:.1f}", f"{sdpa / ms:.2f}x"]
+                row += [f"{results[m, args.modes[0]]['peak_mb']:.0f}"]
+                print("| " + " | ".join(row) + " |", flush=True)
+            for (m, mode), r in results.items():
                 if "error" in r:
-                    print(f"  {m} T={T} failed: {r['error']}", file=sys.stderr)
+                    print(f"  {m} {mode} T={T} failed: {r['error']}", file=sys.stderr)
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        method, T, device, reps, block_len, tuned = sys.argv[2:8]
-        if int(tuned):
+        method, T, device, reps, block_len, mode = sys.argv[2:8]
+        if mode == "tuned":
             tune_cpu_allocator()
-        print(json.dumps(child(method, int(T), device, int(reps), int(block_len) or None)))
+        print(json.dumps(child(method, int(T), device, int(reps), int(block_len) or None, mode == "compiled")))
     else:
         main()

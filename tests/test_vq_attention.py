@@ -275,15 +275,16 @@ def test_non_causal_accepts_different_key_length():
 
 @pytest.mark.parametrize("num_blocks", [1, 2, 3, 7])
 @pytest.mark.parametrize("form", ["loop", "cumsum"])
-def test_lagged_prefix_sum_values_and_gradcheck(num_blocks, form):
+@pytest.mark.parametrize("lag", [1, 2])
+def test_lagged_prefix_sum_values_and_gradcheck(num_blocks, form, lag):
     from vqattn.ops.vq_blocks import LaggedPrefixSum, lagged_cumsum
 
-    fn = LaggedPrefixSum.apply if form == "loop" else lagged_cumsum
+    fn = (lambda x, i: LaggedPrefixSum.apply(x, i, lag)) if form == "loop" else (lambda x, i: lagged_cumsum(x, i, lag))
     x = torch.randn(2, 3, num_blocks, 4, 2, dtype=F64, requires_grad=True)
     initial = torch.randn(2, 3, 4, 2, dtype=F64, requires_grad=True)
     out = fn(x, initial)
     for b in range(num_blocks):
-        torch.testing.assert_close(out[:, :, b], initial + x[:, :, : max(b - 1, 0)].sum(2))
+        torch.testing.assert_close(out[:, :, b], initial + x[:, :, : max(b - lag + 1, 0)].sum(2))
     assert torch.autograd.gradcheck(fn, (x, initial))
 
 

@@ -55,7 +55,7 @@ from .vq_assign import (
     mixture_logits,
     vq_assign,
 )
-from .vq_blocks import DEFAULT_BLOCK_LEN, lagged_prefix_sum, blocks, no_autocast, pad_to_blocks, window_bias, window_code_attention, windows
+from .vq_blocks import DEFAULT_BLOCK_LEN, block_bias, lagged_prefix_sum, blocks, no_autocast, pad_to_blocks, window_bias, window_code_attention, windows
 from .vq_recurrent import RECURRENT_MAX_LEN, VQState, vq_recurrent, window_start
 
 __all__ = ["vq_attention", "vq_assign", "Assignment", "VQState", "window_start", "DEFAULT_BLOCK_LEN",
@@ -76,13 +76,17 @@ def _causal(q, k, v, c, a: Assignment, *, L, scale, exact_window, detach_cache, 
     counts, sums = code_statistics(a, v, S, nb, G)  # (B, H, nb, S), (B, H, nb, S, Dv)
     if detach_cache:
         counts, sums = counts.detach(), sums.detach()
-    cache_counts = lagged_prefix_sum(counts, counts0)  # (B, H, nb, S)
-    cache_sums = lagged_prefix_sum(sums, sums0)  # (B, H, nb, S, Dv)
+    # A soft/kernel window logit is the cache's own formula, so the previous block can be read through the
+    # cache (lag 1) and the mixture only runs over the current block: half the (L, S) × (S, ·) products.
+    # Not with detach_cache, where the previous block must keep its gradient.
+    lag = 2 if a.index is not None or exact_window or detach_cache else 1
+    cache_counts = lagged_prefix_sum(counts, counts0, lag)  # (B, H, nb, S)
+    cache_sums = lagged_prefix_sum(sums, sums0, lag)  # (B, H, nb, S, Dv)
 
     q = q * scale  # scaling q is cheaper than scaling the logits
     code_logits = blocks(q @ c.transpose(-1, -2), L)  # (B, H, nb, L, S): the one q·cᵀ product
+    qb, window_keys, wv = blocks(q, L), None, windows(v, L)
     bias = window_bias(nb, L, q.device, q.dtype)  # (nb, L, 2L): causal mask
-    qb, window_keys = blocks(q, L), None
     if exact_window:
         window_keys = windows(k, L)
     elif a.index is not None:
@@ -91,9 +95,12 @@ def _causal(q, k, v, c, a: Assignment, *, L, scale, exact_window, detach_cache, 
         window_keys = windows(k_hat + (k - k.detach()), L)
     else:
         # The mixture logit log Σ_s e^{σ q·c_s} Δ_js is not a dot product: it is the whole window logit.
-        bias = bias + mixture_logits(code_logits, map_time(lambda x: windows(x, L), a))
+        window = (lambda x: blocks(x, L)) if lag == 1 else (lambda x: windows(x, L))
+        if lag == 1:
+            bias, wv = block_bias(L, q.device, q.dtype), blocks(v, L)
+        bias = bias + mixture_logits(code_logits, map_time(window, a))
         qb = None
-    out = window_code_attention(qb, window_keys, bias, windows(v, L), code_logits, code_bias(cache_counts, G),
+    out = window_code_attention(qb, window_keys, bias, wv, code_logits, code_bias(cache_counts, G),
                                 code_means(cache_counts, cache_sums))
     return out[:, :, :T], counts, sums
 

@@ -40,6 +40,11 @@ def pad_to_blocks(x: torch.Tensor | None, L: int, value=0) -> torch.Tensor | Non
     return F.pad(x, (0, 0) * (x.dim() - 3) + (0, pad), value=value) if pad else x
 
 
+def block_bias(L: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """(L, L) additive causal mask of a window that is the current block only."""
+    return torch.full((L, L), float("-inf"), device=device, dtype=dtype).triu_(1)
+
+
 def window_bias(num_blocks: int, L: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """(nb, L, 2L) additive mask: query i of block b sees window key jj iff jj ≤ i + L (causal); block 0 has no
     previous block."""
@@ -51,8 +56,8 @@ def window_bias(num_blocks: int, L: int, device: torch.device, dtype: torch.dtyp
     return bias
 
 
-def lagged_prefix_sum(x: torch.Tensor, initial: torch.Tensor) -> torch.Tensor:
-    """out[:, :, b] = initial + Σ_{b' ≤ b−2} x[:, :, b'] for x (B, H, nb, ...): the cache of every block.
+def lagged_prefix_sum(x: torch.Tensor, initial: torch.Tensor, lag: int = 2) -> torch.Tensor:
+    """out[:, :, b] = initial + Σ_{b' ≤ b−lag} x[:, :, b'] for x (B, H, nb, ...): the cache of every block.
 
     It runs on the largest tensor of the algorithm, (B, H, nb, S, Dv). On CPU in eager mode an in-place loop
     over blocks (:class:`LaggedPrefixSum`) is 2.5-4× faster than ``torch.cumsum`` along the block dim
@@ -60,14 +65,14 @@ def lagged_prefix_sum(x: torch.Tensor, initial: torch.Tensor) -> torch.Tensor:
     kernel instead of nb launches, and traces without graph breaks.
     """
     if x.device.type == "cpu" and not torch.compiler.is_compiling():
-        return LaggedPrefixSum.apply(x, initial)
-    return lagged_cumsum(x, initial)
+        return LaggedPrefixSum.apply(x, initial, lag)
+    return lagged_cumsum(x, initial, lag)
 
 
-def lagged_cumsum(x: torch.Tensor, initial: torch.Tensor) -> torch.Tensor:
+def lagged_cumsum(x: torch.Tensor, initial: torch.Tensor, lag: int = 2) -> torch.Tensor:
     """:func:`lagged_prefix_sum` as one ``torch.cumsum`` (autograd gives the reversed cumsum backward)."""
     nb = x.shape[2]
-    shifted = F.pad(torch.cumsum(x[:, :, : max(nb - 2, 0)], 2), (0, 0) * (x.dim() - 3) + (2, 0))[:, :, :nb]
+    shifted = F.pad(torch.cumsum(x[:, :, : max(nb - lag, 0)], 2), (0, 0) * (x.dim() - 3) + (lag, 0))[:, :, :nb]
     return initial.unsqueeze(2) + shifted
 
 
@@ -75,26 +80,27 @@ class LaggedPrefixSum(torch.autograd.Function):
     """:func:`lagged_prefix_sum` as an in-place loop over blocks, with its hand-written backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, initial: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, initial: torch.Tensor, lag: int) -> torch.Tensor:
         x = x.contiguous()  # slices of a transposed layout make every add a strided gather
         out = torch.empty_like(x)
-        out[:, :, :2] = initial.unsqueeze(2)
-        for b in range(2, x.shape[2]):
-            torch.add(out[:, :, b - 1], x[:, :, b - 2], out=out[:, :, b])
+        out[:, :, :lag] = initial.unsqueeze(2)
+        for b in range(lag, x.shape[2]):
+            torch.add(out[:, :, b - 1], x[:, :, b - lag], out=out[:, :, b])
+        ctx.lag = lag
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        # d out[b] / d x[b'] = 1 for b ≥ b' + 2: lagged suffix sums of the incoming gradient.
-        nb = grad_out.shape[2]
+        # d out[b] / d x[b'] = 1 for b ≥ b' + lag: lagged suffix sums of the incoming gradient.
+        nb, lag = grad_out.shape[2], ctx.lag
         grad_out = grad_out.contiguous()  # matmul backward hands over transposed gradients
         grad_x = torch.empty_like(grad_out)
-        grad_x[:, :, max(nb - 2, 0) :] = 0  # the last two blocks are in nobody's cache
-        if nb > 2:
-            grad_x[:, :, nb - 3] = grad_out[:, :, nb - 1]
-            for b in range(nb - 4, -1, -1):
-                torch.add(grad_x[:, :, b + 1], grad_out[:, :, b + 2], out=grad_x[:, :, b])
-        return grad_x, grad_out.sum(2)
+        grad_x[:, :, max(nb - lag, 0) :] = 0  # the last blocks are in nobody's cache
+        if nb > lag:
+            grad_x[:, :, nb - lag - 1] = grad_out[:, :, nb - 1]
+            for b in range(nb - lag - 2, -1, -1):
+                torch.add(grad_x[:, :, b + 1], grad_out[:, :, b + lag], out=grad_x[:, :, b])
+        return grad_x, grad_out.sum(2), None
 
 
 class WindowCodeAttention(torch.autograd.Function):
