@@ -47,14 +47,15 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from hydra.errors import InstantiationException  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
+from vqattn.configs import register  # noqa: E402
+
 log = logging.getLogger("train")
+register()
 
 
 def check_config(cfg: DictConfig) -> None:
     """Explain settings that cannot work before anything is built."""
     m, d = cfg.model, cfg.data
-    if "path" in d.keys() and OmegaConf.is_missing(d, "path"):
-        raise ValueError("data=text needs the file to train on: data.path=FILE (a file or a glob)")
     if d.seq_len > m.seq_len and m.pos_emb == "learned":
         raise ValueError(
             f"data.seq_len={d.seq_len} exceeds model.seq_len={m.seq_len}, the longest sequence learned absolute "

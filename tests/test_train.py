@@ -12,11 +12,15 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import MissingConfigException
 from hydra.utils import instantiate
 
+from hydra.core.config_store import ConfigStore
+
+from vqattn.configs import register
 from vqattn.layers import ATTENTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = str(ROOT / "conf")
-ATTENTION_FILES = sorted(p.stem for p in (ROOT / "conf" / "attention").glob("*.yaml"))
+register()
+ATTENTION_OPTIONS = sorted(name.removesuffix(".yaml") for name in ConfigStore.instance().list("attention"))
 FAST = ["experiment=tiny", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
 
 
@@ -26,10 +30,10 @@ def cfg_for(*overrides):
 
 
 def test_every_registered_attention_has_a_config_and_vice_versa():
-    assert set(ATTENTION_FILES) == set(ATTENTIONS)
+    assert set(ATTENTION_OPTIONS) == set(ATTENTIONS)
 
 
-@pytest.mark.parametrize("attention", ATTENTION_FILES)
+@pytest.mark.parametrize("attention", ATTENTION_OPTIONS)
 def test_attention_config_composes_into_the_model(attention):
     cfg = cfg_for(f"attention={attention}")
     assert cfg.model.attention == attention == cfg.attention.name
@@ -56,7 +60,7 @@ def test_defaults_and_groups():
 def test_unknown_attention_lists_the_valid_ones():
     with pytest.raises(MissingConfigException) as info:
         cfg_for("attention=nope")
-    assert all(name in str(info.value) for name in ATTENTION_FILES)
+    assert all(name in str(info.value) for name in ATTENTION_OPTIONS)
 
 
 def run_inprocess(tmp_path, name, *overrides):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import asdict, dataclass
 
 import lightning as L
 import torch
@@ -67,11 +68,27 @@ def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int, min_lr_rati
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+@dataclass
+class OptimConfig:
+    """AdamW and its schedule: linear warmup over ``warmup_steps``, then cosine decay to ``min_lr_ratio * lr`` at
+    ``total_steps`` (the cosine horizon; None = trainer.max_steps; fix it to stop early and resume on the same
+    schedule)."""
+
+    lr: float = 2e-3
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+    total_steps: int | None = None
+
+    def __post_init__(self):
+        self.betas = tuple(self.betas)  # a list when it comes from a config
+
+
 class LitLM(L.LightningModule):
     """Args:
         model: GPTConfig keyword arguments (a plain dict, so it is saved in the checkpoint's hyperparameters).
-        optim: lr, weight_decay, betas, warmup_steps, min_lr_ratio, total_steps (the cosine horizon;
-            None = trainer.max_steps; fix it explicitly to stop early and resume on the same schedule).
+        optim: OptimConfig keyword arguments (missing ones take OptimConfig's defaults).
         aux_weight: weight of the auxiliary (commitment) loss.
     """
 
@@ -79,8 +96,7 @@ class LitLM(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.model = GPT(GPTConfig(**model))
-        self.optim = {"lr": 2e-3, "weight_decay": 0.1, "betas": (0.9, 0.95), "warmup_steps": 100,
-                      "min_lr_ratio": 0.1, "total_steps": None, **(optim or {})}
+        self.optim = asdict(OptimConfig(**(optim or {})))
         self.aux_weight = aux_weight
         self.val_nll = SummedNLL()
         self.train_tokens = 0  # all ranks' tokens trained on in this process's fit
