@@ -142,6 +142,10 @@ class ByteDataModule(_LMDataModule):
     def _load(self) -> tuple[bytes, bytes]:
         raise NotImplementedError
 
+    def _advice(self, split: str) -> str:
+        """What to change when ``split`` is too short for one window."""
+        return "lower model.seq_len"
+
     def setup(self, stage: str | None = None) -> None:
         if self.train_data is not None:
             return
@@ -149,9 +153,10 @@ class ByteDataModule(_LMDataModule):
         need = self.seq_len + 1
         for split, data in (("training", train), ("validation", val)):
             if len(data) < need:
+                n = len(data)
                 raise ValueError(
-                    f"{self.name}: the {split} split has {len(data)} bytes but seq_len={self.seq_len} needs at least "
-                    f"{need}; lower model.seq_len or give more text"
+                    f"{self.name}: the {split} split has {n} byte{'' if n == 1 else 's'} but seq_len={self.seq_len} "
+                    f"needs at least {need}; {self._advice(split)}"
                 )
         self.train_data = torch.frombuffer(bytearray(train), dtype=torch.uint8)
         val_data = torch.frombuffer(bytearray(val), dtype=torch.uint8)
@@ -240,6 +245,14 @@ class TextDataModule(ByteDataModule):
         if not 0 < val_fraction < 1:
             raise ValueError(f"data.val_fraction must lie in (0, 1), got {val_fraction!r}")
         self.path, self.val_path, self.val_fraction = path, val_path, val_fraction
+
+    def _advice(self, split: str) -> str:
+        if split == "training":
+            return "give more text in data.path or lower model.seq_len"
+        if self.val_path:
+            return "give more text in data.val_path or lower model.seq_len"
+        return (f"give a validation file (data.val_path=FILE), or raise data.val_fraction (now {self.val_fraction}), "
+                f"or lower model.seq_len")
 
     def _load(self) -> tuple[bytes, bytes]:
         train = _read_files(self.path, "data.path")
