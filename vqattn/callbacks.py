@@ -48,9 +48,9 @@ class RNGState(Callback):
             rank_zero_warn(f"the checkpoint's RNG states are from {state.get('world_size')} ranks, this run has "
                            f"{trainer.world_size}: random draws will differ from an uninterrupted run")
             return
-        torch.set_rng_state(state["cpu"][trainer.global_rank])
+        torch.set_rng_state(state["cpu"][trainer.global_rank].clone())  # a row view crashes set_rng_state
         if "cuda" in state and trainer.strategy.root_device.type == "cuda":
-            torch.cuda.set_rng_state(state["cuda"][trainer.global_rank], trainer.strategy.root_device)
+            torch.cuda.set_rng_state(state["cuda"][trainer.global_rank].clone(), trainer.strategy.root_device)
 
 
 class GracefulInterrupt(Callback):
