@@ -225,6 +225,8 @@ def quiet_console() -> None:
         logger.propagate = True
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda r: "litlogger" not in r.getMessage())
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+    # A resumed run's epoch is its remaining steps; train rows are still logged every log_every_n_steps global steps.
+    warnings.filterwarnings("ignore", message=r".*is smaller than the logging interval.*")
 
 
 def _restore_environ(before: dict[str, str]) -> None:
@@ -235,6 +237,22 @@ def _restore_environ(before: dict[str, str]) -> None:
     for key, value in before.items():
         if os.environ.get(key) != value:
             os.environ[key] = value
+
+
+def _discard_if_empty(run_dir: Path) -> None:
+    """Remove a run dir that holds nothing but Hydra's files (a failed start), and its parents left empty
+    (outputs/DATE/) up to the working directory."""
+    if not run_dir.is_dir() or {p.name for p in run_dir.iterdir()} - HYDRA_FILES:
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cwd = Path.cwd().resolve()
+    for parent in run_dir.resolve().parents:
+        if parent == cwd or cwd not in parent.parents:
+            break
+        try:
+            parent.rmdir()  # only when empty
+        except OSError:
+            break
 
 
 def _log_to_file(message: str) -> None:
@@ -262,8 +280,7 @@ def main(cfg: DictConfig) -> float:
         if message is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         _log_to_file(f"error: {message}")
-        if set(p.name for p in run_dir.iterdir()) <= HYDRA_FILES:  # nothing but Hydra's files: no run to keep
-            shutil.rmtree(run_dir, ignore_errors=True)
+        _discard_if_empty(run_dir)
         print(f"error: {message}\n(set HYDRA_FULL_ERROR=1 for the full traceback)", file=sys.stderr)
         raise SystemExit(2) from None
     finally:

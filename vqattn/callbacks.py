@@ -110,18 +110,17 @@ class StepProgressBar(TQDMProgressBar):
 
     def _reset(self, trainer) -> None:
         bar = self.train_progress_bar
-        bar.reset(total=trainer.max_steps)
-        bar.initial = bar.n = trainer.global_step  # the rate counts the steps of this process only
-        bar.set_description("Training")
-        bar.refresh()
+        bar.total = trainer.max_steps
+        bar.initial = bar.n = bar.last_print_n = trainer.global_step  # the rate counts this process's steps only
+        bar.start_t = bar.last_print_t = bar._time()
+        bar.set_description("Training")  # refreshes
 
     def on_train_start(self, trainer, pl_module):
         super().on_train_start(trainer, pl_module)
         self._reset(trainer)
 
     def on_train_epoch_start(self, trainer, *args):
-        super().on_train_epoch_start(trainer, *args)
-        self._reset(trainer)
+        self._reset(trainer)  # not super's: it would count the epoch's batches again
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         bar = self.train_progress_bar
