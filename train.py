@@ -145,7 +145,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         trainer.validate(module, datamodule=datamodule, verbose=False)
     throughput = next(c for c in trainer.callbacks if isinstance(c, TrainThroughput))
     results = summarize(cfg, module, datamodule, trainer, run_dir)
-    results["tokens_per_sec"] = throughput.tokens_per_sec(trainer.world_size)
+    tokens, seconds = throughput.totals(trainer.world_size)
+    results["tokens_per_sec"], results["train_tokens"] = tokens / max(seconds, 1e-9), tokens
     results["wall_seconds"] = time.perf_counter() - start
     if trainer.global_rank == 0:
         (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
@@ -168,6 +169,7 @@ def summarize(cfg: DictConfig, module, datamodule, trainer, run_dir: Path) -> di
         "peak_memory_mb": memory,
         "peak_memory_kind": memory_kind,
         "wall_seconds": None,
+        "train_tokens": None,
         "data": type(datamodule).__name__,
         "seq_len": cfg.data.seq_len,
         "batch_size": cfg.data.batch_size,

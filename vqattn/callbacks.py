@@ -134,8 +134,8 @@ class TrainThroughput(ThroughputMonitor):
 
     Validation batches are still timed, which is how the monitor excludes validation from training time, but
     their throughput is not logged (it would add rows at validation batch counts to metrics.csv).
-    ``tokens_per_sec()``: all ranks' training tokens per second of training wall time so far (steps and data
-    loading, not validation), for results.json; on rank 0 only.
+    ``totals()`` gives results.json its tokens per second: all ranks' training tokens over the training wall time
+    (steps and data loading, not validation).
     """
 
     def __init__(self, **kwargs):
@@ -147,12 +147,13 @@ class TrainThroughput(ThroughputMonitor):
         if not trainer.sanity_checking:
             self._update(trainer, pl_module, batch, trainer._evaluation_loop.batch_progress.total.ready)
 
-    def tokens_per_sec(self, world_size: int) -> float:
+    def totals(self, world_size: int) -> tuple[int, float]:
+        """All ranks' training tokens and the training wall time (s) of this process's fit; rank 0 only."""
         throughput = self._throughputs.get(RunningStage.TRAINING)
         if throughput is None or not throughput._time:
-            return float("nan")
+            return 0, 0.0
         totals = throughput.compute()
-        return totals["lengths"] * world_size / max(totals["time"], 1e-9)
+        return int(totals["lengths"]) * world_size, float(totals["time"])
 
 
 class _ContinuingWriter(ExperimentWriter):
