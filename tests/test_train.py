@@ -176,7 +176,7 @@ def test_ctrl_c_saves_and_the_printed_command_resumes_in_the_same_run_dir(tmp_pa
     assert bars and {int(t) for _, t in bars} == {total} and int(bars[0][0]) == step and int(bars[-1][0]) == total
     steps = [int(r["step"]) for r in val_rows(out)]
     assert steps == sorted(set(steps)) and steps[-1] == total  # no validation logged twice, the final one at the end
-    assert all(s % 4 == 0 for s in steps[:-1]) and step not in steps[:-1] or step % 4 == 0
+    assert all(s % 4 == 0 for s in steps[:-1])  # no validation pass on the way out of the interrupted run
 
 
 @pytest.mark.slow
