@@ -51,16 +51,18 @@ def test_single_process_state_round_trip_and_world_size_mismatch():
 def test_metrics_csv_is_continued_from_the_resume_step(tmp_path):
     path = tmp_path / "metrics.csv"
     rows = [{"step": s, "train_loss": 1.0 / (s + 1), "val_bpb": ""} for s in (9, 19, 20, 29)]
+    rows.insert(2, {"step": 20, "train_loss": "", "val_bpb": 5.0})  # the validation after step 20
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["step", "train_loss", "val_bpb"])
         writer.writeheader()
         writer.writerows(rows)
     writer = _ContinuingWriter(str(tmp_path), resume_step=20)
-    writer.log_metrics({"val_bpb": 3.0}, step=20)
+    writer.log_metrics({"train_loss": 0.5}, step=20)  # the resumed run's 21st batch
     writer.save()
     with path.open(newline="") as f:
-        steps = [int(r["step"]) for r in csv.DictReader(f)]
-    assert steps == [9, 19, 20]  # rows from step 20 on were dropped, the resumed run wrote its own
+        rows = [(int(r["step"]), r["train_loss"], r["val_bpb"]) for r in csv.DictReader(f)]
+    # kept: everything up to the checkpoint, including the validation after its step; dropped: the old 21st batch
+    assert rows == [(9, "0.1", ""), (19, "0.05", ""), (20, "", "5.0"), (20, "0.5", "")]
 
 
 def test_a_run_dir_holding_hydra_files_is_not_warned_about(tmp_path):

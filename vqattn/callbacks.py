@@ -158,11 +158,18 @@ class TrainThroughput(ThroughputMonitor):
 
 class _ContinuingWriter(ExperimentWriter):
     """ExperimentWriter that keeps an existing metrics.csv (the run dir also holds Hydra's files, and a resumed
-    run continues its own file) and drops its rows from ``resume_step`` on, which the resumed run logs again."""
+    run continues its own file) and drops the rows logged after the step it resumes from, which it logs again."""
 
     def __init__(self, log_dir: str, resume_step: int = 0):
         self.resume_step = resume_step
         super().__init__(log_dir=log_dir)
+
+    def _before_resume(self, row: dict) -> bool:
+        """Whether the checkpoint at resume_step already holds what row records. Train rows carry Lightning's batch
+        index (step s: the (s+1)-th batch); validation rows the optimizer step they followed, and the validation
+        at the checkpoint's own step is not run again."""
+        step = int(row["step"])
+        return step < self.resume_step or (step == self.resume_step and bool(row.get("val_bpb")))
 
     def _check_log_dir_exists(self) -> None:
         path = Path(self.metrics_file_path)
@@ -170,7 +177,7 @@ class _ContinuingWriter(ExperimentWriter):
             return
         with path.open(newline="") as f:
             reader = csv.DictReader(f)
-            keys, rows = reader.fieldnames or [], [r for r in reader if int(r["step"]) < self.resume_step]
+            keys, rows = reader.fieldnames or [], [r for r in reader if self._before_resume(r)]
         with path.open("w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=keys)
             writer.writeheader()
