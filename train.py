@@ -274,8 +274,9 @@ def main(cfg: DictConfig) -> float:
         results = train(cfg, run_dir)
         return results.get("recall_acc", results["val_bpb"])
     except Interrupted as stop:
-        print(f"\ninterrupted at step {stop.step}: saved {run_dir / 'checkpoints' / 'last.ckpt'}\n"
-              f"resume with:\n  {resume_command(run_dir)}", file=sys.stderr)
+        if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0":  # one message, from rank 0
+            print(f"\ninterrupted at step {stop.step}: saved {run_dir / 'checkpoints' / 'last.ckpt'}\n"
+                  f"resume with:\n  {resume_command(run_dir)}", file=sys.stderr)
         raise SystemExit(128 + signal.SIGINT) from None
     except Exception as err:
         message = _user_error(err)
