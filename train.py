@@ -1,13 +1,12 @@
 """Train a byte-level GPT with any vqattn attention: ``python train.py attention=vq_soft``.
 
-Hydra composes conf/config.yaml (see the README, "Training, comparing and sampling"); every run writes into its Hydra run dir:
-results.json, metrics.csv (train and validation metrics per step), checkpoints/last.ckpt and .hydra/.
+Hydra composes conf/config.yaml on the schema vqattn.configs registers (see the README, "Training, comparing
+and sampling"); every run writes into its Hydra run dir: results.json, metrics.csv, hparams.yaml,
+checkpoints/last.ckpt, train.log and .hydra/. Ctrl-C stops after the current step, saves the checkpoint and
+prints the command that resumes the run in the same run dir.
 
-Multi-GPU (``trainer=ddp trainer.devices=N``): Lightning re-launches this script once per extra local
-rank. Rank 0 passes its resolved overrides and its run dir to those processes through the environment
-(``VQATTN_DDP_ARGV``), so every rank composes the same config and writes into rank 0's run dir: one run
-dir per job, also inside a ``-m`` sweep. After each job the process group is destroyed and the
-environment Lightning modified is restored, so the next sweep job launches fresh ranks instead of hanging.
+Multi-GPU (``trainer=ddp trainer.devices=N``): Lightning re-launches this script once per extra local rank;
+``ddp_child_argv`` makes those processes compose rank 0's config and write into rank 0's run dir.
 """
 
 from __future__ import annotations
@@ -17,51 +16,68 @@ import logging
 import os
 import platform
 import resource
+import shlex
+import shutil
+import signal
 import sys
 import time
+import warnings
 from pathlib import Path
 
-DDP_ARGV = "VQATTN_DDP_ARGV"
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
+from omegaconf import DictConfig
 
-
-def _ddp_child_argv() -> None:
-    """In a process Lightning launched for local rank > 0, replace the command line by rank 0's job overrides.
-
-    Lightning would re-run ``sys.argv`` (which in a sweep still holds ``-m`` and the comma lists) with
-    ``hydra.run.dir`` set to the *un-swept* run dir; rank 0's own overrides and output dir are what we need.
-    Processes started by an external launcher (torchrun, SLURM) have no VQATTN_DDP_ARGV and keep their
-    arguments; there, pass the same ``hydra.run.dir`` to every rank (README, "Multi-GPU and multi-node").
-    """
-    rank = os.environ.get("LOCAL_RANK", "0")
-    if rank != "0" and DDP_ARGV in os.environ:
-        sys.argv = [sys.argv[0], *json.loads(os.environ[DDP_ARGV]), f"hydra.job.name=rank{rank}"]
-    elif os.environ.get("RANK", rank) != "0":
-        sys.argv.append("hydra.output_subdir=null")  # one .hydra/ config copy per run dir, from rank 0
-
-
-_ddp_child_argv()
-
-import hydra  # noqa: E402  (after the argv rewrite, which must precede Hydra's parsing)
-import torch  # noqa: E402
-from hydra.core.hydra_config import HydraConfig  # noqa: E402
-from hydra.errors import InstantiationException  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
+from vqattn.configs import register
 
 log = logging.getLogger("train")
+register()
+DDP_ARGV = "VQATTN_DDP_ARGV"
+HYDRA_FILES = {".hydra", "train.log"}
+
+
+class Interrupted(Exception):
+    """Training stopped on Ctrl-C after saving its checkpoint; ``step`` is the global step it holds."""
+
+    def __init__(self, step: int):
+        super().__init__(f"interrupted at step {step}")
+        self.step = step
+
+
+def ddp_child_argv(argv: list[str], environ) -> list[str]:
+    """The command line for this process: rank 0's job overrides in a process Lightning launched for a local rank > 0.
+
+    Lightning re-runs ``sys.argv``, which in a sweep still holds ``-m`` and the comma lists and whose run dir
+    would be a new timestamp; rank 0 puts its resolved overrides and run dir in ``VQATTN_DDP_ARGV`` instead.
+    Processes from an external launcher (torchrun, SLURM) have no VQATTN_DDP_ARGV and keep their arguments
+    (give every rank the same ``hydra.run.dir``: README, "Multi-GPU and multi-node"); only their rank 0
+    writes .hydra/.
+    """
+    rank = environ.get("LOCAL_RANK", "0")
+    if rank != "0" and DDP_ARGV in environ:
+        return [argv[0], *json.loads(environ[DDP_ARGV]), f"hydra.job.name=rank{rank}"]
+    if environ.get("RANK", rank) != "0":
+        return [*argv, "hydra.output_subdir=null"]
+    return argv
+
+
+def _positive_int(key: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{key} must be a positive int, got {value!r}")
 
 
 def check_config(cfg: DictConfig) -> None:
     """Explain settings that cannot work before anything is built."""
+    _positive_int("trainer.max_steps", cfg.trainer.max_steps)
+    _positive_int("checkpoint_every", cfg.checkpoint_every)
     m, d = cfg.model, cfg.data
-    if "path" in d.keys() and OmegaConf.is_missing(d, "path"):
-        raise ValueError("data=text needs the file to train on: data.path=FILE (a file or a glob)")
-    if d.seq_len > m.seq_len and m.pos_emb == "learned":
+    if m.pos_emb == "learned" and isinstance(d.seq_len, int) and d.seq_len > m.seq_len:
         raise ValueError(
             f"data.seq_len={d.seq_len} exceeds model.seq_len={m.seq_len}, the longest sequence learned absolute "
             f"positions can encode; set data.seq_len <= model.seq_len or model.pos_emb=rope"
         )
-    if not cfg.trainer.max_steps or cfg.trainer.max_steps <= 0:
-        raise ValueError(f"trainer.max_steps must be a positive number of optimizer steps, got {cfg.trainer.max_steps}")
 
 
 def peak_memory_mb(device: torch.device) -> tuple[float, str]:
@@ -77,91 +93,205 @@ def device_name(device: torch.device) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
-def train(cfg: DictConfig, run_dir: Path) -> dict:
-    import lightning as L
-    from lightning.pytorch.callbacks import ModelCheckpoint
-    from lightning.pytorch.loggers import CSVLogger
+def trainer_log_every(cfg: DictConfig) -> int:
+    return cfg.trainer.log_every_n_steps or 50  # Lightning's default when unset
 
+
+def build(cfg: DictConfig, run_dir: Path):
+    """Module, data (loaded now, so data errors come before any training output) and a Trainer with its callbacks."""
+    from lightning.pytorch.callbacks import LearningRateMonitor
+
+    from vqattn.callbacks import (GracefulInterrupt, LastCheckpoint, RNGState, RunCSVLogger, StepProgressBar,
+                                  TrainThroughput)
+    from vqattn.lit import read_checkpoint
+
+    check_config(cfg)
+    resume_step = int(read_checkpoint(cfg.ckpt_path)["global_step"]) if cfg.ckpt_path else 0
+    module = hydra.utils.instantiate(cfg.module, _convert_="all")  # model errors first: model.seq_len, not data's
+    datamodule = hydra.utils.instantiate(cfg.data)
+    datamodule.setup("fit")
+    callbacks = [LastCheckpoint(run_dir / "checkpoints", cfg.checkpoint_every), LearningRateMonitor("step"),
+                 TrainThroughput(window_size=max(2, trainer_log_every(cfg))), RNGState(), GracefulInterrupt()]
+    if cfg.trainer.enable_progress_bar is not False:
+        callbacks.append(StepProgressBar())
+    trainer = hydra.utils.instantiate(cfg.trainer, logger=RunCSVLogger(run_dir, resume_step), callbacks=callbacks)
+    return module, datamodule, trainer
+
+
+def train(cfg: DictConfig, run_dir: Path) -> dict:
+    """Train, validate once at the end (reusing the last in-fit validation when it was at the final step), write
+    results.json; returns the results (raises Interrupted after Ctrl-C, with the checkpoint saved)."""
+    import lightning as L
+
+    from vqattn.callbacks import GracefulInterrupt, TrainThroughput
     from vqattn.utils import tune_cpu_allocator
 
     start = time.perf_counter()
-    check_config(cfg)
     tune_cpu_allocator()  # CPU steps reuse freed memory instead of page-faulting every temporary again
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     torch.set_float32_matmul_precision("high")  # TF32 matmuls on GPUs that have them
-    datamodule = hydra.utils.instantiate(cfg.data)
-    module = hydra.utils.instantiate(cfg.module, _convert_="all")
-    ckpt_dir = run_dir / "checkpoints"
-    trainer = hydra.utils.instantiate(
-        cfg.trainer,
-        logger=CSVLogger(save_dir=str(run_dir), name="", version=""),
-        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_top_k=0, save_last=True,
-                                   every_n_train_steps=cfg.checkpoint_every)],
-    )
-    if trainer.world_size > 1 and trainer.local_rank == 0:
+    module, datamodule, trainer = build(cfg, run_dir)
+    if trainer.world_size > 1 and trainer.local_rank == 0 and HydraConfig.initialized():
         hc = HydraConfig.get()
         os.environ[DDP_ARGV] = json.dumps(
             [*hc.overrides.task, f'hydra.run.dir="{hc.runtime.output_dir}"', "hydra.output_subdir=null"])
     if trainer.strategy.root_device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
-    trainer.save_checkpoint(ckpt_dir / "last.ckpt")
-    val = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
+    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
+    interrupt = next(c for c in trainer.callbacks if isinstance(c, GracefulInterrupt))
+    if interrupt.interrupted_at is not None:
+        raise Interrupted(interrupt.interrupted_at)
+    if module.last_validation is None or module.last_validation["step"] != trainer.global_step:
+        trainer.validate(module, datamodule=datamodule, verbose=False)
+    throughput = next(c for c in trainer.callbacks if isinstance(c, TrainThroughput))
+    results = summarize(cfg, module, datamodule, trainer, run_dir)
+    tokens, seconds = throughput.totals(trainer.world_size)
+    results["tokens_per_sec"], results["train_tokens"] = tokens / max(seconds, 1e-9), tokens
+    results["wall_seconds"] = time.perf_counter() - start
+    if trainer.global_rank == 0:
+        (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+        log.info("%s", summary_text(results, run_dir))
+    return results
+
+
+def summarize(cfg: DictConfig, module, datamodule, trainer, run_dir: Path) -> dict:
+    val = module.last_validation
     memory, memory_kind = peak_memory_mb(trainer.strategy.root_device)
     results = {
         "attention": cfg.model.attention,
         "params": module.model.num_params(),
         "steps": trainer.global_step,
+        "headline": "val_bpb",
         "val_loss": val["val_loss"],
         "val_bpb": val["val_bpb"],
         "val_acc": val["val_acc"],
-        "tokens_per_sec": module.train_tokens / max(module.train_seconds, 1e-9),
+        "tokens_per_sec": None,
         "peak_memory_mb": memory,
         "peak_memory_kind": memory_kind,
-        "wall_seconds": time.perf_counter() - start,
-        "train_tokens": module.train_tokens,
+        "wall_seconds": None,
+        "train_tokens": None,
         "data": type(datamodule).__name__,
         "seq_len": cfg.data.seq_len,
         "batch_size": cfg.data.batch_size,
         "world_size": trainer.world_size,
         "device": device_name(trainer.strategy.root_device),
-        "checkpoint": str(ckpt_dir / "last.ckpt"),
+        "checkpoint": str(run_dir / "checkpoints" / "last.ckpt"),
         "codebook": module.model.codebook_stats(),
         "ddp_buffer_divergence": module.buffer_divergence,
     }
-    if trainer.global_rank == 0:
-        (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-        log.info("results: %s", json.dumps(results))
+    if results["data"] == "MQARDataModule":  # labels only at the answers: recall accuracy is the measure
+        results["headline"], results["recall_acc"] = "recall_acc", val["val_acc"]
     return results
 
 
-def _user_error(err: BaseException) -> BaseException | None:
-    """The error to report in one line when err is a configuration or data problem, else None."""
-    if isinstance(err, InstantiationException) and err.__cause__ is not None:
-        err = err.__cause__
+def summary_text(r: dict, run_dir: Path) -> str:
+    """The readable end of a run: the headline metric, speed, and where the files are."""
+    head = (f"recall accuracy {r['recall_acc']:.4f} (val bpb {r['val_bpb']:.4f})" if r["headline"] == "recall_acc"
+            else f"val bpb {r['val_bpb']:.4f} (val acc {r['val_acc']:.4f})")
+    return (f"done: {r['attention']}, {r['steps']} steps in {r['wall_seconds'] / 60:.1f} min: {head}, "
+            f"{r['tokens_per_sec']:,.0f} tokens/s\nrun dir {run_dir}: results.json, metrics.csv, hparams.yaml, "
+            f"checkpoints/last.ckpt, train.log")
+
+
+def resume_command(run_dir: Path) -> str:
+    """The command that resumes this job from its last checkpoint, in the same run dir."""
+    keep = [o for o in HydraConfig.get().overrides.task if not o.startswith(("ckpt_path=", "hydra.run.dir="))]
+    args = [*keep, f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}", f"hydra.run.dir={run_dir}"]
+    return shlex.join(["python", sys.argv[0], *args])
+
+
+def _user_error(err: BaseException) -> str | None:
+    """The one-line message for a configuration, data or checkpoint problem, else None (a bug: show the traceback)."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
     from vqattn.data import DataUnavailableError
 
-    return err if isinstance(err, (ValueError, FileNotFoundError, DataUnavailableError)) else None
+    if isinstance(err, InstantiationException):
+        err = err.__cause__ or err
+        if isinstance(err, TypeError):  # e.g. +data.foo=1: an argument the target does not take
+            return f"{type(err).__name__}: {err}"
+    if isinstance(err, (ValueError, FileNotFoundError, DataUnavailableError, MisconfigurationException)):
+        return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    return None
+
+
+def quiet_console() -> None:
+    """One copy of each Lightning INFO line (through Hydra's handlers, so train.log has them too), no adverts,
+    and no deprecation warnings from inside Lightning that a user cannot act on."""
+    import lightning  # noqa: F401  (it adds its own console handlers on import; remove them after)
+
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            logger.removeHandler(handler)
+        logger.propagate = True
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda r: "litlogger" not in r.getMessage())
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+    # A resumed run's epoch is its remaining steps; train rows are still logged every log_every_n_steps global steps.
+    warnings.filterwarnings("ignore", message=r".*is smaller than the logging interval.*")
+
+
+def _restore_environ(before: dict[str, str]) -> None:
+    """Undo this job's environment changes (Lightning's MASTER_PORT, LOCAL_RANK, ..., VQATTN_DDP_ARGV), so that the
+    next job of a sweep launches fresh ranks."""
+    for key in set(os.environ) - set(before):
+        del os.environ[key]
+    for key, value in before.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
+
+
+def _discard_if_empty(run_dir: Path) -> None:
+    """Remove a run dir that holds nothing but Hydra's files (a failed start), and its parents left empty
+    (outputs/DATE/) up to the working directory."""
+    if not run_dir.is_dir() or {p.name for p in run_dir.iterdir()} - HYDRA_FILES:
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cwd = Path.cwd().resolve()
+    for parent in run_dir.resolve().parents:
+        if parent == cwd or cwd not in parent.parents:
+            break
+        try:
+            parent.rmdir()  # only when empty
+        except OSError:
+            break
+
+
+def _log_to_file(message: str) -> None:
+    """Record message in train.log only (the console gets it once, on stderr)."""
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, message, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     env = dict(os.environ)
+    quiet_console()
     try:
-        return train(cfg, run_dir)["val_bpb"]
+        results = train(cfg, run_dir)
+        return results.get("recall_acc", results["val_bpb"])
+    except Interrupted as stop:
+        if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0":  # one message, from rank 0
+            print(f"\ninterrupted at step {stop.step}: saved {run_dir / 'checkpoints' / 'last.ckpt'}\n"
+                  f"resume with:\n  {resume_command(run_dir)}", file=sys.stderr)
+        raise SystemExit(128 + signal.SIGINT) from None
     except Exception as err:
-        user = _user_error(err)
-        if user is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
+        message = _user_error(err)
+        if message is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        print(f"error: {type(user).__name__}: {user}\n(set HYDRA_FULL_ERROR=1 for the full traceback)", file=sys.stderr)
-        raise SystemExit(2)
+        _log_to_file(f"error: {message}")
+        _discard_if_empty(run_dir)
+        print(f"error: {message}\n(set HYDRA_FULL_ERROR=1 for the full traceback)", file=sys.stderr)
+        raise SystemExit(2) from None
     finally:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(env)
+        _restore_environ(env)
 
 
 if __name__ == "__main__":
+    sys.argv = ddp_child_argv(sys.argv, os.environ)
     main()

@@ -229,3 +229,24 @@ def test_hub_offline_gives_a_clear_error(monkeypatch):
     dm = D.HubTextDataModule(hub_path="LTCB/enwik8", hub_name="enwik8", layout="enwik8", name="enwik8", seq_len=16)
     with pytest.raises(D.DataUnavailableError, match="(?s)could not load enwik8.*offline, use data=default"):
         dm.setup()
+
+
+def test_a_too_short_split_names_the_settings_that_fix_it(tmp_path):
+    small = tmp_path / "small.txt"
+    small.write_bytes(b"x" * 300)
+    dm = D.TextDataModule(path=str(small), seq_len=64)  # validation: the last 5% = 15 bytes
+    with pytest.raises(ValueError, match=r"validation split has 15 bytes") as info:
+        dm.setup()
+    assert "data.val_path" in str(info.value) and "data.val_fraction" in str(info.value)
+    one = tmp_path / "one.txt"
+    one.write_bytes(b"y")
+    dm = D.TextDataModule(path=str(small), val_path=str(one), seq_len=8)
+    with pytest.raises(ValueError, match=r"has 1 byte but .*data\.val_path"):
+        dm.setup()
+
+
+def test_the_training_data_is_sized_by_max_steps():
+    dm = D.MQARDataModule(num_kv_pairs=2, seq_len=16, batch_size=2)
+    dm.trainer = fake_trainer(max_steps=-1)
+    with pytest.raises(ValueError, match="trainer.max_steps"):
+        dm.train_dataloader()

@@ -166,7 +166,7 @@ def test_backward_reaches_every_projection(name):
         ("softmax", {"num_heads": 0}, "num_heads"),
         ("softmax", {"dim": 6, "num_heads": 2, "rope": True}, "even head dim"),
         ("softmax", {"dropout": 1.5}, "dropout"),
-        ("vq_hard", {"rope": True}, "exact_window=True"),
+        ("vq_hard", {"rope": True, "exact_window": False}, "exact_window=True"),
         ("vq_soft", {"block_len": 0}, "block_len"),
         ("vq_soft", {"num_codes": 0}, "num_codes"),
         ("linear", {"chunk_len": -2}, "chunk_len"),

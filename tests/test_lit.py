@@ -93,3 +93,28 @@ def test_checkpoint_round_trip(mqar, tmp_path):
     x = torch.randint(0, 256, (2, 16))
     module.eval(), loaded.eval()
     torch.testing.assert_close(loaded(x).logits, module(x).logits, rtol=0, atol=0)
+
+
+def test_sample_honours_its_seed_whatever_the_checkpoint_holds(mqar, tmp_path):
+    from vqattn.callbacks import RNGState
+    from vqattn.sample import sample
+
+    module = LitLM(model={**TINY, "attention": "softmax"}, optim={"warmup_steps": 1})
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_checkpointing=False, enable_model_summary=False, limit_val_batches=0,
+                        callbacks=[RNGState()])
+    trainer.fit(module, datamodule=mqar)
+    trainer.save_checkpoint(tmp_path / "m.ckpt")  # holds the RNG state of the end of training
+    texts = {seed: sample(tmp_path / "m.ckpt", "ab", 40, temperature=1.0, seed=seed)[0] for seed in (2, 3, 5)}
+    assert len(set(texts.values())) == 3
+    assert sample(tmp_path / "m.ckpt", "ab", 40, temperature=1.0, seed=2)[0] == texts[2]
+
+
+def test_sample_cli_reports_an_invalid_checkpoint_in_one_line(tmp_path, capsys):
+    from vqattn.sample import main
+
+    (tmp_path / "bad.ckpt").write_bytes(b"garbage")
+    with pytest.raises(SystemExit) as info:
+        main([str(tmp_path / "bad.ckpt")])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "not a valid checkpoint" in err and "weights_only" not in err

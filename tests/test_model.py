@@ -102,7 +102,7 @@ def test_bad_config(overrides, match):
 
 
 def test_vq_rope_without_raw_window_is_explained():
-    config = GPTConfig(attention="vq_hard", pos_emb="rope", attention_kwargs={"num_codes": 8})
+    config = GPTConfig(attention="vq_hard", pos_emb="rope", attention_kwargs={"num_codes": 8, "exact_window": False})
     with pytest.raises(ValueError, match="exact_window=True"):
         GPT(config)
 

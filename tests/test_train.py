@@ -3,20 +3,29 @@
 import csv
 import json
 import os
+import re
+import shlex
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import MissingConfigException
 from hydra.utils import instantiate
 
+from hydra.core.config_store import ConfigStore
+
+from vqattn.configs import register
 from vqattn.layers import ATTENTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = str(ROOT / "conf")
-ATTENTION_FILES = sorted(p.stem for p in (ROOT / "conf" / "attention").glob("*.yaml"))
+register()
+ATTENTION_OPTIONS = sorted(name.removesuffix(".yaml") for name in ConfigStore.instance().list("attention"))
 FAST = ["experiment=tiny", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
 
 
@@ -26,10 +35,10 @@ def cfg_for(*overrides):
 
 
 def test_every_registered_attention_has_a_config_and_vice_versa():
-    assert set(ATTENTION_FILES) == set(ATTENTIONS)
+    assert set(ATTENTION_OPTIONS) == set(ATTENTIONS)
 
 
-@pytest.mark.parametrize("attention", ATTENTION_FILES)
+@pytest.mark.parametrize("attention", ATTENTION_OPTIONS)
 def test_attention_config_composes_into_the_model(attention):
     cfg = cfg_for(f"attention={attention}")
     assert cfg.model.attention == attention == cfg.attention.name
@@ -56,7 +65,7 @@ def test_defaults_and_groups():
 def test_unknown_attention_lists_the_valid_ones():
     with pytest.raises(MissingConfigException) as info:
         cfg_for("attention=nope")
-    assert all(name in str(info.value) for name in ATTENTION_FILES)
+    assert all(name in str(info.value) for name in ATTENTION_OPTIONS)
 
 
 def run_inprocess(tmp_path, name, *overrides):
@@ -64,7 +73,7 @@ def run_inprocess(tmp_path, name, *overrides):
 
     cfg = cfg_for(*FAST, *overrides)
     run_dir = tmp_path / name
-    run_dir.mkdir()
+    run_dir.mkdir(exist_ok=True)
     return train.train(cfg, run_dir), run_dir
 
 
@@ -80,16 +89,16 @@ def test_resume_20_plus_20_equals_40_straight(tmp_path, attention):
               "checkpoint_every=20"]
     first, a = run_inprocess(tmp_path, "a", *common, "trainer.max_steps=20")
     assert first["steps"] == 20
-    resumed, b = run_inprocess(tmp_path, "b", *common, "trainer.max_steps=40",
+    resumed, b = run_inprocess(tmp_path, "a", *common, "trainer.max_steps=40",  # resumed in the same run dir
                                f"ckpt_path={a / 'checkpoints' / 'last.ckpt'}")
     straight, c = run_inprocess(tmp_path, "c", *common, "trainer.max_steps=40")
     assert resumed["steps"] == straight["steps"] == 40
     assert resumed["val_loss"] == pytest.approx(straight["val_loss"], rel=1e-5, abs=1e-6)
     assert straight["val_loss"] != pytest.approx(first["val_loss"], rel=1e-3)
-    # the validations after step 30 and step 40 (and the final one) match too
-    tail_b = [float(r["val_bpb"]) for r in val_rows(b)][-3:]
-    tail_c = [float(r["val_bpb"]) for r in val_rows(c)][-3:]
-    assert len(tail_b) == 3 and tail_b == pytest.approx(tail_c, rel=1e-5)
+    # the continued metrics.csv equals the straight run's: every validation once (the final one too), same values
+    assert [int(r["step"]) for r in val_rows(c)] == [int(r["step"]) for r in val_rows(b)] == [10, 20, 30, 40]
+    bpb_b, bpb_c = ([float(r["val_bpb"]) for r in val_rows(run)] for run in (b, c))
+    assert bpb_b == pytest.approx(bpb_c, rel=1e-5)
 
 
 def run_script(args, cwd, timeout=300):
@@ -107,14 +116,65 @@ def read_results(run_dir):
     return results
 
 
+NOISE = ("litlogger", "LeafSpec", "weights_only", "exists and is not empty", "dirpath has changed", "Traceback")
+
+
 @pytest.mark.slow
-def test_train_script_writes_results(tmp_path):
+def test_train_script_writes_results_with_a_clean_console(tmp_path):
     out = tmp_path / "OUT"
-    proc = run_script([*FAST, "attention=vq_soft", "trainer.max_steps=20", f"hydra.run.dir={out}"], tmp_path)
+    proc = run_script([*FAST, "attention=vq_soft", "trainer.max_steps=20", "trainer.val_check_interval=10",
+                       f"hydra.run.dir={out}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = read_results(out)
-    assert results["steps"] == 20 and results["attention"] == "vq_soft"
+    assert results["steps"] == 20 and results["attention"] == "vq_soft" and results["headline"] == "val_bpb"
     assert (out / "checkpoints" / "last.ckpt").exists() and (out / ".hydra" / "config.yaml").exists()
+    assert (out / "hparams.yaml").exists()
+    console = proc.stdout + proc.stderr
+    assert not [word for word in NOISE if word in console]
+    assert console.count("GPU available") == 1  # Lightning's INFO lines once, not twice
+    assert "done: vq_soft, 20 steps" in console and f"run dir {out}" in console
+    # one validation row per validation, at the optimizer step it followed: 10 and 20 (the final one, once)
+    assert [int(r["step"]) for r in val_rows(out)] == [10, 20]
+
+
+def wait_for(path, proc, timeout=240):
+    start = time.time()
+    while not path.exists():
+        assert proc.poll() is None and time.time() - start < timeout, "the run ended before its first checkpoint"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_and_the_printed_command_resumes_in_the_same_run_dir(tmp_path):
+    out = tmp_path / "OUT"
+    args = [FAST[0], FAST[2], "attention=softmax", "trainer.max_steps=2000", "optim.total_steps=2000", "checkpoint_every=3",
+            "trainer.val_check_interval=4", f"hydra.run.dir={out}"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(out / "checkpoints" / "last.ckpt", proc)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-3000:]
+    step = int(re.search(r"interrupted at step (\d+)", stderr).group(1))
+    command = shlex.split(stderr.split("resume with:")[1].strip().splitlines()[0])
+    assert f"ckpt_path={out / 'checkpoints' / 'last.ckpt'}" in command and f"hydra.run.dir={out}" in command
+    assert torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == step
+    assert not (out / "results.json").exists()
+    total = step + 5
+    command = [sys.executable if c == "python" else c for c in command]
+    command = [f"trainer.max_steps={total}" if c.startswith("trainer.max_steps=") else c for c in command]
+    resumed = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["OUT"]  # no second run dir
+    assert read_results(out)["steps"] == total
+    console = resumed.stdout + resumed.stderr
+    assert not [word for word in NOISE if word in console]
+    bars = re.findall(r"Training:\s+\d+%\|[^|]*\|\s*(\d+)/(\d+)", console)  # the bar once it knows its total
+    assert bars and {int(t) for _, t in bars} == {total} and int(bars[0][0]) == step and int(bars[-1][0]) == total
+    steps = [int(r["step"]) for r in val_rows(out)]
+    assert steps == sorted(set(steps)) and steps[-1] == total  # no validation logged twice, the final one at the end
+    assert all(s % 4 == 0 for s in steps[:-1])  # no validation pass on the way out of the interrupted run
 
 
 @pytest.mark.slow
@@ -147,7 +207,7 @@ def test_sweep_then_report(tmp_path):
 
 
 @pytest.mark.slow
-def test_local_text_file_and_clear_errors(tmp_path):
+def test_local_text_file(tmp_path):
     text = tmp_path / "notes.txt"
     text.write_text("".join(f"line {i}: the quick brown fox\n" for i in range(300)))
     out = tmp_path / "OUT"
@@ -155,7 +215,34 @@ def test_local_text_file_and_clear_errors(tmp_path):
                        f"hydra.run.dir={out}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert read_results(out)["data"] == "TextDataModule"
-    missing = run_script([*FAST, "data=text", f"data.path={tmp_path / 'nope.txt'}"], tmp_path)
-    assert missing.returncode == 2 and "nope.txt" in missing.stderr and "Traceback" not in missing.stderr
-    long = run_script(["data=mqar", "data.num_kv_pairs=40", "model.seq_len=128"], tmp_path)
-    assert long.returncode == 2 and "seq_len >= 4 * num_kv_pairs" in long.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides,message", [
+    (["data=text", "data.path=nope.txt"], "nope.txt"),
+    (["data=mqar", "data.num_kv_pairs=40", "model.seq_len=128"], "seq_len >= 4 * num_kv_pairs"),
+    (["trainer.max_steps=abc"], "trainer.max_steps must be a positive int, got 'abc'"),
+    (["model.seq_len=-1"], "model.seq_len must be a positive int"),
+    (["ckpt_path=corrupt.ckpt"], "is not a valid checkpoint"),
+    (["trainer.val_check_interval=abc"], "val_check_interval"),
+])
+def test_config_errors_are_one_line_exit_2_and_leave_no_run_dir(tmp_path, overrides, message):
+    (tmp_path / "corrupt.ckpt").write_bytes(b"PK\x03\x04 not really")
+    proc = run_script([*FAST, *overrides], tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "weights_only" not in proc.stderr
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_mqar_results_lead_with_recall_accuracy(tmp_path):
+    import train
+
+    cfg = cfg_for("model=tiny", "data=mqar", "data.num_kv_pairs=4", "data.batch_size=4", "data.num_val_examples=8",
+                  "trainer.max_steps=2", "trainer.val_check_interval=2", *FAST[1:])
+    run_dir = tmp_path / "mqar"
+    run_dir.mkdir()
+    results = train.train(cfg, run_dir)
+    assert results["headline"] == "recall_acc" and results["recall_acc"] == results["val_acc"]
+    assert (run_dir / "checkpoints" / "last.ckpt").exists()

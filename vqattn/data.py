@@ -71,19 +71,18 @@ class _LMDataModule(L.LightningDataModule):
         seq_len: tokens per training sequence T (the model sees x[:, :T] and predicts y[:, :T]).
         batch_size: sequences per batch and per device.
         seed: seeds the training batches (not the model).
-        num_batches: length of the training "epoch" when the trainer has no max_steps; with max_steps the
-            epoch is the whole run (max_steps * accumulate_grad_batches batches), so the progress bar is exact.
         num_workers: DataLoader workers.
+
+    The training "epoch" is the whole run, ``trainer.max_steps * accumulate_grad_batches`` batches (so the
+    progress bar is exact), which is why the trainer must set ``max_steps``.
     """
 
-    def __init__(self, seq_len: int = 256, batch_size: int = 16, seed: int = 0, num_batches: int = 1000,
-                 num_workers: int = 0):
+    def __init__(self, seq_len: int = 256, batch_size: int = 8, seed: int = 0, num_workers: int = 0):
         super().__init__()
-        for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("num_batches", num_batches)):
+        for name, value in (("seq_len", seq_len), ("batch_size", batch_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"data.{name} must be a positive int, got {value!r}")
-        self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
-        self.num_batches, self.num_workers = num_batches, num_workers
+        self.seq_len, self.batch_size, self.seed, self.num_workers = seq_len, batch_size, seed, num_workers
         self.val_set: Dataset | None = None
 
     def _rank_world(self) -> tuple[int, int]:
@@ -96,11 +95,10 @@ class _LMDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         rank, _ = self._rank_world()
         trainer = self.trainer
-        length, start = self.num_batches, 0
-        if trainer is not None:
-            if trainer.max_steps > 0:
-                length = trainer.max_steps * trainer.accumulate_grad_batches
-            start = min(trainer.global_step * trainer.accumulate_grad_batches, length)
+        if trainer is None or trainer.max_steps is None or trainer.max_steps <= 0:
+            raise ValueError("the training data is sized by the run: set trainer.max_steps to a positive number")
+        length = trainer.max_steps * trainer.accumulate_grad_batches
+        start = min(trainer.global_step * trainer.accumulate_grad_batches, length)
         batches = _Batches(self._train_batch, length, self.seed, rank)
         return DataLoader(batches, batch_size=None, sampler=_From(start, length), num_workers=self.num_workers)
 
@@ -144,6 +142,10 @@ class ByteDataModule(_LMDataModule):
     def _load(self) -> tuple[bytes, bytes]:
         raise NotImplementedError
 
+    def _advice(self, split: str) -> str:
+        """What to change when ``split`` is too short for one window."""
+        return "lower model.seq_len"
+
     def setup(self, stage: str | None = None) -> None:
         if self.train_data is not None:
             return
@@ -151,9 +153,10 @@ class ByteDataModule(_LMDataModule):
         need = self.seq_len + 1
         for split, data in (("training", train), ("validation", val)):
             if len(data) < need:
+                n = len(data)
                 raise ValueError(
-                    f"{self.name}: the {split} split has {len(data)} bytes but seq_len={self.seq_len} needs at least "
-                    f"{need}; lower model.seq_len or give more text"
+                    f"{self.name}: the {split} split has {n} byte{'' if n == 1 else 's'} but seq_len={self.seq_len} "
+                    f"needs at least {need}; {self._advice(split)}"
                 )
         self.train_data = torch.frombuffer(bytearray(train), dtype=torch.uint8)
         val_data = torch.frombuffer(bytearray(val), dtype=torch.uint8)
@@ -242,6 +245,14 @@ class TextDataModule(ByteDataModule):
         if not 0 < val_fraction < 1:
             raise ValueError(f"data.val_fraction must lie in (0, 1), got {val_fraction!r}")
         self.path, self.val_path, self.val_fraction = path, val_path, val_fraction
+
+    def _advice(self, split: str) -> str:
+        if split == "training":
+            return "give more text in data.path or lower model.seq_len"
+        if self.val_path:
+            return "give more text in data.val_path or lower model.seq_len"
+        return (f"give a validation file (data.val_path=FILE), or raise data.val_fraction (now {self.val_fraction}), "
+                f"or lower model.seq_len")
 
     def _load(self) -> tuple[bytes, bytes]:
         train = _read_files(self.path, "data.path")

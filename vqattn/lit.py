@@ -4,10 +4,11 @@ loss = NLL + aux_weight * aux, where NLL is the mean next-token cross-entropy (n
 and aux is the model's summed auxiliary (codebook commitment) loss. AdamW with linear warmup then cosine
 decay to ``min_lr_ratio * lr``; gradient clipping is the Trainer's ``gradient_clip_val``.
 
-Logged: train_loss, train_nll, train_aux, train_bpb, lr, tokens_per_sec (all ranks' tokens per second of
-training step: forward, backward, optimizer; no data loading or validation), and on each validation
-val_loss, val_bpb, val_acc (next-byte accuracy; recall accuracy for MQAR, whose labels are the answers only)
-and the codebook usage stats (codebook_perplexity, codebook_dead_codes, codebook_quant_error).
+Logged: train_loss, train_nll, train_aux, train_bpb, and after each validation (one row at step =
+global_step) val_loss, val_bpb, val_acc (next-byte accuracy; recall accuracy for MQAR, whose labels are the
+answers only) and the codebook usage stats (codebook_perplexity, codebook_dead_codes, codebook_quant_error).
+train.py adds Lightning's LearningRateMonitor and ThroughputMonitor (vqattn.callbacks) for the learning rate
+and tokens per second.
 At the end of training ``buffer_divergence`` records how far the ranks' model buffers drifted apart (0 when
 the codebook EMA and feature redraws stay identical across DDP ranks, as they must).
 """
@@ -15,7 +16,8 @@ the codebook EMA and feature redraws stay identical across DDP ranks, as they mu
 from __future__ import annotations
 
 import math
-import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -68,26 +70,69 @@ def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int, min_lr_rati
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+@dataclass
+class OptimConfig:
+    """AdamW and its schedule: linear warmup over ``warmup_steps``, then cosine decay to ``min_lr_ratio * lr`` at
+    ``total_steps`` (the cosine horizon; None = trainer.max_steps; fix it to stop early and resume on the same
+    schedule)."""
+
+    lr: float = 2e-3
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+    total_steps: int | None = None
+
+    def __post_init__(self):
+        self.betas = tuple(self.betas)  # a list when it comes from a config
+
+
+def model_config(model: dict) -> GPTConfig:
+    """GPTConfig(**model), with errors about a field named as the config key a user types (model.seq_len)."""
+    try:
+        return GPTConfig(**model)
+    except ValueError as err:
+        first = str(err).split(" ", 1)[0]
+        if first in {f.name for f in fields(GPTConfig)}:
+            raise ValueError(f"model.{err}") from None
+        raise
+
+
+def read_checkpoint(path: str | Path) -> dict:
+    """The checkpoint at ``path``, loaded safely (``weights_only=True``: tensors and plain values only).
+
+    Raises FileNotFoundError or a one-line ValueError when it is missing or is not a valid checkpoint (never
+    with torch's advice to load untrusted files with ``weights_only=False``).
+    """
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # truncated, not a zip, not a torch file, or unsafe pickled objects
+        raise ValueError(f"{str(path)!r} is not a valid checkpoint (torch.load failed: {type(err).__name__})") from None
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint or "global_step" not in checkpoint:
+        raise ValueError(f"{str(path)!r} is not a Lightning checkpoint written by train.py (no state_dict/global_step)")
+    return checkpoint
+
+
 class LitLM(L.LightningModule):
     """Args:
         model: GPTConfig keyword arguments (a plain dict, so it is saved in the checkpoint's hyperparameters).
-        optim: lr, weight_decay, betas, warmup_steps, min_lr_ratio, total_steps (the cosine horizon;
-            None = trainer.max_steps; fix it explicitly to stop early and resume on the same schedule).
+        optim: OptimConfig keyword arguments (missing ones take OptimConfig's defaults).
         aux_weight: weight of the auxiliary (commitment) loss.
     """
 
     def __init__(self, model: dict, optim: dict | None = None, aux_weight: float = 1.0):
         super().__init__()
         self.save_hyperparameters()
-        self.model = GPT(GPTConfig(**model))
-        self.optim = {"lr": 2e-3, "weight_decay": 0.1, "betas": (0.9, 0.95), "warmup_steps": 100,
-                      "min_lr_ratio": 0.1, "total_steps": None, **(optim or {})}
+        self.model = GPT(model_config(model))
+        self.optim = asdict(OptimConfig(**(optim or {})))
         self.aux_weight = aux_weight
         self.val_nll = SummedNLL()
-        self.train_tokens = 0  # all ranks' tokens trained on in this process's fit
-        self.train_seconds = 0.0  # time in training steps (see module docstring)
-        self._step_start = 0.0
+        self.last_validation: dict | None = None  # {"step", "val_loss", "val_bpb", "val_acc", "codebook_..."}
         self.buffer_divergence = 0.0  # set by on_train_end, see rank_divergence
+
+    flops_per_batch = None  # read by ThroughputMonitor; FLOPs are not counted
 
     def forward(self, idx: torch.Tensor):
         return self.model(idx)
@@ -102,16 +147,7 @@ class LitLM(L.LightningModule):
         return loss
 
     def on_train_batch_start(self, batch, batch_idx):
-        self._step_start = time.perf_counter()
         set_feature_step(self.model, self.trainer.global_step)  # Performer redraws follow the global step
-
-    def on_train_batch_end(self, outputs, batch, batch_idx):
-        seconds = time.perf_counter() - self._step_start
-        tokens = batch[0].numel() * self.trainer.world_size
-        self.train_tokens += tokens
-        self.train_seconds += seconds
-        self.log("tokens_per_sec", tokens / max(seconds, 1e-9), prog_bar=True)
-        self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
 
     def on_train_end(self):
         self.buffer_divergence = self.rank_divergence()
@@ -133,8 +169,15 @@ class LitLM(L.LightningModule):
     def on_validation_epoch_end(self):
         vals = self.val_nll.compute()  # already summed over ranks: identical everywhere
         self.val_nll.reset()
-        self.log_dict({f"val_{k}": v.float() for k, v in vals.items()}, prog_bar=True, sync_dist=True)
-        self.log_dict({f"codebook_{k}": float(v) for k, v in self.model.codebook_stats().items()}, sync_dist=True)
+        metrics = {f"val_{k}": float(v) for k, v in vals.items()}
+        metrics.update({f"codebook_{k}": float(v) for k, v in self.model.codebook_stats().items()})
+        for key, value in metrics.items():  # progress bar and callback_metrics; the logger row is written below
+            self.log(key, value, prog_bar=key.startswith("val_"), logger=False, sync_dist=True)
+        # Written at global_step, the number of optimizer steps done (Lightning's own step for epoch-end logging
+        # is the last batch index, 199 for the validation after 200 steps).
+        if self.logger is not None and not self.trainer.sanity_checking:
+            self.logger.log_metrics(metrics, step=self.global_step)
+        self.last_validation = {"step": self.global_step, **metrics}
 
     def configure_optimizers(self):
         o = self.optim
@@ -153,16 +196,3 @@ class LitLM(L.LightningModule):
             opt, lambda step: warmup_cosine(step, warmup_steps=o["warmup_steps"], total_steps=total,
                                             min_lr_ratio=o["min_lr_ratio"]))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-    # The RNG state travels with the checkpoint so that a resumed run draws the same random numbers
-    # (dropout, codebook restarts) as an uninterrupted one.
-    def on_save_checkpoint(self, checkpoint):
-        checkpoint["rng_cpu"] = torch.get_rng_state()
-        if torch.cuda.is_available():
-            checkpoint["rng_cuda"] = torch.cuda.get_rng_state_all()
-
-    def on_load_checkpoint(self, checkpoint):
-        if "rng_cpu" in checkpoint:
-            torch.set_rng_state(checkpoint["rng_cpu"])
-        if "rng_cuda" in checkpoint and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(checkpoint["rng_cuda"])

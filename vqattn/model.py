@@ -36,7 +36,7 @@ class GPTConfig:
     tie_embeddings: bool = True
     attention: str = "vq_soft"
     attention_kwargs: dict = field(default_factory=dict)  # extra constructor kwargs of the attention layer
-    pos_emb: str = "learned"  # "learned" (absolute, added to embeddings), "rope" (inside the attention), "none"
+    pos_emb: str = "rope"  # "rope" (inside the attention), "learned" (absolute, added to embeddings), "none"
     qk_norm: bool = False
     mlp_ratio: int = 4
 

@@ -19,15 +19,14 @@ def sample(ckpt: str | Path, prompt: str, max_new_tokens: int, *, temperature: f
            top_k: int | None = None, num_samples: int = 1, seed: int | None = None,
            device: str = "cpu") -> list[str]:
     """Continue ``prompt`` ``num_samples`` times with the model in ``ckpt``; returns prompt + continuation texts."""
-    from .lit import LitLM
+    from .lit import LitLM, read_checkpoint
 
-    if not Path(ckpt).is_file():
-        raise FileNotFoundError(f"checkpoint {str(ckpt)!r} does not exist")
     if not prompt:
         raise ValueError("prompt must not be empty (the model needs at least one byte to condition on)")
+    read_checkpoint(ckpt)  # a one-line error for a missing or invalid file
+    model = LitLM.load_from_checkpoint(ckpt, map_location=device, weights_only=True).model.eval()
     if seed is not None:
-        torch.manual_seed(seed)
-    model = LitLM.load_from_checkpoint(ckpt, map_location=device).model.eval()
+        torch.manual_seed(seed)  # after loading, so nothing the checkpoint restores can override it
     idx = torch.tensor([list(prompt.encode())] * num_samples, dtype=torch.long, device=device)  # (N, T)
     out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k)  # (N, T + new)
     return [bytes(row.tolist()).decode("utf-8", errors="replace") for row in out]

@@ -1,0 +1,129 @@
+"""Trainer glue: per-rank RNG state, metrics.csv continued on resume, DDP argv, environment restore, errors."""
+
+import csv
+import os
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import train
+from vqattn.callbacks import RNGState, _ContinuingWriter
+from vqattn.lit import model_config, read_checkpoint
+from vqattn.report import markdown_table
+
+
+def fake_trainer(rank, world):
+    return SimpleNamespace(global_rank=rank, world_size=world, strategy=SimpleNamespace(root_device=torch.device("cpu")))
+
+
+def test_each_rank_gets_its_own_rng_state_back():
+    states = []
+    for seed in (10, 11):  # what ranks 0 and 1 held when the checkpoint was saved
+        torch.manual_seed(seed)
+        states.append(torch.get_rng_state())
+    expected = [torch.rand(3, generator=torch.Generator().manual_seed(s)) for s in (10, 11)]
+    saved = {"world_size": 2, "cpu": torch.stack(states)}
+    for rank in (0, 1):
+        callback = RNGState()
+        callback.setup(fake_trainer(rank, 2), None, "fit")
+        torch.manual_seed(99)
+        callback.load_state_dict(saved)
+        torch.testing.assert_close(torch.rand(3), expected[rank])
+
+
+def test_single_process_state_round_trip_and_world_size_mismatch():
+    callback = RNGState()
+    callback.setup(fake_trainer(0, 1), None, "fit")
+    torch.manual_seed(5)
+    state = callback.state_dict()
+    assert state["cpu"].shape[0] == 1
+    after = torch.rand(4)
+    callback.load_state_dict(state)
+    torch.testing.assert_close(torch.rand(4), after)
+    other = RNGState()
+    other.setup(fake_trainer(0, 2), None, "fit")
+    with pytest.warns(UserWarning, match="from 1 ranks"):
+        other.load_state_dict(state)
+
+
+def test_metrics_csv_is_continued_from_the_resume_step(tmp_path):
+    path = tmp_path / "metrics.csv"
+    rows = [{"step": s, "train_loss": 1.0 / (s + 1), "val_bpb": ""} for s in (9, 19, 20, 29)]
+    rows.insert(2, {"step": 20, "train_loss": "", "val_bpb": 5.0})  # the validation after step 20
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["step", "train_loss", "val_bpb"])
+        writer.writeheader()
+        writer.writerows(rows)
+    writer = _ContinuingWriter(str(tmp_path), resume_step=20)
+    writer.log_metrics({"train_loss": 0.5}, step=20)  # the resumed run's 21st batch
+    writer.save()
+    with path.open(newline="") as f:
+        rows = [(int(r["step"]), r["train_loss"], r["val_bpb"]) for r in csv.DictReader(f)]
+    # kept: everything up to the checkpoint, including the validation after its step; dropped: the old 21st batch
+    assert rows == [(9, "0.1", ""), (19, "0.05", ""), (20, "", "5.0"), (20, "0.5", "")]
+
+
+def test_a_run_dir_holding_hydra_files_is_not_warned_about(tmp_path):
+    (tmp_path / "train.log").write_text("log\n")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _ContinuingWriter(str(tmp_path))
+    assert not [w for w in caught if "exists and is not empty" in str(w.message)]
+    assert (tmp_path / "train.log").read_text() == "log\n"
+
+
+def test_ddp_child_argv():
+    argv = ["train.py", "-m", "attention=a,b"]
+    assert train.ddp_child_argv(argv, {}) == argv
+    child = {"LOCAL_RANK": "1", train.DDP_ARGV: '["attention=a", "hydra.run.dir=\\"/x\\""]'}
+    assert train.ddp_child_argv(argv, child) == ["train.py", "attention=a", 'hydra.run.dir="/x"', "hydra.job.name=rank1"]
+    assert train.ddp_child_argv(["train.py", "x=1"], {"RANK": "3"}) == ["train.py", "x=1", "hydra.output_subdir=null"]
+
+
+def test_restore_environ_undoes_only_the_changes(monkeypatch):
+    monkeypatch.setenv("VQATTN_KEEP", "1")
+    monkeypatch.setenv("VQATTN_CHANGED", "old")
+    monkeypatch.delenv("VQATTN_ADDED", raising=False)
+    before = dict(os.environ)
+    os.environ["VQATTN_CHANGED"] = "new"
+    os.environ["VQATTN_ADDED"] = "x"
+    train._restore_environ(before)
+    assert os.environ["VQATTN_CHANGED"] == "old" and "VQATTN_ADDED" not in os.environ
+    assert os.environ["VQATTN_KEEP"] == "1"
+
+
+@pytest.mark.parametrize("content", [b"", b"not a checkpoint", b"PK\x03\x04 truncated zip"])
+def test_an_invalid_checkpoint_is_one_safe_line(tmp_path, content):
+    path = tmp_path / "bad.ckpt"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match="not a valid checkpoint") as info:
+        read_checkpoint(path)
+    message = str(info.value)
+    assert "\n" not in message and "weights_only" not in message
+    with pytest.raises(FileNotFoundError):
+        read_checkpoint(tmp_path / "missing.ckpt")
+    torch.save({"something": 1}, path)
+    with pytest.raises(ValueError, match="not a Lightning checkpoint"):
+        read_checkpoint(path)
+
+
+def test_model_errors_name_the_model_key():
+    with pytest.raises(ValueError, match=r"^model\.seq_len must be a positive int, got -1"):
+        model_config({"seq_len": -1})
+    with pytest.raises(ValueError, match=r"^unknown attention"):
+        model_config({"attention": "nope"})
+
+
+def test_user_errors_are_one_line_and_bugs_are_not():
+    assert train._user_error(ValueError("data.x must be 1\nmore")) == "ValueError: data.x must be 1"
+    assert train._user_error(RuntimeError("a bug")) is None
+
+
+def test_mqar_report_ranks_by_recall_accuracy():
+    run = dict(attention="a", tokens_per_sec=1.0, params=1, peak_memory_mb=1.0, steps=1)
+    runs = [{**run, "name": "worse", "val_bpb": 7.0, "recall_acc": 0.4},
+            {**run, "name": "better", "val_bpb": 7.2, "recall_acc": 0.9}]
+    table = markdown_table(runs)
+    assert "recall acc" in table and table.index("| better |") < table.index("| worse |")

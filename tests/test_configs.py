@@ -1,0 +1,119 @@
+"""conf/ against the Python defaults: every value a config file sets differently is a listed, deliberate override."""
+
+import dataclasses
+import inspect
+from pathlib import Path
+
+import lightning
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import get_class, instantiate
+from omegaconf import OmegaConf
+
+from vqattn.configs import register, signature_defaults
+from vqattn.data import StdlibDataModule
+from vqattn.layers import ATTENTIONS, Attention
+from vqattn.lit import LitLM, OptimConfig
+from vqattn.model import GPT, GPTConfig
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+register()
+
+# (group, option) -> keys the option deliberately sets away from the Python default; each carries a comment
+# in its yaml saying why. Options not listed must equal the Python defaults everywhere.
+DELIBERATE = {
+    ("trainer", "default"): {"devices", "max_steps", "val_check_interval", "check_val_every_n_epoch",
+                             "num_sanity_val_steps", "gradient_clip_val", "log_every_n_steps",
+                             "use_distributed_sampler"},
+    ("model", "tiny"): {"seq_len", "n_layer", "n_head", "n_embd"},  # a smaller model is the point of the option
+    ("model", "base"): {"seq_len", "n_layer", "n_head", "n_embd"},
+    ("data", "mqar"): {"batch_size"},
+    # the Hub datasets: which dataset, how it is laid out, and a larger validation sample
+    ("data", "enwik8"): {"name", "hub_name", "revision", "layout", "val_windows"},
+    ("data", "wikitext103"): {"name", "hub_name", "val_windows"},
+}
+DELIBERATE[("trainer", "cpu")] = DELIBERATE[("trainer", "default")] | {"accelerator"}
+DELIBERATE[("trainer", "gpu")] = DELIBERATE[("trainer", "default")] | {"accelerator", "precision"}
+DELIBERATE[("trainer", "ddp")] = DELIBERATE[("trainer", "default")] | {"strategy"}
+GROUPS = [(group, p.stem) for group in ("model", "data", "trainer") for p in sorted((CONF / group).glob("*.yaml"))]
+GROUPS += [("attention", name) for name in sorted(ATTENTIONS)]
+
+
+def compose_cfg(*overrides):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def python_defaults(group: str, node) -> dict:
+    """The defaults the group's node shadows, read from the Python code it configures."""
+    if group == "model":
+        return dataclasses.asdict(GPTConfig())
+    if group == "attention":
+        return {"kwargs": signature_defaults(ATTENTIONS[node.name], stop=Attention)}
+    return signature_defaults(get_class(node._target_))
+
+
+def differing_keys(node, defaults: dict, prefix: str = "") -> set[str]:
+    """Keys whose value differs from the default; interpolations (wiring such as ${model.seq_len}) are skipped."""
+    out = set()
+    for key in node:
+        if key not in defaults or OmegaConf.is_interpolation(node, key):
+            continue
+        value, default = node[key], defaults[key]
+        if OmegaConf.is_dict(value) and isinstance(default, dict):
+            out |= differing_keys(value, default, f"{prefix}{key}.")
+        elif (OmegaConf.to_container(value) if OmegaConf.is_config(value) else value) != default:
+            out.add(f"{prefix}{key}")
+    return out
+
+
+@pytest.mark.parametrize("group,option", GROUPS)
+def test_conf_differs_from_python_only_where_declared(group, option):
+    node = compose_cfg(f"{group}={option}")[group]
+    differs = differing_keys(node, python_defaults(group, node))
+    declared = DELIBERATE.get((group, option), set())
+    assert differs - declared == set(), f"conf/{group}/{option} silently shadows Python defaults"
+    assert declared - differs == set(), f"listed as deliberate but equal to the Python default: {declared - differs}"
+
+
+def test_the_checker_catches_a_silent_override():
+    node = OmegaConf.create({"a": 1, "b": {"c": [1, 2]}, "d": "${x}", "e": 5})
+    assert differing_keys(node, {"a": 2, "b": {"c": [1, 2]}, "d": 0, "e": 5}) == {"a"}
+    assert differing_keys(node, {"a": 1, "b": {"c": [1, 3]}, "d": 0, "e": 5}) == {"b.c"}
+
+
+def test_root_values_are_the_python_defaults():
+    cfg = compose_cfg()
+    assert OmegaConf.to_container(cfg.optim) == {**dataclasses.asdict(OptimConfig()), "betas": [0.9, 0.95]}
+    assert cfg.aux_weight == inspect.signature(LitLM).parameters["aux_weight"].default
+
+
+def test_default_config_builds_the_python_default_model():
+    # A user who writes GPT(GPTConfig()) gets the model the README's default run trains.
+    torch.manual_seed(0)
+    module = instantiate(compose_cfg().module, _convert_="all")
+    torch.manual_seed(0)
+    plain = GPT(GPTConfig())
+    assert dataclasses.replace(module.model.config, attention_kwargs={}) == GPTConfig()
+    for (name, a), (_, b) in zip(module.model.state_dict().items(), plain.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    assert module.optim == dataclasses.asdict(OptimConfig())
+
+
+def test_signature_defaults_follow_the_kwargs_chain():
+    assert signature_defaults(StdlibDataModule) == {"max_bytes": 8_000_000, "val_windows": 256, "seq_len": 256,
+                                                    "batch_size": 8, "seed": 0, "num_workers": 0}
+    trainer = signature_defaults(lightning.Trainer)
+    assert trainer["max_steps"] == -1 and trainer["accelerator"] == "auto"
+    vq = signature_defaults(ATTENTIONS["vq_soft"], stop=Attention)
+    assert {"num_codes", "block_len", "exact_window"} <= set(vq) and "dropout" not in vq  # base kwargs: GPTConfig's
+
+
+@pytest.mark.parametrize("override", [
+    "attention.kwargs.num_codes=128", "model.qk_norm=true", "model.pos_emb=learned", "trainer.precision=bf16-mixed",
+    "trainer.accumulate_grad_batches=2", "data.num_workers=2", "optim.lr=1e-3", "attention.kwargs.block_len=32",
+])
+def test_every_default_can_be_overridden_without_plus(override):
+    key, value = override.split("=")
+    assert str(OmegaConf.select(compose_cfg(override), key)).lower() == value.lower().replace("1e-3", "0.001")

@@ -1,0 +1,82 @@
+"""Hydra schema for train.py, generated from the Python signatures it configures: one source of defaults.
+
+``register()`` stores in Hydra's ConfigStore, under the ``schema`` group, the keyword defaults of
+``GPTConfig`` (``schema/model``), ``OptimConfig`` (``schema/optim``), ``lightning.Trainer``
+(``schema/trainer``) and each data module (``schema/data/<class>``), and one ``attention`` option per
+registered attention layer (``attention.kwargs`` = the layer's own keyword defaults). The yaml files in
+conf/ extend these nodes and set only what a configuration deliberately changes, each with a comment
+saying why; every key still exists in the composed config, so any default can be overridden from the
+command line (``model.qk_norm=true``, ``attention.kwargs.num_codes=128``, ``trainer.precision=bf16-mixed``).
+tests/test_configs.py fails when a conf/ value differs from the default it shadows without being listed
+as deliberate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+from hydra.core.config_store import ConfigStore
+
+_PLAIN = (type(None), bool, int, float, str)
+
+
+def _plain(value):
+    """A default as a config value: tuples become lists (OmegaConf has no tuples)."""
+    return list(value) if isinstance(value, tuple) else value
+
+
+def signature_defaults(cls: type, stop: type | None = None) -> dict:
+    """Keyword defaults of ``cls``'s constructor chain, subclass first.
+
+    Follows ``__init__`` up the MRO for as long as each one forwards ``**kwargs`` to its parent, and stops at
+    ``stop`` (excluded). Parameters without a default are left out (the config must set them); so are
+    defaults that are not plain values (objects cannot be written in yaml).
+    """
+    out: dict = {}
+    for klass in cls.__mro__:
+        if klass is stop or klass is object:
+            break
+        init = vars(klass).get("__init__")
+        if init is None:
+            continue
+        params = inspect.signature(init).parameters.values()
+        for p in params:
+            default = _plain(p.default)
+            if p.default is not p.empty and isinstance(default, (*_PLAIN, list, dict)):
+                out.setdefault(p.name, default)
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
+    return out
+
+
+def _dataclass_defaults(cls) -> dict:
+    return {k: _plain(v) for k, v in dataclasses.asdict(cls()).items()}
+
+
+def data_classes() -> dict[str, type]:
+    """The data modules conf/data/ builds, by schema name."""
+    from . import data
+
+    return {"stdlib": data.StdlibDataModule, "text": data.TextDataModule, "hub": data.HubTextDataModule,
+            "mqar": data.MQARDataModule}
+
+
+def register() -> None:
+    """Store the schema nodes and the attention options (idempotent: a second call stores the same nodes)."""
+    import lightning
+
+    from .layers import ATTENTIONS, Attention
+    from .lit import OptimConfig
+    from .model import GPTConfig
+
+    cs = ConfigStore.instance()
+    cs.store(group="schema", name="model", node=_dataclass_defaults(GPTConfig))
+    cs.store(group="schema", name="optim", node=_dataclass_defaults(OptimConfig))
+    cs.store(group="schema", name="trainer",
+             node={"_target_": "lightning.Trainer", **signature_defaults(lightning.Trainer)})
+    for name, cls in data_classes().items():
+        cs.store(group="schema/data", name=name,
+                 node={"_target_": f"{cls.__module__}.{cls.__qualname__}", **signature_defaults(cls)})
+    for name, cls in ATTENTIONS.items():
+        cs.store(group="attention", name=name, node={"name": name, "kwargs": signature_defaults(cls, stop=Attention)})
