@@ -56,3 +56,12 @@ def _compare(name: str) -> None:
             torch.testing.assert_close(grads[key], expected_grads[key], rtol=1e-3, atol=1e-5, msg=key)
     for (key, b_eager), (_, b_compiled) in zip(eager.named_buffers(), compiled.named_buffers()):
         torch.testing.assert_close(b_compiled, b_eager, rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_the_trainer_flag_compiles_the_model_in_place():
+    from vqattn.lit import LitLM
+
+    model = {"vocab_size": 32, "seq_len": 16, "n_layer": 1, "n_head": 2, "n_embd": 16, "attention": "vq_hard"}
+    eager, compiled = LitLM(model), LitLM(model, compile=True)
+    assert compiled.model._compiled_call_impl is not None and eager.model._compiled_call_impl is None
+    assert compiled.state_dict().keys() == eager.state_dict().keys()  # checkpoints interchangeable

@@ -86,7 +86,8 @@ def test_the_checker_catches_a_silent_override():
 def test_root_values_are_the_python_defaults():
     cfg = compose_cfg()
     assert OmegaConf.to_container(cfg.optim) == {**dataclasses.asdict(OptimConfig()), "betas": [0.9, 0.95]}
-    assert cfg.aux_weight == inspect.signature(LitLM).parameters["aux_weight"].default
+    for key in ("aux_weight", "compile"):
+        assert cfg[key] == inspect.signature(LitLM).parameters[key].default, key
 
 
 def test_default_config_builds_the_python_default_model():

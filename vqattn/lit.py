@@ -120,12 +120,15 @@ class LitLM(L.LightningModule):
         model: GPTConfig keyword arguments (a plain dict, so it is saved in the checkpoint's hyperparameters).
         optim: OptimConfig keyword arguments (missing ones take OptimConfig's defaults).
         aux_weight: weight of the auxiliary (commitment) loss.
+        compile: ``torch.compile`` the model (in place: checkpoints keep the eager parameter names).
     """
 
-    def __init__(self, model: dict, optim: dict | None = None, aux_weight: float = 1.0):
+    def __init__(self, model: dict, optim: dict | None = None, aux_weight: float = 1.0, compile: bool = False):
         super().__init__()
         self.save_hyperparameters()
         self.model = GPT(model_config(model))
+        if compile:
+            self.model.compile()
         self.optim = asdict(OptimConfig(**(optim or {})))
         self.aux_weight = aux_weight
         self.val_nll = SummedNLL()
