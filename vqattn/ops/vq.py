@@ -100,8 +100,8 @@ def _causal(q, k, v, c, a: Assignment, *, L, scale, exact_window, detach_cache, 
             bias, wv = block_bias(L, q.device, q.dtype), blocks(v, L)
         bias = bias + mixture_logits(code_logits, map_time(window, a))
         qb = None
-    out = window_code_attention(qb, window_keys, bias, wv, code_logits, code_bias(cache_counts, G),
-                                code_means(cache_counts, cache_sums))
+    out = window_code_attention(qb, window_keys, bias, wv, code_logits, code_bias(cache_counts, G), cache_sums,
+                                cache_counts)
     return out[:, :, :T], counts, sums
 
 
