@@ -227,7 +227,8 @@ def vq_attention(
             ``RECURRENT_MAX_LEN`` new tokens run the O(1)-per-token recurrence, longer chunks the block algorithm.
         return_state: also return the :class:`VQState` after this call (causal only).
         assignment: the keys' :class:`Assignment`, ``vq_assign(k, codebook, assign=assign, temperature=...)``,
-            when the caller already has it (e.g. from its codebook module); computed here otherwise.
+            when the caller already has it (e.g. from its codebook module); computed here otherwise. With it,
+            ``temperature`` is not used (it is in the assignment, with its gradient for soft).
 
     Returns:
         out (B, H, T, Dv) in the input dtype, or (out, state) when ``return_state``. Computed in float32 for
