@@ -287,3 +287,25 @@ def test_lagged_prefix_sum_values_and_gradcheck(num_blocks, form, lag):
         torch.testing.assert_close(out[:, :, b], initial + x[:, :, : max(b - lag + 1, 0)].sum(2))
     assert torch.autograd.gradcheck(fn, (x, initial))
 
+
+
+@pytest.mark.parametrize("assign", ASSIGNS)
+def test_no_host_read_of_a_tensor_with_a_precomputed_assignment(assign, monkeypatch):
+    """A training step (forward + backward) given the Assignment never reads a tensor value in Python, which on a
+    GPU would be a host synchronisation."""
+    from vqattn.functional import vq_assign, window_attention
+
+    q, k, v, c = (t.requires_grad_(True) for t in make_inputs(T=45))
+    tau = torch.tensor([0.7, 1.1, 1.6], dtype=F64, requires_grad=True)
+    a = vq_assign(k, c, assign=assign, temperature=tau)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("Python-side read of a tensor")
+
+    for name in ("__bool__", "item", "tolist", "__int__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden)
+    out = vq_attention(q, k, v, c, causal=True, assign=assign, block_len=8, assignment=a)
+    out = out + window_attention(q, k, v, block_len=8)
+    out.sum().backward()
+    monkeypatch.undo()
+    assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
