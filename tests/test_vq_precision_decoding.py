@@ -159,3 +159,12 @@ def test_recurrent_kernel_with_large_keys_fp32():
     ref = ref_vq_attention(*(x.double() for x in (q, k, v, c)), **kw)
     out = _decode(q, k, v, c, [3] + [1] * 20 + [17], **kw)
     torch.testing.assert_close(out.double(), ref, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("assign", ASSIGNS)
+def test_autocast_non_causal(assign):
+    q, k, v, c = make_inputs(B=1, H=2, T=30, D=16, S=32)
+    ref = ref_vq_attention(q, k, v, c, causal=False, assign=assign, temperature=0.7)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = vq_attention(q.float(), k.float(), v.float(), c.float(), causal=False, assign=assign, temperature=0.7)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
