@@ -288,148 +288,24 @@ def test_lagged_prefix_sum_values_and_gradcheck(num_blocks, form, lag):
     assert torch.autograd.gradcheck(fn, (x, initial))
 
 
-@pytest.mark.parametrize("assign,exact_window", ASSIGN_WINDOW)
-@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
-def test_autocast_computes_in_fp32(assign, exact_window, autocast_dtype):
-    """fp32 inputs inside CPU autocast: the op (forward and its custom backward) ignores autocast."""
-    q, k, v, c = make_inputs(B=1, H=2, T=45, D=16, S=32)
-    kw = dict(causal=True, assign=assign, temperature=0.7, block_len=8, exact_window=exact_window)
-    ref, g_ref = grads(lambda *x: ref_vq_attention(*x, **kw), q, k, v, c)
-
-    def fn(*x):
-        with torch.autocast("cpu", dtype=autocast_dtype):
-            out = vq_attention(*(t.float() for t in x), **kw)
-        assert out.dtype == torch.float32
-        return out.double()
-
-    out, g = grads(fn, q, k, v, c)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    for name, a, b in zip("qkvc", g, g_ref):
-        assert torch.isfinite(a).all()
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=f"grad of {name}")
-
-
-def test_autocast_backward_inside_autocast_and_bf16_inputs():
-    q, k, v, c = make_inputs(B=1, H=2, T=37, D=16, S=32)
-    kw = dict(causal=True, assign="soft", block_len=8)
-    half = [t.to(torch.bfloat16).requires_grad_(True) for t in (q, k, v, c)]
-    ref, g_ref = grads(lambda *x: ref_vq_attention(*x, **kw), *[t.detach().double() for t in half])
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = vq_attention(*half, **kw)
-        assert out.dtype == torch.bfloat16
-        g = torch.randn(out.shape, generator=torch.Generator().manual_seed(123), dtype=F64)
-        out.backward(g.to(out.dtype))  # backward inside autocast, as some training loops do
-    eps = torch.finfo(torch.bfloat16).eps
-    torch.testing.assert_close(out.double(), ref, atol=2 * eps, rtol=2 * eps)
-    for name, t, b in zip("qkvc", half, g_ref):
-        # the gradients are rounded to bf16 once; the error is not accumulated in bf16
-        torch.testing.assert_close(t.grad.double(), b, atol=4 * eps * b.abs().max().item(), rtol=4 * eps,
-                                   msg=f"grad of {name}")
-
 
 @pytest.mark.parametrize("assign", ASSIGNS)
-@pytest.mark.parametrize("causal", [True, False])
-def test_precomputed_assignment_gives_same_outputs_and_grads(assign, causal):
-    from vqattn.functional import vq_assign
+def test_no_host_read_of_a_tensor_with_a_precomputed_assignment(assign, monkeypatch):
+    """A training step (forward + backward) given the Assignment never reads a tensor value in Python, which on a
+    GPU would be a host synchronisation."""
+    from vqattn.functional import vq_assign, window_attention
 
-    q, k, v, c = make_inputs(B=2, H=3, T=29)
-    tau = torch.tensor([0.7, 1.1, 1.6], dtype=F64)
-    kw = dict(causal=causal, assign=assign, block_len=8)
+    q, k, v, c = (t.requires_grad_(True) for t in make_inputs(T=45))
+    tau = torch.tensor([0.7, 1.1, 1.6], dtype=F64, requires_grad=True)
+    a = vq_assign(k, c, assign=assign, temperature=tau)
 
-    def given(q, k, v, c, t):
-        a = vq_assign(k, c, assign=assign, temperature=t)
-        return vq_attention(q, k, v, c, temperature=t, assignment=a, **kw)
+    def forbidden(*args, **kwargs):
+        raise AssertionError("Python-side read of a tensor")
 
-    out, g = grads(lambda *x: vq_attention(*x[:4], temperature=x[4], **kw), q, k, v, c, tau)
-    out_a, g_a = grads(given, q, k, v, c, tau)
-    torch.testing.assert_close(out_a, out, atol=1e-12, rtol=0)
-    for name, a, b in zip(["q", "k", "v", "c", "temperature"], g_a, g):
-        if b is None:
-            assert a is None, name
-        else:
-            torch.testing.assert_close(a, b, atol=1e-12, rtol=0, msg=f"grad of {name}")
-
-
-def test_assignment_shape_and_kind_are_checked():
-    from vqattn.functional import Assignment, vq_assign
-
-    q, k, v, c = make_inputs(T=10)
-    hard, soft = vq_assign(k, c, assign="hard"), vq_assign(k, c, assign="soft")
-    kernel = vq_assign(k, c, assign="kernel")
-    with pytest.raises(ValueError, match="integer code index"):
-        vq_attention(q, k, v, c, causal=True, assign="hard", assignment=soft)
-    with pytest.raises(ValueError, match=r"\(B, H, T\)"):
-        vq_attention(q, k, v, c, causal=True, assign="hard", assignment=Assignment(None, hard.index[:, :, :5], 0.0))
-    with pytest.raises(ValueError, match="weights of shape"):
-        vq_attention(q, k, v, c, causal=True, assign="soft", assignment=hard)
-    with pytest.raises(ValueError, match="weights of shape"):
-        vq_attention(q, k, v, c, causal=True, assign="soft", assignment=Assignment(soft.weights[..., :3], None, 0.0))
-    with pytest.raises(ValueError, match="log_scale"):
-        vq_attention(q, k, v, c, causal=True, assign="soft", assignment=kernel)
-    with pytest.raises(ValueError, match="log_scale"):
-        vq_attention(q, k, v, c, causal=True, assign="kernel", assignment=soft)
-    with pytest.raises(ValueError, match="assignment must be an Assignment"):
-        vq_attention(q, k, v, c, causal=True, assignment=hard.index)
-
-
-def test_kernel_exact_window_is_refused():
-    q, k, v, c = make_inputs(T=10)
-    with pytest.raises(ValueError, match="exact_window"):
-        vq_attention(q, k, v, c, causal=True, assign="kernel", exact_window=True)
-
-
-@pytest.mark.parametrize("causal", [True, False])
-def test_kernel_with_large_keys_and_small_temperature_does_not_underflow(causal):
-    """τ = 0.05, ‖k‖ ≈ 17: every raw kernel weight is below e^{-2000}; per-key scales keep fp32 exact."""
-    q, k, v, c = make_inputs(B=1, H=2, T=70, D=16, S=32, seed=4)
-    k = 17 * k / k.norm(dim=-1, keepdim=True) * (1 + 0.05 * torch.rand(k.shape[:-1], dtype=F64)).unsqueeze(-1)
-    c = c / c.norm(dim=-1, keepdim=True)
-    kw = dict(causal=causal, assign="kernel", temperature=0.05, block_len=8)
-    ref = ref_vq_attention(q, k, v, c, **kw)
-    out = vq_attention(q.float(), k.float(), v.float(), c.float(), **kw)
-    # the window-mean fallback this guards against is far from the reference
-    assert (ref - v.mean(2, keepdim=True)).abs().max() > 0.5
-    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
-
-
-def _decode(q, k, v, c, sizes, **kw):
-    """Outputs of consecutive vq_attention calls over chunks of the given sizes, threading the state."""
-    outs, state, a = [], None, 0
-    for n in sizes:
-        out, state = vq_attention(q[:, :, a : a + n], k[:, :, a : a + n], v[:, :, a : a + n], c, state=state,
-                                  return_state=True, **kw)
-        outs.append(out)
-        a += n
-        assert state.length == a and state.keys.shape[2] < 2 * state.block_len
-    return torch.cat(outs, 2)
-
-
-@pytest.mark.parametrize("assign,exact_window", ASSIGN_WINDOW)
-@pytest.mark.parametrize("detach_cache", [False, True])
-def test_token_by_token_recurrence_matches_reference_outputs_and_grads(assign, exact_window, detach_cache, monkeypatch):
-    """Prefill 5 tokens, then 36 single tokens (the recurrent path: the block algorithm is never called)."""
-    import vqattn.ops.vq as vq_module
-
-    q, k, v, c = make_inputs(B=1, H=2, T=41)
-    kw = dict(causal=True, assign=assign, temperature=0.8, block_len=8, exact_window=exact_window,
-              detach_cache=detach_cache)
-    chunked = vq_module._chunked
-    calls = []
-    monkeypatch.setattr(vq_module, "_chunked", lambda *a, **k: calls.append(a[0].shape[2]) or chunked(*a, **k))
-    out, g = grads(lambda *x: _decode(*x, [5] + [1] * 36, **kw), q, k, v, c)
-    assert calls == [5]
-    ref, g_ref = grads(lambda *x: ref_vq_attention(*x, **kw), q, k, v, c)
-    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
-    for name, a, b in zip("qkvc", g, g_ref):
-        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9, msg=f"grad of {name}")
-
-
-def test_recurrent_kernel_with_large_keys_fp32():
-    """The per-key scales and the running count scale G also hold token by token."""
-    q, k, v, c = make_inputs(B=1, H=2, T=40, D=16, S=32, seed=4)
-    k = k / k.norm(dim=-1, keepdim=True) * torch.linspace(17, 4, 40, dtype=F64)[:, None]  # G changes as it goes
-    c = c / c.norm(dim=-1, keepdim=True)
-    kw = dict(causal=True, assign="kernel", temperature=0.05, block_len=8)
-    ref = ref_vq_attention(q, k, v, c, **kw)
-    out = _decode(q.float(), k.float(), v.float(), c.float(), [3] + [1] * 20 + [17], **kw)
-    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+    for name in ("__bool__", "item", "tolist", "__int__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden)
+    out = vq_attention(q, k, v, c, causal=True, assign=assign, block_len=8, assignment=a)
+    out = out + window_attention(q, k, v, block_len=8)
+    out.sum().backward()
+    monkeypatch.undo()
+    assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()

@@ -100,8 +100,8 @@ def _causal(q, k, v, c, a: Assignment, *, L, scale, exact_window, detach_cache, 
             bias, wv = block_bias(L, q.device, q.dtype), blocks(v, L)
         bias = bias + mixture_logits(code_logits, map_time(window, a))
         qb = None
-    out = window_code_attention(qb, window_keys, bias, wv, code_logits, code_bias(cache_counts, G),
-                                code_means(cache_counts, cache_sums))
+    out = window_code_attention(qb, window_keys, bias, wv, code_logits, code_bias(cache_counts, G), cache_sums,
+                                cache_counts)
     return out[:, :, :T], counts, sums
 
 
@@ -227,7 +227,8 @@ def vq_attention(
             ``RECURRENT_MAX_LEN`` new tokens run the O(1)-per-token recurrence, longer chunks the block algorithm.
         return_state: also return the :class:`VQState` after this call (causal only).
         assignment: the keys' :class:`Assignment`, ``vq_assign(k, codebook, assign=assign, temperature=...)``,
-            when the caller already has it (e.g. from its codebook module); computed here otherwise.
+            when the caller already has it (e.g. from its codebook module); computed here otherwise. With it,
+            ``temperature`` is not used (it is in the assignment, with its gradient for soft).
 
     Returns:
         out (B, H, T, Dv) in the input dtype, or (out, state) when ``return_state``. Computed in float32 for

@@ -65,9 +65,12 @@ def vq_assign(k: torch.Tensor, codebook: torch.Tensor, *, assign: str, temperatu
         if assign == "soft":
             # −‖k − c‖²/2τ up to a per-key constant, which the softmax removes.
             return Assignment(torch.softmax((kc - c_sq / 2) / tau, dim=-1), None, 0.0)
-        log_w = (kc - (k * k).sum(-1, keepdim=True) / 2) / tau  # −‖k − c‖²/2τ + ‖c‖²/2τ
-        shift = log_w.detach().amax(-1, keepdim=True)  # (B, H, T, 1)
-        return Assignment(torch.exp(log_w - shift), None, shift)
+        # log Δ = (k·c − ‖k‖²/2)/τ = −‖k − c‖²/2τ + ‖c‖²/2τ, split as log w + r with r the per-key max. The
+        # weights subtract max_s k·c before dividing by τ, so the large ‖k‖²/2τ never rounds them; r − sg(r) adds
+        # nothing but routes r's gradient (to k and τ) through the weights, as r itself is a detached scale.
+        kc_max = kc.detach().amax(-1, keepdim=True)  # (B, H, T, 1)
+        r = (kc_max - (k * k).sum(-1, keepdim=True) / 2) / tau
+        return Assignment(torch.exp((kc - kc_max) / tau + (r - r.detach())), None, r.detach())
 
 
 def map_time(fn: Callable[[torch.Tensor], torch.Tensor], a: Assignment) -> Assignment:

@@ -107,20 +107,22 @@ class WindowCodeAttention(torch.autograd.Function):
     """Softmax attention of every block's queries over two key groups, with one shared max:
 
         window  logits  qb·wkᵀ + window_bias        (N, nb, L, 2L)   values  wv     (N, nb, 2L, Dv)
-        codes   logits  code_logits + code_bias     (N, nb, L, S)    values  means  (N, nb, S, Dv)
+        codes   logits  code_logits + code_bias     (N, nb, L, S)    values  sums / counts  (N, nb, S, Dv)
 
     qb: (N, nb, L, D) queries (already scaled); wk: (N, nb, 2L, D), or None (then qb is None too) when the
     window logits are all in window_bias (soft/kernel mixtures); window_bias: broadcastable to (N, nb, L, 2L);
-    code_logits: (N, nb, L, S), code_bias: (N, nb, S), means: (N, nb, S, Dv), all three None for window-only
-    attention. Returns (N, nb, L, Dv).
+    code_logits: (N, nb, L, S), code_bias: (N, nb, S), sums: (N, nb, S, Dv), counts: (N, nb, S), all None for
+    window-only attention. Returns (N, nb, L, Dv).
 
     Hand-written forward and backward (flash-attention style: dS = P ⊙ (dP − rowsum(dO ⊙ O))): the two groups
-    are never concatenated and only the probabilities are kept for the backward pass. Both run with autocast
-    off, so a backward called inside autocast stays in the forward's dtype.
+    are never concatenated and only the probabilities are kept for the backward pass. The code means are never
+    formed: the code probabilities are divided by the counts instead ((L, S) work, not a (S, Dv) tensor per
+    block and its gradient). Both run with autocast off, so a backward called inside autocast stays in the
+    forward's dtype.
     """
 
     @staticmethod
-    def forward(ctx, qb, wk, window_bias, code_logits, code_bias, wv, means):
+    def forward(ctx, qb, wk, window_bias, code_logits, code_bias, wv, sums, counts):
         with no_autocast(wv.device):
             N, nb, W, _ = wv.shape
             L = window_bias.shape[-2]
@@ -138,17 +140,18 @@ class WindowCodeAttention(torch.autograd.Function):
             out = torch.matmul(p_window, wv)
             if p_codes is not None:
                 z.add_(p_codes.sum(-1, keepdim=True))
-                out.add_(torch.matmul(p_codes, means))
+                p_codes.div_(counts.clamp_min(torch.finfo(counts.dtype).tiny).unsqueeze(2))  # empty codes: 0 / tiny
+                out.add_(torch.matmul(p_codes, sums))
             out.div_(z)
-        ctx.save_for_backward(qb, wk, wv, means, p_window, p_codes, out, z)
+        ctx.save_for_backward(qb, wk, wv, sums, counts, p_window, p_codes, out, z)
         ctx.window_bias_shape = window_bias.shape
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        qb, wk, wv, means, p_window, p_codes, out, z = ctx.saved_tensors
+        qb, wk, wv, sums, counts, p_window, p_codes, out, z = ctx.saved_tensors  # p_codes: divided by counts
         need = ctx.needs_input_grad
-        grads = [None] * 7
+        grads = [None] * 8
         with no_autocast(grad_out.device):
             grad_out = grad_out / z  # with P = p / z, every P-term below becomes a p-term of this scaled gradient
             delta = (grad_out * out).sum(-1, keepdim=True)  # (N, nb, L, 1)
@@ -162,11 +165,16 @@ class WindowCodeAttention(torch.autograd.Function):
             if need[5]:
                 grads[5] = torch.matmul(p_window.transpose(-1, -2), grad_out)
             if p_codes is not None:
-                ds_codes = torch.matmul(grad_out, means.transpose(-1, -2)).sub_(delta).mul_(p_codes)  # (N, nb, L, S)
+                # (dO·mean_s − δ) p_s = (dO·sums_s − δ n_s) p_s / n_s
+                ds_codes = torch.matmul(grad_out, sums.transpose(-1, -2))
+                ds_codes.addcmul_(delta, counts.unsqueeze(2), value=-1).mul_(p_codes)  # (N, nb, L, S)
                 grads[3] = ds_codes if need[3] else None
                 grads[4] = ds_codes.sum(2) if need[4] else None
-                if need[6]:
-                    grads[6] = torch.matmul(p_codes.transpose(-1, -2), grad_out)
+                if need[6] or need[7]:
+                    grads[6] = torch.matmul(p_codes.transpose(-1, -2), grad_out)  # d/d sums
+                if need[7]:  # mean = sums / n: d/dn = −(d/d mean · sums) / n² = −(d/d sums · sums) / n
+                    tiny = torch.finfo(counts.dtype).tiny
+                    grads[7] = (grads[6] * sums).sum(-1).div_(counts.clamp_min(tiny)).neg_()
         return tuple(grads)
 
 
@@ -177,15 +185,15 @@ def _sum_to_shape(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return x.sum(dims, keepdim=True).view(shape) if dims else x
 
 
-def window_code_attention(qb, wk, bias, wv, code_logits=None, code_bias=None, means=None) -> torch.Tensor:
+def window_code_attention(qb, wk, bias, wv, code_logits=None, code_bias=None, sums=None, counts=None):
     """:class:`WindowCodeAttention` on (B, H, nb, ...) tensors (flattened to B·H for the kernel).
 
-    bias: (nb, L, 2L) or (B, H, nb, L, 2L). Returns (B, H, nb·L, Dv).
+    bias: (nb, L, 2L) or (B, H, nb, L, 2L); the codes' values are sums / counts. Returns (B, H, nb·L, Dv).
     """
     B, H, nb, W, Dv = wv.shape
     flat = lambda x: None if x is None else x.reshape(B * H, *x.shape[2:])  # noqa: E731
     if bias.dim() == 5:
         bias = flat(bias)
     out = WindowCodeAttention.apply(flat(qb), flat(wk), bias, flat(code_logits), flat(code_bias), flat(wv),
-                                    flat(means))
+                                    flat(sums), flat(counts))
     return out.view(B, H, -1, Dv)
