@@ -156,9 +156,12 @@ class LitLM(L.LightningModule):
         self.buffer_divergence = self.rank_divergence()
 
     def rank_divergence(self) -> float:
-        """Largest |difference| between this rank's model buffers (codebook EMA state, feature-map draws, ...)
-        and rank 0's; 0.0 without DDP. Parameters are synchronised by DDP itself; buffers must be by their layers."""
-        buffers = [b.detach().double().flatten() for _, b in self.model.named_buffers()]
+        """Largest |difference| between this rank's persistent model buffers (codebook EMA state, feature-map
+        draws, ...) and rank 0's; 0.0 without DDP. Parameters are synchronised by DDP itself; buffers must be by
+        their layers. Non-persistent buffers (e.g. the codebook's usage stats of this rank's last batch) are
+        per-rank diagnostics and are left out."""
+        persistent = self.model.state_dict().keys()
+        buffers = [b.detach().double().flatten() for name, b in self.model.named_buffers() if name in persistent]
         if self.trainer.world_size == 1 or not buffers:
             return 0.0
         flat = torch.cat(buffers)
