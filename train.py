@@ -106,7 +106,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
     trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     trainer.save_checkpoint(ckpt_dir / "last.ckpt")
-    val = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
+    val = {k: v for loader in trainer.validate(module, datamodule=datamodule, verbose=False) for k, v in loader.items()}
     memory, memory_kind = peak_memory_mb(trainer.strategy.root_device)
     results = {
         "attention": cfg.model.attention,
@@ -115,6 +115,9 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         "val_loss": val["val_loss"],
         "val_bpb": val["val_bpb"],
         "val_acc": val["val_acc"],
+        **{k: val[k] for k in ("val_bpb_carried", "val_loss_carried", "val_acc_carried") if k in val},
+        "state_floats": module.model.state_floats(cfg.data.seq_len),
+        "carry_state": cfg.carry_state,
         "tokens_per_sec": module.train_tokens / max(module.train_seconds, 1e-9),
         "peak_memory_mb": memory,
         "peak_memory_kind": memory_kind,

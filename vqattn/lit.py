@@ -8,6 +8,9 @@ Logged: train_loss, train_nll, train_aux, train_bpb, lr, tokens_per_sec (all ran
 training step: forward, backward, optimizer; no data loading or validation), and on each validation
 val_loss, val_bpb, val_acc (next-byte accuracy; recall accuracy for MQAR, whose labels are the answers only)
 and the codebook usage stats (codebook_perplexity, codebook_dead_codes, codebook_quant_error).
+With ``carry_state`` each training step continues the previous step's rows from their detached state (vqattn.carry;
+the data must then be consecutive segments, ``data.stream``). A datamodule with a second validation loader (the
+carried pass, ``data.val_carried``) adds val_loss_carried, val_bpb_carried and val_acc_carried.
 At the end of training ``buffer_divergence`` records how far the ranks' model buffers drifted apart (0 when
 the codebook EMA and feature redraws stay identical across DDP ranks, as they must).
 """
@@ -22,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torchmetrics import Metric
 
+from .carry import CarriedState
 from .data import IGNORE_INDEX
 from .model import GPT, GPTConfig
 
@@ -73,16 +77,23 @@ class LitLM(L.LightningModule):
         optim: lr, weight_decay, betas, warmup_steps, min_lr_ratio, total_steps (the cosine horizon;
             None = trainer.max_steps; fix it explicitly to stop early and resume on the same schedule).
         aux_weight: weight of the auxiliary (commitment) loss.
+        carry_state: train on consecutive segments, each step starting from the previous step's detached state.
     """
 
-    def __init__(self, model: dict, optim: dict | None = None, aux_weight: float = 1.0):
+    def __init__(self, model: dict, optim: dict | None = None, aux_weight: float = 1.0, carry_state: bool = False):
         super().__init__()
+        if carry_state and model.get("pos_emb", GPTConfig.pos_emb) == "learned":
+            raise ValueError("carry_state=true needs model.pos_emb=rope or none: carried positions grow past "
+                             "model.seq_len, which learned absolute positions cannot encode")
         self.save_hyperparameters()
         self.model = GPT(GPTConfig(**model))
         self.optim = {"lr": 2e-3, "weight_decay": 0.1, "betas": (0.9, 0.95), "warmup_steps": 100,
                       "min_lr_ratio": 0.1, "total_steps": None, **(optim or {})}
         self.aux_weight = aux_weight
         self.val_nll = SummedNLL()
+        self.val_nll_carried = SummedNLL()
+        self.carry = CarriedState() if carry_state else None  # the training rows' state
+        self.val_carry = CarriedState()  # the carried validation pass's state
         self.train_tokens = 0  # all ranks' tokens trained on in this process's fit
         self.train_seconds = 0.0  # time in training steps (see module docstring)
         self._step_start = 0.0
@@ -91,9 +102,14 @@ class LitLM(L.LightningModule):
     def forward(self, idx: torch.Tensor):
         return self.model(idx)
 
+    def setup(self, stage: str) -> None:
+        if stage == "fit" and self.carry is not None and not getattr(self.trainer.datamodule, "stream", False):
+            raise ValueError("carry_state=true trains on consecutive segments: it needs a datamodule with stream=True "
+                             "(data.stream=true, a byte corpus), whose row r of batch i + 1 continues row r of batch i")
+
     def training_step(self, batch, batch_idx):
         x, y = batch  # (B, T) each
-        out = self.model(x)
+        out = self.model(x) if self.carry is None else self.carry.forward(self.model, x)
         nll = F.cross_entropy(out.logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE_INDEX)
         loss = nll + self.aux_weight * out.aux_loss
         self.log_dict({"train_loss": loss, "train_nll": nll, "train_aux": out.aux_loss})
@@ -124,14 +140,26 @@ class LitLM(L.LightningModule):
         gathered = self.all_gather(flat)  # (world, N)
         return float((gathered - gathered[0]).abs().max())
 
-    def validation_step(self, batch, batch_idx):
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        """Loader 0: independent windows. Loader 1 (data.val_carried): consecutive segments, state carried."""
         x, y = batch
-        self.val_nll.update(self.model(x).logits, y)
+        if dataloader_idx == 0:
+            self.val_nll.update(self.model(x).logits, y)
+            return
+        if batch_idx == 0:
+            self.val_carry.reset()
+        self.val_nll_carried.update(self.val_carry.forward(self.model, x).logits, y)
 
     def on_validation_epoch_end(self):
-        vals = self.val_nll.compute()  # already summed over ranks: identical everywhere
-        self.val_nll.reset()
-        self.log_dict({f"val_{k}": v.float() for k, v in vals.items()}, prog_bar=True, sync_dist=True)
+        passes = [(self.val_nll, "")]
+        if self.val_nll_carried.update_count:  # a carried loader ran (on every rank alike)
+            passes.append((self.val_nll_carried, "_carried"))
+        for metric, suffix in passes:
+            vals = metric.compute()  # already summed over ranks: identical everywhere
+            metric.reset()
+            self.log_dict({f"val_{k}{suffix}": v.float() for k, v in vals.items()}, prog_bar=not suffix,
+                          sync_dist=True)
+        self.val_carry.reset()
         self.log_dict({f"codebook_{k}": float(v) for k, v in self.model.codebook_stats().items()}, sync_dist=True)
 
     def configure_optimizers(self):
@@ -154,13 +182,18 @@ class LitLM(L.LightningModule):
 
     # The RNG state travels with the checkpoint so that a resumed run draws the same random numbers
     # (dropout, codebook restarts) as an uninterrupted one.
+    # The carried state travels with it too, every rank's (saving is a collective under DDP: see vqattn.carry).
     def on_save_checkpoint(self, checkpoint):
         checkpoint["rng_cpu"] = torch.get_rng_state()
         if torch.cuda.is_available():
             checkpoint["rng_cuda"] = torch.cuda.get_rng_state_all()
+        if self.carry is not None:
+            checkpoint["carry_state"] = self.carry.gathered(self.trainer.world_size)
 
     def on_load_checkpoint(self, checkpoint):
         if "rng_cpu" in checkpoint:
             torch.set_rng_state(checkpoint["rng_cpu"])
         if "rng_cuda" in checkpoint and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(checkpoint["rng_cuda"])
+        if self.carry is not None and "carry_state" in checkpoint and self._trainer is not None:  # resuming a fit
+            self.carry.load(checkpoint["carry_state"], self.trainer.global_rank, self.trainer.world_size)
