@@ -71,6 +71,20 @@ def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int, min_lr_rati
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def rng_state() -> dict:
+    """The torch RNG states of this process: CPU, and every CUDA device's when there are any."""
+    state = {"rng_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["rng_cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["rng_cpu"])
+    if "rng_cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["rng_cuda"])
+
+
 class LitLM(L.LightningModule):
     """Args:
         model: GPTConfig keyword arguments (a plain dict, so it is saved in the checkpoint's hyperparameters).
@@ -97,6 +111,7 @@ class LitLM(L.LightningModule):
         self.train_tokens = 0  # all ranks' tokens trained on in this process's fit
         self.train_seconds = 0.0  # time in training steps (see module docstring)
         self._step_start = 0.0
+        self._rng: dict | None = None  # the RNG state as the last training step left it (see on_save_checkpoint)
         self.buffer_divergence = 0.0  # set by on_train_end, see rank_divergence
 
     def forward(self, idx: torch.Tensor):
@@ -114,9 +129,12 @@ class LitLM(L.LightningModule):
         loss = nll + self.aux_weight * out.aux_loss
         self.log_dict({"train_loss": loss, "train_nll": nll, "train_aux": out.aux_loss})
         self.log("train_bpb", nll / LN2, prog_bar=True)
+        self._rng = rng_state()
         return loss
 
     def on_train_batch_start(self, batch, batch_idx):
+        if self._rng is not None:
+            set_rng_state(self._rng)
         self._step_start = time.perf_counter()
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
@@ -181,19 +199,17 @@ class LitLM(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # The RNG state travels with the checkpoint so that a resumed run draws the same random numbers
-    # (dropout, codebook restarts) as an uninterrupted one.
+    # (dropout, codebook restarts) as an uninterrupted one. Training steps draw from the state the previous step
+    # left, so that what happens between steps (validation, a resumed run's new loader iterator) changes nothing.
     # The carried state travels with it too, every rank's (saving is a collective under DDP: see vqattn.carry).
     def on_save_checkpoint(self, checkpoint):
-        checkpoint["rng_cpu"] = torch.get_rng_state()
-        if torch.cuda.is_available():
-            checkpoint["rng_cuda"] = torch.cuda.get_rng_state_all()
+        checkpoint.update(self._rng or rng_state())
         if self.carry is not None:
             checkpoint["carry_state"] = self.carry.gathered(self.trainer.world_size)
 
     def on_load_checkpoint(self, checkpoint):
         if "rng_cpu" in checkpoint:
-            torch.set_rng_state(checkpoint["rng_cpu"])
-        if "rng_cuda" in checkpoint and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(checkpoint["rng_cuda"])
+            self._rng = {k: checkpoint[k] for k in ("rng_cpu", "rng_cuda") if k in checkpoint}
+            set_rng_state(self._rng)
         if self.carry is not None and "carry_state" in checkpoint and self._trainer is not None:  # resuming a fit
             self.carry.load(checkpoint["carry_state"], self.trainer.global_rank, self.trainer.world_size)

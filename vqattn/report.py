@@ -2,7 +2,8 @@
 
 Reads every ``results.json`` under SWEEP_DIR (one per run dir, as train.py writes them) and the validation
 rows of each run's ``metrics.csv``; writes SWEEP_DIR/report.md (a markdown table: val bpb, tokens/s, params,
-peak memory, sorted by val bpb) and SWEEP_DIR/val_bpb.png (val bpb against step, one line per run).
+state floats (one layer's decoding state at the run's seq_len), peak memory, sorted by val bpb; an MQAR sweep
+adds the recall accuracy and sorts by it) and SWEEP_DIR/val_bpb.png (val bpb against step, one line per run).
 """
 
 from __future__ import annotations
@@ -32,14 +33,18 @@ def load_runs(sweep_dir: Path) -> list[dict]:
 
 
 def markdown_table(runs: list[dict]) -> str:
+    recall = all(r.get("data") == "MQARDataModule" for r in runs)  # there val_acc is the recall accuracy
     lines = [
-        "| run | attention | val bpb | tokens/s | params | peak memory (MB) | steps |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        f"| run | attention |{' recall |' * recall} val bpb | tokens/s | params | state floats | peak memory (MB) "
+        "| steps |",
+        f"|---|---|{'---:|' * recall}---:|---:|---:|---:|---:|---:|",
     ]
-    for r in sorted(runs, key=lambda r: r["val_bpb"]):
+    for r in sorted(runs, key=lambda r: -r["val_acc"] if recall else r["val_bpb"]):
+        acc = f" {r['val_acc']:.3f} |" if recall else ""
+        state = f"{r['state_floats']:,}" if "state_floats" in r else "?"
         lines.append(
-            f"| {r['name']} | {r['attention']} | {r['val_bpb']:.4f} | {r['tokens_per_sec']:,.0f} | {r['params']:,} "
-            f"| {r['peak_memory_mb']:,.0f} | {r['steps']} |"
+            f"| {r['name']} | {r['attention']} |{acc} {r['val_bpb']:.4f} | {r['tokens_per_sec']:,.0f} "
+            f"| {r['params']:,} | {state} | {r['peak_memory_mb']:,.0f} | {r['steps']} |"
         )
     kinds = sorted({r.get("peak_memory_kind", "?") for r in runs})
     devices = sorted({r.get("device", "?") for r in runs})
