@@ -155,3 +155,15 @@ def test_mqar_gap_too_long_for_the_sequence_is_explained():
         D.MQARDataModule(num_kv_pairs=16, seq_len=256, min_query_gap=200)
     with pytest.raises(ValueError, match="min_query_gap must be an int"):
         D.MQARDataModule(num_kv_pairs=16, seq_len=256, min_query_gap=-1)
+
+
+def test_a_new_loader_iterator_starts_at_the_trainer_step(tmp_path):
+    # Lightning re-creates the training iterator of a resumed DDP run after its first batch; it must not replay it.
+    dm = text_module(tmp_path, stream=True)
+    dm.trainer = fake_trainer(global_step=2, max_steps=6)
+    loader = dm.train_dataloader()
+    straight = StreamBatches(dm.train_data, seq_len=16, batch_size=2, rank=0, world_size=1, seed=0, num_batches=6)
+    assert torch.equal(next(iter(loader))[0], straight[2][0])
+    dm.trainer.global_step = 3  # one step trained, then a fresh iterator
+    batches = list(loader)
+    assert len(batches) == 3 and torch.equal(batches[0][0], straight[3][0])

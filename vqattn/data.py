@@ -52,16 +52,20 @@ class _Batches(Dataset):
 
 
 class _From(Sampler):
-    """Indices start, start + 1, ..., length - 1 (resuming skips the batches already trained on)."""
+    """Indices start(), start() + 1, ..., length - 1 (resuming skips the batches already trained on).
 
-    def __init__(self, start: int, length: int):
+    ``start`` is read whenever an iterator begins: under DDP Lightning re-creates the iterator of a resumed run
+    after its first batch, which a start fixed when the loader was built would replay.
+    """
+
+    def __init__(self, start, length: int):
         self.start, self.length = start, length
 
     def __len__(self) -> int:
-        return self.length - self.start
+        return self.length - self.start()
 
     def __iter__(self):
-        return iter(range(self.start, self.length))
+        return iter(range(self.start(), self.length))
 
 
 class _LMDataModule(L.LightningDataModule):
@@ -101,11 +105,13 @@ class _LMDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         rank, _ = self._rank_world()
         trainer = self.trainer
-        length, start = self.num_batches, 0
-        if trainer is not None:
-            if trainer.max_steps > 0:
-                length = trainer.max_steps * trainer.accumulate_grad_batches
-            start = min(trainer.global_step * trainer.accumulate_grad_batches, length)
+        length = self.num_batches
+        if trainer is not None and trainer.max_steps > 0:
+            length = trainer.max_steps * trainer.accumulate_grad_batches
+
+        def start() -> int:
+            return 0 if trainer is None else min(trainer.global_step * trainer.accumulate_grad_batches, length)
+
         batches = self._train_dataset(length)
         return DataLoader(batches, batch_size=None, sampler=_From(start, length), num_workers=self.num_workers)
 
