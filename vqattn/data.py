@@ -348,11 +348,11 @@ def mqar_example(rng: np.random.Generator, n: int, seq_len: int, num_kv_pairs: i
     Keys are distinct per sequence, drawn from [1, V/2); values distinct, from [V/2, V). Every key is queried once,
     at an even offset 2 g of the query region, where the gap indices g are distinct and drawn with
     p(g) proportional to g^(power_a - 1), g = 1..(seq_len - 2P - gap)/2 (so recent-looking gaps are more likely);
-    the token after a query is its value. Every query then sits more than min_query_gap tokens after its key
-    and value (with min_query_gap >= 2·block_len, outside a vq layer's raw window). Filler and other query-region
-    tokens are 0, or uniform random tokens if
-    random_non_queries. Returns x (n, seq_len) and y (n, seq_len) with y = the value at the position of each
-    queried key and IGNORE_INDEX elsewhere: loss and recall accuracy count only the P answer positions.
+    the token after a query is its value. Every query then sits more than min_query_gap tokens after its key and
+    value (with min_query_gap >= 2·block_len: outside a vq layer's raw window). Filler and other query-region tokens
+    are 0, or uniform random tokens if random_non_queries. Returns x (n, seq_len) and y (n, seq_len) with y = the
+    value at the position of each queried key and IGNORE_INDEX elsewhere: loss and recall accuracy count only the P
+    answer positions.
     """
     context = 2 * num_kv_pairs
     space = (seq_len - context - min_query_gap) // 2
@@ -363,7 +363,7 @@ def mqar_example(rng: np.random.Generator, n: int, seq_len: int, num_kv_pairs: i
     seq[:, 0:context:2], seq[:, 1:context:2] = keys, values
     p = np.arange(1, space + 1, dtype=np.float64) ** (power_a - 1)
     gaps = np.stack([rng.choice(space, num_kv_pairs, replace=False, p=p / p.sum()) for _ in range(n)])  # (n, P)
-    query_pos = context + min_query_gap + 2 * gaps  # (n, P): position of the queried key; its answer follows at query_pos + 1
+    query_pos = context + min_query_gap + 2 * gaps  # (n, P): position of the queried key; its answer follows it
     np.put_along_axis(seq, query_pos, keys, axis=1)
     labels = np.full((n, seq_len + 1), IGNORE_INDEX, dtype=np.int64)
     np.put_along_axis(labels, query_pos + 1, values, axis=1)
@@ -388,8 +388,8 @@ class MQARDataModule(_LMDataModule):
                  power_a: float = 0.01, random_non_queries: bool = True, min_query_gap: int = 0, **kwargs):
         super().__init__(**kwargs)
         if self.stream or self.val_carried:
-            raise ValueError("data=mqar: MQAR sequences are independent, so data.stream and data.val_carried (carry_state) "
-                             "need a byte corpus (data=default, text, enwik8, wikitext103)")
+            raise ValueError("data=mqar: MQAR sequences are independent, so data.stream and data.val_carried "
+                             "(carry_state) need a byte corpus (data=default, text, enwik8, wikitext103)")
         if isinstance(min_query_gap, bool) or not isinstance(min_query_gap, int) or min_query_gap < 0:
             raise ValueError(f"data.min_query_gap must be an int >= 0, got {min_query_gap!r}")
         if num_kv_pairs < 1 or 4 * num_kv_pairs + min_query_gap > self.seq_len:
