@@ -86,8 +86,10 @@ def test_the_checker_catches_a_silent_override():
 def test_root_values_are_the_python_defaults():
     cfg = compose_cfg()
     assert OmegaConf.to_container(cfg.optim) == {**dataclasses.asdict(OptimConfig()), "betas": [0.9, 0.95]}
-    for key in ("aux_weight", "compile"):
+    for key in ("aux_weight", "compile", "carry_state"):
         assert cfg[key] == inspect.signature(LitLM).parameters[key].default, key
+    assert cfg.block_len == inspect.signature(ATTENTIONS["vq_hard"]).parameters["block_len"].default
+    assert cfg.block_len == inspect.signature(ATTENTIONS["window"]).parameters["block_len"].default
 
 
 def test_default_config_builds_the_python_default_model():
@@ -104,7 +106,8 @@ def test_default_config_builds_the_python_default_model():
 
 def test_signature_defaults_follow_the_kwargs_chain():
     assert signature_defaults(StdlibDataModule) == {"max_bytes": 8_000_000, "val_windows": 256, "seq_len": 256,
-                                                    "batch_size": 8, "seed": 0, "num_workers": 0}
+                                                    "batch_size": 8, "seed": 0, "num_workers": 0, "stream": False,
+                                                    "val_carried": False}
     trainer = signature_defaults(lightning.Trainer)
     assert trainer["max_steps"] == -1 and trainer["accelerator"] == "auto"
     vq = signature_defaults(ATTENTIONS["vq_soft"], stop=Attention)

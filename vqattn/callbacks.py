@@ -20,23 +20,45 @@ from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
 
 class RNGState(Callback):
-    """Saves every rank's torch RNG state in the checkpoint and gives each rank its own back on resume.
+    """Every training step draws from the RNG state the previous step left, and checkpoints keep that state for
+    every rank.
 
-    A resumed run then draws the random numbers (dropout, codebook restarts) that an uninterrupted one would,
-    on every rank. As a callback state it is restored only when a Trainer resumes (``fit(ckpt_path=...)``),
-    never by ``LitLM.load_from_checkpoint``, so ``vqattn.sample --seed`` keeps its seed.
+    What runs between two steps (a validation, a resumed run's new data-loader iterator) then changes no random
+    draw (dropout, codebook restarts), and a resumed run draws what an uninterrupted one would, on every rank. As a
+    callback state it is restored only when a Trainer resumes (``fit(ckpt_path=...)``), never by
+    ``LitLM.load_from_checkpoint``, so ``vqattn.sample --seed`` keeps its seed.
     """
+
+    def __init__(self):
+        self._snapshot: dict | None = None  # this rank's RNG state as the last training step left it
 
     def setup(self, trainer, pl_module, stage):
         self._trainer = trainer
 
-    def state_dict(self) -> dict:
-        trainer = self._trainer
-        device = trainer.strategy.root_device
+    def _current(self) -> dict:
+        device = self._trainer.strategy.root_device
         states = {"cpu": torch.get_rng_state()}
         if device.type == "cuda":
             states["cuda"] = torch.cuda.get_rng_state(device)
+        return states
+
+    def _restore(self, states: dict) -> None:
+        torch.set_rng_state(states["cpu"])
+        if "cuda" in states and self._trainer.strategy.root_device.type == "cuda":
+            torch.cuda.set_rng_state(states["cuda"], self._trainer.strategy.root_device)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self._snapshot is not None:
+            self._restore(self._snapshot)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._snapshot = self._current()
+
+    def state_dict(self) -> dict:
+        trainer = self._trainer
+        states = self._snapshot or self._current()
         if trainer.world_size > 1:  # every rank dumps the checkpoint (rank 0 writes it): gather all ranks' states
+            device = trainer.strategy.root_device
             states = {k: trainer.strategy.all_gather(v.to(device)).cpu() for k, v in states.items()}
         else:
             states = {k: v[None] for k, v in states.items()}
@@ -48,9 +70,9 @@ class RNGState(Callback):
             rank_zero_warn(f"the checkpoint's RNG states are from {state.get('world_size')} ranks, this run has "
                            f"{trainer.world_size}: random draws will differ from an uninterrupted run")
             return
-        torch.set_rng_state(state["cpu"][trainer.global_rank].clone())  # a row view crashes set_rng_state
-        if "cuda" in state and trainer.strategy.root_device.type == "cuda":
-            torch.cuda.set_rng_state(state["cuda"][trainer.global_rank].clone(), trainer.strategy.root_device)
+        # .clone(): a row view crashes set_rng_state
+        self._snapshot = {k: state[k][trainer.global_rank].clone() for k in ("cpu", "cuda") if k in state}
+        self._restore(self._snapshot)
 
 
 class GracefulInterrupt(Callback):

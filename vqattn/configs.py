@@ -79,4 +79,7 @@ def register() -> None:
         cs.store(group="schema/data", name=name,
                  node={"_target_": f"{cls.__module__}.{cls.__qualname__}", **signature_defaults(cls)})
     for name, cls in ATTENTIONS.items():
-        cs.store(group="attention", name=name, node={"name": name, "kwargs": signature_defaults(cls, stop=Attention)})
+        kwargs = signature_defaults(cls, stop=Attention)
+        if "block_len" in kwargs:  # the root key block_len (conf/config.yaml) sets every attention that has one
+            kwargs["block_len"] = "${block_len}"
+        cs.store(group="attention", name=name, node={"name": name, "kwargs": kwargs})

@@ -52,16 +52,20 @@ class _Batches(Dataset):
 
 
 class _From(Sampler):
-    """Indices start, start + 1, ..., length - 1 (resuming skips the batches already trained on)."""
+    """Indices start(), start() + 1, ..., length - 1 (resuming skips the batches already trained on).
 
-    def __init__(self, start: int, length: int):
+    ``start`` is read whenever an iterator begins: under DDP Lightning re-creates the iterator of a resumed run
+    after its first batch, which a start fixed when the loader was built would replay.
+    """
+
+    def __init__(self, start, length: int):
         self.start, self.length = start, length
 
     def __len__(self) -> int:
-        return self.length - self.start
+        return self.length - self.start()
 
     def __iter__(self):
-        return iter(range(self.start, self.length))
+        return iter(range(self.start(), self.length))
 
 
 class _LMDataModule(L.LightningDataModule):
@@ -72,13 +76,19 @@ class _LMDataModule(L.LightningDataModule):
         batch_size: sequences per batch and per device.
         seed: seeds the training batches (not the model).
         num_workers: DataLoader workers.
+        stream: training batches are consecutive segments, row r of batch i + 1 continuing row r of batch i
+            (carried-state training, see vqattn.streams); byte corpora only.
+        val_carried: validation also runs its windows as consecutive segments with the state carried (a second
+            validation loader, reported as val_bpb_carried); byte corpora only.
 
     The training "epoch" is the whole run, ``trainer.max_steps * accumulate_grad_batches`` batches (so the
     progress bar is exact), which is why the trainer must set ``max_steps``.
     """
 
-    def __init__(self, seq_len: int = 256, batch_size: int = 8, seed: int = 0, num_workers: int = 0):
+    def __init__(self, seq_len: int = 256, batch_size: int = 8, seed: int = 0, num_workers: int = 0,
+                 stream: bool = False, val_carried: bool = False):
         super().__init__()
+        self.stream, self.val_carried = stream, val_carried
         for name, value in (("seq_len", seq_len), ("batch_size", batch_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"data.{name} must be a positive int, got {value!r}")
@@ -98,14 +108,28 @@ class _LMDataModule(L.LightningDataModule):
         if trainer is None or trainer.max_steps is None or trainer.max_steps <= 0:
             raise ValueError("the training data is sized by the run: set trainer.max_steps to a positive number")
         length = trainer.max_steps * trainer.accumulate_grad_batches
-        start = min(trainer.global_step * trainer.accumulate_grad_batches, length)
-        batches = _Batches(self._train_batch, length, self.seed, rank)
+
+        def start() -> int:  # read when an iterator begins: a resumed DDP run re-creates its iterator
+            return min(trainer.global_step * trainer.accumulate_grad_batches, length)
+
+        batches = self._train_dataset(length)
         return DataLoader(batches, batch_size=None, sampler=_From(start, length), num_workers=self.num_workers)
 
-    def val_dataloader(self) -> DataLoader:
+    def _train_dataset(self, length: int) -> Dataset:
+        """Item i = training batch i of this rank."""
+        return _Batches(self._train_batch, length, self.seed, self._rank_world()[0])
+
+    def val_dataloader(self) -> DataLoader | list[DataLoader]:
+        """This rank's share of the validation windows; with val_carried also the carried pass (vqattn.streams)."""
         rank, world = self._rank_world()
         shard = torch.utils.data.Subset(self.val_set, range(rank, len(self.val_set), world))
-        return DataLoader(shard, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
+        loader = DataLoader(shard, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
+        if not self.val_carried:
+            return loader
+        from .streams import CarriedValBatches
+
+        carried = CarriedValBatches(self.val_set, batch_size=self.batch_size, rank=rank, world_size=world)
+        return [loader, DataLoader(carried, batch_size=None, num_workers=self.num_workers)]
 
 
 class _WindowSet(Dataset):
@@ -128,7 +152,8 @@ class ByteDataModule(_LMDataModule):
 
     Training batches are ``batch_size`` windows of ``seq_len + 1`` bytes at uniformly random offsets.
     Validation uses non-overlapping windows tiling the validation bytes, at most ``val_windows`` of them
-    (spread evenly over the split when there are more), so val bits per byte is the mean over those bytes.
+    (spread evenly over the split when there are more, or the first ``val_windows`` with ``val_carried``, whose
+    pass needs consecutive windows), so val bits per byte is the mean over those bytes.
     Subclasses implement ``_load() -> (train_bytes, val_bytes)``.
     """
 
@@ -163,8 +188,18 @@ class ByteDataModule(_LMDataModule):
         n = (len(val_data) - 1) // self.seq_len
         tiles = torch.arange(n) * self.seq_len
         if n > self.val_windows:
-            tiles = tiles[torch.linspace(0, n - 1, self.val_windows).round().long()]
+            spread = torch.linspace(0, n - 1, self.val_windows).round().long()
+            tiles = tiles[torch.arange(self.val_windows) if self.val_carried else spread]
         self.val_set = _WindowSet(val_data, tiles, self.seq_len)
+
+    def _train_dataset(self, length: int) -> Dataset:
+        if not self.stream:
+            return super()._train_dataset(length)
+        from .streams import StreamBatches
+
+        rank, world = self._rank_world()
+        return StreamBatches(self.train_data, seq_len=self.seq_len, batch_size=self.batch_size, rank=rank,
+                             world_size=world, seed=self.seed, num_batches=length)
 
     def _train_batch(self, rng):
         offsets = rng.integers(0, len(self.train_data) - self.seq_len, size=self.batch_size)
@@ -315,22 +350,25 @@ class HubTextDataModule(ByteDataModule):
 
 
 def mqar_example(rng: np.random.Generator, n: int, seq_len: int, num_kv_pairs: int, vocab_size: int = 256,
-                 power_a: float = 0.01, random_non_queries: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                 power_a: float = 0.01, random_non_queries: bool = True,
+                 min_query_gap: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``n`` multi-query associative recall sequences as defined by Zoology (Arora et al. 2023).
 
     Layout of each length-(seq_len + 1) sequence before the one-token shift:
 
-        k_1 v_1 k_2 v_2 ... k_P v_P | query region of seq_len + 1 - 2P tokens
+        k_1 v_1 k_2 v_2 ... k_P v_P | min_query_gap filler tokens | query region of seq_len + 1 - 2P - gap tokens
 
     Keys are distinct per sequence, drawn from [1, V/2); values distinct, from [V/2, V). Every key is queried once,
     at an even offset 2 g of the query region, where the gap indices g are distinct and drawn with
-    p(g) proportional to g^(power_a - 1), g = 1..(seq_len - 2P)/2 (so recent-looking gaps are more likely);
-    the token after a query is its value. Other query-region tokens are 0, or uniform random tokens if
-    random_non_queries. Returns x (n, seq_len) and y (n, seq_len) with y = the value at the position of each
-    queried key and IGNORE_INDEX elsewhere: loss and recall accuracy count only the P answer positions.
+    p(g) proportional to g^(power_a - 1), g = 1..(seq_len - 2P - gap)/2 (so recent-looking gaps are more likely);
+    the token after a query is its value. Every query then sits more than min_query_gap tokens after its key and
+    value (with min_query_gap >= 2·block_len: outside a vq layer's raw window). Filler and other query-region tokens
+    are 0, or uniform random tokens if random_non_queries. Returns x (n, seq_len) and y (n, seq_len) with y = the
+    value at the position of each queried key and IGNORE_INDEX elsewhere: loss and recall accuracy count only the P
+    answer positions.
     """
     context = 2 * num_kv_pairs
-    space = (seq_len - context) // 2
+    space = (seq_len - context - min_query_gap) // 2
     half = vocab_size // 2
     keys = np.stack([rng.choice(np.arange(1, half), num_kv_pairs, replace=False) for _ in range(n)])  # (n, P)
     values = np.stack([rng.choice(np.arange(half, vocab_size), num_kv_pairs, replace=False) for _ in range(n)])
@@ -338,7 +376,7 @@ def mqar_example(rng: np.random.Generator, n: int, seq_len: int, num_kv_pairs: i
     seq[:, 0:context:2], seq[:, 1:context:2] = keys, values
     p = np.arange(1, space + 1, dtype=np.float64) ** (power_a - 1)
     gaps = np.stack([rng.choice(space, num_kv_pairs, replace=False, p=p / p.sum()) for _ in range(n)])  # (n, P)
-    query_pos = context + 2 * gaps  # (n, P): position of the queried key; its answer follows at query_pos + 1
+    query_pos = context + min_query_gap + 2 * gaps  # (n, P): position of the queried key; its answer follows it
     np.put_along_axis(seq, query_pos, keys, axis=1)
     labels = np.full((n, seq_len + 1), IGNORE_INDEX, dtype=np.int64)
     np.put_along_axis(labels, query_pos + 1, values, axis=1)
@@ -353,24 +391,31 @@ class MQARDataModule(_LMDataModule):
     """Synthetic multi-query associative recall (``data=mqar``); metric: recall accuracy on the answers.
 
     Training batches are fresh draws (seeded by batch index); validation is ``num_val_examples`` fixed
-    sequences from a different seed.
+    sequences from a different seed. ``min_query_gap``: filler tokens between the key-value pairs and the first
+    query (long-range recall, experiment=mqar_long).
     """
 
     name = "mqar"
 
     def __init__(self, *, num_kv_pairs: int = 8, vocab_size: int = 256, num_val_examples: int = 512,
-                 power_a: float = 0.01, random_non_queries: bool = True, **kwargs):
+                 power_a: float = 0.01, random_non_queries: bool = True, min_query_gap: int = 0, **kwargs):
         super().__init__(**kwargs)
-        if num_kv_pairs < 1 or 4 * num_kv_pairs > self.seq_len:
+        if self.stream or self.val_carried:
+            raise ValueError("data=mqar: MQAR sequences are independent, so data.stream and data.val_carried "
+                             "(carry_state) need a byte corpus (data=default, text, enwik8, wikitext103)")
+        if isinstance(min_query_gap, bool) or not isinstance(min_query_gap, int) or min_query_gap < 0:
+            raise ValueError(f"data.min_query_gap must be an int >= 0, got {min_query_gap!r}")
+        if num_kv_pairs < 1 or 4 * num_kv_pairs + min_query_gap > self.seq_len:
             raise ValueError(
-                f"data=mqar: num_kv_pairs={num_kv_pairs} needs seq_len >= 4 * num_kv_pairs = {4 * num_kv_pairs} "
-                f"(P pairs then room to query each key once), got seq_len={self.seq_len}"
+                f"data=mqar: num_kv_pairs={num_kv_pairs} and min_query_gap={min_query_gap} need seq_len >= "
+                f"4 * num_kv_pairs + min_query_gap = {4 * num_kv_pairs + min_query_gap} (P pairs, the gap, then room "
+                f"to query each key once), got seq_len={self.seq_len}"
             )
         if num_kv_pairs >= vocab_size // 2:
             raise ValueError(f"data=mqar: num_kv_pairs={num_kv_pairs} needs more than {num_kv_pairs} distinct keys; "
                              f"vocab_size={vocab_size} has only {vocab_size // 2 - 1}")
         self.kw = dict(seq_len=self.seq_len, num_kv_pairs=num_kv_pairs, vocab_size=vocab_size, power_a=power_a,
-                       random_non_queries=random_non_queries)
+                       random_non_queries=random_non_queries, min_query_gap=min_query_gap)
         self.num_val_examples = num_val_examples
 
     def setup(self, stage: str | None = None) -> None:

@@ -9,6 +9,9 @@ global_step) val_loss, val_bpb, val_acc (next-byte accuracy; recall accuracy for
 answers only) and the codebook usage stats (codebook_perplexity, codebook_dead_codes, codebook_quant_error).
 train.py adds Lightning's LearningRateMonitor and ThroughputMonitor (vqattn.callbacks) for the learning rate
 and tokens per second.
+With ``carry_state`` each training step continues the previous step's rows from their detached state (vqattn.carry;
+the data must then be consecutive segments, ``data.stream``). A datamodule with a second validation loader (the
+carried pass, ``data.val_carried``) adds val_loss_carried, val_bpb_carried and val_acc_carried.
 At the end of training ``buffer_divergence`` records how far the ranks' model buffers drifted apart (0 when
 the codebook EMA and feature redraws stay identical across DDP ranks, as they must).
 """
@@ -24,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torchmetrics import Metric
 
+from .carry import CarriedState
 from .data import IGNORE_INDEX
 from .feature_maps import set_feature_step
 from .model import GPT, GPTConfig
@@ -121,10 +125,15 @@ class LitLM(L.LightningModule):
         optim: OptimConfig keyword arguments (missing ones take OptimConfig's defaults).
         aux_weight: weight of the auxiliary (commitment) loss.
         compile: ``torch.compile`` the model (in place: checkpoints keep the eager parameter names).
+        carry_state: train on consecutive segments, each step starting from the previous step's detached state.
     """
 
-    def __init__(self, model: dict, optim: dict | None = None, aux_weight: float = 1.0, compile: bool = False):
+    def __init__(self, model: dict, optim: dict | None = None, aux_weight: float = 1.0, compile: bool = False,
+                 carry_state: bool = False):
         super().__init__()
+        if carry_state and model.get("pos_emb", GPTConfig.pos_emb) == "learned":
+            raise ValueError("carry_state=true needs model.pos_emb=rope or none: carried positions grow past "
+                             "model.seq_len, which learned absolute positions cannot encode")
         self.save_hyperparameters()
         self.model = GPT(model_config(model))
         if compile:
@@ -132,6 +141,9 @@ class LitLM(L.LightningModule):
         self.optim = asdict(OptimConfig(**(optim or {})))
         self.aux_weight = aux_weight
         self.val_nll = SummedNLL()
+        self.val_nll_carried = SummedNLL()
+        self.carry = CarriedState() if carry_state else None  # the training rows' state
+        self.val_carry = CarriedState()  # the carried validation pass's state
         self.last_validation: dict | None = None  # {"step", "val_loss", "val_bpb", "val_acc", "codebook_..."}
         self.buffer_divergence = 0.0  # set by on_train_end, see rank_divergence
 
@@ -140,9 +152,14 @@ class LitLM(L.LightningModule):
     def forward(self, idx: torch.Tensor):
         return self.model(idx)
 
+    def setup(self, stage: str) -> None:
+        if stage == "fit" and self.carry is not None and not getattr(self.trainer.datamodule, "stream", False):
+            raise ValueError("carry_state=true trains on consecutive segments: it needs a datamodule with stream=True "
+                             "(data.stream=true, a byte corpus), whose row r of batch i + 1 continues row r of batch i")
+
     def training_step(self, batch, batch_idx):
         x, y = batch  # (B, T) each
-        out = self.model(x)
+        out = self.model(x) if self.carry is None else self.carry.forward(self.model, x)
         nll = F.cross_entropy(out.logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE_INDEX)
         loss = nll + self.aux_weight * out.aux_loss
         self.log_dict({"train_loss": loss, "train_nll": nll, "train_aux": out.aux_loss})
@@ -168,17 +185,29 @@ class LitLM(L.LightningModule):
         gathered = self.all_gather(flat)  # (world, N)
         return float((gathered - gathered[0]).abs().max())
 
-    def validation_step(self, batch, batch_idx):
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        """Loader 0: independent windows. Loader 1 (data.val_carried): consecutive segments, state carried."""
         x, y = batch
-        self.val_nll.update(self.model(x).logits, y)
+        if dataloader_idx == 0:
+            self.val_nll.update(self.model(x).logits, y)
+            return
+        if batch_idx == 0:
+            self.val_carry.reset()
+        self.val_nll_carried.update(self.val_carry.forward(self.model, x).logits, y)
 
     def on_validation_epoch_end(self):
-        vals = self.val_nll.compute()  # already summed over ranks: identical everywhere
-        self.val_nll.reset()
-        metrics = {f"val_{k}": float(v) for k, v in vals.items()}
+        metrics = {}
+        passes = [(self.val_nll, "")]
+        if self.val_nll_carried.update_count:  # a carried loader ran (on every rank alike)
+            passes.append((self.val_nll_carried, "_carried"))
+        for metric, suffix in passes:
+            vals = metric.compute()  # already summed over ranks: identical everywhere
+            metric.reset()
+            metrics.update({f"val_{k}{suffix}": float(v) for k, v in vals.items()})
+        self.val_carry.reset()
         metrics.update({f"codebook_{k}": float(v) for k, v in self.model.codebook_stats().items()})
         for key, value in metrics.items():  # progress bar and callback_metrics; the logger row is written below
-            self.log(key, value, prog_bar=key.startswith("val_"), logger=False, sync_dist=True)
+            self.log(key, value, prog_bar=key.startswith("val_") and "_carried" not in key, logger=False, sync_dist=True)
         # Written at global_step, the number of optimizer steps done (Lightning's own step for epoch-end logging
         # is the last batch index, 199 for the validation after 200 steps).
         if self.logger is not None and not self.trainer.sanity_checking:
@@ -202,3 +231,13 @@ class LitLM(L.LightningModule):
             opt, lambda step: warmup_cosine(step, warmup_steps=o["warmup_steps"], total_steps=total,
                                             min_lr_ratio=o["min_lr_ratio"]))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # The carried state travels with the checkpoint, every rank's (saving is a collective under DDP: see
+    # vqattn.carry), so that a resumed run continues its rows from the state it stopped with.
+    def on_save_checkpoint(self, checkpoint):
+        if self.carry is not None:
+            checkpoint["carry_state"] = self.carry.gathered(self.trainer.world_size)
+
+    def on_load_checkpoint(self, checkpoint):
+        if self.carry is not None and "carry_state" in checkpoint and self._trainer is not None:  # resuming a fit
+            self.carry.load(checkpoint["carry_state"], self.trainer.global_rank, self.trainer.world_size)

@@ -2,7 +2,8 @@
 
 Reads every ``results.json`` under SWEEP_DIR (one per run dir, as train.py writes them) and the validation
 rows of each run's ``metrics.csv``; writes SWEEP_DIR/report.md (a markdown table: val bpb, tokens/s, params,
-peak memory, sorted by val bpb; MQAR runs add recall accuracy and are sorted by it) and SWEEP_DIR/val_bpb.png (val bpb against step, one line per run).
+state floats (one layer's decoding state at the run's seq_len), peak memory, sorted by val bpb; MQAR runs add recall
+accuracy and are sorted by it) and SWEEP_DIR/val_bpb.png (val bpb against step, one line per run).
 """
 
 from __future__ import annotations
@@ -41,14 +42,16 @@ def sort_key(run: dict) -> tuple:
 def markdown_table(runs: list[dict]) -> str:
     recall = any("recall_acc" in r for r in runs)
     lines = [
-        f"| run | attention |{' recall acc |' if recall else ''} val bpb | tokens/s | params | peak memory (MB) | steps |",
-        f"|---|---|{'---:|' if recall else ''}---:|---:|---:|---:|---:|",
+        f"| run | attention |{' recall acc |' if recall else ''} val bpb | tokens/s | params | state floats "
+        "| peak memory (MB) | steps |",
+        f"|---|---|{'---:|' if recall else ''}---:|---:|---:|---:|---:|---:|",
     ]
     for r in sorted(runs, key=sort_key):
         acc = (f" {r['recall_acc']:.4f} |" if "recall_acc" in r else " |") if recall else ""
+        state = f"{r['state_floats']:,}" if "state_floats" in r else "?"
         lines.append(
             f"| {r['name']} | {r['attention']} |{acc} {r['val_bpb']:.4f} | {r['tokens_per_sec']:,.0f} | {r['params']:,} "
-            f"| {r['peak_memory_mb']:,.0f} | {r['steps']} |"
+            f"| {state} | {r['peak_memory_mb']:,.0f} | {r['steps']} |"
         )
     kinds = sorted({r.get("peak_memory_kind", "?") for r in runs})
     devices = sorted({r.get("device", "?") for r in runs})

@@ -1,0 +1,136 @@
+"""Carried state (vqattn.carry, LitLM carry_state): segments carried = one long sequence, checkpoint encoding,
+rank bookkeeping, validation carried vs independent, exact resume (slow), DDP (slow)."""
+
+import dataclasses
+import io
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model_helpers import tiny_model
+from vqattn.carry import CarriedState, decode, encode
+from vqattn.data import TextDataModule
+from vqattn.lit import LitLM
+
+
+def segments(model, x, t):
+    """Logits of x (B, n·t) fed as n carried segments of t tokens, and the carrier."""
+    carry = CarriedState()
+    logits = torch.cat([carry.forward(model, x[:, i : i + t]).logits for i in range(0, x.shape[1], t)], dim=1)
+    return logits, carry
+
+
+def tensors(obj) -> list[torch.Tensor]:
+    """Every tensor in a (nested) state."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if dataclasses.is_dataclass(obj):
+        obj = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    return [t for x in obj for t in tensors(x)] if isinstance(obj, (list, tuple)) else []
+
+
+@pytest.mark.parametrize("name", ["vq_hard", "vq_soft", "performer", "linear"])
+def test_carried_segments_equal_one_pass_over_the_whole_sequence(name):
+    # constant-size states carry the whole past, so segment after segment is the long sequence
+    model = tiny_model(name)
+    x = torch.randint(0, 17, (3, 40), generator=torch.Generator().manual_seed(0))
+    logits, carry = segments(model, x, 8)
+    torch.testing.assert_close(logits, model(x).logits)
+    assert carry.state.pos == 40
+    held = tensors(carry.state)
+    assert held and not any(t.requires_grad for t in held)  # gradients stop at the segment boundary
+    assert any(t.requires_grad for t in tensors(model(x[:, :8], return_state=True).state))  # ... by detaching
+
+
+def test_softmax_carries_a_memory_of_one_segment():
+    model = tiny_model("softmax")
+    x = torch.randint(0, 17, (2, 24), generator=torch.Generator().manual_seed(1))
+    logits, carry = segments(model, x, 8)
+    torch.testing.assert_close(logits[:, :16], model(x[:, :16]).logits)  # the first 8 keys are still held
+    assert carry.state.layers[0].inner.k.shape[2] == 8  # detached(max_cache=T): the newest T keys
+    assert not torch.allclose(logits[:, 16:], model(x).logits[:, 16:])  # segment 3 no longer sees keys 0..7
+
+
+@pytest.mark.parametrize("name", ["vq_hard", "softmax", "performer"])
+def test_encoded_state_survives_a_weights_only_checkpoint(name):
+    model = tiny_model(name)
+    x = torch.randint(0, 17, (2, 20), generator=torch.Generator().manual_seed(2))
+    _, carry = segments(model, x[:, :12], 6)
+    buf = io.BytesIO()
+    torch.save({"carry_state": carry.gathered(world_size=1)}, buf)
+    buf.seek(0)
+    stored = torch.load(buf, weights_only=True)["carry_state"]
+    resumed = CarriedState()
+    resumed.load(stored, rank=0, world_size=1)
+    torch.testing.assert_close(resumed.forward(model, x[:, 12:]).logits, carry.forward(model, x[:, 12:]).logits,
+                               rtol=0, atol=0)
+    assert type(decode(encode(carry.state))) is type(carry.state)
+
+
+def test_decode_rebuilds_only_vqattn_classes_and_loads_check_ranks_and_rows():
+    with pytest.raises(ValueError, match="not a vqattn class"):
+        decode({"__type__": "os:system", "fields": {}})
+    stored = {"world_size": 2, "states": [None, None]}
+    with pytest.raises(ValueError, match="same number of devices"):
+        CarriedState().load(stored, rank=0, world_size=4)
+    model = tiny_model("vq_hard")
+    _, carry = segments(model, torch.zeros(2, 8, dtype=torch.long), 8)
+    with pytest.raises(ValueError, match="same batch size"):
+        carry.forward(model, torch.zeros(3, 8, dtype=torch.long))
+
+
+def test_rank_takes_its_own_state_back():
+    model = tiny_model("vq_hard")
+    states = []
+    for seed in range(2):  # two "ranks", each with its own rows
+        _, carry = segments(model, torch.randint(0, 17, (2, 8), generator=torch.Generator().manual_seed(seed)), 8)
+        states.append(carry.gathered(world_size=1)["states"][0])
+    for rank in range(2):
+        carry = CarriedState()
+        carry.load({"world_size": 2, "states": states}, rank=rank, world_size=2)
+        assert carry.gathered(world_size=1)["states"][0] is states[rank]  # unused yet: stored as loaded
+
+
+TINY = dict(vocab_size=256, seq_len=16, n_layer=2, n_head=2, n_embd=32, pos_emb="rope", attention="vq_hard",
+            attention_kwargs={"num_codes": 8, "block_len": 4, "exact_window": True})
+
+
+def test_learned_positions_or_random_windows_cannot_carry(tmp_path):
+    with pytest.raises(ValueError, match="pos_emb=rope or none"):
+        LitLM(model={**TINY, "pos_emb": "learned"}, carry_state=True)
+    path = tmp_path / "t.txt"
+    path.write_bytes(bytes(range(256)) * 8)
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_checkpointing=False, enable_model_summary=False)
+    with pytest.raises(ValueError, match="stream=True"):
+        trainer.fit(LitLM(model=TINY, carry_state=True), datamodule=TextDataModule(path=str(path), seq_len=16))
+
+
+def test_validation_reports_independent_and_carried_bpb_over_the_same_bytes(tmp_path):
+    path = tmp_path / "t.txt"
+    path.write_bytes(b"".join(b"%d: the quick brown fox %d\n" % (i, i * i) for i in range(300)))
+    dm = TextDataModule(path=str(path), seq_len=16, batch_size=2, val_windows=11, val_carried=True)
+    module = LitLM(model=TINY)
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.validate(module, datamodule=dm, verbose=False)
+    out = module.last_validation
+    # reference: the 11 windows dealt into 2 rows of 6 and 5 consecutive windows, each row one long sequence
+    windows = [dm.val_set[j] for j in range(11)]
+    model = module.model.eval()
+    nll, count, nll_ind = 0.0, 0, 0.0
+    for rows in (windows[:6], windows[6:]):
+        x, y = torch.cat([w[0] for w in rows])[None], torch.cat([w[1] for w in rows])[None]
+        nll += F.cross_entropy(model(x).logits[0].double(), y[0], reduction="sum").item()
+        nll_ind += sum(F.cross_entropy(model(w[0][None]).logits[0].double(), w[1], reduction="sum").item()
+                       for w in rows)
+        count += y.numel()
+    assert out["val_loss_carried"] == pytest.approx(nll / count, rel=1e-5)
+    assert out["val_loss"] == pytest.approx(nll_ind / count, rel=1e-5)
+    assert out["val_loss"] != pytest.approx(out["val_loss_carried"], rel=1e-4)
+    assert out["val_bpb_carried"] == pytest.approx(out["val_loss_carried"] / np.log(2), rel=1e-6)
+    plain = LitLM(model=TINY)
+    trainer.validate(plain, datamodule=TextDataModule(path=str(path), seq_len=16), verbose=False)
+    assert "val_bpb" in plain.last_validation and "val_bpb_carried" not in plain.last_validation

@@ -1,0 +1,90 @@
+"""Consecutive segments of byte streams: the batches of carried-state training and validation (``vqattn.carry``).
+
+Training (``data.stream=true``). The training bytes are cut into R = batch_size · world_size equal streams of
+L = len // R bytes (the last len mod R bytes are not used). Global row g = rank · batch_size + r reads stream g
+as a ring: segment i covers positions
+
+    (phase_g + i·T + [0, 1, ..., T]) mod L      x = those bytes [:-1],  y = [1:]
+
+so x of batch i + 1 starts with the byte that ended y of batch i (row r continues row r), and a stream wraps
+from its last byte to its first (one document boundary per pass). The phases phase_g ~ U[0, L) come from the
+data seed, so seeds read different text at each step. Rank k holds rows [k·B, (k+1)·B): its bytes are disjoint
+from every other rank's. Batch i is a pure function of (seed, i, rank, world_size): a run resumed at batch i
+reads what an uninterrupted run reads.
+
+Validation (``data.val_carried=true``). The N validation windows (the independent pass's own windows, each
+(x, y) of T tokens, consecutive in the text) are dealt in order to R rows, row g taking a run of N // R or
+N // R + 1 consecutive windows. Step s of the carried pass feeds every row its s-th window; a row that has run
+out gets a padding window (x = 0, y = IGNORE_INDEX, which no metric counts). Every labelled byte of the
+independent pass is thus predicted exactly once, with the state carried from the row's earlier windows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from .data import IGNORE_INDEX
+
+
+class StreamBatches(Dataset):
+    """Item i: (x, y) (B, T) long, the i-th consecutive segment of this rank's B streams (module docstring)."""
+
+    def __init__(self, data: torch.Tensor, *, seq_len: int, batch_size: int, rank: int, world_size: int,
+                 seed: int, num_batches: int):
+        rows = batch_size * world_size
+        self.length = len(data) // rows
+        if self.length < seq_len + 1:
+            raise ValueError(
+                f"data.stream: {len(data)} training bytes cut into batch_size x world_size = {rows} streams give "
+                f"{self.length} bytes per stream, fewer than seq_len + 1 = {seq_len + 1}; lower data.batch_size or "
+                f"model.seq_len, or give more text"
+            )
+        mine = slice(rank * batch_size, (rank + 1) * batch_size)
+        phases = np.random.default_rng(seed).integers(0, self.length, size=rows)
+        self.data, self.seq_len, self.num_batches = data, seq_len, num_batches
+        self.starts = torch.arange(rows)[mine] * self.length  # (B,) first byte of each stream
+        self.phases = torch.from_numpy(phases[mine])  # (B,)
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = (self.phases[:, None] + i * self.seq_len + torch.arange(self.seq_len + 1)) % self.length  # (B, T+1)
+        chunk = self.data[self.starts[:, None] + pos].long()
+        return chunk[:, :-1], chunk[:, 1:]
+
+
+class CarriedValBatches(Dataset):
+    """Item s: (x, y) (B, T), step s of the carried validation pass over ``windows`` (module docstring).
+
+    windows: a dataset of (x, y) pairs of T tokens each, window j + 1 following window j in the text.
+    Every rank gets the same number of steps, ceil(N / R).
+    """
+
+    def __init__(self, windows: Dataset, *, batch_size: int, rank: int, world_size: int):
+        n, rows = len(windows), batch_size * world_size
+        if n == 0:
+            raise ValueError("data.val_carried: the validation set holds no window")
+        per_row, extra = divmod(n, rows)
+        lens = [per_row + (g < extra) for g in range(rows)]
+        starts = np.cumsum([0, *lens[:-1]])
+        mine = range(rank * batch_size, (rank + 1) * batch_size)
+        self.rows = [(int(starts[g]), lens[g]) for g in mine]  # (first window, number of windows) per row
+        self.windows, self.steps = windows, per_row + (extra > 0)
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __getitem__(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        xs, ys = [], []
+        for start, count in self.rows:
+            if s < count:
+                x, y = self.windows[start + s]
+            else:
+                x, _ = self.windows[0]
+                x, y = torch.zeros_like(x), torch.full_like(x, IGNORE_INDEX)
+            xs.append(x)
+            ys.append(y)
+        return torch.stack(xs), torch.stack(ys)
