@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from vqattn import data as D
+from vqattn.mqar import MQARDataModule, mqar_example
 
 
 def fake_trainer(global_step=0, max_steps=10, rank=0, world=1, accumulate=1):
@@ -19,7 +20,7 @@ def fake_trainer(global_step=0, max_steps=10, rank=0, world=1, accumulate=1):
 
 @pytest.mark.parametrize("seq_len,pairs,filler", [(64, 8, True), (33, 8, False), (128, 4, True)])
 def test_mqar_every_answer_is_the_value_bound_to_the_queried_key(seq_len, pairs, filler):
-    x, y = D.mqar_example(np.random.default_rng(1), 16, seq_len, pairs, random_non_queries=filler)
+    x, y = mqar_example(np.random.default_rng(1), 16, seq_len, pairs, random_non_queries=filler)
     assert x.shape == y.shape == (16, seq_len) and x.dtype == y.dtype == torch.long
     ctx = 2 * pairs
     for xs, ys in zip(x.tolist(), y.tolist()):
@@ -40,7 +41,7 @@ def test_mqar_every_answer_is_the_value_bound_to_the_queried_key(seq_len, pairs,
 
 def test_mqar_gaps_follow_a_decreasing_power_law():
     # p(g) ∝ g^(a-1) with a=0.01: early query slots are far more likely than late ones.
-    x, y = D.mqar_example(np.random.default_rng(0), 400, 256, 4)
+    x, y = mqar_example(np.random.default_rng(0), 400, 256, 4)
     pos = (y != D.IGNORE_INDEX).nonzero()[:, 1] - 8
     early, late = (pos < 40).sum().item(), (pos >= 200).sum().item()
     assert early > 3 * late
@@ -48,13 +49,13 @@ def test_mqar_gaps_follow_a_decreasing_power_law():
 
 def test_mqar_rejects_a_sequence_too_short_for_the_pairs():
     with pytest.raises(ValueError, match="seq_len >= 4"):
-        D.MQARDataModule(num_kv_pairs=20, seq_len=64)
+        MQARDataModule(num_kv_pairs=20, seq_len=64)
     with pytest.raises(ValueError, match="distinct keys"):
-        D.MQARDataModule(num_kv_pairs=200, seq_len=1024)
+        MQARDataModule(num_kv_pairs=200, seq_len=1024)
 
 
 def test_mqar_module_batches_are_deterministic_and_validation_is_fixed():
-    dm = D.MQARDataModule(num_kv_pairs=4, seq_len=32, batch_size=4, num_val_examples=10)
+    dm = MQARDataModule(num_kv_pairs=4, seq_len=32, batch_size=4, num_val_examples=10)
     dm.trainer = fake_trainer(max_steps=3)
     dm.setup()
     a = [b for b in dm.train_dataloader()]
@@ -246,7 +247,7 @@ def test_a_too_short_split_names_the_settings_that_fix_it(tmp_path):
 
 
 def test_the_training_data_is_sized_by_max_steps():
-    dm = D.MQARDataModule(num_kv_pairs=2, seq_len=16, batch_size=2)
+    dm = MQARDataModule(num_kv_pairs=2, seq_len=16, batch_size=2)
     dm.trainer = fake_trainer(max_steps=-1)
     with pytest.raises(ValueError, match="trainer.max_steps"):
         dm.train_dataloader()

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vqattn.data import IGNORE_INDEX, MQARDataModule
+from vqattn.data import IGNORE_INDEX
+from vqattn.mqar import MQARDataModule
 from vqattn.layers import ATTENTIONS
 from vqattn.lit import LitLM, SummedNLL, warmup_cosine
 

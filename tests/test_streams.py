@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from vqattn import data as D
+from vqattn.mqar import MQARDataModule, mqar_example
 from vqattn.streams import CarriedValBatches, StreamBatches
 
 
@@ -128,14 +129,14 @@ def test_val_carried_adds_a_second_loader_over_the_first_val_windows(tmp_path):
 
 def test_mqar_refuses_stream_modes():
     with pytest.raises(ValueError, match="byte corpus"):
-        D.MQARDataModule(num_kv_pairs=4, seq_len=64, stream=True)
+        MQARDataModule(num_kv_pairs=4, seq_len=64, stream=True)
     with pytest.raises(ValueError, match="byte corpus"):
-        D.MQARDataModule(num_kv_pairs=4, seq_len=64, val_carried=True)
+        MQARDataModule(num_kv_pairs=4, seq_len=64, val_carried=True)
 
 
 @pytest.mark.parametrize("seq_len,pairs,gap,block_len", [(1024, 16, 256, 32), (300, 8, 130, 64), (97, 4, 65, 32)])
 def test_mqar_queries_sit_outside_the_raw_window(seq_len, pairs, gap, block_len):
-    x, y = D.mqar_example(np.random.default_rng(3), 64, seq_len, pairs, min_query_gap=gap)
+    x, y = mqar_example(np.random.default_rng(3), 64, seq_len, pairs, min_query_gap=gap)
     assert x.shape == y.shape == (64, seq_len)
     for xs, ys in zip(x.tolist(), y.tolist()):
         where = {xs[2 * j]: 2 * j for j in range(pairs)}  # key -> its position (its value follows it)
@@ -146,15 +147,15 @@ def test_mqar_queries_sit_outside_the_raw_window(seq_len, pairs, gap, block_len)
             assert i - (where[xs[i]] + 1) > gap >= 2 * block_len  # query far from its key and value
     first_answer = lambda labels: int((labels != D.IGNORE_INDEX).float().argmax(dim=1).min())  # noqa: E731
     assert first_answer(y) >= 2 * pairs + gap  # the gap holds no query ...
-    _, y_default = D.mqar_example(np.random.default_rng(3), 64, seq_len, pairs)
+    _, y_default = mqar_example(np.random.default_rng(3), 64, seq_len, pairs)
     assert first_answer(y_default) < 2 * pairs + gap  # ... where the default layout puts some
 
 
 def test_mqar_gap_too_long_for_the_sequence_is_explained():
     with pytest.raises(ValueError, match="min_query_gap=200"):
-        D.MQARDataModule(num_kv_pairs=16, seq_len=256, min_query_gap=200)
+        MQARDataModule(num_kv_pairs=16, seq_len=256, min_query_gap=200)
     with pytest.raises(ValueError, match="min_query_gap must be an int"):
-        D.MQARDataModule(num_kv_pairs=16, seq_len=256, min_query_gap=-1)
+        MQARDataModule(num_kv_pairs=16, seq_len=256, min_query_gap=-1)
 
 
 def test_a_new_loader_iterator_starts_at_the_trainer_step(tmp_path):

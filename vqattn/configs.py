@@ -56,10 +56,10 @@ def _dataclass_defaults(cls) -> dict:
 
 def data_classes() -> dict[str, type]:
     """The data modules conf/data/ builds, by schema name."""
-    from . import data
+    from . import data, mqar
 
     return {"stdlib": data.StdlibDataModule, "text": data.TextDataModule, "hub": data.HubTextDataModule,
-            "mqar": data.MQARDataModule}
+            "mqar": mqar.MQARDataModule}
 
 
 def register() -> None:
