@@ -59,7 +59,7 @@ def test_defaults_and_groups():
     mqar = cfg_for("experiment=mqar")
     assert mqar.data.num_kv_pairs == 16 and mqar.data.seq_len == 128
     for data in ("default", "text", "enwik8", "wikitext103", "mqar"):
-        assert cfg_for(f"data={data}").data._target_.startswith("vqattn.data.")
+        assert cfg_for(f"data={data}").data._target_.startswith(("vqattn.data.", "vqattn.mqar."))
 
 
 def test_unknown_attention_lists_the_valid_ones():
