@@ -18,7 +18,9 @@ Every method runs in up to three modes (``--modes``), each a column group with t
 
 Every (method, T) runs in its own subprocess, so CPU peak memory is that process's high-water RSS above what it
 held just before the call (inputs included), and one run's allocations cannot flatter the next. On CUDA the peak
-is ``torch.cuda.max_memory_allocated`` above the inputs. Ratios are SDPA / vq from the same run.
+is ``torch.cuda.max_memory_allocated`` above the inputs. Ratios are SDPA / vq from the same run: the median over
+``--rounds`` interleaved rounds of the per-round ratio, because a shared machine's speed drifts by tens of percent
+from one subprocess to the next.
 """
 
 from __future__ import annotations
@@ -117,10 +119,13 @@ def main():
     parser.add_argument("--block-lens", type=int, nargs="+", default=[0], help="0 = vq_attention's default")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="measure every method this many times, interleaved; the ratio is the median of the "
+                             "per-round ratios, so a slow spell of a shared machine hits SDPA and vq alike")
     args = parser.parse_args()
 
     print(f"# causal fwd+bwd, B=1 H=4 D=64 S=512 fp32, {args.device}: {machine()}, torch {torch.__version__}; "
-          f"median of {args.reps}; peak MB from the {args.modes[0]} mode")
+          f"median of {args.reps} reps in each of {args.rounds} interleaved rounds; peak MB from the {args.modes[0]} mode")
     header = ["T", "block_len", "method"]
     for mode in args.modes:
         header += [f"{mode} ms", f"sdpa/x {mode}"]
@@ -129,19 +134,23 @@ def main():
     print("|" + "---|" * len(header))
     for T in args.lengths:
         for block_len in args.block_lens:
-            results = {(m, mode): measure(m, T, args.device, args.reps, block_len, mode)
-                       for mode in args.modes for m in args.methods}
+            rounds = [{(m, mode): measure(m, T, args.device, args.reps, block_len, mode)
+                       for mode in args.modes for m in args.methods} for _ in range(args.rounds)]
+            results = {key: {"ms": statistics.median(r[key]["ms"] for r in rounds),
+                             "peak_mb": max(r[key]["peak_mb"] for r in rounds),
+                             "errors": [r[key]["error"] for r in rounds if "error" in r[key]]}
+                       for key in rounds[0]}
             for m in args.methods:
                 row = [str(T), str(block_len or "default"), m]
                 for mode in args.modes:
-                    ms = results[m, mode]["ms"]
-                    sdpa = results["sdpa", mode]["ms"] if "sdpa" in args.methods else float("nan")
-                    row += [f"{ms:.1f}", f"{sdpa / ms:.2f}x"]
+                    ratio = statistics.median(r["sdpa", mode]["ms"] / r[m, mode]["ms"] for r in rounds) \
+                        if "sdpa" in args.methods else float("nan")
+                    row += [f"{results[m, mode]['ms']:.1f}", f"{ratio:.2f}x"]
                 row += [f"{results[m, args.modes[0]]['peak_mb']:.0f}"]
                 print("| " + " | ".join(row) + " |", flush=True)
             for (m, mode), r in results.items():
-                if "error" in r:
-                    print(f"  {m} {mode} T={T} failed: {r['error']}", file=sys.stderr)
+                if r["errors"]:
+                    print(f"  {m} {mode} T={T} failed: {r['errors'][0]}", file=sys.stderr)
 
 
 if __name__ == "__main__":

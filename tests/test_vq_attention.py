@@ -54,7 +54,7 @@ def test_hard_on_codebook_equals_softmax(causal, T, block_len, dtype, tol):
 @pytest.mark.parametrize("assign", ["hard", "soft", "kernel"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("T,block_len", [(1, 4), (5, 8), (37, 8), (64, 16), (100, 16), (300, None)])
-def test_matches_quadratic_reference_outputs_and_grads(assign, causal, T, block_len):
+def test_matches_quadratic_reference_outputs_and_grads(assign, causal, T, block_len, block_grouping):
     q, k, v, c = make_inputs(B=1, H=2, T=T, Dv=5)
     temperature = 0.7
     kw = dict(causal=causal, assign=assign, temperature=temperature)
@@ -67,7 +67,7 @@ def test_matches_quadratic_reference_outputs_and_grads(assign, causal, T, block_
 
 @pytest.mark.parametrize("assign,exact_window", ASSIGN_WINDOW)
 @pytest.mark.parametrize("detach_cache", [False, True])
-def test_window_and_cache_options_match_reference(assign, exact_window, detach_cache):
+def test_window_and_cache_options_match_reference(assign, exact_window, detach_cache, block_grouping):
     q, k, v, c = make_inputs(T=45)
     kw = dict(causal=True, assign=assign, temperature=1.3, block_len=8, exact_window=exact_window,
               detach_cache=detach_cache)
@@ -136,7 +136,7 @@ def test_soft_approaches_hard_as_temperature_goes_to_zero(causal):
 
 
 @pytest.mark.parametrize("assign,exact_window", ASSIGN_WINDOW)
-def test_causality_future_keys_and_values_do_not_leak(assign, exact_window):
+def test_causality_future_keys_and_values_do_not_leak(assign, exact_window, block_grouping):
     q, k, v, c = make_inputs(T=53)
     kw = dict(causal=True, assign=assign, block_len=8, exact_window=exact_window)
     out = vq_attention(q, k, v, c, **kw)
@@ -151,7 +151,7 @@ def test_causality_future_keys_and_values_do_not_leak(assign, exact_window):
 
 
 @pytest.mark.parametrize("assign,exact_window", ASSIGN_WINDOW)
-def test_recurrent_state_matches_one_call(assign, exact_window):
+def test_recurrent_state_matches_one_call(assign, exact_window, block_grouping):
     q, k, v, c = make_inputs(T=61)
     kw = dict(causal=True, assign=assign, block_len=8, exact_window=exact_window)
     full = vq_attention(q, k, v, c, **kw)
@@ -274,19 +274,52 @@ def test_non_causal_accepts_different_key_length():
 
 
 @pytest.mark.parametrize("num_blocks", [1, 2, 3, 7])
-@pytest.mark.parametrize("form", ["loop", "cumsum"])
-@pytest.mark.parametrize("lag", [1, 2])
-def test_lagged_prefix_sum_values_and_gradcheck(num_blocks, form, lag):
-    from vqattn.ops.vq_blocks import LaggedPrefixSum, lagged_cumsum
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_prefix_sum_values_and_gradcheck(num_blocks, device):
+    """The CPU loop and the cumsum form (GPU, compile: the meta device takes that branch) against the sums."""
+    from vqattn.ops.vq_blocks import prefix_sum
 
-    fn = (lambda x, i: LaggedPrefixSum.apply(x, i, lag)) if form == "loop" else (lambda x, i: lagged_cumsum(x, i, lag))
     x = torch.randn(2, 3, num_blocks, 4, 2, dtype=F64, requires_grad=True)
     initial = torch.randn(2, 3, 4, 2, dtype=F64, requires_grad=True)
-    out = fn(x, initial)
+    if device == "meta":
+        assert prefix_sum(x.to("meta"), initial.to("meta")).shape == x.shape
+        fn = lambda x, i: i.unsqueeze(2) + torch.cumsum(x, 2)  # noqa: E731  the branch taken off CPU
+        torch.testing.assert_close(fn(x, initial), prefix_sum(x, initial))
+        return
+    out = prefix_sum(x, initial)
     for b in range(num_blocks):
-        torch.testing.assert_close(out[:, :, b], initial + x[:, :, : max(b - lag + 1, 0)].sum(2))
-    assert torch.autograd.gradcheck(fn, (x, initial))
+        torch.testing.assert_close(out[:, :, b], initial + x[:, :, : b + 1].sum(2))
+    assert torch.autograd.gradcheck(prefix_sum, (x, initial))
 
+
+@pytest.mark.parametrize("num_blocks,bytes_per_block", [(1, 10**9), (100, 1), (100, 3 * 2**20), (7, 2**20)])
+def test_block_groups_cover_the_blocks_in_order_under_the_budget(num_blocks, bytes_per_block):
+    from vqattn.ops.vq_blocks import GROUP_BYTES, block_groups
+
+    groups = block_groups(num_blocks, bytes_per_block, torch.device("cpu"))
+    assert [b for g in groups for b in range(*g)] == list(range(num_blocks))
+    assert all((b1 - b0) * bytes_per_block <= GROUP_BYTES or b1 - b0 == 1 for b0, b1 in groups)
+    assert block_groups(num_blocks, bytes_per_block, torch.device("meta")) == [(0, num_blocks)]
+
+
+def test_long_sequence_runs_in_several_groups_and_matches_one_group(monkeypatch):
+    """At T = 4096, S = 512 the real budget splits the blocks; the result equals the single-group run."""
+    import vqattn.ops.vq as vq_module
+    from vqattn.ops import vq_blocks
+
+    q, k, v, c = make_inputs(B=1, H=2, T=4096, D=16, S=512, dtype=torch.float32)
+    calls, real, budget = [], vq_blocks.block_groups, vq_blocks.GROUP_BYTES
+    monkeypatch.setattr(vq_module, "block_groups", lambda *a: calls.append(real(*a)) or calls[-1])
+    for assign in ("hard", "soft"):
+        out, g = grads(lambda *x: vq_attention(*x, causal=True, assign=assign, block_len=64), q, k, v, c)
+        assert len(calls[-1]) > 1
+        monkeypatch.setattr(vq_blocks, "GROUP_BYTES", 2**40)
+        one, g_one = grads(lambda *x: vq_attention(*x, causal=True, assign=assign, block_len=64), q, k, v, c)
+        monkeypatch.setattr(vq_blocks, "GROUP_BYTES", budget)
+        assert len(calls[-1]) == 1
+        torch.testing.assert_close(out, one, atol=1e-5, rtol=1e-5)
+        for a, b in zip(g, g_one):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("assign", ASSIGNS)

@@ -24,7 +24,7 @@ def grads(fn, *tensors):
 
 
 @pytest.mark.parametrize("T,block_len", [(1, 4), (5, 8), (37, 8), (64, 16), (100, 7), (300, None)])
-def test_matches_band_reference_outputs_and_grads(T, block_len):
+def test_matches_band_reference_outputs_and_grads(T, block_len, block_grouping):
     q, k, v = make_qkv(T=T)
     out, g = grads(lambda *x: window_attention(*x, block_len=block_len, scale=0.4), q, k, v)
     ref, g_ref = grads(lambda *x: ref_window_attention(*x, block_len=block_len or DEFAULT_BLOCK_LEN, scale=0.4),
@@ -78,7 +78,7 @@ def test_recurrent_gradients_match_one_call():
         torch.testing.assert_close(a, b, atol=1e-11, rtol=0, msg=f"grad of {name}")
 
 
-def test_causality_and_locality():
+def test_causality_and_locality(block_grouping):
     q, k, v = make_qkv(T=53)
     L = 8
     out = window_attention(q, k, v, block_len=L)

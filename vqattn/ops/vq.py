@@ -55,58 +55,105 @@ from .vq_assign import (
     mixture_logits,
     vq_assign,
 )
-from .vq_blocks import DEFAULT_BLOCK_LEN, block_bias, lagged_prefix_sum, blocks, no_autocast, pad_to_blocks, window_bias, window_code_attention, windows
+from .vq_blocks import (
+    DEFAULT_BLOCK_LEN,
+    block_bias,
+    block_groups,
+    blocks,
+    group_windows,
+    no_autocast,
+    pad_to_blocks,
+    prefix_sum,
+    split_groups,
+    window_bias,
+    window_code_attention,
+)
 from .vq_recurrent import RECURRENT_MAX_LEN, VQState, vq_recurrent, window_start
 
 __all__ = ["vq_attention", "vq_assign", "Assignment", "VQState", "window_start", "DEFAULT_BLOCK_LEN",
            "RECURRENT_MAX_LEN"]
 
-def _causal(q, k, v, c, a: Assignment, *, L, scale, exact_window, detach_cache, counts0, sums0, G):
-    """Block algorithm. q, k: (B, H, T, D), c: (H, S, D), ``a`` the keys' assignment; counts0/sums0: the
-    cache before position 0 in units of e^G. Returns out (B, H, T, Dv) and per-block counts/sums."""
+def _causal(q, k, v, c, a: Assignment | None, *, L, scale, exact_window, detach_cache, counts0, sums0, G, assign,
+            assign_keys, fold_blocks=0):
+    """Block algorithm, run group by group (:func:`block_groups`), each group starting from the cache the previous
+    one leaves. q, k: (B, H, T, D), c: (H, S, D); ``a`` the keys' Assignment, or None to assign each group's keys
+    with ``assign_keys`` (so no (T, S) tensor exists at once); counts0/sums0: the cache before position 0 in units
+    of e^G. Returns out (B, H, T, Dv) and the cache after the first ``fold_blocks`` blocks (for a state)."""
     B, H, T, D = q.shape
-    S = c.shape[1]
+    S, Dv = c.shape[1], v.shape[-1]
     # Padding sits after every real query, so the causal mask hides it; its block statistics are never read
-    # because block b's cache only holds blocks ≤ b−2. Padded kernel keys get scale e^{−inf} = 0.
+    # because block b's cache only holds blocks ≤ b−1. Padded kernel keys get scale e^{−inf} = 0.
     q, k, v = (pad_to_blocks(x, L) for x in (q, k, v))
-    a = Assignment(pad_to_blocks(a.weights, L), pad_to_blocks(a.index, L),
-                   pad_to_blocks(a.log_scale, L, float("-inf")) if isinstance(a.log_scale, torch.Tensor) else 0.0)
+    if a is not None:
+        a = Assignment(pad_to_blocks(a.weights, L), pad_to_blocks(a.index, L),
+                       pad_to_blocks(a.log_scale, L, float("-inf")) if isinstance(a.log_scale, torch.Tensor) else 0.0)
     nb = q.shape[2] // L
-
-    counts, sums = code_statistics(a, v, S, nb, G)  # (B, H, nb, S), (B, H, nb, S, Dv)
-    if detach_cache:
-        counts, sums = counts.detach(), sums.detach()
     # A soft/kernel window logit is the cache's own formula, so the previous block can be read through the
     # cache (lag 1) and the mixture only runs over the current block: half the (L, S) × (S, ·) products.
     # Not with detach_cache, where the previous block must keep its gradient.
-    lag = 2 if a.index is not None or exact_window or detach_cache else 1
-    cache_counts = lagged_prefix_sum(counts, counts0, lag)  # (B, H, nb, S)
-    cache_sums = lagged_prefix_sum(sums, sums0, lag)  # (B, H, nb, S, Dv)
-
+    lag = 2 if assign == "hard" or exact_window or detach_cache else 1
     q = q * scale  # scaling q is cheaper than scaling the logits
-    code_logits = blocks(q @ c.transpose(-1, -2), L)  # (B, H, nb, L, S): the one q·cᵀ product
-    qb, window_keys, wv = blocks(q, L), None, windows(v, L)
-    bias = window_bias(nb, L, q.device, q.dtype)  # (nb, L, 2L): causal mask
-    if exact_window:
-        window_keys = windows(k, L)
-    elif a.index is not None:
-        # Straight-through: the value of c_z, the gradient of k.
-        k_hat = torch.gather(c.unsqueeze(0).expand(B, H, -1, -1), 2, a.index.unsqueeze(-1).expand(-1, -1, -1, D))
-        window_keys = windows(k_hat + (k - k.detach()), L)
-    else:
-        # The mixture logit log Σ_s e^{σ q·c_s} Δ_js is not a dot product: it is the whole window logit.
-        window = (lambda x: blocks(x, L)) if lag == 1 else (lambda x: windows(x, L))
-        if lag == 1:
-            bias, wv = block_bias(L, q.device, q.dtype), blocks(v, L)
-        bias = bias + mixture_logits(code_logits, map_time(window, a))
-        qb = None
-    out = window_code_attention(qb, window_keys, bias, wv, code_logits, code_bias(cache_counts, G), cache_sums,
-                                cache_counts)
-    return out[:, :, :T], counts, sums
+    c_t = c.transpose(-1, -2)
+    bias_later = window_bias(2, L, q.device, q.dtype)[1:]  # (1, L, 2L): the causal mask of every block but the first
+    groups = block_groups(nb, B * H * max(L * (S + 2 * L), S * Dv) * q.element_size(), q.device)
+    splits = [split_groups(x, groups, L) for x in (q, k, v)]
+    if a is not None:
+        a_splits = [split_groups(x, groups, L) if isinstance(x, torch.Tensor) else [(x, x)] * len(groups) for x in a]
+    # The cache of block b is ``run`` plus the statistics of the blocks between; ``tail`` holds those of the last
+    # ``lag`` blocks, which enter the caches of the next group.
+    run_counts, run_sums, fold_counts, fold_sums = counts0, sums0, counts0, sums0
+    tail_counts, tail_sums = q.new_zeros(B, H, lag, S), q.new_zeros(B, H, lag, S, Dv)
+    outs = []
+    for i, (b0, b1) in enumerate(groups):
+        n = b1 - b0
+        (q_g, _), (k_g, k_before), (v_g, v_before) = (split[i] for split in splits)
+        if a is None:  # the block before this group is the previous group's last; zeros (masked) before block 0
+            a_g = assign_keys(k_g)
+            a_before = map_time(lambda x: x[:, :, -L:], a_previous) if i else \
+                map_time(lambda x: torch.zeros_like(x[:, :, :L]), a_g)
+            a_previous = a_g
+        else:
+            a_g, a_before = (Assignment(*parts) for parts in zip(*(split[i] for split in a_splits)))
+
+        counts, sums = code_statistics(a_g, v_g, S, n, G)  # (B, H, n, S), (B, H, n, S, Dv)
+        if detach_cache:
+            counts, sums = counts.detach(), sums.detach()
+        if fold_blocks > b0:
+            fold_counts = fold_counts + counts[:, :, : fold_blocks - b0].sum(2)
+            fold_sums = fold_sums + sums[:, :, : fold_blocks - b0].sum(2)
+        counts, sums = torch.cat([tail_counts, counts], 2), torch.cat([tail_sums, sums], 2)
+        cache_counts, cache_sums = prefix_sum(counts[:, :, :n], run_counts), prefix_sum(sums[:, :, :n], run_sums)
+        run_counts, run_sums, tail_counts, tail_sums = cache_counts[:, :, -1], cache_sums[:, :, -1], \
+            counts[:, :, n:], sums[:, :, n:]
+
+        code_logits = blocks(q_g @ c_t, L)  # (B, H, n, L, S): the one q·cᵀ product
+        qb, window_keys, wv = blocks(q_g, L), None, group_windows(v_g, v_before, L)
+        bias = window_bias(n, L, q.device, q.dtype) if b0 == 0 else bias_later
+        if exact_window:
+            window_keys = group_windows(k_g, k_before, L)
+        elif a_g.index is not None:
+            # Straight-through: the value of c_z, the gradient of k.
+            c_bh = c.unsqueeze(0).expand(B, H, -1, -1)
+            k_hat = lambda idx, kk: torch.gather(c_bh, 2, idx.unsqueeze(-1).expand(-1, -1, -1, D)) + (kk - kk.detach())  # noqa: E731
+            window_keys = group_windows(k_hat(a_g.index, k_g), k_hat(a_before.index, k_before), L)
+        else:
+            # The mixture logit log Σ_s e^{σ q·c_s} Δ_js is not a dot product: it is the whole window logit.
+            if lag == 1:
+                bias, wv = block_bias(L, q.device, q.dtype), blocks(v_g, L)
+                window_a = map_time(lambda x: blocks(x, L), a_g)
+            else:
+                window_a = Assignment(*(group_windows(x, y, L) if isinstance(x, torch.Tensor) else x
+                                        for x, y in zip(a_g, a_before)))
+            bias = bias + mixture_logits(code_logits, window_a)
+            qb = None
+        outs.append(window_code_attention(qb, window_keys, bias, wv, code_logits, code_bias(cache_counts, G),
+                                          cache_sums, cache_counts))
+    return torch.cat(outs, 2)[:, :, :T], fold_counts, fold_sums
 
 
-def _chunked(q, k, v, c, a, *, state, L, return_state, scale, exact_window, detach_cache):
-    """Causal block algorithm over new tokens that may continue ``state`` (whose raw window is re-run)."""
+def _chunked(q, k, v, c, a, *, state, L, return_state, scale, exact_window, detach_cache, assign, assign_keys):
+    """Causal block algorithm over new tokens that may continue ``state`` (whose raw window is re-run). ``a``: the
+    keys' Assignment, or None (no state) to assign group by group."""
     B, H, T, _ = q.shape
     S, Dv = c.shape[1], v.shape[-1]
     if state is None:
@@ -117,7 +164,7 @@ def _chunked(q, k, v, c, a, *, state, L, return_state, scale, exact_window, deta
         q = torch.cat([q.new_zeros(B, H, prefix, q.shape[-1]), q], dim=2)
         k, v = torch.cat([state.keys, k], dim=2), torch.cat([state.values, v], dim=2)
         a = cat_time(state.assignment, a)
-    G = count_scale(a, G0)
+    G = G0 if a is None else count_scale(a, G0)
     if isinstance(G, torch.Tensor) and isinstance(G0, torch.Tensor):
         rescale = torch.exp(G0 - G)  # (B, H, 1, 1)
         counts0, sums0 = counts0 * rescale.squeeze(-1), sums0 * rescale
@@ -125,21 +172,22 @@ def _chunked(q, k, v, c, a, *, state, L, return_state, scale, exact_window, deta
         counts0, sums0 = counts0.detach(), sums0.detach()
     # Short sequences fit in one block; a shorter block gives the same result with less padding.
     L_run = L if state is not None or return_state else min(L, k.shape[2])
+    length = start + k.shape[2]
+    keep = window_start(length, L) - start  # positions leaving the raw window: whole blocks
     out, counts, sums = _causal(q, k, v, c, a, L=L_run, scale=scale, exact_window=exact_window,
-                                detach_cache=detach_cache, counts0=counts0, sums0=sums0, G=G)
+                                detach_cache=detach_cache, counts0=counts0, sums0=sums0, G=G, assign=assign,
+                                assign_keys=assign_keys, fold_blocks=keep // L if return_state else 0)
     out = out[:, :, out.shape[2] - T :]
     if not return_state:
         return out, None
-    length = start + k.shape[2]
-    keep = window_start(length, L) - start  # positions leaving the raw window: whole blocks
     return out, VQState(
-        counts=counts0 + counts[:, :, : keep // L].sum(2),
-        sums=sums0 + sums[:, :, : keep // L].sum(2),
+        counts=counts,
+        sums=sums,
         keys=k[:, :, keep:],
         values=v[:, :, keep:],
         length=length,
         block_len=L,
-        assignment=map_time(lambda x: x[:, :, keep:], a),
+        assignment=assign_keys(k[:, :, keep:]) if a is None else map_time(lambda x: x[:, :, keep:], a),
         log_scale=G,
     )
 
@@ -217,7 +265,7 @@ def vq_attention(
         causal: block-wise linear-time causal attention; else exp(QCᵀ)(ΔᵀV) over all keys.
         assign: "hard" (Transformer-VQ), "soft" (GMM posterior) or "kernel" (unnormalised Gaussian kernel).
         temperature: τ > 0 of soft/kernel assignments: a number, or a tensor with 1 or H elements (learnable).
-        block_len: causal block length L (default 128, or T when T < 128). The window is the current and the
+        block_len: causal block length L (default 64, or T when T < 64). The window is the current and the
             previous block; older blocks are compressed.
         scale: multiplies q·k and q·c; defaults to D**-0.5 as in SDPA.
         exact_window: the window uses the raw keys (exact softmax nearby, codes only for the far past); not with
@@ -245,8 +293,13 @@ def vq_attention(
         c = codebook.to(dtype)
         c = c.unsqueeze(0).expand(q.shape[1], -1, -1) if c.dim() == 2 else c  # (H, S, D)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        a = vq_assign(k, c, assign=assign, temperature=temperature) if assignment is None else \
-            map_time(lambda x: x.to(dtype) if x.is_floating_point() else x, assignment)
+        assign_keys = lambda keys: vq_assign(keys, c, assign=assign, temperature=temperature)  # noqa: E731
+        if assignment is not None:
+            a = map_time(lambda x: x.to(dtype) if x.is_floating_point() else x, assignment)
+        elif not causal or state is not None or assign == "kernel":
+            a = assign_keys(k)  # kernel: the statistics' unit e^G is the largest scale of all keys
+        else:
+            a = None  # the block algorithm assigns group by group
         if not causal:
             return _non_causal(q, k, v, c, a, scale).to(in_dtype)
         kw = dict(scale=scale, exact_window=exact_window, detach_cache=detach_cache)
@@ -255,5 +308,5 @@ def vq_attention(
         else:
             L = block_len or (state.block_len if state is not None else DEFAULT_BLOCK_LEN)
             out, new_state = _chunked(q, k, v, c, a, state=None if state is None else state.to(dtype), L=L,
-                                      return_state=return_state, **kw)
+                                      return_state=return_state, assign=assign, assign_keys=assign_keys, **kw)
         return (out.to(in_dtype), new_state) if return_state else out.to(in_dtype)

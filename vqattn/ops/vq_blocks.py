@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# Measured in benchmarks/attention_speed.py (README): the fastest block length on CPU for S=512, D=64.
-DEFAULT_BLOCK_LEN = 128
+# Measured in benchmarks/attention_speed.py (README): at S=512, D=64, T=8192 on CPU, 64 is as fast as 128 for
+# hard and clearly faster for soft (whose exact in-block mixture costs L·S per query); the layers use 64 too.
+DEFAULT_BLOCK_LEN = 64
 
 
 def no_autocast(device: torch.device):
@@ -23,13 +24,6 @@ def no_autocast(device: torch.device):
 def blocks(x: torch.Tensor, L: int) -> torch.Tensor:
     """(B, H, nb·L, ...) -> (B, H, nb, L, ...)."""
     return x.view(*x.shape[:2], x.shape[2] // L, L, *x.shape[3:])
-
-
-def windows(x: torch.Tensor, L: int) -> torch.Tensor:
-    """Previous block + current block: (B, H, nb·L, D) -> (B, H, nb, 2L, D); block 0's previous is zeros."""
-    xb = blocks(x, L)
-    previous = F.pad(xb, (0, 0, 0, 0, 1, 0))[:, :, :-1]
-    return torch.cat([previous, xb], dim=3)
 
 
 def pad_to_blocks(x: torch.Tensor | None, L: int, value=0) -> torch.Tensor | None:
@@ -46,8 +40,8 @@ def block_bias(L: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor
 
 
 def window_bias(num_blocks: int, L: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """(nb, L, 2L) additive mask: query i of block b sees window key jj iff jj ≤ i + L (causal); block 0 has no
-    previous block."""
+    """(nb, L, 2L) additive mask of the first nb blocks of a sequence: query i of block b sees window key jj iff
+    jj ≤ i + L (causal); block 0 has no previous block. Later blocks share block 1's mask: ``bias[1:2]``."""
     i = torch.arange(L, device=device)[:, None]
     jj = torch.arange(2 * L, device=device)[None, :]
     bias = torch.zeros(num_blocks, L, 2 * L, device=device, dtype=dtype)
@@ -56,51 +50,78 @@ def window_bias(num_blocks: int, L: int, device: torch.device, dtype: torch.dtyp
     return bias
 
 
-def lagged_prefix_sum(x: torch.Tensor, initial: torch.Tensor, lag: int = 2) -> torch.Tensor:
-    """out[:, :, b] = initial + Σ_{b' ≤ b−lag} x[:, :, b'] for x (B, H, nb, ...): the cache of every block.
+# Temporaries of at most this size per group of blocks (see :func:`block_groups`).
+GROUP_BYTES = 8 * 2**20
 
-    It runs on the largest tensor of the algorithm, (B, H, nb, S, Dv). On CPU in eager mode an in-place loop
-    over blocks (:class:`LaggedPrefixSum`) is 2.5-4× faster than ``torch.cumsum`` along the block dim
-    (measured at nb = 64 and 256, S = 512, Dv = 64); on GPUs and under ``torch.compile`` one cumsum is one
-    kernel instead of nb launches, and traces without graph breaks.
+
+def block_groups(num_blocks: int, bytes_per_block: int, device: torch.device) -> list[tuple[int, int]]:
+    """Consecutive ranges [b0, b1) of blocks that the block algorithm runs one after another on CPU.
+
+    glibc serves every allocation above its mmap threshold (128 KiB, rising to at most 32 MB as large blocks are
+    freed) with fresh pages, which the kernel zero-fills on first touch: about 1.3 ms per MB on this project's CPU,
+    more than the arithmetic of an (L, S) logit tile. Running the blocks in groups whose temporaries stay around
+    :data:`GROUP_BYTES` keeps them under the threshold, so freed ones are reused, without a process-wide allocator
+    setting (``vqattn.utils.tune_cpu_allocator``) that a user's script would not have. On GPUs (a caching
+    allocator) and under ``torch.compile`` (which plans its own buffers) one group keeps the kernel count low.
+    """
+    if device.type != "cpu" or torch.compiler.is_compiling():
+        return [(0, num_blocks)]
+    size = max(1, min(num_blocks, GROUP_BYTES // max(bytes_per_block, 1)))
+    return [(b0, min(b0 + size, num_blocks)) for b0 in range(0, num_blocks, size)]
+
+
+def split_groups(x: torch.Tensor, groups: list[tuple[int, int]], L: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """For every group [b0, b1) of blocks: (x's blocks b0..b1−1, (B, H, (b1−b0)·L, ...); the block before b0,
+    (B, H, L, ...), zeros for b0 = 0). x: (B, H, nb·L, ...).
+
+    One split of x, so the backward pass assembles x's gradient with one cat; slicing each group out of x instead
+    would zero-fill a gradient of x's full size for every group.
+    """
+    pieces = x.split([(b1 - b0) * L for b0, b1 in groups], dim=2)
+    before = [x.new_zeros(*x.shape[:2], L, *x.shape[3:])] + [piece[:, :, -L:] for piece in pieces[:-1]]
+    return list(zip(pieces, before))
+
+
+def group_windows(piece: torch.Tensor, before: torch.Tensor, L: int) -> torch.Tensor:
+    """Windows (previous block + current block) of a group's blocks, from :func:`split_groups`: (B, H, n, 2L, D)."""
+    previous = torch.cat([before, piece[:, :, :-L]], dim=2)
+    return torch.cat([blocks(previous, L), blocks(piece, L)], dim=3)
+
+
+def prefix_sum(x: torch.Tensor, initial: torch.Tensor) -> torch.Tensor:
+    """out[:, :, b] = initial + Σ_{b' ≤ b} x[:, :, b'] for x (B, H, nb, ...): the caches of a group of blocks.
+
+    On CPU in eager mode an in-place loop over blocks (:class:`PrefixSum`) is 2.5-4× faster than ``torch.cumsum``
+    along the block dim (measured at nb = 64 and 256, S = 512, Dv = 64); on GPUs and under ``torch.compile`` one
+    cumsum is one kernel instead of nb launches, and traces without graph breaks.
     """
     if x.device.type == "cpu" and not torch.compiler.is_compiling():
-        return LaggedPrefixSum.apply(x, initial, lag)
-    return lagged_cumsum(x, initial, lag)
+        return PrefixSum.apply(x, initial)
+    return initial.unsqueeze(2) + torch.cumsum(x, 2)
 
 
-def lagged_cumsum(x: torch.Tensor, initial: torch.Tensor, lag: int = 2) -> torch.Tensor:
-    """:func:`lagged_prefix_sum` as one ``torch.cumsum`` (autograd gives the reversed cumsum backward)."""
-    nb = x.shape[2]
-    shifted = F.pad(torch.cumsum(x[:, :, : max(nb - lag, 0)], 2), (0, 0) * (x.dim() - 3) + (lag, 0))[:, :, :nb]
-    return initial.unsqueeze(2) + shifted
-
-
-class LaggedPrefixSum(torch.autograd.Function):
-    """:func:`lagged_prefix_sum` as an in-place loop over blocks, with its hand-written backward."""
+class PrefixSum(torch.autograd.Function):
+    """:func:`prefix_sum` as an in-place loop over blocks, with its hand-written backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, initial: torch.Tensor, lag: int) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, initial: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()  # slices of a transposed layout make every add a strided gather
         out = torch.empty_like(x)
-        out[:, :, :lag] = initial.unsqueeze(2)
-        for b in range(lag, x.shape[2]):
-            torch.add(out[:, :, b - 1], x[:, :, b - lag], out=out[:, :, b])
-        ctx.lag = lag
+        torch.add(initial, x[:, :, 0], out=out[:, :, 0])
+        for b in range(1, x.shape[2]):
+            torch.add(out[:, :, b - 1], x[:, :, b], out=out[:, :, b])
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        # d out[b] / d x[b'] = 1 for b ≥ b' + lag: lagged suffix sums of the incoming gradient.
-        nb, lag = grad_out.shape[2], ctx.lag
+        # d out[b] / d x[b'] = 1 for b ≥ b': suffix sums of the incoming gradient.
         grad_out = grad_out.contiguous()  # matmul backward hands over transposed gradients
         grad_x = torch.empty_like(grad_out)
-        grad_x[:, :, max(nb - lag, 0) :] = 0  # the last blocks are in nobody's cache
-        if nb > lag:
-            grad_x[:, :, nb - lag - 1] = grad_out[:, :, nb - 1]
-            for b in range(nb - lag - 2, -1, -1):
-                torch.add(grad_x[:, :, b + 1], grad_out[:, :, b + lag], out=grad_x[:, :, b])
-        return grad_x, grad_out.sum(2), None
+        nb = grad_out.shape[2]
+        grad_x[:, :, nb - 1] = grad_out[:, :, nb - 1]
+        for b in range(nb - 2, -1, -1):
+            torch.add(grad_x[:, :, b + 1], grad_out[:, :, b], out=grad_x[:, :, b])
+        return grad_x, grad_x[:, :, 0].clone()
 
 
 class WindowCodeAttention(torch.autograd.Function):

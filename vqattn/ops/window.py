@@ -16,7 +16,17 @@ from dataclasses import dataclass
 import torch
 
 from ._checks import check_positive_int, check_qkv, compute_dtype
-from .vq_blocks import DEFAULT_BLOCK_LEN, blocks, no_autocast, pad_to_blocks, window_bias, window_code_attention, windows
+from .vq_blocks import (
+    DEFAULT_BLOCK_LEN,
+    block_groups,
+    blocks,
+    group_windows,
+    no_autocast,
+    pad_to_blocks,
+    split_groups,
+    window_bias,
+    window_code_attention,
+)
 from .vq_recurrent import RECURRENT_MAX_LEN, attend_one, window_start
 
 @dataclass
@@ -33,9 +43,13 @@ def _chunked(q, k, v, L: int, scale: float) -> torch.Tensor:
     T = q.shape[2]
     q, k, v = (pad_to_blocks(x, L) for x in (q, k, v))  # padding comes after every real query: masked
     nb = q.shape[2] // L
-    out = window_code_attention(blocks(q * scale, L), windows(k, L), window_bias(nb, L, q.device, q.dtype),
-                                windows(v, L))
-    return out[:, :, :T]
+    groups = block_groups(nb, q.shape[0] * q.shape[1] * L * 2 * L * q.element_size(), q.device)
+    bias_later = window_bias(2, L, q.device, q.dtype)[1:]  # (1, L, 2L): every block but the first
+    out = [window_code_attention(blocks(q_g, L), group_windows(*k_g, L),
+                                 window_bias(b1 - b0, L, q.device, q.dtype) if b0 == 0 else bias_later,
+                                 group_windows(*v_g, L))
+           for (b0, b1), (q_g, _), k_g, v_g in zip(groups, *(split_groups(x, groups, L) for x in (q * scale, k, v)))]
+    return torch.cat(out, 2)[:, :, :T]
 
 
 def _recurrent(q, k, v, state: WindowState, scale: float) -> tuple[torch.Tensor, WindowState]:
@@ -78,7 +92,7 @@ def window_attention(
 
     Args:
         q, k: (B, H, T, D); v: (B, H, T, Dv).
-        block_len: L (default 128, as vq_attention); each query sees L to 2L−1 keys.
+        block_len: L (default 64, as vq_attention); each query sees L to 2L−1 keys.
         scale: multiplies q·k; defaults to D**-0.5.
         state: a :class:`WindowState` from an earlier call; the inputs then continue that sequence. Up to
             ``RECURRENT_MAX_LEN`` new tokens run token by token, longer chunks the block kernel.
