@@ -92,63 +92,73 @@ def _causal(q, k, v, c, a: Assignment | None, *, L, scale, exact_window, detach_
     # cache (lag 1) and the mixture only runs over the current block: half the (L, S) × (S, ·) products.
     # Not with detach_cache, where the previous block must keep its gradient.
     lag = 2 if assign == "hard" or exact_window or detach_cache else 1
-    q = q * scale  # scaling q is cheaper than scaling the logits
-    c_t = c.transpose(-1, -2)
-    bias_later = window_bias(2, L, q.device, q.dtype)[1:]  # (1, L, 2L): the causal mask of every block but the first
     groups = block_groups(nb, B * H * max(L * (S + 2 * L), S * Dv) * q.element_size(), q.device)
-    splits = [split_groups(x, groups, L) for x in (q, k, v)]
+    splits = [split_groups(x, groups, L) for x in (q * scale, k, v)]  # scaling q is cheaper than the logits
     if a is not None:
         a_splits = [split_groups(x, groups, L) if isinstance(x, torch.Tensor) else [(x, x)] * len(groups) for x in a]
     # The cache of block b is ``run`` plus the statistics of the blocks between; ``tail`` holds those of the last
     # ``lag`` blocks, which enter the caches of the next group.
-    run_counts, run_sums, fold_counts, fold_sums = counts0, sums0, counts0, sums0
-    tail_counts, tail_sums = q.new_zeros(B, H, lag, S), q.new_zeros(B, H, lag, S, Dv)
-    outs = []
+    run, tail = (counts0, sums0), (q.new_zeros(B, H, lag, S), q.new_zeros(B, H, lag, S, Dv))
+    outs, fold_counts, fold_sums = [], counts0, sums0
     for i, (b0, b1) in enumerate(groups):
-        n = b1 - b0
         (q_g, _), (k_g, k_before), (v_g, v_before) = (split[i] for split in splits)
-        if a is None:  # the block before this group is the previous group's last; zeros (masked) before block 0
-            a_g = assign_keys(k_g)
-            a_before = map_time(lambda x: x[:, :, -L:], a_previous) if i else \
-                map_time(lambda x: torch.zeros_like(x[:, :, :L]), a_g)
-            a_previous = a_g
-        else:
-            a_g, a_before = (Assignment(*parts) for parts in zip(*(split[i] for split in a_splits)))
-
-        counts, sums = code_statistics(a_g, v_g, S, n, G)  # (B, H, n, S), (B, H, n, S, Dv)
-        if detach_cache:
-            counts, sums = counts.detach(), sums.detach()
-        if fold_blocks > b0:
-            fold_counts = fold_counts + counts[:, :, : fold_blocks - b0].sum(2)
-            fold_sums = fold_sums + sums[:, :, : fold_blocks - b0].sum(2)
-        counts, sums = torch.cat([tail_counts, counts], 2), torch.cat([tail_sums, sums], 2)
-        cache_counts, cache_sums = prefix_sum(counts[:, :, :n], run_counts), prefix_sum(sums[:, :, :n], run_sums)
-        run_counts, run_sums, tail_counts, tail_sums = cache_counts[:, :, -1], cache_sums[:, :, -1], \
-            counts[:, :, n:], sums[:, :, n:]
-
-        code_logits = blocks(q_g @ c_t, L)  # (B, H, n, L, S): the one q·cᵀ product
-        qb, window_keys, wv = blocks(q_g, L), None, group_windows(v_g, v_before, L)
-        bias = window_bias(n, L, q.device, q.dtype) if b0 == 0 else bias_later
-        if exact_window:
-            window_keys = group_windows(k_g, k_before, L)
-        elif a_g.index is not None:
-            # Straight-through: the value of c_z, the gradient of k.
-            c_bh = c.unsqueeze(0).expand(B, H, -1, -1)
-            k_hat = lambda idx, kk: torch.gather(c_bh, 2, idx.unsqueeze(-1).expand(-1, -1, -1, D)) + (kk - kk.detach())  # noqa: E731
-            window_keys = group_windows(k_hat(a_g.index, k_g), k_hat(a_before.index, k_before), L)
-        else:
-            # The mixture logit log Σ_s e^{σ q·c_s} Δ_js is not a dot product: it is the whole window logit.
-            if lag == 1:
-                bias, wv = block_bias(L, q.device, q.dtype), blocks(v_g, L)
-                window_a = map_time(lambda x: blocks(x, L), a_g)
-            else:
-                window_a = Assignment(*(group_windows(x, y, L) if isinstance(x, torch.Tensor) else x
-                                        for x, y in zip(a_g, a_before)))
-            bias = bias + mixture_logits(code_logits, window_a)
-            qb = None
-        outs.append(window_code_attention(qb, window_keys, bias, wv, code_logits, code_bias(cache_counts, G),
-                                          cache_sums, cache_counts))
+        a_g, a_before = (None, None) if a is None else \
+            (Assignment(*parts) for parts in zip(*(split[i] for split in a_splits)))
+        out, run, tail, fold = _group(
+            q_g, k_g, k_before, v_g, v_before, a_g, a_before, run, tail, c=c, G=G, L=L, lag=lag, first=b0 == 0,
+            exact_window=exact_window, detach_cache=detach_cache, assign_keys=assign_keys,
+            fold=min(max(fold_blocks - b0, 0), b1 - b0))
+        outs.append(out)
+        if fold is not None:
+            fold_counts, fold_sums = fold_counts + fold[0], fold_sums + fold[1]
     return torch.cat(outs, 2)[:, :, :T], fold_counts, fold_sums
+
+
+def _group(q, k, k_before, v, v_before, a, a_before, run, tail, *, c, G, L, lag, first, exact_window, detach_cache,
+           assign_keys, fold):
+    """One group of n blocks: q, k, v (B, H, n·L, ·) (q scaled), the block before the group k_before, v_before
+    (B, H, L, ·) (zeros before block 0, masked); their assignments ``a``, ``a_before`` (None: ``assign_keys`` them).
+    ``run`` (counts, sums) is the cache of the group's first block without the statistics ``tail`` of the ``lag``
+    blocks before the group. Returns out (B, H, n·L, Dv), the next group's run and tail, and the summed statistics
+    of the first ``fold`` blocks (None for 0)."""
+    B, H, _, D = q.shape
+    n, S = q.shape[2] // L, c.shape[1]
+    if a is None:
+        a = assign_keys(k)
+        a_before = assign_keys(k_before) if lag == 2 and not exact_window else None
+
+    counts, sums = code_statistics(a, v, S, n, G)  # (B, H, n, S), (B, H, n, S, Dv)
+    if detach_cache:
+        counts, sums = counts.detach(), sums.detach()
+    folded = (counts[:, :, :fold].sum(2), sums[:, :, :fold].sum(2)) if fold else None
+    counts, sums = torch.cat([tail[0], counts], 2), torch.cat([tail[1], sums], 2)
+    cache_counts, cache_sums = prefix_sum(counts[:, :, :n], run[0]), prefix_sum(sums[:, :, :n], run[1])
+    run, tail = (cache_counts[:, :, -1], cache_sums[:, :, -1]), (counts[:, :, n:], sums[:, :, n:])
+
+    code_logits = blocks(q @ c.transpose(-1, -2), L)  # (B, H, n, L, S): the one q·cᵀ product
+    qb, window_keys, wv = blocks(q, L), None, group_windows(v, v_before, L)
+    # (n, L, 2L) causal mask; after the first block every block's mask is the same (1, L, 2L)
+    bias = window_bias(n, L, q.device, q.dtype) if first else window_bias(2, L, q.device, q.dtype)[1:]
+    if exact_window:
+        window_keys = group_windows(k, k_before, L)
+    elif a.index is not None:
+        # Straight-through: the value of c_z, the gradient of k.
+        c_bh = c.unsqueeze(0).expand(B, H, -1, -1)
+        k_hat = lambda idx, kk: torch.gather(c_bh, 2, idx.unsqueeze(-1).expand(-1, -1, -1, D)) + (kk - kk.detach())  # noqa: E731
+        window_keys = group_windows(k_hat(a.index, k), k_hat(a_before.index, k_before), L)
+    else:
+        # The mixture logit log Σ_s e^{σ q·c_s} Δ_js is not a dot product: it is the whole window logit.
+        if lag == 1:
+            bias, wv = block_bias(L, q.device, q.dtype), blocks(v, L)
+            window_a = map_time(lambda x: blocks(x, L), a)
+        else:
+            window_a = Assignment(*(group_windows(x, y, L) if isinstance(x, torch.Tensor) else x
+                                    for x, y in zip(a, a_before)))
+        bias = bias + mixture_logits(code_logits, window_a)
+        qb = None
+    out = window_code_attention(qb, window_keys, bias, wv, code_logits, code_bias(cache_counts, G), cache_sums,
+                                cache_counts)
+    return out, run, tail, folded
 
 
 def _chunked(q, k, v, c, a, *, state, L, return_state, scale, exact_window, detach_cache, assign, assign_keys):

@@ -60,11 +60,15 @@ def vq_assign(k: torch.Tensor, codebook: torch.Tensor, *, assign: str, temperatu
             dist = torch.baddbmm(c_sq.repeat(B, 1, 1), k.reshape(B * H, T, D),
                                  c.transpose(-1, -2).repeat(B, 1, 1), alpha=-2)
             return Assignment(None, dist.argmin(-1).view(B, H, T), 0.0)
-        kc = k @ c.transpose(-1, -2)  # (B, H, T, S)
         tau = temperature_tensor(temperature, c.shape[0], k)
         if assign == "soft":
-            # −‖k − c‖²/2τ up to a per-key constant, which the softmax removes.
-            return Assignment(torch.softmax((kc - c_sq / 2) / tau, dim=-1), None, 0.0)
+            # −‖k − c‖²/2τ up to a per-key constant, which the softmax removes: (k/τ)·c − ‖c‖²/2τ, one baddbmm with
+            # the divisions on the (T, D) and (S,) operands instead of passes over the (T, S) logits.
+            B, H, T, D = k.shape
+            logits = torch.baddbmm((-c_sq / (2 * tau)).repeat(B, 1, 1), (k / tau).reshape(B * H, T, D),
+                                   c.transpose(-1, -2).repeat(B, 1, 1))
+            return Assignment(torch.softmax(logits, dim=-1).view(B, H, T, -1), None, 0.0)
+        kc = k @ c.transpose(-1, -2)  # (B, H, T, S)
         # log Δ = (k·c − ‖k‖²/2)/τ = −‖k − c‖²/2τ + ‖c‖²/2τ, split as log w + r with r the per-key max. The
         # weights subtract max_s k·c before dividing by τ, so the large ‖k‖²/2τ never rounds them; r − sg(r) adds
         # nothing but routes r's gradient (to k and τ) through the weights, as r itself is a detached scale.
@@ -136,7 +140,7 @@ def mixture_logits(code_logits: torch.Tensor, a: Assignment) -> torch.Tensor:
     code_logits: (..., Lq, S); a.weights: (..., Lk, S), a.log_scale: (..., Lk, 1) or 0 -> (..., Lq, Lk).
     """
     m = code_logits.detach().amax(-1, keepdim=True)
-    affinity = torch.exp(code_logits - m) @ a.weights.transpose(-1, -2)
+    affinity = (code_logits - m).exp_() @ a.weights.transpose(-1, -2)
     out = affinity.clamp_min(torch.finfo(affinity.dtype).tiny).log() + m
     return out + a.log_scale.transpose(-1, -2) if isinstance(a.log_scale, torch.Tensor) else out
 

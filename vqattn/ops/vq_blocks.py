@@ -61,10 +61,10 @@ def block_groups(num_blocks: int, bytes_per_block: int, device: torch.device) ->
     freed) with fresh pages, which the kernel zero-fills on first touch: about 1.3 ms per MB on this project's CPU,
     more than the arithmetic of an (L, S) logit tile. Running the blocks in groups whose temporaries stay around
     :data:`GROUP_BYTES` keeps them under the threshold, so freed ones are reused, without a process-wide allocator
-    setting (``vqattn.utils.tune_cpu_allocator``) that a user's script would not have. On GPUs (a caching
-    allocator) and under ``torch.compile`` (which plans its own buffers) one group keeps the kernel count low.
+    setting (``vqattn.utils.tune_cpu_allocator``) that a user's script would not have; compiled CPU code allocates
+    through the same malloc. On GPUs (a caching allocator) one group keeps the kernel count low.
     """
-    if device.type != "cpu" or torch.compiler.is_compiling():
+    if device.type != "cpu":
         return [(0, num_blocks)]
     size = max(1, min(num_blocks, GROUP_BYTES // max(bytes_per_block, 1)))
     return [(b0, min(b0 + size, num_blocks)) for b0 in range(0, num_blocks, size)]
