@@ -8,7 +8,9 @@ Hard mode (Transformer-VQ) quantises keys to their nearest code and learns the c
   counts Ñ_s = (N_s + ε) / (Σ N + S ε) · Σ N; or
 * ``learning="grad"``: the VQ-VAE codebook loss ‖sg(k) − c_z‖².
 
-Both add the commitment loss β ‖k − sg(c_z)‖² (mean over elements). Every training step keeps S random keys per
+Both add the commitment loss β ‖k − sg(c_z)‖² (mean over elements), β = 1e-4 by default as in Transformer-VQ: with
+the exact window the raw keys also score the window, and the VQ-VAE value 0.25 pulled them onto the codes at the
+window's expense (README, "Why hard VQ was worse with 64 codes than with one"). Every training step keeps S random keys per
 head (rank 0's, on every rank) as restart candidates; at the start of the next training step the codes are
 initialised from them (once, with ``data_init``), and codes whose EMA usage fell below ``dead_code_threshold``
 keys per step are restarted on them. (Applied at the start of a step, not the end, because the step's autograd
@@ -74,7 +76,7 @@ class Codebook(nn.Module):
         assign: str = "hard",
         learning: str = "ema",
         decay: float = 0.99,
-        commitment: float = 0.25,
+        commitment: float = 1e-4,
         eps: float = 1e-5,
         temperature: float = 1.0,
         learn_temperature: bool = False,
