@@ -131,9 +131,17 @@ def _group(q, k, k_before, v, v_before, a, a_before, run, tail, *, c, G, L, lag,
     if detach_cache:
         counts, sums = counts.detach(), sums.detach()
     folded = (counts[:, :, :fold].sum(2), sums[:, :, :fold].sum(2)) if fold else None
-    counts, sums = torch.cat([tail[0], counts], 2), torch.cat([tail[1], sums], 2)
-    cache_counts, cache_sums = prefix_sum(counts[:, :, :n], run[0]), prefix_sum(sums[:, :, :n], run[1])
-    run, tail = (cache_counts[:, :, -1], cache_sums[:, :, -1]), (counts[:, :, n:], sums[:, :, n:])
+    # The caches of the group's blocks add, in order, the tail and the group's own blocks but its last ``lag``,
+    # which are the next group's tail. (One cat per statistic: its output is contiguous for the prefix sum.)
+    stats = (counts, sums)
+    if n >= lag:
+        enter = [torch.cat([t, x[:, :, : n - lag]], 2) for t, x in zip(tail, stats)]
+        tail = tuple(x[:, :, n - lag :] for x in stats)
+    else:
+        both = [torch.cat([t, x], 2) for t, x in zip(tail, stats)]
+        enter, tail = [x[:, :, :n] for x in both], tuple(x[:, :, n:] for x in both)
+    cache_counts, cache_sums = (prefix_sum(x, r) for x, r in zip(enter, run))
+    run = (cache_counts[:, :, -1], cache_sums[:, :, -1])
 
     code_logits = blocks(q @ c.transpose(-1, -2), L)  # (B, H, n, L, S): the one q·cᵀ product
     qb, window_keys, wv = blocks(q, L), None, group_windows(v, v_before, L)
