@@ -282,14 +282,17 @@ def test_prefix_sum_values_and_gradcheck(num_blocks, device):
     x = torch.randn(2, 3, num_blocks, 4, 2, dtype=F64, requires_grad=True)
     initial = torch.randn(2, 3, 4, 2, dtype=F64, requires_grad=True)
     if device == "meta":
-        assert prefix_sum(x.to("meta"), initial.to("meta")).shape == x.shape
+        out, last = prefix_sum(x.to("meta"), initial.to("meta"))
+        assert out.shape == x.shape and last.shape == initial.shape
         fn = lambda x, i: i.unsqueeze(2) + torch.cumsum(x, 2)  # noqa: E731  the branch taken off CPU
-        torch.testing.assert_close(fn(x, initial), prefix_sum(x, initial))
+        torch.testing.assert_close(fn(x, initial), prefix_sum(x, initial)[0])
         return
-    out = prefix_sum(x, initial)
+    out, last = prefix_sum(x, initial)
     for b in range(num_blocks):
         torch.testing.assert_close(out[:, :, b], initial + x[:, :, : b + 1].sum(2))
-    assert torch.autograd.gradcheck(prefix_sum, (x, initial))
+    torch.testing.assert_close(last, out[:, :, -1])
+    assert torch.autograd.gradcheck(prefix_sum, (x, initial))  # both outputs
+    assert torch.autograd.gradcheck(lambda x, i: prefix_sum(x, i)[1], (x, initial))  # the first one unused
 
 
 @pytest.mark.parametrize("num_blocks,bytes_per_block", [(1, 10**9), (100, 1), (100, 3 * 2**20), (7, 2**20)])

@@ -30,6 +30,10 @@ gradient k̂ would get; ``exact_window`` uses the raw keys σ q_i·k_j; soft/ker
 log Σ_s e^{σ q_i·c_s} Δ_js. In the cache (and in non-causal mode, which is all cache) hard keys get no gradient,
 as in Transformer-VQ: their contribution is a count.
 
+Soft attention runs in linear form (:class:`~vqattn.ops.vq_blocks.MixtureAttention`): with P_is = e^{σ q_i·c_s − m_i},
+the window weights (P Δᵀ)_ij and the cache weights P_is n_s share one exp and need no log. Kernel keys carry per-key
+scales whose spread exceeds the float range, so their window stays in logs (the mixture logits above).
+
 Kernel weights are kept per key as Δ_js = w_js e^{r_j} with max_s w_js = 1, so no key underflows; the window
 mixture adds r_j exactly, and the statistics are stored in units of e^G, G the largest r_j seen so far.
 
@@ -61,6 +65,7 @@ from .vq_blocks import (
     block_groups,
     blocks,
     group_windows,
+    mixture_attention,
     no_autocast,
     pad_to_blocks,
     prefix_sum,
@@ -133,15 +138,17 @@ def _group(q, k, k_before, v, v_before, a, a_before, run, tail, *, c, G, L, lag,
     folded = (counts[:, :, :fold].sum(2), sums[:, :, :fold].sum(2)) if fold else None
     # The caches of the group's blocks add, in order, the tail and the group's own blocks but its last ``lag``,
     # which are the next group's tail. (One cat per statistic: its output is contiguous for the prefix sum.)
+    # Splits, not slices: a slice's backward zero-fills a gradient of the whole tensor.
     stats = (counts, sums)
     if n >= lag:
-        enter = [torch.cat([t, x[:, :, : n - lag]], 2) for t, x in zip(tail, stats)]
-        tail = tuple(x[:, :, n - lag :] for x in stats)
+        parts = [x.split([n - lag, lag], 2) for x in stats]
+        enter = [torch.cat([t, head], 2) for t, (head, _) in zip(tail, parts)]
+        tail = tuple(new_tail for _, new_tail in parts)
     else:
-        both = [torch.cat([t, x], 2) for t, x in zip(tail, stats)]
-        enter, tail = [x[:, :, :n] for x in both], tuple(x[:, :, n:] for x in both)
-    cache_counts, cache_sums = (prefix_sum(x, r) for x, r in zip(enter, run))
-    run = (cache_counts[:, :, -1], cache_sums[:, :, -1])
+        parts = [torch.cat([t, x], 2).split([n, lag], 2) for t, x in zip(tail, stats)]
+        enter, tail = [head for head, _ in parts], tuple(new_tail for _, new_tail in parts)
+    (cache_counts, run_counts), (cache_sums, run_sums) = (prefix_sum(x, r) for x, r in zip(enter, run))
+    run = (run_counts, run_sums)
 
     code_logits = blocks(q @ c.transpose(-1, -2), L)  # (B, H, n, L, S): the one q·cᵀ product
     qb, window_keys, wv = blocks(q, L), None, group_windows(v, v_before, L)
@@ -162,6 +169,11 @@ def _group(q, k, k_before, v, v_before, a, a_before, run, tail, *, c, G, L, lag,
         else:
             window_a = Assignment(*(group_windows(x, y, L) if isinstance(x, torch.Tensor) else x
                                     for x, y in zip(a, a_before)))
+        if not isinstance(window_a.log_scale, torch.Tensor):
+            # Soft: the linear form, one exp of the code logits for window and cache.
+            out = mixture_attention(code_logits, window_a.weights, bias.exp(), wv, cache_sums, cache_counts)
+            return out, run, tail, folded
+        # Kernel keys carry per-key scales e^{r_j} whose spread exceeds the float range: the window stays in logs.
         bias = bias + mixture_logits(code_logits, window_a)
         qb = None
     out = window_code_attention(qb, window_keys, bias, wv, code_logits, code_bias(cache_counts, G), cache_sums,

@@ -88,37 +88,41 @@ def group_windows(piece: torch.Tensor, before: torch.Tensor, L: int) -> torch.Te
     return torch.cat([blocks(previous, L), blocks(piece, L)], dim=3)
 
 
-def prefix_sum(x: torch.Tensor, initial: torch.Tensor) -> torch.Tensor:
-    """out[:, :, b] = initial + Σ_{b' ≤ b} x[:, :, b'] for x (B, H, nb, ...): the caches of a group of blocks.
+def prefix_sum(x: torch.Tensor, initial: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """out[:, :, b] = initial + Σ_{b' ≤ b} x[:, :, b'] for x (B, H, nb, ...): the caches of a group of blocks;
+    returned with the last of them, out[:, :, −1], the next group's initial cache.
 
     On CPU in eager mode an in-place loop over blocks (:class:`PrefixSum`) is 2.5-4× faster than ``torch.cumsum``
-    along the block dim (measured at nb = 64 and 256, S = 512, Dv = 64); on GPUs and under ``torch.compile`` one
-    cumsum is one kernel instead of nb launches, and traces without graph breaks.
+    along the block dim (measured at nb = 64 and 256, S = 512, Dv = 64), and it hands out the last cache as its own
+    output: selecting it from ``out`` would zero-fill a gradient of out's full size in the backward pass. On GPUs
+    and under ``torch.compile`` one cumsum is one kernel instead of nb launches, and traces without graph breaks.
     """
     if x.device.type == "cpu" and not torch.compiler.is_compiling():
         return PrefixSum.apply(x, initial)
-    return initial.unsqueeze(2) + torch.cumsum(x, 2)
+    out = initial.unsqueeze(2) + torch.cumsum(x, 2)
+    return out, out[:, :, -1]
 
 
 class PrefixSum(torch.autograd.Function):
     """:func:`prefix_sum` as an in-place loop over blocks, with its hand-written backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, initial: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, initial: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = x.contiguous()  # slices of a transposed layout make every add a strided gather
         out = torch.empty_like(x)
         torch.add(initial, x[:, :, 0], out=out[:, :, 0])
         for b in range(1, x.shape[2]):
             torch.add(out[:, :, b - 1], x[:, :, b], out=out[:, :, b])
-        return out
+        return out, out[:, :, -1].clone()
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        # d out[b] / d x[b'] = 1 for b ≥ b': suffix sums of the incoming gradient.
+    def backward(ctx, grad_out: torch.Tensor, grad_last: torch.Tensor):
+        # d out[b] / d x[b'] = 1 for b ≥ b', and the last cache is out[nb − 1]: suffix sums of the gradients.
+        # (Autograd hands over zeros for an output that was not used.)
         grad_out = grad_out.contiguous()  # matmul backward hands over transposed gradients
         grad_x = torch.empty_like(grad_out)
         nb = grad_out.shape[2]
-        grad_x[:, :, nb - 1] = grad_out[:, :, nb - 1]
+        torch.add(grad_out[:, :, nb - 1], grad_last, out=grad_x[:, :, nb - 1])
         for b in range(nb - 2, -1, -1):
             torch.add(grad_x[:, :, b + 1], grad_out[:, :, b], out=grad_x[:, :, b])
         return grad_x, grad_x[:, :, 0].clone()
@@ -197,6 +201,68 @@ class WindowCodeAttention(torch.autograd.Function):
                     tiny = torch.finfo(counts.dtype).tiny
                     grads[7] = (grads[6] * sums).sum(-1).div_(counts.clamp_min(tiny)).neg_()
         return tuple(grads)
+
+
+# Soft window terms floor the query-side code weights e^{σ q·c_s − max} at e^{−60}: a soft key's weights sum to 1,
+# so the diagonal term alone keeps the normaliser ≥ e^{−60} (no 0/0, and gradients ≤ e^{60}·|dO| stay finite), while
+# a code 60 nats below a query's best one changes its output by < e^{−60}·S·T relative, far below float32 rounding.
+MIXTURE_FLOOR = -60.0
+
+
+class MixtureAttention(torch.autograd.Function):
+    """Soft codebook attention of every block's queries in linear form (no log/exp round trip):
+
+        P_is  = exp(max(code_logits_is − m_i, −60)),  m_i = max_s code_logits_is          (N, nb, L, S)
+        A_ij  = (P Wᵀ)_ij · window_mask_ij          window mixture Σ_s e^{σ q_i·c_s} Δ_js   (N, nb, L, W)
+        out_i = (A wv + P sums)_i / (A 1 + P counts)_i                                        (N, nb, L, Dv)
+
+    code_logits: (N, nb, L, S) σ q·cᵀ; weights W: (N, nb, W, S) the window keys' assignment (rows sum to 1);
+    window_mask: 0/1, broadcastable to (N, nb, L, W); wv: (N, nb, W, Dv); sums: (N, nb, S, Dv), counts: (N, nb, S)
+    the cache of every block. This is :class:`WindowCodeAttention` with the mixture logits log(P Wᵀ) + m and the
+    cache logits code_logits + log n, divided through by e^m: one exp of the code logits serves both.
+    """
+
+    @staticmethod
+    def forward(ctx, code_logits, weights, window_mask, wv, sums, counts):
+        with no_autocast(wv.device):
+            p = code_logits - code_logits.amax(-1, keepdim=True)
+            p.clamp_min_(MIXTURE_FLOOR).exp_()  # (N, nb, L, S)
+            a = torch.matmul(p, weights.transpose(-1, -2)).mul_(window_mask)  # (N, nb, L, W)
+            den = torch.matmul(p, counts.unsqueeze(-1)).add_(a.sum(-1, keepdim=True))  # (N, nb, L, 1)
+            out = torch.matmul(a, wv).add_(torch.matmul(p, sums)).div_(den)
+        ctx.save_for_backward(weights, window_mask, wv, sums, counts, p, a, out, den)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        weights, window_mask, wv, sums, counts, p, a, out, den = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        grads = [None] * 6
+        with no_autocast(grad_out.device):
+            grad_num = grad_out / den  # d/d numerator; the denominator's gradient is −delta
+            delta = (grad_num * out).sum(-1, keepdim=True)  # (N, nb, L, 1)
+            grad_a = torch.matmul(grad_num, wv.transpose(-1, -2)).sub_(delta).mul_(window_mask)  # (N, nb, L, W)
+            if need[0]:
+                grad_p = torch.matmul(grad_num, sums.transpose(-1, -2))
+                grad_p.addcmul_(delta, counts.unsqueeze(-2), value=-1).add_(torch.matmul(grad_a, weights))
+                grads[0] = grad_p.mul_(p)  # through exp; the max shift m cancels in out
+            if need[1]:
+                grads[1] = torch.matmul(grad_a.transpose(-1, -2), p)
+            if need[3]:
+                grads[3] = torch.matmul(a.transpose(-1, -2), grad_num)
+            if need[4]:
+                grads[4] = torch.matmul(p.transpose(-1, -2), grad_num)
+            if need[5]:
+                grads[5] = torch.matmul(p.transpose(-1, -2), delta).squeeze(-1).neg_()
+        return tuple(grads)
+
+
+def mixture_attention(code_logits, weights, window_mask, wv, sums, counts):
+    """:class:`MixtureAttention` on (B, H, nb, ...) tensors (flattened to B·H). Returns (B, H, nb·L, Dv)."""
+    B, H = wv.shape[:2]
+    flat = lambda x: x.reshape(B * H, *x.shape[2:])  # noqa: E731
+    out = MixtureAttention.apply(flat(code_logits), flat(weights), window_mask, flat(wv), flat(sums), flat(counts))
+    return out.view(B, H, -1, wv.shape[-1])
 
 
 def _sum_to_shape(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
