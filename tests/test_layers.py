@@ -169,6 +169,8 @@ def test_backward_reaches_every_projection(name):
         ("vq_hard", {"rope": True, "exact_window": False}, "exact_window=True"),
         ("vq_soft", {"block_len": 0}, "block_len"),
         ("vq_soft", {"num_codes": 0}, "num_codes"),
+        ("vq_hard", {"rope": True, "cache_scores": "fast"}, "cache_scores must be one of 'all', 'slow'"),
+        ("vq_soft", {"cache_scores": "slow"}, "needs rope=True"),
         ("linear", {"chunk_len": -2}, "chunk_len"),
     ],
 )
@@ -216,3 +218,20 @@ def test_window_layer_is_banded_rope_softmax(t):
     scores = (q @ k.transpose(-1, -2) / math.sqrt(DIM // HEADS)).masked_fill(~visible, float("-inf"))
     expected = layer.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(2, t, DIM))
     torch.testing.assert_close(run(layer, x), expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", VQ_NAMES)
+def test_cache_scores_slow_scores_codes_on_the_slow_rope_pairs_only(name):
+    """head_dim 8: RoPE pairs turn by 1, 0.1, 0.01, 0.001 rad per token; over the 8-token window (block_len 4) only
+    the first turns by a radian or more. "slow" drops its dims from the code score and nothing else."""
+    slow = make(name, rope=True, block_len=4, cache_scores="slow")
+    assert slow._slow_dims(torch.ones(1)).tolist() == [0, 1, 1, 1] * 2
+    x = torch.randn(2, 19, DIM, dtype=torch.float64)
+    every = make(name, rope=True, block_len=4)
+    assert not torch.allclose(run(slow, x), run(every, x))
+    for layer in (slow, every):  # codes without the fast pair: both score codes alike
+        layer.codebook.codes.data[..., [0, 4]] = 0
+    torch.testing.assert_close(run(slow, x), run(every, x), rtol=0, atol=1e-12)
+    first, _, state = slow(x[:, :10], return_state=True)
+    second, _, _ = slow(x[:, 10:], state, return_state=True)
+    torch.testing.assert_close(torch.cat((first, second), dim=1), run(slow, x), rtol=0, atol=1e-12)

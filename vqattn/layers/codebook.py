@@ -8,9 +8,11 @@ import torch
 
 from ..codebook import Codebook
 from ..functional import vq_attention
-from ..ops._checks import check_positive_int
+from ..ops._checks import check_choice, check_positive_int
 from ..ops.vq import DEFAULT_BLOCK_LEN
 from .base import Attention
+
+CACHE_SCORES = ("all", "slow")
 
 
 class VQAttention(Attention):
@@ -31,6 +33,11 @@ class VQAttention(Attention):
 
     so that the window logit q'·k' = (R_i q)·(R_j k) is RoPE attention, the cache logit q'·c' = q·c is the
     position-free code score, and ‖k' − c'‖² = ‖k − c‖² + 2‖k‖² gives the same hard and soft assignments.
+
+    ``cache_scores``: the dims of the code score q·c. ``"all"`` (default) scores a code as if its keys sat at
+    distance 0 in every RoPE pair. ``"slow"`` keeps only the pairs that turn by less than one radian across the raw
+    window (2·block_len tokens): at the cache's distances the faster pairs' RoPE terms average out, as they do in
+    softmax attention, so the code score keeps only what a far key's RoPE logit keeps (the assignment is unchanged).
     """
 
     assign: ClassVar[str]
@@ -44,6 +51,7 @@ class VQAttention(Attention):
         block_len: int | None = 64,
         exact_window: bool = True,
         detach_cache: bool = False,
+        cache_scores: str = "all",
         codebook: dict | None = None,
         **attention_kwargs,
     ):
@@ -58,7 +66,11 @@ class VQAttention(Attention):
             )
         if block_len is not None:
             check_positive_int("block_len", block_len)
+        check_choice("cache_scores", cache_scores, CACHE_SCORES)
+        if cache_scores == "slow" and not self.rope:
+            raise ValueError("cache_scores='slow' selects RoPE pairs and needs rope=True; without RoPE use 'all'")
         check_positive_int("num_codes", num_codes)
+        self.cache_scores = cache_scores
         self.block_len, self.exact_window, self.detach_cache = block_len, exact_window, detach_cache
         self.codebook = Codebook(num_heads, num_codes, self.head_dim, assign=self.assign, **(codebook or {}))
 
@@ -68,7 +80,8 @@ class VQAttention(Attention):
             q = torch.cat((self.rotate(q, pos), q, -q), dim=-1)  # (B, H, T, 3 Dh)
             k = torch.cat((self.rotate(k, pos), k, k), dim=-1)
             zeros = torch.zeros_like(codebook)
-            codebook = torch.cat((zeros, codebook, zeros), dim=-1)  # (H, S, 3 Dh)
+            scored = codebook * self._slow_dims(codebook) if self.cache_scores == "slow" else codebook
+            codebook = torch.cat((zeros, scored, zeros), dim=-1)  # (H, S, 3 Dh)
         result = vq_attention(
             q, k, v, codebook,
             causal=True,
@@ -84,6 +97,13 @@ class VQAttention(Attention):
         )
         out, op_state = result if return_state else (result, None)
         return out, aux_loss, op_state
+
+    def _slow_dims(self, like: torch.Tensor) -> torch.Tensor:
+        """(Dh,) 0/1 mask of the RoPE pairs (m, m + Dh/2) whose angle grows by < 1 radian over 2·block_len tokens."""
+        half = self.head_dim // 2
+        inv_freq = self.rope_base ** (-torch.arange(half, dtype=torch.float64) * 2.0 / self.head_dim)
+        slow = (inv_freq * 2 * (self.block_len or DEFAULT_BLOCK_LEN) < 1).to(device=like.device, dtype=like.dtype)
+        return torch.cat((slow, slow))
 
     def usage_stats(self) -> dict[str, float]:
         return self.codebook.usage_stats()
