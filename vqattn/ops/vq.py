@@ -98,7 +98,7 @@ def _causal(q, k, v, c, a: Assignment | None, *, L, scale, exact_window, detach_
     # Not with detach_cache, where the previous block must keep its gradient.
     lag = 2 if assign == "hard" or exact_window or detach_cache else 1
     groups = block_groups(nb, B * H * max(L * (S + 2 * L), S * Dv) * q.element_size(), q.device)
-    splits = [split_groups(x, groups, L) for x in (q * scale, k, v)]  # scaling q is cheaper than the logits
+    splits = [split_groups(x, groups, L) for x in (q, k, v)]
     if a is not None:
         a_splits = [split_groups(x, groups, L) if isinstance(x, torch.Tensor) else [(x, x)] * len(groups) for x in a]
     # The cache of block b is ``run`` plus the statistics of the blocks between; ``tail`` holds those of the last
@@ -110,8 +110,9 @@ def _causal(q, k, v, c, a: Assignment | None, *, L, scale, exact_window, detach_
         a_g, a_before = (None, None) if a is None else \
             (Assignment(*parts) for parts in zip(*(split[i] for split in a_splits)))
         out, run, tail, fold = _group(
-            q_g, k_g, k_before, v_g, v_before, a_g, a_before, run, tail, c=c, G=G, L=L, lag=lag, first=b0 == 0,
-            exact_window=exact_window, detach_cache=detach_cache, assign_keys=assign_keys,
+            # q is scaled per group (cheaper than scaling the logits, and no full-size temporary)
+            q_g * scale, k_g, k_before, v_g, v_before, a_g, a_before, run, tail, c=c, G=G, L=L, lag=lag,
+            first=b0 == 0, exact_window=exact_window, detach_cache=detach_cache, assign_keys=assign_keys,
             fold=min(max(fold_blocks - b0, 0), b1 - b0))
         outs.append(out)
         if fold is not None:
