@@ -27,12 +27,13 @@ class VQAttention(Attention):
     position a key came from. Rotating keys before quantisation would instead make the code of a key depend
     on its absolute position (the codebook would have to cover every rotation of every key), and rotating
     quantised keys per position cannot be summed per code. The layer implements window-only RoPE with the
-    unchanged op by running it on augmented vectors (D' = 3D):
+    unchanged op by running it on augmented vectors (D' = 2D):
 
-        q' = [R_i q, q, −q]    k' = [R_j k, k, k]    c' = [0, c, 0]
+        q' = [R_i q, q]    k' = [R_j k, 0]    c' = [0, c]
 
-    so that the window logit q'·k' = (R_i q)·(R_j k) is RoPE attention, the cache logit q'·c' = q·c is the
-    position-free code score, and ‖k' − c'‖² = ‖k − c‖² + 2‖k‖² gives the same hard and soft assignments.
+    so that the window logit q'·k' = (R_i q)·(R_j k) is RoPE attention and the cache logit q'·c' = q·c is the
+    position-free code score. The op never assigns k' to c': the codebook's assignment of the raw keys is handed
+    over (``assignment=``), also when decoding.
 
     ``cache_scores``: the dims of the code score q·c. ``"all"`` (default) scores a code as if its keys sat at
     distance 0 in every RoPE pair. ``"slow"`` keeps only the pairs that turn by less than one radian across the raw
@@ -77,11 +78,10 @@ class VQAttention(Attention):
     def _attend(self, q, k, v, pos, state, return_state):
         codebook, assignment, aux_loss = self.codebook(k)  # (H, S, Dh); codes are learned on unrotated keys
         if self.rope:
-            q = torch.cat((self.rotate(q, pos), q, -q), dim=-1)  # (B, H, T, 3 Dh)
-            k = torch.cat((self.rotate(k, pos), k, k), dim=-1)
-            zeros = torch.zeros_like(codebook)
+            q = torch.cat((self.rotate(q, pos), q), dim=-1)  # (B, H, T, 2 Dh)
+            k = torch.cat((self.rotate(k, pos), torch.zeros_like(k)), dim=-1)
             scored = codebook * self._slow_dims(codebook) if self.cache_scores == "slow" else codebook
-            codebook = torch.cat((zeros, scored, zeros), dim=-1)  # (H, S, 3 Dh)
+            codebook = torch.cat((torch.zeros_like(codebook), scored), dim=-1)  # (H, S, 2 Dh)
         result = vq_attention(
             q, k, v, codebook,
             causal=True,
