@@ -2,7 +2,9 @@
 
 Queries run in blocks of L. Block b attends, with one softmax, to its window (blocks b−1 and b, causally masked)
 and, for codebook attention, to S compressed "keys" (the codes, carrying per-block counts and value means of
-blocks ≤ b−2). Window attention is the same kernel without the codes.
+blocks ≤ b−2): :class:`WindowCodeAttention`. Window attention is the same kernel without the codes. Soft codebook
+attention, whose window logits are mixtures over the codes, runs the same math in linear form:
+:class:`MixtureAttention`.
 """
 
 from __future__ import annotations
