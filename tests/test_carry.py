@@ -109,6 +109,32 @@ def test_learned_positions_or_random_windows_cannot_carry(tmp_path):
         trainer.fit(LitLM(model=TINY, carry_state=True), datamodule=TextDataModule(path=str(path), seq_len=16))
 
 
+@pytest.mark.parametrize("carry_segments,fresh_steps", [(2, [0, 2, 4]), (None, [0])])
+def test_training_state_starts_afresh_every_carry_segments_steps(tmp_path, carry_segments, fresh_steps):
+    path = tmp_path / "t.txt"
+    path.write_bytes(b"".join(b"%d: the quick brown fox %d\n" % (i, i * i) for i in range(300)))
+    module = LitLM(model=TINY, carry_state=True, carry_segments=carry_segments)
+    fresh = []
+    carry_forward = module.carry.forward
+
+    def recording_forward(model, x):
+        if module.carry.state is None and module.carry._stored is None:
+            fresh.append(module.trainer.global_step)
+        return carry_forward(model, x)
+
+    module.carry.forward = recording_forward
+    trainer = L.Trainer(max_steps=6, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_checkpointing=False, enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(module, datamodule=TextDataModule(path=str(path), seq_len=16, batch_size=2, stream=True))
+    assert fresh == fresh_steps
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True])
+def test_bad_carry_segments_raise_value_error(bad):
+    with pytest.raises(ValueError, match="carry_segments must be a positive int or None"):
+        LitLM(model=TINY, carry_state=True, carry_segments=bad)
+
+
 def test_validation_reports_independent_and_carried_bpb_over_the_same_bytes(tmp_path):
     path = tmp_path / "t.txt"
     path.write_bytes(b"".join(b"%d: the quick brown fox %d\n" % (i, i * i) for i in range(300)))

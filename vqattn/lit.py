@@ -126,11 +126,18 @@ class LitLM(L.LightningModule):
         aux_weight: weight of the auxiliary (commitment) loss.
         compile: ``torch.compile`` the model (in place: checkpoints keep the eager parameter names).
         carry_state: train on consecutive segments, each step starting from the previous step's detached state.
+        carry_segments: with ``carry_state``, the carried state starts afresh every ``carry_segments`` optimizer
+            steps (None: never), so a training sequence is carry_segments × seq_len tokens (Transformer-VQ's
+            sequence length, made of update-length segments). Without a reset the vq caches' counts grow over the
+            whole run (millions of keys per code) and the model learns cache biases that no evaluation context has.
     """
 
     def __init__(self, model: dict, optim: dict | None = None, aux_weight: float = 1.0, compile: bool = False,
-                 carry_state: bool = False):
+                 carry_state: bool = False, carry_segments: int | None = 16):
         super().__init__()
+        if carry_segments is not None and (isinstance(carry_segments, bool) or not isinstance(carry_segments, int)
+                                           or carry_segments < 1):
+            raise ValueError(f"carry_segments must be a positive int or None (never reset), got {carry_segments!r}")
         if carry_state and model.get("pos_emb", GPTConfig.pos_emb) == "learned":
             raise ValueError("carry_state=true needs model.pos_emb=rope or none: carried positions grow past "
                              "model.seq_len, which learned absolute positions cannot encode")
@@ -143,6 +150,8 @@ class LitLM(L.LightningModule):
         self.val_nll = SummedNLL()
         self.val_nll_carried = SummedNLL()
         self.carry = CarriedState() if carry_state else None  # the training rows' state
+        self.carry_segments = carry_segments
+        self._carry_reset_step = -1  # the optimizer step whose first micro-batch last reset the carried state
         self.val_carry = CarriedState()  # the carried validation pass's state
         self.last_validation: dict | None = None  # {"step", "val_loss", "val_bpb", "val_acc", "codebook_..."}
         self.buffer_divergence = 0.0  # set by on_train_end, see rank_divergence
@@ -159,6 +168,12 @@ class LitLM(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch  # (B, T) each
+        step = self.trainer.global_step
+        if self.carry is not None and self.carry_segments and step % self.carry_segments == 0 \
+                and step != self._carry_reset_step:
+            # A function of the global step only (first micro-batch of that step): resumed runs reset alike.
+            self.carry.reset()
+            self._carry_reset_step = step
         out = self.model(x) if self.carry is None else self.carry.forward(self.model, x)
         nll = F.cross_entropy(out.logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE_INDEX)
         loss = nll + self.aux_weight * out.aux_loss
