@@ -60,6 +60,11 @@ class KVCache(NamedTuple):
     v: torch.Tensor
 
 
+def rope_frequencies(head_dim: int, base: float, device=None) -> torch.Tensor:
+    """(head_dim/2,) float64 angle per position of RoPE pair (x_m, x_{m+D/2}): base^(-2m/D)."""
+    return base ** (-torch.arange(head_dim // 2, dtype=torch.float64, device=device) * 2.0 / head_dim)
+
+
 def rope_rotate(x: torch.Tensor, start: int, base: float) -> torch.Tensor:
     """Rotary position embedding of x: (B, H, T, D) at absolute positions start..start+T-1.
 
@@ -69,7 +74,7 @@ def rope_rotate(x: torch.Tensor, start: int, base: float) -> torch.Tensor:
     """
     d = x.shape[-1]
     half = d // 2
-    inv_freq = base ** (-torch.arange(half, dtype=torch.float64, device=x.device) * 2.0 / d)  # (D/2,)
+    inv_freq = rope_frequencies(d, base, x.device)  # (D/2,)
     pos = torch.arange(start, start + x.shape[-2], dtype=torch.float64, device=x.device)  # (T,)
     angle = pos[:, None] * inv_freq[None, :]  # (T, D/2)
     dtype = torch.promote_types(x.dtype, torch.float32)

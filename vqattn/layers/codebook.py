@@ -10,7 +10,7 @@ from ..codebook import Codebook
 from ..functional import vq_attention
 from ..ops._checks import check_choice, check_positive_int
 from ..ops.vq import DEFAULT_BLOCK_LEN
-from .base import Attention
+from .base import Attention, rope_frequencies
 
 CACHE_SCORES = ("all", "slow")
 
@@ -100,8 +100,7 @@ class VQAttention(Attention):
 
     def _slow_dims(self, like: torch.Tensor) -> torch.Tensor:
         """(Dh,) 0/1 mask of the RoPE pairs (m, m + Dh/2) whose angle grows by < 1 radian over 2·block_len tokens."""
-        half = self.head_dim // 2
-        inv_freq = self.rope_base ** (-torch.arange(half, dtype=torch.float64) * 2.0 / self.head_dim)
+        inv_freq = rope_frequencies(self.head_dim, self.rope_base)
         slow = (inv_freq * 2 * (self.block_len or DEFAULT_BLOCK_LEN) < 1).to(device=like.device, dtype=like.dtype)
         return torch.cat((slow, slow))
 
