@@ -275,26 +275,28 @@ def test_non_causal_accepts_different_key_length():
     assert math.isfinite(out.sum().item())
 
 
-@pytest.mark.parametrize("num_blocks", [1, 2, 3, 7])
+@pytest.mark.parametrize("chunk_blocks", [[1], [2], [3], [2, 5], [1, 1, 3]])
 @pytest.mark.parametrize("device", ["cpu", "meta"])
-def test_prefix_sum_values_and_gradcheck(num_blocks, device):
-    """The CPU loop and the cumsum form (GPU, compile: the meta device takes that branch) against the sums."""
+def test_prefix_sum_values_and_gradcheck(chunk_blocks, device):
+    """The CPU loop and the cumsum form (GPU, compile: the meta device takes that branch) against the sums, over
+    the concatenation of the chunks."""
     from vqattn.ops.vq_blocks import prefix_sum
 
-    x = torch.randn(2, 3, num_blocks, 4, 2, dtype=F64, requires_grad=True)
+    chunks = [torch.randn(2, 3, n, 4, 2, dtype=F64, requires_grad=True) for n in chunk_blocks]
     initial = torch.randn(2, 3, 4, 2, dtype=F64, requires_grad=True)
+    x = torch.cat(chunks, 2)
     if device == "meta":
-        out, last = prefix_sum(x.to("meta"), initial.to("meta"))
+        out, last = prefix_sum([c.to("meta") for c in chunks], initial.to("meta"))
         assert out.shape == x.shape and last.shape == initial.shape
         fn = lambda x, i: i.unsqueeze(2) + torch.cumsum(x, 2)  # noqa: E731  the branch taken off CPU
-        torch.testing.assert_close(fn(x, initial), prefix_sum(x, initial)[0])
+        torch.testing.assert_close(fn(x, initial), prefix_sum(chunks, initial)[0])
         return
-    out, last = prefix_sum(x, initial)
-    for b in range(num_blocks):
+    out, last = prefix_sum(chunks, initial)
+    for b in range(x.shape[2]):
         torch.testing.assert_close(out[:, :, b], initial + x[:, :, : b + 1].sum(2))
     torch.testing.assert_close(last, out[:, :, -1])
-    assert torch.autograd.gradcheck(prefix_sum, (x, initial))  # both outputs
-    assert torch.autograd.gradcheck(lambda x, i: prefix_sum(x, i)[1], (x, initial))  # the first one unused
+    assert torch.autograd.gradcheck(lambda i, *c: prefix_sum(c, i), (initial, *chunks))  # both outputs
+    assert torch.autograd.gradcheck(lambda i, *c: prefix_sum(c, i)[1], (initial, *chunks))  # the first one unused
 
 
 @pytest.mark.parametrize("num_blocks,bytes_per_block", [(1, 10**9), (100, 1), (100, 3 * 2**20), (7, 2**20)])

@@ -133,35 +133,36 @@ def _group(q, k, k_before, v, v_before, a, a_before, run, tail, *, c, G, L, lag,
         a = assign_keys(k)
         a_before = assign_keys(k_before) if lag == 2 and not exact_window else None
 
-    counts, sums = code_statistics(a, v, S, n, G)  # (B, H, n, S), (B, H, n, S, Dv)
-    if detach_cache:
-        counts, sums = counts.detach(), sums.detach()
-    folded = (counts[:, :, :fold].sum(2), sums[:, :, :fold].sum(2)) if fold else None
     # The caches of the group's blocks add, in order, the tail and the group's own blocks but its last ``lag``,
-    # which are the next group's tail. (One cat per statistic: its output is contiguous for the prefix sum.)
-    # Splits, not slices: a slice's backward zero-fills a gradient of the whole tensor.
-    stats = (counts, sums)
-    if n >= lag:
-        parts = [x.split([n - lag, lag], 2) for x in stats]
-        enter = [torch.cat([t, head], 2) for t, (head, _) in zip(tail, parts)]
-        tail = tuple(new_tail for _, new_tail in parts)
-    else:
+    # which are the next group's tail. The statistics of those two parts are computed apart and the prefix sum
+    # reads its chunks in place: splitting one statistics tensor would copy it and cat its gradient back.
+    def statistics(a_part, v_part, num_blocks):  # (B, H, num_blocks, S), (B, H, num_blocks, S, Dv)
+        counts, sums = code_statistics(a_part, v_part, S, num_blocks, G)
+        return (counts.detach(), sums.detach()) if detach_cache else (counts, sums)
+
+    if n > lag:
+        parts = [_split_time(x, [(n - lag) * L, lag * L]) for x in (a, v)]
+        head, new_tail = (statistics(*part, size) for *part, size in zip(*parts, (n - lag, lag)))
+        enter = [(t, x) for t, x in zip(tail, head)]
+        tail, stats = new_tail, ([torch.cat(x, 2) for x in zip(head, new_tail)] if fold else None)
+    else:  # a group of at most ``lag`` blocks: everything it enters comes from the (small) tail
+        stats = statistics(a, v, n)
         parts = [torch.cat([t, x], 2).split([n, lag], 2) for t, x in zip(tail, stats)]
-        enter, tail = [head for head, _ in parts], tuple(new_tail for _, new_tail in parts)
+        enter, tail = [(entering,) for entering, _ in parts], tuple(new_tail for _, new_tail in parts)
+    folded = (stats[0][:, :, :fold].sum(2), stats[1][:, :, :fold].sum(2)) if fold else None
     (cache_counts, run_counts), (cache_sums, run_sums) = (prefix_sum(x, r) for x, r in zip(enter, run))
     run = (run_counts, run_sums)
 
     code_logits = blocks(q @ c.transpose(-1, -2), L)  # (B, H, n, L, S): the one q·cᵀ product
-    qb, window_keys, wv = blocks(q, L), None, group_windows(v, v_before, L)
+    qb, window_keys, window_codes, wv = blocks(q, L), None, None, group_windows(v, v_before, L)
     # (n, L, 2L) causal mask; after the first block every block's mask is the same (1, L, 2L)
     bias = window_bias(n, L, q.device, q.dtype) if first else window_bias(2, L, q.device, q.dtype)[1:]
-    if exact_window:
+    if exact_window or a.index is not None:
         window_keys = group_windows(k, k_before, L)
-    elif a.index is not None:
-        # Straight-through: the value of c_z, the gradient of k.
-        c_bh = c.unsqueeze(0).expand(B, H, -1, -1)
-        k_hat = lambda idx, kk: torch.gather(c_bh, 2, idx.unsqueeze(-1).expand(-1, -1, -1, D)) + (kk - kk.detach())  # noqa: E731
-        window_keys = group_windows(k_hat(a.index, k), k_hat(a_before.index, k_before), L)
+        if not exact_window:
+            # Hard: the logit σ q·k̂_j of the straight-through key k̂_j = c_{z_j} + (k_j − sg(k_j)) is a code logit,
+            # gathered at z_j; the kernel routes k̂'s gradient to the raw keys.
+            window_codes = group_windows(a.index, a_before.index, L)
     else:
         # The mixture logit log Σ_s e^{σ q·c_s} Δ_js is not a dot product: it is the whole window logit.
         if lag == 1:
@@ -178,8 +179,16 @@ def _group(q, k, k_before, v, v_before, a, a_before, run, tail, *, c, G, L, lag,
         bias = bias + mixture_logits(code_logits, window_a)
         qb = None
     out = window_code_attention(qb, window_keys, bias, wv, code_logits, code_bias(cache_counts, G), cache_sums,
-                                cache_counts)
+                                cache_counts, window_codes)
     return out, run, tail, folded
+
+
+def _split_time(x, sizes: list[int]):
+    """Split a tensor or an Assignment along time (dim 2) into parts of ``sizes``."""
+    if isinstance(x, Assignment):
+        return [Assignment(*p) for p in zip(*(_split_time(y, sizes) if isinstance(y, torch.Tensor) else [y] * len(sizes)
+                                               for y in x))]
+    return x.split(sizes, 2)
 
 
 def _chunked(q, k, v, c, a, *, state, L, return_state, scale, exact_window, detach_cache, assign, assign_keys):

@@ -129,7 +129,7 @@ def code_statistics(
     group = torch.arange(T, device=v.device) // L  # (T,)
     slot = group * S + a.index  # (B, H, T): code slot within the flattened (G·S) axis
     counts = v.new_zeros(B, H, num_groups * S).scatter_add_(2, slot, v.new_ones(B, H, T))
-    sums = torch.scatter_add(v.new_zeros(B, H, num_groups * S, Dv), 2, slot.unsqueeze(-1).expand(B, H, T, Dv), v)
+    sums = v.new_zeros(B, H, num_groups * S, Dv).scatter_add_(2, slot.unsqueeze(-1).expand(B, H, T, Dv), v)
     return counts.view(B, H, num_groups, S), sums.view(B, H, num_groups, S, Dv)
 
 

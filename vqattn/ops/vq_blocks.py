@@ -9,6 +9,8 @@ attention, whose window logits are mixtures over the codes, runs the same math i
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -90,18 +92,20 @@ def group_windows(piece: torch.Tensor, before: torch.Tensor, L: int) -> torch.Te
     return torch.cat([blocks(previous, L), blocks(piece, L)], dim=3)
 
 
-def prefix_sum(x: torch.Tensor, initial: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """out[:, :, b] = initial + Σ_{b' ≤ b} x[:, :, b'] for x (B, H, nb, ...): the caches of a group of blocks;
-    returned with the last of them, out[:, :, −1], the next group's initial cache.
+def prefix_sum(chunks: Sequence[torch.Tensor], initial: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """out[:, :, b] = initial + Σ_{b' ≤ b} x[:, :, b'] for x, the concatenation of ``chunks`` (B, H, nb_i, ...)
+    along the block dim: the caches of a group of blocks; returned with the last of them, out[:, :, −1], the next
+    group's initial cache.
 
-    On CPU in eager mode an in-place loop over blocks (:class:`PrefixSum`) is 2.5-4× faster than ``torch.cumsum``
+    The chunks are read in place: concatenating them would copy every statistic and cat its gradient again. On
+    CPU in eager mode an in-place loop over blocks (:class:`PrefixSum`) is 2.5-4× faster than ``torch.cumsum``
     along the block dim (measured at nb = 64 and 256, S = 512, Dv = 64), and it hands out the last cache as its own
     output: selecting it from ``out`` would zero-fill a gradient of out's full size in the backward pass. On GPUs
     and under ``torch.compile`` one cumsum is one kernel instead of nb launches, and traces without graph breaks.
     """
-    if x.device.type == "cpu" and not torch.compiler.is_compiling():
-        return PrefixSum.apply(x, initial)
-    out = initial.unsqueeze(2) + torch.cumsum(x, 2)
+    if initial.device.type == "cpu" and not torch.compiler.is_compiling():
+        return PrefixSum.apply(initial, *chunks)
+    out = initial.unsqueeze(2) + torch.cumsum(torch.cat(list(chunks), 2), 2)
     return out, out[:, :, -1]
 
 
@@ -109,12 +113,15 @@ class PrefixSum(torch.autograd.Function):
     """:func:`prefix_sum` as an in-place loop over blocks, with its hand-written backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, initial: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = x.contiguous()  # slices of a transposed layout make every add a strided gather
-        out = torch.empty_like(x)
-        torch.add(initial, x[:, :, 0], out=out[:, :, 0])
-        for b in range(1, x.shape[2]):
-            torch.add(out[:, :, b - 1], x[:, :, b], out=out[:, :, b])
+    def forward(ctx, initial: torch.Tensor, *chunks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.sizes = [chunk.shape[2] for chunk in chunks]
+        out = initial.new_empty(*initial.shape[:2], sum(ctx.sizes), *initial.shape[2:])
+        previous, b = initial, 0
+        for chunk in chunks:
+            chunk = chunk.contiguous()  # slices of a transposed layout make every add a strided gather
+            for j in range(chunk.shape[2]):
+                previous = torch.add(previous, chunk[:, :, j], out=out[:, :, b])
+                b += 1
         return out, out[:, :, -1].clone()
 
     @staticmethod
@@ -127,7 +134,7 @@ class PrefixSum(torch.autograd.Function):
         torch.add(grad_out[:, :, nb - 1], grad_last, out=grad_x[:, :, nb - 1])
         for b in range(nb - 2, -1, -1):
             torch.add(grad_x[:, :, b + 1], grad_out[:, :, b], out=grad_x[:, :, b])
-        return grad_x, grad_x[:, :, 0].clone()
+        return grad_x[:, :, 0].clone(), *grad_x.split(ctx.sizes, 2)
 
 
 class WindowCodeAttention(torch.autograd.Function):
@@ -141,6 +148,11 @@ class WindowCodeAttention(torch.autograd.Function):
     code_logits: (N, nb, L, S), code_bias: (N, nb, S), sums: (N, nb, S, Dv), counts: (N, nb, S), all None for
     window-only attention. Returns (N, nb, L, Dv).
 
+    window_codes (N, nb, 2L), the code z_j of every window key (hard VQ): the window logits are then the code
+    logits of those codes, code_logits[i, z_j] = σ q_i·c_{z_j}, gathered instead of multiplied, with the
+    straight-through gradient: wk holds the raw keys, which get qbᵀ-weighted gradients as if they were the
+    logits' keys, while q (through code_logits) gets the gradient of the codes.
+
     Hand-written forward and backward (flash-attention style: dS = P ⊙ (dP − rowsum(dO ⊙ O))): the two groups
     are never concatenated and only the probabilities are kept for the backward pass. The code means are never
     formed: the code probabilities are divided by the counts instead ((L, S) work, not a (S, Dv) tensor per
@@ -149,12 +161,17 @@ class WindowCodeAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, qb, wk, window_bias, code_logits, code_bias, wv, sums, counts):
+    def forward(ctx, qb, wk, window_bias, code_logits, code_bias, wv, sums, counts, window_codes=None):
         with no_autocast(wv.device):
             N, nb, W, _ = wv.shape
             L = window_bias.shape[-2]
-            p_window = window_bias.expand(N, nb, L, W).clone() if wk is None else \
-                torch.matmul(qb, wk.transpose(-1, -2)).add_(window_bias)  # (N, nb, L, 2L)
+            if window_codes is not None:
+                window_codes = window_codes.unsqueeze(2).expand(N, nb, L, W)
+                p_window = code_logits.gather(-1, window_codes).add_(window_bias)  # (N, nb, L, 2L)
+            elif wk is None:
+                p_window = window_bias.expand(N, nb, L, W).clone()
+            else:
+                p_window = torch.matmul(qb, wk.transpose(-1, -2)).add_(window_bias)
             m = p_window.amax(-1, keepdim=True)  # finite: the diagonal is always visible
             p_codes = None
             if code_logits is not None:
@@ -170,20 +187,20 @@ class WindowCodeAttention(torch.autograd.Function):
                 p_codes.div_(counts.clamp_min(torch.finfo(counts.dtype).tiny).unsqueeze(2))  # empty codes: 0 / tiny
                 out.add_(torch.matmul(p_codes, sums))
             out.div_(z)
-        ctx.save_for_backward(qb, wk, wv, sums, counts, p_window, p_codes, out, z)
+        ctx.save_for_backward(qb, wk, wv, sums, counts, p_window, p_codes, out, z, window_codes)
         ctx.window_bias_shape = window_bias.shape
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        qb, wk, wv, sums, counts, p_window, p_codes, out, z = ctx.saved_tensors  # p_codes: divided by counts
+        qb, wk, wv, sums, counts, p_window, p_codes, out, z, window_codes = ctx.saved_tensors  # p_codes: / counts
         need = ctx.needs_input_grad
-        grads = [None] * 8
+        grads = [None] * 9
         with no_autocast(grad_out.device):
             grad_out = grad_out / z  # with P = p / z, every P-term below becomes a p-term of this scaled gradient
             delta = (grad_out * out).sum(-1, keepdim=True)  # (N, nb, L, 1)
             ds_window = torch.matmul(grad_out, wv.transpose(-1, -2)).sub_(delta).mul_(p_window)  # (N, nb, L, 2L)
-            if need[0]:
+            if need[0] and window_codes is None:  # with window codes, q's window gradient goes through code_logits
                 grads[0] = torch.matmul(ds_window, wk)
             if need[1]:
                 grads[1] = torch.matmul(ds_window.transpose(-1, -2), qb)
@@ -195,8 +212,9 @@ class WindowCodeAttention(torch.autograd.Function):
                 # (dO·mean_s − δ) p_s = (dO·sums_s − δ n_s) p_s / n_s
                 ds_codes = torch.matmul(grad_out, sums.transpose(-1, -2))
                 ds_codes.addcmul_(delta, counts.unsqueeze(2), value=-1).mul_(p_codes)  # (N, nb, L, S)
-                grads[3] = ds_codes if need[3] else None
                 grads[4] = ds_codes.sum(2) if need[4] else None
+                if need[3]:
+                    grads[3] = ds_codes if window_codes is None else ds_codes.scatter_add_(-1, window_codes, ds_window)
                 if need[6] or need[7]:
                     grads[6] = torch.matmul(p_codes.transpose(-1, -2), grad_out)  # d/d sums
                 if need[7]:  # mean = sums / n: d/dn = −(d/d mean · sums) / n² = −(d/d sums · sums) / n
@@ -274,15 +292,17 @@ def _sum_to_shape(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return x.sum(dims, keepdim=True).view(shape) if dims else x
 
 
-def window_code_attention(qb, wk, bias, wv, code_logits=None, code_bias=None, sums=None, counts=None):
+def window_code_attention(qb, wk, bias, wv, code_logits=None, code_bias=None, sums=None, counts=None,
+                          window_codes=None):
     """:class:`WindowCodeAttention` on (B, H, nb, ...) tensors (flattened to B·H for the kernel).
 
-    bias: (nb, L, 2L) or (B, H, nb, L, 2L); the codes' values are sums / counts. Returns (B, H, nb·L, Dv).
+    bias: (nb, L, 2L) or (B, H, nb, L, 2L); the codes' values are sums / counts; window_codes (B, H, nb, 2L) for
+    hard VQ's gathered window logits. Returns (B, H, nb·L, Dv).
     """
     B, H, nb, W, Dv = wv.shape
     flat = lambda x: None if x is None else x.reshape(B * H, *x.shape[2:])  # noqa: E731
     if bias.dim() == 5:
         bias = flat(bias)
     out = WindowCodeAttention.apply(flat(qb), flat(wk), bias, flat(code_logits), flat(code_bias), flat(wv),
-                                    flat(sums), flat(counts))
+                                    flat(sums), flat(counts), flat(window_codes))
     return out.view(B, H, -1, Dv)
