@@ -107,6 +107,19 @@ def measure(method, T, device, reps, block_len, mode):
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def fresh_page_ms_per_mb(mb: int = 256) -> float:
+    """What touching freshly mapped memory costs on this machine beyond writing warm memory (ms per MB): the
+    page-fault and zero-fill price that every large temporary above glibc's mmap threshold pays. It drifts on a
+    VM, and it is what moves the T = 32768 ratios between runs."""
+    x = torch.empty(mb * 2**18)  # fresh pages, untouched
+    start = time.perf_counter()
+    x.fill_(1.0)
+    fresh = time.perf_counter() - start
+    start = time.perf_counter()
+    x.fill_(2.0)
+    return 1000 * (fresh - (time.perf_counter() - start)) / mb
+
+
 def machine() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
@@ -128,6 +141,8 @@ def main():
 
     print(f"# causal fwd+bwd, B=1 H=4 D=64 S=512 fp32, {args.device}: {machine()}, torch {torch.__version__}; "
           f"median of {args.reps} reps in each of {args.rounds} interleaved rounds; peak MB from the {args.modes[0]} mode")
+    if args.device == "cpu":
+        print(f"# fresh memory costs {fresh_page_ms_per_mb():.2f} ms per MB beyond warm writes on this machine now")
     header = ["T", "block_len", "method"]
     for mode in args.modes:
         header += [f"{mode} ms", f"sdpa/x {mode}"]
