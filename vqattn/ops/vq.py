@@ -127,7 +127,6 @@ def _group(q, k, k_before, v, v_before, a, a_before, run, tail, *, c, G, L, lag,
     ``run`` (counts, sums) is the cache of the group's first block without the statistics ``tail`` of the ``lag``
     blocks before the group. Returns out (B, H, n·L, Dv), the next group's run and tail, and the summed statistics
     of the first ``fold`` blocks (None for 0)."""
-    B, H, _, D = q.shape
     n, S = q.shape[2] // L, c.shape[1]
     if a is None:
         a = assign_keys(k)
