@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from vqattn.layers import ATTENTIONS
 from vqattn.model import GPT, GPTConfig
 
@@ -33,6 +35,18 @@ def layer_kwargs(name: str, rope: bool = False) -> dict:
 
 # Every (attention, position scheme) pair the model supports.
 COMBINATIONS = [(name, pos) for name in NAMES for pos in ("none", "learned", "rope")]
+
+
+def scramble_short_conv(module, seed: int = 0):
+    """Random weights for every short convolution in ``module``: they start as the identity, which would make a
+    test of the convolution's state or causality pass without it."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in module.modules():
+            if isinstance(getattr(layer, "conv", None), torch.nn.Conv1d):
+                w = layer.conv.weight
+                w.copy_(torch.randn(w.shape, generator=gen, dtype=w.dtype))
+    return module
 
 
 def tiny_model(name: str, pos_emb: str = "rope", **overrides) -> GPT:

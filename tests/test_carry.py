@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model_helpers import tiny_model
+from model_helpers import scramble_short_conv, tiny_model
 from vqattn.carry import CarriedState, decode, encode
 from vqattn.data import TextDataModule
 from vqattn.lit import LitLM
@@ -32,10 +32,11 @@ def tensors(obj) -> list[torch.Tensor]:
     return [t for x in obj for t in tensors(x)] if isinstance(obj, (list, tuple)) else []
 
 
-@pytest.mark.parametrize("name", ["vq_hard", "vq_soft", "performer", "linear"])
-def test_carried_segments_equal_one_pass_over_the_whole_sequence(name):
+@pytest.mark.parametrize("name,short_conv", [("vq_hard", 0), ("vq_soft", 0), ("performer", 0), ("linear", 0),
+                                             ("vq_hard", 4)])
+def test_carried_segments_equal_one_pass_over_the_whole_sequence(name, short_conv):
     # constant-size states carry the whole past, so segment after segment is the long sequence
-    model = tiny_model(name)
+    model = scramble_short_conv(tiny_model(name, short_conv=short_conv))
     x = torch.randint(0, 17, (3, 40), generator=torch.Generator().manual_seed(0))
     logits, carry = segments(model, x, 8)
     torch.testing.assert_close(logits, model(x).logits)
@@ -54,9 +55,9 @@ def test_softmax_carries_a_memory_of_one_segment():
     assert not torch.allclose(logits[:, 16:], model(x).logits[:, 16:])  # segment 3 no longer sees keys 0..7
 
 
-@pytest.mark.parametrize("name", ["vq_hard", "softmax", "performer"])
-def test_encoded_state_survives_a_weights_only_checkpoint(name):
-    model = tiny_model(name)
+@pytest.mark.parametrize("name,short_conv", [("vq_hard", 0), ("softmax", 0), ("performer", 0), ("softmax", 2)])
+def test_encoded_state_survives_a_weights_only_checkpoint(name, short_conv):
+    model = scramble_short_conv(tiny_model(name, short_conv=short_conv))
     x = torch.randint(0, 17, (2, 20), generator=torch.Generator().manual_seed(2))
     _, carry = segments(model, x[:, :12], 6)
     buf = io.BytesIO()

@@ -39,6 +39,23 @@ def test_mqar_every_answer_is_the_value_bound_to_the_queried_key(seq_len, pairs,
             assert sum(t != 0 for t in query_region) == pairs
 
 
+@pytest.mark.parametrize("seq_len,pairs,gap", [(128, 16, 0), (1024, 16, 256), (64, 4, 8)])
+def test_mqar_random_filler_never_repeats_a_key_of_its_sequence(seq_len, pairs, gap):
+    """A key occurs only in its pair and at its query: no nearer fake pair can contradict the real binding, and
+    the filler still covers every other token of the vocabulary."""
+    x, y = mqar_example(np.random.default_rng(2), 64, seq_len, pairs, min_query_gap=gap)
+    ctx = 2 * pairs
+    for xs, ys in zip(x, y):
+        keys = xs[0:ctx:2]
+        filler = torch.ones(seq_len, dtype=torch.bool)
+        filler[:ctx] = False
+        filler[ys != D.IGNORE_INDEX] = False  # query positions hold the keys
+        assert not torch.isin(xs[filler], keys).any()
+    seen = torch.zeros(256, dtype=torch.bool)
+    seen[x[:, 2 * pairs + gap:].flatten()] = True
+    assert seen.sum() == 256  # across rows every token, 0 and 255 included, appears as filler
+
+
 def test_mqar_gaps_follow_a_decreasing_power_law():
     # p(g) ∝ g^(a-1) with a=0.01: early query slots are far more likely than late ones.
     x, y = mqar_example(np.random.default_rng(0), 400, 256, 4)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_helpers import COMBINATIONS, NAMES, tiny_model
+from model_helpers import COMBINATIONS, NAMES, scramble_short_conv, tiny_model
 
 T = 13  # not a multiple of the block / chunk length 4
 
@@ -34,9 +34,10 @@ def test_prefill_then_single_steps_match_forward(name, pos_emb, prompt_len):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_uneven_chunks_match_forward(name):
+@pytest.mark.parametrize("short_conv", [0, 3])
+def test_uneven_chunks_match_forward(name, short_conv):
     torch.manual_seed(1)
-    model = tiny_model(name, "rope")
+    model = scramble_short_conv(tiny_model(name, "rope", short_conv=short_conv))
     idx = torch.randint(0, 17, (1, 20))
     full = model(idx).logits
     steps, _ = decode_in_chunks(model, idx, [3, 5, 1, 7, 4])

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from model_helpers import NAMES, VQ_NAMES, layer_kwargs
+from model_helpers import NAMES, VQ_NAMES, layer_kwargs, scramble_short_conv
 from vqattn.layers import ATTENTIONS, Attention, build_attention, rope_rotate
 
 DIM, HEADS = 16, 2
@@ -172,6 +172,9 @@ def test_backward_reaches_every_projection(name):
         ("vq_hard", {"rope": True, "cache_scores": "fast"}, "cache_scores must be one of 'all', 'slow'"),
         ("vq_soft", {"cache_scores": "slow"}, "needs rope=True"),
         ("linear", {"chunk_len": -2}, "chunk_len"),
+        ("softmax", {"short_conv": -1}, "short_conv must be an int >= 0"),
+        ("vq_hard", {"short_conv": 2.5}, "short_conv must be an int >= 0"),
+        ("window", {"short_conv": True}, "short_conv must be an int >= 0"),
     ],
 )
 def test_bad_construction(name, kwargs, match):
@@ -235,3 +238,71 @@ def test_cache_scores_slow_scores_codes_on_the_slow_rope_pairs_only(name):
     first, _, state = slow(x[:, :10], return_state=True)
     second, _, _ = slow(x[:, 10:], state, return_state=True)
     torch.testing.assert_close(torch.cat((first, second), dim=1), run(slow, x), rtol=0, atol=1e-12)
+
+
+# ---------------------------------------------------------------- short convolution over q/k/v
+
+
+class _NaiveShortConv(torch.nn.Module):
+    """The fused q/k/v projection followed by out_t = sum_j w_j h_{t-K+1+j} per channel, written as a loop over
+    taps with zeros before the sequence (a reference for Attention._convolve)."""
+
+    def __init__(self, qkv: torch.nn.Linear, weight: torch.Tensor):
+        super().__init__()
+        self.qkv, self.weight = qkv, weight  # weight (3C, 1, K)
+
+    def forward(self, x):
+        h = self.qkv(x)  # (B, T, 3C)
+        size, t = self.weight.shape[-1], h.shape[1]
+        out = torch.zeros_like(h)
+        for j in range(size):
+            shift = size - 1 - j  # tap j reads the token `shift` steps back
+            out[:, shift:] += self.weight[:, 0, j] * h[:, : t - shift]
+        return out
+
+
+@pytest.mark.parametrize("name", ["softmax", "vq_hard", "vq_soft", "linear", "window"])
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_short_conv_matches_a_naive_convolution(name, size):
+    """Outputs and gradients (input, projection, conv taps) of a layer with short_conv equal the same layer without
+    it fed the naively convolved projections, in float64; T = 9 is not a multiple of the block length 4."""
+    layer = scramble_short_conv(make(name, rope=True, short_conv=size))
+    reference = make(name, rope=True)
+    reference.load_state_dict({k: v for k, v in layer.state_dict().items() if not k.startswith("conv.")})
+    weight = layer.conv.weight.detach().clone().requires_grad_()
+    reference.qkv = _NaiveShortConv(reference.qkv, weight)
+    x = torch.randn(2, 9, DIM, dtype=torch.float64, requires_grad=True)
+    out, ref = run(layer, x), run(reference, x)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    grad_out = torch.randn_like(out)
+    got = torch.autograd.grad(out, (x, layer.qkv.weight, layer.conv.weight), grad_out)
+    want = torch.autograd.grad(ref, (x, reference.qkv.qkv.weight, weight), grad_out)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-11)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_short_conv_is_causal_and_chunked_decoding_matches_full(name):
+    """Chunks of 1 (shorter than the K - 1 = 2 carried projections) and uneven lengths give the full output; the
+    future does not leak through the convolution."""
+    layer = scramble_short_conv(make(name, rope=True, short_conv=3))
+    x = torch.randn(2, 11, DIM, dtype=torch.float64)
+    full = run(layer, x)
+    outs, state = [], None
+    for start, stop in [(0, 1), (1, 2), (2, 7), (7, 8), (8, 11)]:
+        out, _, state = layer(x[:, start:stop], state, return_state=True)
+        outs.append(out)
+    assert state.pos == 11 and state.conv.shape == (2, 2, 3 * DIM)
+    torch.testing.assert_close(torch.cat(outs, dim=1), full, rtol=0, atol=1e-12)
+    y = x.clone()
+    y[:, 6:] = torch.randn_like(y[:, 6:])
+    torch.testing.assert_close(run(layer, y)[:, :6], full[:, :6], rtol=0, atol=1e-12)
+
+
+def test_short_conv_starts_as_the_identity_and_counts_in_the_state():
+    plain, conv = make("vq_hard", rope=True), make("vq_hard", rope=True, short_conv=4)
+    plain.load_state_dict({k: v for k, v in conv.state_dict().items() if not k.startswith("conv.")})
+    x = torch.randn(2, 9, DIM, dtype=torch.float64)
+    torch.testing.assert_close(run(conv, x), run(plain, x), rtol=0, atol=0)
+    _, _, state = conv(x, return_state=True)
+    assert conv.state_floats(9) == plain.state_floats(9) + state.conv[0].numel() == plain.state_floats(9) + 3 * 3 * DIM

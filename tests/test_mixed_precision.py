@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from model_helpers import NAMES, layer_kwargs
+from model_helpers import NAMES, layer_kwargs, scramble_short_conv
 from vqattn.model import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,17 +23,17 @@ ROOT = Path(__file__).resolve().parents[1]
 LOGIT_ATOL = 0.1
 
 
-def _model(name: str) -> GPT:
+def _model(name: str, short_conv: int = 0) -> GPT:
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=64, seq_len=64, n_layer=2, n_head=2, n_embd=32, attention=name,
-                       attention_kwargs=layer_kwargs(name, rope=True), pos_emb="rope")
-    return GPT(config).train()
+                       attention_kwargs=layer_kwargs(name, rope=True), pos_emb="rope", short_conv=short_conv)
+    return scramble_short_conv(GPT(config).train())
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_autocast_training_step_matches_fp32(name):
+@pytest.mark.parametrize("name,short_conv", [(name, 0) for name in NAMES] + [("softmax", 4), ("vq_hard", 4)])
+def test_autocast_training_step_matches_fp32(name, short_conv):
     idx = torch.randint(0, 64, (2, 37), generator=torch.Generator().manual_seed(1))
-    reference, mixed = _model(name), _model(name)
+    reference, mixed = _model(name, short_conv), _model(name, short_conv)
     torch.manual_seed(2)
     expected = reference(idx, idx)
     torch.manual_seed(2)

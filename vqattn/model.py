@@ -38,6 +38,7 @@ class GPTConfig:
     attention_kwargs: dict = field(default_factory=dict)  # extra constructor kwargs of the attention layer
     pos_emb: str = "rope"  # "rope" (inside the attention), "learned" (absolute, added to embeddings), "none"
     qk_norm: bool = False
+    short_conv: int = 0  # kernel size of the attention layers' short convolution over q/k/v (0 = none)
     mlp_ratio: int = 4
 
     def __post_init__(self):
@@ -96,6 +97,7 @@ class Block(nn.Module):
             bias=config.bias,
             dropout=config.dropout,
             qk_norm=config.qk_norm,
+            short_conv=config.short_conv,
             rope=config.pos_emb == "rope",
             layer_idx=layer_idx,
             **config.attention_kwargs,

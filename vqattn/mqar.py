@@ -25,7 +25,10 @@ def mqar_example(rng: np.random.Generator, n: int, seq_len: int, num_kv_pairs: i
     p(g) proportional to g^(power_a - 1), g = 1..(seq_len - 2P - gap)/2 (so recent-looking gaps are more likely);
     the token after a query is its value. Every query then sits more than min_query_gap tokens after its key and
     value (with min_query_gap >= 2·block_len: outside a vq layer's raw window). Filler and other query-region tokens
-    are 0, or uniform random tokens if random_non_queries. Returns x (n, seq_len) and y (n, seq_len) with y = the
+    are 0, or, if random_non_queries, uniform random tokens other than the sequence's own keys. Zoology draws them
+    from the whole vocabulary, where with its 8192 tokens a key rarely recurs; with 256 a random token is a key half
+    of the time and the token after it a fake value, nearer to the query than the real pair (at T = 1024 each key
+    would recur about 3 times), which makes recall ambiguous. Returns x (n, seq_len) and y (n, seq_len) with y = the
     value at the position of each queried key and IGNORE_INDEX elsewhere: loss and recall accuracy count only the P
     answer positions.
     """
@@ -45,7 +48,10 @@ def mqar_example(rng: np.random.Generator, n: int, seq_len: int, num_kv_pairs: i
     x, y = seq[:, :-1], labels[:, 1:]
     if random_non_queries:
         filler = x == 0
-        x[filler] = rng.integers(0, vocab_size, size=int(filler.sum()))
+        tokens = rng.integers(0, vocab_size - num_kv_pairs, size=x.shape)  # an index into the non-keys of the row
+        for key in np.sort(keys, axis=1).T:  # (n,): the j-th smallest key of every row, ascending
+            tokens += tokens >= key[:, None]  # skip it: the index becomes a token that is not a key
+        x[filler] = tokens[filler]
     return torch.from_numpy(x), torch.from_numpy(y)
 
 

@@ -9,28 +9,29 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from ..ops._checks import check_positive_int
-
-
 
 @dataclass
 class AttentionState:
     """Decoding state of one layer after ``pos`` tokens: the op's own state plus the position counter.
 
     ``inner`` is a ``KVCache`` for softmax, the op's ``VQState`` for vq layers and its ``LinearState``
-    for the kernel family.
+    for the kernel family. ``conv``: the last ``short_conv - 1`` q/k/v projections (B, short_conv - 1, 3C) that
+    the short convolution of the next token reads (None without one).
     """
 
     pos: int
     inner: Any
+    conv: torch.Tensor | None = None
 
     def detached(self, max_cache: int | None = None) -> AttentionState:
         """This state without autograd history; KV caches keep their newest ``max_cache`` keys when given."""
         inner = self.inner
         if isinstance(inner, KVCache) and max_cache is not None:
             inner = KVCache(inner.k[:, :, -max_cache:], inner.v[:, :, -max_cache:])
-        return AttentionState(self.pos, _detach(inner))
+        return AttentionState(self.pos, _detach(inner), _detach(self.conv))
 
 
 def _detach(obj: Any) -> Any:
@@ -84,7 +85,8 @@ def rope_rotate(x: torch.Tensor, start: int, base: float) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """Base class: projections, q/k normalisation, RoPE and the chunked-state protocol.
+    """Base class: projections, an optional short convolution, q/k normalisation, RoPE and the chunked-state
+    protocol.
 
     Subclasses implement ``_attend(q, k, v, pos, state, return_state) -> (out, aux_loss, op_state)`` on
     (B, H, T, Dh) tensors, where q and k are projected and normalised but not rotated (each variant decides where
@@ -103,9 +105,18 @@ class Attention(nn.Module):
         qk_norm: bool = False,
         rope: bool = False,
         rope_base: float = 10000.0,
+        short_conv: int = 0,
         layer_idx: int = 0,
     ):
-        """layer_idx: position of the layer in its model; layers with random features derive their seed from it."""
+        """layer_idx: position of the layer in its model; layers with random features derive their seed from it.
+
+        short_conv: kernel size of a causal depthwise convolution over time of the fused q/k/v projections
+        (flash-linear-attention's ShortConvolution, as in H3, Based and Mamba); 0 = none. Each of q, k and v then
+        mixes its token with the ``short_conv - 1`` before it, so one attention layer can match a query against the
+        token *before* each key: the associative-recall (induction) step that plain attention needs two layers and
+        a long training plateau to learn. It is initialised to the identity (the last tap 1, the others 0), so a
+        fresh layer computes what the layer without it does.
+        """
         super().__init__()
         check_positive_int("dim", dim)
         check_positive_int("num_heads", num_heads)
@@ -118,8 +129,16 @@ class Attention(nn.Module):
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
         if rope_base <= 0:
             raise ValueError(f"rope_base must be > 0, got {rope_base!r}")
+        if isinstance(short_conv, bool) or not isinstance(short_conv, int) or short_conv < 0:
+            raise ValueError(f"short_conv must be an int >= 0 (a kernel size; 0 = no convolution), got {short_conv!r}")
         self.rope, self.rope_base, self.layer_idx = rope, rope_base, layer_idx
         self.qkv = nn.Linear(dim, 3 * dim, bias=bias)
+        self.short_conv = short_conv
+        self.conv = nn.Conv1d(3 * dim, 3 * dim, short_conv, groups=3 * dim, bias=False) if short_conv else None
+        if self.conv is not None:
+            with torch.no_grad():
+                self.conv.weight.zero_()
+                self.conv.weight[:, 0, -1] = 1.0
         self.proj = nn.Linear(dim, dim, bias=bias)
         self.resid_dropout = nn.Dropout(dropout)
         # Transformer-VQ RMS-normalises q and k per head; this bounds |q.k| and keeps codes comparable.
@@ -143,20 +162,39 @@ class Attention(nn.Module):
         if state is not None and not isinstance(state, AttentionState):
             raise ValueError(f"state must be an AttentionState or None, got {type(state).__name__}")
         b, t, c = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, Dh)
+        qkv, conv = self.qkv(x), None  # (B, T, 3C)
+        if self.conv is not None:
+            qkv, conv = self._convolve(qkv, None if state is None else state.conv)
+        q, k, v = qkv.view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, Dh)
         q, k = self.q_norm(q), self.k_norm(k)
         pos = 0 if state is None else state.pos
         out, aux_loss, inner = self._attend(q, k, v, pos, None if state is None else state.inner, return_state)
         y = self.resid_dropout(self.proj(out.transpose(1, 2).reshape(b, t, c)))  # (B, T, C)
         aux_loss = x.new_zeros(()) if aux_loss is None else aux_loss
-        return AttentionOutput(y, aux_loss, AttentionState(pos + t, inner) if return_state else None)
+        return AttentionOutput(y, aux_loss, AttentionState(pos + t, inner, conv) if return_state else None)
+
+    def _convolve(self, h: torch.Tensor, past: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Short causal convolution: out_t = sum_j w_j h_{t - K + 1 + j} per channel, with the K - 1 rows before
+        h taken from ``past`` (zeros at the start of a sequence). h: (B, T, 3C) -> (out (B, T, 3C), the last
+        K - 1 rows of [past, h] for the next chunk)."""
+        k = self.short_conv
+        if past is None:
+            past = h.new_zeros(h.shape[0], k - 1, h.shape[-1])
+        full = torch.cat((past.to(h.dtype), h), dim=1)  # (B, K - 1 + T, 3C)
+        out = self.conv(full.transpose(1, 2)).transpose(1, 2)  # (B, T, 3C)
+        return out, full[:, full.shape[1] - (k - 1):]
 
     def _attend(self, q, k, v, pos: int, state, return_state: bool):
         raise NotImplementedError
 
     def state_floats(self, seq_len: int) -> int:
         """Numbers held by this layer's decoding state (all heads) after ``seq_len`` tokens: the memory that
-        recall must fit through, compared across attentions at equal size (as in Zoology)."""
+        recall must fit through, compared across attentions at equal size (as in Zoology). The short
+        convolution's (short_conv - 1) x 3C projections count too."""
+        return self._op_state_floats(seq_len) + max(self.short_conv - 1, 0) * 3 * self.dim
+
+    def _op_state_floats(self, seq_len: int) -> int:
+        """The op's own state: the part that depends on the attention."""
         raise NotImplementedError
 
     def usage_stats(self) -> dict[str, float]:
@@ -180,7 +218,7 @@ class CachedAttention(Attention):
     def _quadratic(self, q, k, v):
         raise NotImplementedError
 
-    def state_floats(self, seq_len: int) -> int:
+    def _op_state_floats(self, seq_len: int) -> int:
         return 2 * seq_len * self.dim  # every key and value
 
 

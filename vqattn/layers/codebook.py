@@ -107,7 +107,7 @@ class VQAttention(Attention):
     def usage_stats(self) -> dict[str, float]:
         return self.codebook.usage_stats()
 
-    def state_floats(self, seq_len: int) -> int:
+    def _op_state_floats(self, seq_len: int) -> int:
         window = min(seq_len, 2 * (self.block_len or DEFAULT_BLOCK_LEN))  # raw keys and values
         return self.num_heads * self.codebook.num_codes * (self.head_dim + 1) + 2 * window * self.dim
 

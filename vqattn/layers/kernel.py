@@ -30,7 +30,7 @@ class KernelAttention(Attention):
     def _make_features(self, head_dim: int, layer_idx: int, **kwargs) -> FeatureMap:
         raise NotImplementedError
 
-    def state_floats(self, seq_len: int) -> int:
+    def _op_state_floats(self, seq_len: int) -> int:
         return self.num_heads * self.features.num_features(self.head_dim) * (self.head_dim + 1)  # Σφ(k)vᵀ, Σφ(k)
 
     def _attend(self, q, k, v, pos, state, return_state):

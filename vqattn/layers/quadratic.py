@@ -75,5 +75,5 @@ class WindowAttention(Attention):
         out, op_state = result if return_state else (result, None)
         return out, None, op_state
 
-    def state_floats(self, seq_len: int) -> int:
+    def _op_state_floats(self, seq_len: int) -> int:
         return 2 * min(seq_len, 2 * self.block_len) * self.dim
