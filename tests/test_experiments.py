@@ -43,18 +43,22 @@ def test_compressed_share_counts_pairs():
     assert compressed_share(12, 4) == pytest.approx(4 * 4 / 78)  # queries 8..11 see keys 0..3 through codes
 
 
-def test_mqar_long_queries_lie_beyond_the_raw_window():
+def test_mqar_long_validation_queries_lie_beyond_what_two_windows_reach():
     cfg = cfg_for("experiment=mqar_long", "attention=vq_hard")
-    block_len = cfg.attention.kwargs.block_len
-    assert cfg.model.seq_len >= 1024 and block_len == 32 and cfg.data.min_query_gap > 2 * block_len
+    block_len, layers, conv = cfg.attention.kwargs.block_len, cfg.model.n_layer, cfg.model.short_conv
+    reach = layers * (2 * block_len + conv - 1)  # raw window plus short convolution, layer after layer
+    assert cfg.model.seq_len >= 512 and cfg.data.val_min_query_gap > reach
     dm = instantiate(cfg.data)
-    x, y = dm._train_batch(np.random.default_rng(0))
-    assert x.shape == (cfg.data.batch_size, cfg.model.seq_len)
+    dm.setup()
+    x, y = dm.val_set.tensors
+    assert x.shape == (cfg.data.num_val_examples, cfg.model.seq_len)
     pairs = cfg.data.num_kv_pairs
     for xs, ys in zip(x.tolist(), y.tolist()):
         value_at = {xs[2 * j]: 2 * j + 1 for j in range(pairs)}
         queries = [i for i, t in enumerate(ys) if t != IGNORE_INDEX]
-        assert len(queries) == pairs and all(i - value_at[xs[i]] > 2 * block_len for i in queries)
+        assert len(queries) == pairs and all(i - value_at[xs[i]] > reach for i in queries)
+    _, y_train = dm._train_batch(np.random.default_rng(0))
+    assert ((y_train != IGNORE_INDEX).float().argmax(dim=1) < 2 * pairs + 2 * block_len).any()  # near queries train
     for attention in LONG_ATTENTIONS:
         instantiate(cfg_for("experiment=mqar_long", f"attention={attention}").module, _convert_="all")
 
@@ -68,7 +72,9 @@ def test_state_size_sweep_overrides_change_state_floats():
     performer = [floats("attention=performer", f"+attention.kwargs.features.num_features={m}") for m in (32, 128)]
     assert vq[0] < vq[1] < vq[2] and vq[2] - vq[1] == 4 * (vq[1] - vq[0])  # S (Dh + 1) per head, plus the window
     assert performer[0] < performer[1]
-    assert floats("attention=softmax") == 2 * 1024 * cfg_for("experiment=mqar_long").model.n_embd
+    cfg = cfg_for("experiment=mqar_long")
+    conv = (cfg.model.short_conv - 1) * 3 * cfg.model.n_embd  # the short convolution's last projections
+    assert floats("attention=softmax") == 2 * cfg.model.seq_len * cfg.model.n_embd + conv
 
 
 def fake_run(name, attention, bpb, acc, state, data="MQARDataModule"):
@@ -136,6 +142,6 @@ def test_mqar_long_smoke_run(tmp_path):
                   "attention=vq_hard", "model.n_embd=32", "model.n_head=2", "data.batch_size=2",
                   "data.num_val_examples=4", "trainer.max_steps=3", "trainer.val_check_interval=3")
     results = train.train(cfg, tmp_path)
-    assert results["steps"] == 3 and results["seq_len"] == 1024 and 0.0 <= results["val_acc"] <= 1.0
-    # state_floats at T = 1024: codes of every head plus the raw window of 2 x 32 keys and values
-    assert results["state_floats"] == 2 * 64 * (16 + 1) + 2 * 64 * 32
+    assert results["steps"] == 3 and results["seq_len"] == 512 and 0.0 <= results["val_acc"] <= 1.0
+    # state_floats: codes of every head, the raw window of 2 x 16 keys and values, 3 rows of q/k/v for the convolution
+    assert results["state_floats"] == 2 * 64 * (16 + 1) + 2 * 32 * 32 + 3 * 3 * 32

@@ -156,6 +156,24 @@ def test_mqar_gap_too_long_for_the_sequence_is_explained():
         MQARDataModule(num_kv_pairs=16, seq_len=256, min_query_gap=200)
     with pytest.raises(ValueError, match="min_query_gap must be an int"):
         MQARDataModule(num_kv_pairs=16, seq_len=256, min_query_gap=-1)
+    with pytest.raises(ValueError, match="val_min_query_gap=200"):
+        MQARDataModule(num_kv_pairs=16, seq_len=256, val_min_query_gap=200)
+    with pytest.raises(ValueError, match="val_min_query_gap must be an int"):
+        MQARDataModule(num_kv_pairs=16, seq_len=256, val_min_query_gap=1.5)
+
+
+def test_mqar_validation_gap_applies_to_validation_only():
+    def first_query(y):  # earliest answer position over the batch
+        return int((y != D.IGNORE_INDEX).float().argmax(dim=1).min())
+
+    dm = MQARDataModule(num_kv_pairs=8, seq_len=256, min_query_gap=0, val_min_query_gap=100, num_val_examples=64)
+    dm.setup()
+    _, y_val = dm.val_set.tensors
+    _, y_train = dm._train_batch(np.random.default_rng(0))
+    assert first_query(y_val) >= 16 + 100 > first_query(y_train)
+    same = MQARDataModule(num_kv_pairs=8, seq_len=256, min_query_gap=100, num_val_examples=64)
+    same.setup()
+    assert first_query(same.val_set.tensors[1]) >= 116 and first_query(same._train_batch(np.random.default_rng(0))[1]) >= 116
 
 
 def test_a_new_loader_iterator_starts_at_the_trainer_step(tmp_path):

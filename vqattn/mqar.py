@@ -60,36 +60,44 @@ class MQARDataModule(_LMDataModule):
 
     Training batches are fresh draws (seeded by batch index); validation is ``num_val_examples`` fixed
     sequences from a different seed. ``min_query_gap``: filler tokens between the key-value pairs and the first
-    query (long-range recall, experiment=mqar_long).
+    query; ``val_min_query_gap`` (None = the same): that gap in the validation sequences only. experiment=mqar_long
+    trains on queries at every distance and validates on far ones only, so that its recall accuracy is long-range
+    recall while the recall circuit can still form where a window sees the pairs.
     """
 
     name = "mqar"
 
     def __init__(self, *, num_kv_pairs: int = 8, vocab_size: int = 256, num_val_examples: int = 512,
-                 power_a: float = 0.01, random_non_queries: bool = True, min_query_gap: int = 0, **kwargs):
+                 power_a: float = 0.01, random_non_queries: bool = True, min_query_gap: int = 0,
+                 val_min_query_gap: int | None = None, **kwargs):
         super().__init__(**kwargs)
         if self.stream or self.val_carried:
             raise ValueError("data=mqar: MQAR sequences are independent, so data.stream and data.val_carried "
                              "(carry_state) need a byte corpus (data=default, text, enwik8, wikitext103)")
-        if isinstance(min_query_gap, bool) or not isinstance(min_query_gap, int) or min_query_gap < 0:
-            raise ValueError(f"data.min_query_gap must be an int >= 0, got {min_query_gap!r}")
-        if num_kv_pairs < 1 or 4 * num_kv_pairs + min_query_gap > self.seq_len:
-            raise ValueError(
-                f"data=mqar: num_kv_pairs={num_kv_pairs} and min_query_gap={min_query_gap} need seq_len >= "
-                f"4 * num_kv_pairs + min_query_gap = {4 * num_kv_pairs + min_query_gap} (P pairs, the gap, then room "
-                f"to query each key once), got seq_len={self.seq_len}"
-            )
+        if val_min_query_gap is None:
+            val_min_query_gap = min_query_gap
+        for name, gap in (("min_query_gap", min_query_gap), ("val_min_query_gap", val_min_query_gap)):
+            if isinstance(gap, bool) or not isinstance(gap, int) or gap < 0:
+                raise ValueError(f"data.{name} must be an int >= 0, got {gap!r}")
+            if num_kv_pairs < 1 or 4 * num_kv_pairs + gap > self.seq_len:
+                raise ValueError(
+                    f"data=mqar: num_kv_pairs={num_kv_pairs} and {name}={gap} need seq_len >= "
+                    f"4 * num_kv_pairs + {name} = {4 * num_kv_pairs + gap} (P pairs, the gap, then room "
+                    f"to query each key once), got seq_len={self.seq_len}"
+                )
         if num_kv_pairs >= vocab_size // 2:
             raise ValueError(f"data=mqar: num_kv_pairs={num_kv_pairs} needs more than {num_kv_pairs} distinct keys; "
                              f"vocab_size={vocab_size} has only {vocab_size // 2 - 1}")
         self.kw = dict(seq_len=self.seq_len, num_kv_pairs=num_kv_pairs, vocab_size=vocab_size, power_a=power_a,
-                       random_non_queries=random_non_queries, min_query_gap=min_query_gap)
+                       random_non_queries=random_non_queries)
+        self.min_query_gap, self.val_min_query_gap = min_query_gap, val_min_query_gap
         self.num_val_examples = num_val_examples
 
     def setup(self, stage: str | None = None) -> None:
         if self.val_set is None:
-            x, y = mqar_example(np.random.default_rng([self.seed, 2**31]), self.num_val_examples, **self.kw)
+            x, y = mqar_example(np.random.default_rng([self.seed, 2**31]), self.num_val_examples,
+                                min_query_gap=self.val_min_query_gap, **self.kw)
             self.val_set = torch.utils.data.TensorDataset(x, y)
 
     def _train_batch(self, rng):
-        return mqar_example(rng, self.batch_size, **self.kw)
+        return mqar_example(rng, self.batch_size, min_query_gap=self.min_query_gap, **self.kw)
