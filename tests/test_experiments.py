@@ -143,5 +143,5 @@ def test_mqar_long_smoke_run(tmp_path):
                   "data.num_val_examples=4", "trainer.max_steps=3", "trainer.val_check_interval=3")
     results = train.train(cfg, tmp_path)
     assert results["steps"] == 3 and results["seq_len"] == 512 and 0.0 <= results["val_acc"] <= 1.0
-    # state_floats: codes of every head, the raw window of 2 x 16 keys and values, 3 rows of q/k/v for the convolution
-    assert results["state_floats"] == 2 * 64 * (16 + 1) + 2 * 32 * 32 + 3 * 3 * 32
+    # state_floats: codes of every head, the raw window of 2 x 64 keys and values, 3 rows of q/k/v for the convolution
+    assert results["state_floats"] == 2 * 64 * (16 + 1) + 2 * 128 * 32 + 3 * 3 * 32
