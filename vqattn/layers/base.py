@@ -9,9 +9,9 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..ops._checks import check_positive_int
+
 
 @dataclass
 class AttentionState:
