@@ -140,7 +140,7 @@ def test_validation_reports_independent_and_carried_bpb_over_the_same_bytes(tmp_
     path = tmp_path / "t.txt"
     path.write_bytes(b"".join(b"%d: the quick brown fox %d\n" % (i, i * i) for i in range(300)))
     dm = TextDataModule(path=str(path), seq_len=16, batch_size=2, val_windows=11, val_carried=True)
-    torch.manual_seed(1)  # the gap between the two losses depends on the initialisation (here 2.5e-4): not on test order
+    torch.manual_seed(1)  # the gap between the two losses depends on the initialisation (2.5e-4), not on test order
     module = LitLM(model=TINY)
     trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.validate(module, datamodule=dm, verbose=False)
