@@ -135,7 +135,9 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         hc = HydraConfig.get()
         os.environ[DDP_ARGV] = json.dumps(
             [*hc.overrides.task, f'hydra.run.dir="{hc.runtime.output_dir}"', "hydra.output_subdir=null"])
-    if trainer.strategy.root_device.type == "cuda":
+    if trainer.strategy.root_device.type == "cuda" and torch.cuda.is_initialized():
+        # an earlier run in this process (a sweep, a notebook) must not count; before CUDA's first use the
+        # peak is zero already, and resetting it then raises "Invalid device argument"
         torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
     trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
     interrupt = next(c for c in trainer.callbacks if isinstance(c, GracefulInterrupt))

@@ -18,7 +18,8 @@ Every method runs in up to three modes (``--modes``), each a column group with t
 
 Every (method, T) runs in its own subprocess, so CPU peak memory is that process's high-water RSS above what it
 held just before the call (inputs included), and one run's allocations cannot flatter the next. On CUDA the peak
-is ``torch.cuda.max_memory_allocated`` above the inputs. Ratios are SDPA / vq from the same run: the median over
+is ``torch.cuda.max_memory_allocated`` above the inputs, and a last column counts the GPU kernels one fwd+bwd
+launches (profiled). Ratios are SDPA / vq from the same run: the median over
 ``--rounds`` interleaved rounds of the per-round ratio, because a shared machine's speed drifts by tens of percent
 from one subprocess to the next.
 """
@@ -88,7 +89,20 @@ def child(method: str, T: int, device: str, reps: int, block_len: int | None, co
         run_once()
         sync()
         times.append(time.perf_counter() - start)
-    return {"ms": 1000 * statistics.median(times), "peak_mb": peak_mb}
+    result = {"ms": 1000 * statistics.median(times), "peak_mb": peak_mb}
+    if device == "cuda":
+        result["kernels"] = cuda_kernels(run_once)
+    return result
+
+
+def cuda_kernels(step) -> int:
+    """GPU kernels (and copies) one fwd+bwd launches: it must not grow with T / block_len (no per-block loop)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return sum(1 for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA)
 
 
 def _current_rss_kib() -> int:
@@ -146,7 +160,7 @@ def main():
     header = ["T", "block_len", "method"]
     for mode in args.modes:
         header += [f"{mode} ms", f"sdpa/x {mode}"]
-    header += ["peak MB"]
+    header += ["peak MB"] + (["GPU kernels"] if args.device == "cuda" else [])
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for T in args.lengths:
@@ -164,6 +178,8 @@ def main():
                         if "sdpa" in args.methods else float("nan")
                     row += [f"{results[m, mode]['ms']:.1f}", f"{ratio:.2f}x"]
                 row += [f"{results[m, args.modes[0]]['peak_mb']:.0f}"]
+                if args.device == "cuda":
+                    row += [str(rounds[0][m, args.modes[0]].get("kernels", "nan"))]
                 print("| " + " | ".join(row) + " |", flush=True)
             for (m, mode), r in results.items():
                 if r["errors"]:

@@ -116,17 +116,19 @@ def _check_expansion(name: str, size: int, max_features: int, hint: str) -> None
 
 
 @functools.lru_cache(maxsize=64)
-def _monomials(dim: int, degree: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _monomials(dim: int, degree: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The monomials x^α with |α| = degree, once each, in the order of sorted index tuples (i1 ≤ … ≤ id).
 
     Returns (index, weight): monomial n is entry index[n] of the flattened (previous degree's monomials) ⊗ x,
     i.e. prev_position(i1..i_{d-1})·dim + i_d; weight[n] = 1/√(α!). n = C(dim + degree − 1, degree).
+    Cached per device: copying them from host memory at every call would synchronise a GPU.
     """
     prev = {c: n for n, c in enumerate(itertools.combinations_with_replacement(range(dim), degree - 1))}
     combos = list(itertools.combinations_with_replacement(range(dim), degree))
     index = [prev[c[:-1]] * dim + c[-1] for c in combos]
     weights = [1 / math.sqrt(math.prod(math.factorial(c.count(i)) for i in set(c))) for c in combos]
-    return torch.tensor(index, dtype=torch.long), torch.tensor(weights, dtype=torch.float64)
+    return (torch.tensor(index, dtype=torch.long, device=device),
+            torch.tensor(weights, dtype=torch.float64, device=device))
 
 
 class TaylorFeatures(FeatureMap):
@@ -160,10 +162,10 @@ class TaylorFeatures(FeatureMap):
         x = x * math.sqrt(self.scale)
         terms, mono = [torch.ones_like(x[..., :1]), x], x  # mono: the degree-m monomials x^α, unweighted
         for m in range(2, self.order + 1):
-            index, weight = _monomials(D, m)
+            index, weight = _monomials(D, m, x.device)
             # extend each degree-(m−1) monomial by the factors whose index is ≥ its last one: no duplicates
-            mono = (mono.unsqueeze(-1) * x.unsqueeze(-2)).flatten(-2)[..., index.to(x.device)]
-            terms.append(mono * weight.to(x.device, x.dtype))  # (..., C(D+m-1, m))
+            mono = (mono.unsqueeze(-1) * x.unsqueeze(-2)).flatten(-2)[..., index]
+            terms.append(mono * weight.to(x.dtype))  # (..., C(D+m-1, m))
         return torch.cat(terms, dim=-1)
 
 
