@@ -101,10 +101,25 @@ def test_resume_20_plus_20_equals_40_straight(tmp_path, attention):
     assert bpb_b == pytest.approx(bpb_c, rel=1e-5)
 
 
-def run_script(args, cwd, timeout=300):
+def start_script(args, cwd) -> subprocess.Popen:
+    """train.py in a subprocess, started and left running (most of a short run is start-up and imports, so runs
+    that do not depend on each other run side by side)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def finish_script(proc: subprocess.Popen, timeout=300) -> subprocess.CompletedProcess:
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def run_script(args, cwd, timeout=300) -> subprocess.CompletedProcess:
+    return finish_script(start_script(args, cwd), timeout)
 
 
 def read_results(run_dir):
@@ -217,18 +232,36 @@ def test_local_text_file(tmp_path):
     assert read_results(out)["data"] == "TextDataModule"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("overrides,message", [
+CONFIG_ERRORS = [
     (["data=text", "data.path=nope.txt"], "nope.txt"),
     (["data=mqar", "data.num_kv_pairs=40", "model.seq_len=128"], "seq_len >= 4 * num_kv_pairs"),
     (["trainer.max_steps=abc"], "trainer.max_steps must be a positive int, got 'abc'"),
     (["model.seq_len=-1"], "model.seq_len must be a positive int"),
     (["ckpt_path=corrupt.ckpt"], "is not a valid checkpoint"),
     (["trainer.val_check_interval=abc"], "val_check_interval"),
-])
-def test_config_errors_are_one_line_exit_2_and_leave_no_run_dir(tmp_path, overrides, message):
-    (tmp_path / "corrupt.ckpt").write_bytes(b"PK\x03\x04 not really")
-    proc = run_script([*FAST, *overrides], tmp_path, timeout=120)
+]
+
+
+@pytest.fixture(scope="module")
+def config_error_runs(tmp_path_factory):
+    """Every CONFIG_ERRORS run, started together, each in its own directory: {case index: (cwd, process)}."""
+    runs = {}
+    for case, (overrides, _) in enumerate(CONFIG_ERRORS):
+        cwd = tmp_path_factory.mktemp(f"config_error_{case}")
+        (cwd / "corrupt.ckpt").write_bytes(b"PK\x03\x04 not really")
+        runs[case] = (cwd, start_script([*FAST, *overrides], cwd))
+    yield runs
+    for _, proc in runs.values():
+        proc.kill()
+        proc.communicate()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", range(len(CONFIG_ERRORS)), ids=[message for _, message in CONFIG_ERRORS])
+def test_config_errors_are_one_line_exit_2_and_leave_no_run_dir(config_error_runs, case):
+    message = CONFIG_ERRORS[case][1]
+    tmp_path, running = config_error_runs[case]
+    proc = finish_script(running, timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
