@@ -85,6 +85,26 @@ def test_rope_scores_depend_on_relative_position():
     assert not torch.allclose(score(7, 3), score(3, 7))
 
 
+def test_rope_cache_serves_training_after_inference_mode():
+    # The cached cos/sin of a call under torch.inference_mode() are inference tensors, which a backward pass
+    # cannot save: a training call at the same positions must get its own.
+    layer = make("softmax", rope=True).float()
+    x = torch.randn(2, 9, DIM)
+    with torch.inference_mode():
+        expected, _, _ = layer(x)
+    out, _, _ = layer(x.requires_grad_())
+    out.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    torch.testing.assert_close(out.detach(), expected, rtol=0, atol=0)
+
+
+def test_rope_angles_are_the_same_cached_or_not():
+    x = torch.randn(1, 2, 5, 8, dtype=torch.float64)
+    first = rope_rotate(x, 3, 100.0)  # computes and caches
+    torch.testing.assert_close(rope_rotate(x, 3, 100.0), first, rtol=0, atol=0)
+    torch.testing.assert_close(rope_rotate(x.float(), 3, 100.0), first.float(), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("name", VQ_NAMES)
 def test_vq_rope_inside_one_block_is_softmax_rope(name):
     """With a single block every key is in the raw-key window: RoPE vq equals RoPE softmax exactly."""

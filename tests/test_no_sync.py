@@ -12,16 +12,18 @@ from vqattn.model import GPT, GPTConfig
 
 
 VQ_KWARGS = {"num_codes": 8, "block_len": 4}
-CASES = NAMES + ["vq_soft_learned_temperature"]
+CASES = NAMES + ["vq_soft_learned_temperature", "vq_hard_rope_slow"]
 
 
 def _model(name: str, device: str) -> GPT:
     kwargs = {"vq_hard": VQ_KWARGS, "vq_soft": VQ_KWARGS,
-              "vq_soft_learned_temperature": {**VQ_KWARGS, "codebook": {"learn_temperature": True}}}.get(name, {})
-    name = name.removesuffix("_learned_temperature")
+              "vq_soft_learned_temperature": {**VQ_KWARGS, "codebook": {"learn_temperature": True}},
+              "vq_hard_rope_slow": {**VQ_KWARGS, "cache_scores": "slow"}}.get(name, {})
+    rope = name not in ("vq_hard", "vq_soft", "vq_soft_learned_temperature")
+    name = name.removesuffix("_learned_temperature").removesuffix("_rope_slow")
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=17, seq_len=32, n_layer=2, n_head=2, n_embd=16, attention=name,
-                       attention_kwargs=kwargs, pos_emb="rope" if name not in ("vq_hard", "vq_soft") else "none")
+                       attention_kwargs=kwargs, pos_emb="rope" if rope else "none")
     return GPT(config).to(device).train()
 
 

@@ -100,8 +100,8 @@ class VQAttention(Attention):
 
     def _slow_dims(self, like: torch.Tensor) -> torch.Tensor:
         """(Dh,) 0/1 mask of the RoPE pairs (m, m + Dh/2) whose angle grows by < 1 radian over 2·block_len tokens."""
-        inv_freq = rope_frequencies(self.head_dim, self.rope_base)
-        slow = (inv_freq * 2 * (self.block_len or DEFAULT_BLOCK_LEN) < 1).to(device=like.device, dtype=like.dtype)
+        inv_freq = rope_frequencies(self.head_dim, self.rope_base, like.device)  # on the device: no host copy
+        slow = (inv_freq * 2 * (self.block_len or DEFAULT_BLOCK_LEN) < 1).to(like.dtype)
         return torch.cat((slow, slow))
 
     def usage_stats(self) -> dict[str, float]:
