@@ -119,14 +119,17 @@ def test_resume_with_carried_state_20_plus_20_equals_40_straight(tmp_path):
 def test_ddp_carried_run_resumes_exactly(tmp_path):
     common = [*FAST, "carry_state=true", "attention=vq_hard", "trainer=ddp", "trainer.accelerator=cpu",
               "trainer.devices=2", "optim.total_steps=8", "checkpoint_every=4"]
-    run = lambda name, *extra: start_script([*common, *extra, f"hydra.run.dir={tmp_path / name}"], tmp_path)  # noqa: E731
+
+    def run(name, *extra):
+        return start_script([*common, *extra, f"hydra.run.dir={tmp_path / name}"], tmp_path)
+
     # a (4 steps, then resumed as b) and c (8 straight) are independent: side by side
-    started = {"a": run("a", "trainer.max_steps=4"), "c": run("c", "trainer.max_steps=8")}
+    a_and_c = {"a": run("a", "trainer.max_steps=4"), "c": run("c", "trainer.max_steps=8")}
+    finished = {name: finish_script(proc) for name, proc in a_and_c.items()}
+    resume = f"ckpt_path={tmp_path / 'a' / 'checkpoints' / 'last.ckpt'}"
+    finished["b"] = finish_script(run("b", "trainer.max_steps=8", resume))
     runs = {}
-    for name in ("a", "c", "b"):
-        if name == "b":
-            started["b"] = run("b", "trainer.max_steps=8", f"ckpt_path={tmp_path / 'a' / 'checkpoints' / 'last.ckpt'}")
-        proc = finish_script(started[name])
+    for name, proc in finished.items():
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[name] = json.loads((tmp_path / name / "results.json").read_text())
     stored = torch.load(tmp_path / "a" / "checkpoints" / "last.ckpt", weights_only=True)["carry_state"]

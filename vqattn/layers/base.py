@@ -75,9 +75,11 @@ def _rope_cos_sin(start: int, length: int, head_dim: int, base: float, device: t
     return angle.cos().to(dtype), angle.sin().to(dtype)
 
 
-_rope_cos_sin_cached = functools.lru_cache(maxsize=8)(
-    lambda start, length, head_dim, base, device, dtype, inference: _rope_cos_sin(start, length, head_dim, base,
-                                                                                   device, dtype))
+@functools.lru_cache(maxsize=8)
+def _rope_cos_sin_cached(start: int, length: int, head_dim: int, base: float, device: torch.device,
+                         dtype: torch.dtype, inference_mode: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_rope_cos_sin`, cached; ``inference_mode`` is part of the key only."""
+    return _rope_cos_sin(start, length, head_dim, base, device, dtype)
 
 
 def rope_cos_sin(start: int, length: int, head_dim: int, base: float, device: torch.device,
