@@ -187,7 +187,9 @@ class WindowCodeAttention(torch.autograd.Function):
                 p_codes.div_(counts.clamp_min(torch.finfo(counts.dtype).tiny).unsqueeze(2))  # empty codes: 0 / tiny
                 out.add_(torch.matmul(p_codes, sums))
             out.div_(z)
-        ctx.save_for_backward(qb, wk, wv, sums, counts, p_window, p_codes, out, z, window_codes)
+        # With window codes the keys' values are not needed: their gradient ds_windowᵀ·qb does not read them.
+        ctx.save_for_backward(qb, wk if window_codes is None else None, wv, sums, counts, p_window, p_codes, out, z,
+                              window_codes)
         ctx.window_bias_shape = window_bias.shape
         return out
 
