@@ -148,7 +148,7 @@ class Codebook(nn.Module):
             temperature = self.temperature if self.assign == "soft" else 1.0
             assignment = vq_assign(keys if self.assign == "soft" else keys.detach(), codes, assign=self.assign,
                                    temperature=temperature)
-            index = assignment.index if assignment.index is not None else assignment.weights.detach().argmax(-1)
+            index = assignment.index if assignment.index is not None else assignment.weights.detach().max(-1).indices
             nearest = torch.gather(codes.unsqueeze(0).expand(k.shape[0], -1, -1, -1), 2,
                                    index.unsqueeze(-1).expand(-1, -1, -1, self.dim))  # (B, H, T, D)
             aux = keys.new_zeros(())

