@@ -169,6 +169,23 @@ def test_aux_loss_and_usage_stats(name):
         assert aux_loss > 0 and aux_loss.requires_grad
 
 
+@pytest.mark.parametrize("name", VQ_NAMES)
+def test_decoding_steps_record_no_codebook_statistics_but_training_with_a_state_does(name):
+    """An eval step with a state (decoding) skips the commitment loss and the usage statistics: its outputs do not
+    need them. With a state in training (carried-state training) both are still computed."""
+    layer = make(name).eval()
+    x = torch.randn(2, 12, DIM, dtype=torch.float64)
+    prefix = layer(x[:, :9], return_state=True)  # no state: records, as a full evaluation does
+    recorded = layer.codebook.last_stats.clone()
+    step = layer(x[:, 9:10] * 50, state=prefix.state, return_state=True)  # far keys would change every statistic
+    assert torch.equal(layer.codebook.last_stats, recorded) and step.aux_loss == 0
+    layer.train()
+    trained = layer(x[:, 9:10] * 50, state=prefix.state)
+    assert not torch.equal(layer.codebook.last_stats, recorded)
+    if name == "vq_hard":
+        assert trained.aux_loss > 0
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_backward_reaches_every_projection(name):
     layer = make(name).train()

@@ -134,8 +134,12 @@ class Codebook(nn.Module):
         """τ of the soft assignment: a float, or a learnable (H,) tensor."""
         return self.fixed_temperature if self.log_temperature is None else self.log_temperature.exp()
 
-    def forward(self, k: torch.Tensor) -> CodebookOutput:
-        """k: (B, H, T, D) -> CodebookOutput(codes (H, S, D), assignment of k, aux_loss scalar)."""
+    def forward(self, k: torch.Tensor, record: bool = True) -> CodebookOutput:
+        """k: (B, H, T, D) -> CodebookOutput(codes (H, S, D), assignment of k, aux_loss scalar).
+
+        ``record=False`` skips the commitment loss (aux_loss is then 0) and the usage statistics outside training:
+        a decoding step needs only the codes and the assignment, and a token's worth of statistics is noise. In
+        training mode the loss and the statistics are always computed."""
         check_4d("k", k)
         if k.shape[1] != self.num_heads or k.shape[3] != self.dim:
             raise ValueError(f"k must have H={self.num_heads} and D={self.dim}, got shape {tuple(k.shape)}")
@@ -148,6 +152,8 @@ class Codebook(nn.Module):
             temperature = self.temperature if self.assign == "soft" else 1.0
             assignment = vq_assign(keys if self.assign == "soft" else keys.detach(), codes, assign=self.assign,
                                    temperature=temperature)
+            if not (record or self.training):
+                return CodebookOutput(codes.to(k.dtype), assignment, keys.new_zeros(()))
             index = assignment.index if assignment.index is not None else assignment.weights.detach().max(-1).indices
             nearest = torch.gather(codes.unsqueeze(0).expand(k.shape[0], -1, -1, -1), 2,
                                    index.unsqueeze(-1).expand(-1, -1, -1, self.dim))  # (B, H, T, D)

@@ -76,7 +76,8 @@ class VQAttention(Attention):
         self.codebook = Codebook(num_heads, num_codes, self.head_dim, assign=self.assign, **(codebook or {}))
 
     def _attend(self, q, k, v, pos, state, return_state):
-        codebook, assignment, aux_loss = self.codebook(k)  # (H, S, Dh); codes are learned on unrotated keys
+        # (H, S, Dh); codes are learned on unrotated keys. A decoding step (eval, with a state) records no statistics.
+        codebook, assignment, aux_loss = self.codebook(k, record=self.training or state is None)
         if self.rope:
             q = torch.cat((self.rotate(q, pos), q), dim=-1)  # (B, H, T, 2 Dh)
             k = torch.cat((self.rotate(k, pos), torch.zeros_like(k)), dim=-1)
