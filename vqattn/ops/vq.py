@@ -53,14 +53,17 @@ from .vq_assign import (
     check_assignment,
     code_bias,
     code_means,
+    code_counts,
     code_statistics,
     count_scale,
     map_time,
     mixture_logits,
+    unit_weights,
     vq_assign,
 )
 from .vq_blocks import (
     DEFAULT_BLOCK_LEN,
+    CacheUpdates,
     block_bias,
     block_groups,
     blocks,
@@ -69,6 +72,7 @@ from .vq_blocks import (
     no_autocast,
     pad_to_blocks,
     prefix_sum,
+    previous_blocks,
     split_groups,
     window_bias,
     window_code_attention,
@@ -97,21 +101,22 @@ def _causal(q, k, v, c, a: Assignment | None, *, L, scale, exact_window, detach_
     # cache (lag 1) and the mixture only runs over the current block: half the (L, S) × (S, ·) products.
     # Not with detach_cache, where the previous block must keep its gradient.
     lag = 2 if assign == "hard" or exact_window or detach_cache else 1
-    groups = block_groups(nb, B * H * max(L * (S + 2 * L), S * Dv) * q.element_size(), q.device)
+    groups = block_groups(nb, B * H * L * (S + 2 * L) * q.element_size(), q.device)
     splits = [split_groups(x, groups, L) for x in (q, k, v)]
     if a is not None:
         a_splits = [split_groups(x, groups, L) if isinstance(x, torch.Tensor) else [(x, x)] * len(groups) for x in a]
-    # The cache of block b is ``run`` plus the statistics of the blocks between; ``tail`` holds those of the last
-    # ``lag`` blocks, which enter the caches of the next group.
-    run, tail = (counts0, sums0), (q.new_zeros(B, H, lag, S), q.new_zeros(B, H, lag, S, Dv))
+    # The counts of block b's cache are ``run`` plus the counts of the blocks between; ``tail`` holds those of the
+    # last ``lag`` blocks, which enter the caches of the next group. ``sums`` is the value-sum cache of the next
+    # group's first block.
+    run, tail, sums = counts0, q.new_zeros(B, H, lag, S), sums0
     outs, fold_counts, fold_sums = [], counts0, sums0
     for i, (b0, b1) in enumerate(groups):
         (q_g, _), (k_g, k_before), (v_g, v_before) = (split[i] for split in splits)
         a_g, a_before = (None, None) if a is None else \
             (Assignment(*parts) for parts in zip(*(split[i] for split in a_splits)))
-        out, run, tail, fold = _group(
+        out, run, tail, sums, fold = _group(
             # q is scaled per group (cheaper than scaling the logits, and no full-size temporary)
-            q_g * scale, k_g, k_before, v_g, v_before, a_g, a_before, run, tail, c=c, G=G, L=L, lag=lag,
+            q_g * scale, k_g, k_before, v_g, v_before, a_g, a_before, run, tail, sums, c=c, G=G, L=L, lag=lag,
             first=b0 == 0, exact_window=exact_window, detach_cache=detach_cache, assign_keys=assign_keys,
             fold=min(max(fold_blocks - b0, 0), b1 - b0))
         outs.append(out)
@@ -120,37 +125,42 @@ def _causal(q, k, v, c, a: Assignment | None, *, L, scale, exact_window, detach_
     return torch.cat(outs, 2)[:, :, :T], fold_counts, fold_sums
 
 
-def _group(q, k, k_before, v, v_before, a, a_before, run, tail, *, c, G, L, lag, first, exact_window, detach_cache,
-           assign_keys, fold):
+def _group(q, k, k_before, v, v_before, a, a_before, run, tail, sums, *, c, G, L, lag, first, exact_window,
+           detach_cache, assign_keys, fold):
     """One group of n blocks: q, k, v (B, H, n·L, ·) (q scaled), the block before the group k_before, v_before
     (B, H, L, ·) (zeros before block 0, masked); their assignments ``a``, ``a_before`` (None: ``assign_keys`` them).
-    ``run`` (counts, sums) is the cache of the group's first block without the statistics ``tail`` of the ``lag``
-    blocks before the group. Returns out (B, H, n·L, Dv), the next group's run and tail, and the summed statistics
-    of the first ``fold`` blocks (None for 0)."""
+    ``run`` are the counts of the group's first block's cache without the counts ``tail`` of the ``lag`` blocks
+    before the group, ``sums`` (B, H, S, Dv) that cache's value sums. Returns out (B, H, n·L, Dv), the next
+    group's run, tail and sums, and the statistics summed over the first ``fold`` blocks (None for 0)."""
     n, S = q.shape[2] // L, c.shape[1]
     if a is None:
         a = assign_keys(k)
-        a_before = assign_keys(k_before) if lag == 2 and not exact_window else None
+        a_before = assign_keys(k_before) if lag == 2 else None
+    detach = (lambda x: x.detach()) if detach_cache else (lambda x: x)  # noqa: E731
 
-    # The caches of the group's blocks add, in order, the tail and the group's own blocks but its last ``lag``,
-    # which are the next group's tail. The statistics of those two parts are computed apart and the prefix sum
-    # reads its chunks in place: splitting one statistics tensor would copy it and cat its gradient back.
-    def statistics(a_part, v_part, num_blocks):  # (B, H, num_blocks, S), (B, H, num_blocks, S, Dv)
-        counts, sums = code_statistics(a_part, v_part, S, num_blocks, G)
-        return (counts.detach(), sums.detach()) if detach_cache else (counts, sums)
-
+    # The counts of the caches add, in order, the tail and the group's own blocks but its last ``lag``, which are
+    # the next group's tail; the prefix sum reads the two parts in place.
     if n > lag:
-        parts = [_split_time(x, [(n - lag) * L, lag * L]) for x in (a, v)]
-        head, new_tail = (statistics(*part, size) for *part, size in zip(*parts, (n - lag, lag)))
-        enter = [(t, x) for t, x in zip(tail, head)]
-        tail, stats = new_tail, ([torch.cat(x, 2) for x in zip(head, new_tail)] if fold else None)
+        head, new_tail = (detach(code_counts(part, S, size, G, dtype=q.dtype))
+                          for part, size in zip(_split_time(a, [(n - lag) * L, lag * L]), (n - lag, lag)))
+        enter, tail = (tail, head), new_tail
     else:  # a group of at most ``lag`` blocks: everything it enters comes from the (small) tail
-        stats = statistics(a, v, n)
-        parts = [torch.cat([t, x], 2).split([n, lag], 2) for t, x in zip(tail, stats)]
-        enter, tail = [(entering,) for entering, _ in parts], tuple(new_tail for _, new_tail in parts)
-    folded = (stats[0][:, :, :fold].sum(2), stats[1][:, :, :fold].sum(2)) if fold else None
-    (cache_counts, run_counts), (cache_sums, run_sums) = (prefix_sum(x, r) for x, r in zip(enter, run))
-    run = (run_counts, run_sums)
+        entering, tail = torch.cat([tail, detach(code_counts(a, S, n, G, dtype=q.dtype))], 2).split([n, lag], 2)
+        enter = (entering,)
+    cache_counts, run = prefix_sum(enter, run)
+    folded = None
+    if fold:
+        folded = tuple(detach(x.squeeze(2)) for x in code_statistics(
+            _split_time(a, [fold * L, (n - fold) * L])[0], v[:, :, : fold * L], S, 1, G))
+    # After block b, the sums cache takes in the block that leaves b's window: b−1 (lag 2) or b itself (lag 1).
+    if lag == 2:
+        leaving = lambda x, x_before: previous_blocks(x, x_before, L)  # noqa: E731
+    else:
+        leaving = lambda x, x_before: blocks(x, L)  # noqa: E731
+    updates = CacheUpdates(detach(leaving(v, v_before)),
+                           None if a.index is None else leaving(a.index, a_before and a_before.index),
+                           None if a.index is not None else detach(leaving(
+                               unit_weights(a, G), None if a_before is None else unit_weights(a_before, G))))
 
     code_logits = blocks(q @ c.transpose(-1, -2), L)  # (B, H, n, L, S): the one q·cᵀ product
     qb, window_keys, window_codes, wv = blocks(q, L), None, None, group_windows(v, v_before, L)
@@ -172,14 +182,14 @@ def _group(q, k, k_before, v, v_before, a, a_before, run, tail, *, c, G, L, lag,
                                     for x, y in zip(a, a_before)))
         if not isinstance(window_a.log_scale, torch.Tensor):
             # Soft: the linear form, one exp of the code logits for window and cache.
-            out = mixture_attention(code_logits, window_a.weights, bias.exp(), wv, cache_sums, cache_counts)
-            return out, run, tail, folded
+            out, sums = mixture_attention(code_logits, window_a.weights, bias.exp(), wv, cache_counts, sums, updates)
+            return out, run, tail, sums, folded
         # Kernel keys carry per-key scales e^{r_j} whose spread exceeds the float range: the window stays in logs.
         bias = bias + mixture_logits(code_logits, window_a)
         qb = None
-    out = window_code_attention(qb, window_keys, bias, wv, code_logits, code_bias(cache_counts, G), cache_sums,
-                                cache_counts, window_codes)
-    return out, run, tail, folded
+    out, sums = window_code_attention(qb, window_keys, bias, wv, code_logits, code_bias(cache_counts, G),
+                                      cache_counts, sums, updates, window_codes)
+    return out, run, tail, sums, folded
 
 
 def _split_time(x, sizes: list[int]):

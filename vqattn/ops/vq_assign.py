@@ -114,25 +114,45 @@ def code_means(counts: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
     return sums / counts.clamp_min(torch.finfo(counts.dtype).tiny).unsqueeze(-1)
 
 
+def unit_weights(a: Assignment, scale: torch.Tensor | float) -> torch.Tensor:
+    """Δ e^{−G} of soft and kernel assignments, (B, H, T, S): the weights in the statistics' unit."""
+    return a.weights if not isinstance(a.log_scale, torch.Tensor) else a.weights * torch.exp(a.log_scale - scale)
+
+
+def _slots(index: torch.Tensor, num_codes: int, num_groups: int) -> torch.Tensor:
+    """(B, H, T) codes -> their slots in a flattened (num_groups·S) axis of consecutive groups of keys."""
+    T = index.shape[-1]
+    return torch.arange(T, device=index.device) // (T // num_groups) * num_codes + index
+
+
+def code_counts(a: Assignment, num_codes: int, num_groups: int, scale: torch.Tensor | float = 0.0, *,
+                dtype: torch.dtype) -> torch.Tensor:
+    """Per-group code counts Σ_j Δ_js e^{−G} over consecutive groups of keys: (B, H, G, S)."""
+    if a.index is None:
+        w = unit_weights(a, scale)
+        return w.view(*w.shape[:2], num_groups, -1, num_codes).sum(3)
+    B, H, T = a.index.shape
+    ones = torch.ones((), device=a.index.device, dtype=dtype).expand(B, H, T)
+    counts = ones.new_zeros(B, H, num_groups * num_codes).scatter_add_(2, _slots(a.index, num_codes, num_groups), ones)
+    return counts.view(B, H, num_groups, num_codes)
+
+
 def code_statistics(
     a: Assignment, v: torch.Tensor, num_codes: int, num_groups: int, scale: torch.Tensor | float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-group code counts Σ_j Δ_js e^{−G} and value sums Σ_j Δ_js v_j e^{−G} over consecutive groups.
+    """Per-group code counts (:func:`code_counts`) and value sums Σ_j Δ_js v_j e^{−G} over consecutive groups.
 
     v: (B, H, G·L, Dv) -> counts (B, H, G, S), sums (B, H, G, S, Dv); ``scale`` is G from :func:`count_scale`.
     Hard assignments scatter-add (O(T·Dv)) instead of multiplying by the one-hot matrix (O(T·S·Dv)).
     """
     B, H, T, Dv = v.shape
-    S, L = num_codes, T // num_groups
+    S = num_codes
+    counts = code_counts(a, S, num_groups, scale, dtype=v.dtype)
     if a.index is None:
-        w = a.weights if not isinstance(a.log_scale, torch.Tensor) else a.weights * torch.exp(a.log_scale - scale)
-        w = w.view(B, H, num_groups, L, S)
-        return w.sum(3), w.transpose(-1, -2) @ v.view(B, H, num_groups, L, Dv)
-    group = torch.arange(T, device=v.device) // L  # (T,)
-    slot = group * S + a.index  # (B, H, T): code slot within the flattened (G·S) axis
-    counts = v.new_zeros(B, H, num_groups * S).scatter_add_(2, slot, v.new_ones(B, H, T))
-    sums = v.new_zeros(B, H, num_groups * S, Dv).scatter_add_(2, slot.unsqueeze(-1).expand(B, H, T, Dv), v)
-    return counts.view(B, H, num_groups, S), sums.view(B, H, num_groups, S, Dv)
+        w = unit_weights(a, scale).view(B, H, num_groups, T // num_groups, S)
+        return counts, w.transpose(-1, -2) @ v.view(B, H, num_groups, -1, Dv)
+    slots = _slots(a.index, S, num_groups).unsqueeze(-1).expand(B, H, T, Dv)
+    return counts, v.new_zeros(B, H, num_groups * S, Dv).scatter_add_(2, slots, v).view(B, H, num_groups, S, Dv)
 
 
 def mixture_logits(code_logits: torch.Tensor, a: Assignment) -> torch.Tensor:

@@ -10,6 +10,7 @@ attention, whose window logits are mixtures over the codes, runs the same math i
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -86,10 +87,14 @@ def split_groups(x: torch.Tensor, groups: list[tuple[int, int]], L: int) -> list
     return list(zip(pieces, before))
 
 
+def previous_blocks(piece: torch.Tensor, before: torch.Tensor, L: int) -> torch.Tensor:
+    """The block before each of a group's blocks, from :func:`split_groups`: (B, H, n, L, ...)."""
+    return blocks(torch.cat([before, piece[:, :, :-L]], dim=2), L)
+
+
 def group_windows(piece: torch.Tensor, before: torch.Tensor, L: int) -> torch.Tensor:
-    """Windows (previous block + current block) of a group's blocks, from :func:`split_groups`: (B, H, n, 2L, D)."""
-    previous = torch.cat([before, piece[:, :, :-L]], dim=2)
-    return torch.cat([blocks(previous, L), blocks(piece, L)], dim=3)
+    """Windows (previous block + current block) of a group's blocks, from :func:`split_groups`: (B, H, n, 2L, ...)."""
+    return torch.cat([previous_blocks(piece, before, L), blocks(piece, L)], dim=3)
 
 
 def prefix_sum(chunks: Sequence[torch.Tensor], initial: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,16 +142,142 @@ class PrefixSum(torch.autograd.Function):
         return grad_x[:, :, 0].clone(), *grad_x.split(ctx.sizes, 2)
 
 
+class CacheUpdates(NamedTuple):
+    """The statistics that enter the value-sum cache after each block of a group (see :func:`read_cache`):
+    block b adds Σ_j Δ_js v_j over its L keys j, with values (N, n, L, Dv) and either the keys' codes ``index``
+    (N, n, L) (hard: Δ one-hot) or their weights ``weights`` (N, n, L, S) (soft and kernel, in units of e^G)."""
+
+    values: torch.Tensor
+    index: torch.Tensor | None
+    weights: torch.Tensor | None
+
+
+def _scans(device: torch.device) -> bool:
+    """Whether the cache runs as a loop over blocks (:func:`read_cache`): on CPU in eager mode. On GPUs and
+    under ``torch.compile`` the per-block caches are formed by one cumsum instead: a loop would be several kernel
+    launches per block, or a graph unrolled over every block."""
+    return device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def _flat_slots(index: torch.Tensor, S: int) -> torch.Tensor:
+    """(N, n, L) codes -> (n, N·L) rows of the flattened (N·S, Dv) cache."""
+    N = index.shape[0]
+    return (index + torch.arange(N, device=index.device).view(N, 1, 1) * S).transpose(0, 1).reshape(index.shape[1], -1)
+
+
+def _add_block(cache: torch.Tensor, updates: CacheUpdates, slots, b: int, alpha: float) -> None:
+    """cache (N, S, Dv) += alpha · (block b's statistics), in place."""
+    values = updates.values[:, b]  # (N, L, Dv)
+    if slots is not None:
+        N, S, Dv = cache.shape
+        cache.view(N * S, Dv).index_add_(0, slots[b], values.reshape(-1, Dv), alpha=alpha)
+    else:
+        cache.baddbmm_(updates.weights[:, b].transpose(-1, -2), values, alpha=alpha)
+
+
+def _block_slots(index: torch.Tensor, S: int) -> torch.Tensor:
+    """(N, n, L) codes -> (N, n·L, 1) rows of the (N, n·S, Dv) per-block statistics."""
+    n = index.shape[1]
+    return (index + torch.arange(n, device=index.device).view(1, n, 1) * S).flatten(1).unsqueeze(-1)
+
+
+def _block_caches(sums: torch.Tensor, updates: CacheUpdates) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every block's cache C_b (N, n, S, Dv) at once, and C_n."""
+    N, S, Dv = sums.shape
+    values = updates.values
+    n = values.shape[1]
+    if updates.index is not None:
+        slots = _block_slots(updates.index, S).expand(-1, -1, Dv)
+        stats = values.new_zeros(N, n * S, Dv).scatter_add(1, slots, values.flatten(1, 2)).view(N, n, S, Dv)
+    else:
+        stats = updates.weights.transpose(-1, -2) @ values
+    ends = sums.unsqueeze(1) + torch.cumsum(stats, 1)  # C_{b+1}
+    return torch.cat([sums.unsqueeze(1), ends[:, :-1]], 1), ends[:, -1]
+
+
+def read_cache(p: torch.Tensor, sums: torch.Tensor, updates: CacheUpdates) -> tuple[torch.Tensor, torch.Tensor]:
+    """num_b = p_b · C_b for every block b of a group, where C_b is the value-sum cache that block b reads:
+    C_0 = ``sums`` and C_{b+1} = C_b + (block b's ``updates``). Returns num (N, n, L, Dv) and C_n (N, S, Dv).
+
+    p: (N, n, L, S). On CPU (:func:`_scans`) one running (S, Dv) cache per batch·head stays in cache while the
+    blocks are read one after another: a cache per block is 8× a block's keys at S = 512, L = 64, and writing,
+    reading and differentiating those was the op's memory traffic.
+    """
+    if not _scans(p.device):
+        caches, last = _block_caches(sums, updates)
+        return p @ caches, last
+    N, n, L, _ = p.shape
+    cache = sums.clone()
+    slots = None if updates.index is None else _flat_slots(updates.index, sums.shape[1])
+    num = p.new_empty(n, N, L, sums.shape[-1])
+    for b in range(n):
+        torch.bmm(p[:, b], cache, out=num[b])
+        _add_block(cache, updates, slots, b, 1.0)
+    return num.transpose(0, 1), cache
+
+
+def read_cache_backward(p, grad_num, sums, last, grad_last, updates: CacheUpdates, need_updates: bool,
+                        logit_factor):
+    """Backward of :func:`read_cache` with its first and last caches ``sums`` = C_0 and ``last`` = C_n and the
+    last one's gradient ``grad_last`` (or None). With G_b = dC_b = G_{b+1} + p_bᵀ · dnum_b (G_n = grad_last),
+    returns the logit gradients p_b ⊙ logit_factor(b, dp_b) with dp_b = dnum_b · C_bᵀ, d sums = G_0 and, if
+    ``need_updates``, the gradients of updates.values and updates.weights (None for an index): block b's
+    statistics enter C_{b+1}, so their gradient is G_{b+1}.
+
+    ``logit_factor(b, dp)`` takes a block index b and dp (N, L, S), or b = ``slice(None)`` and every block's dp
+    (N, n, L, S). On CPU the blocks are walked backwards, recovering C_b = C_{b+1} − (block b's statistics), and
+    every product is formed while its operands are in cache.
+    """
+    N, n, L, S = p.shape
+    Dv = last.shape[-1]
+    grad_last = torch.zeros_like(last) if grad_last is None else grad_last
+    if not _scans(p.device):
+        caches, _ = _block_caches(sums, updates)
+        grad_logits = p * logit_factor(slice(None), grad_num @ caches.transpose(-1, -2))
+        grad_caches = p.transpose(-1, -2) @ grad_num  # (N, n, S, Dv)
+        suffix = torch.flip(torch.cumsum(torch.flip(grad_caches, [1]), 1), [1])  # Σ_{b' ≥ b}
+        grad_stats = grad_last.unsqueeze(1) + torch.cat([suffix[:, 1:], torch.zeros_like(suffix[:, :1])], 1)
+        grad_values = grad_weights = None
+        if need_updates:
+            if updates.index is not None:
+                slots = _block_slots(updates.index, S).expand(-1, -1, Dv)
+                grad_values = grad_stats.flatten(1, 2).gather(1, slots).view(N, n, L, Dv)
+            else:
+                grad_values = updates.weights @ grad_stats
+                grad_weights = updates.values @ grad_stats.transpose(-1, -2)
+        return grad_logits, grad_last + suffix[:, 0], grad_values, grad_weights
+    cache, grad_cache = last.clone(), grad_last.clone()
+    slots = None if updates.index is None else _flat_slots(updates.index, S)
+    grad_values = p.new_empty(n, N, L, Dv) if need_updates else None
+    grad_weights = p.new_empty(n, N, L, S) if need_updates and slots is None else None
+    grad_logits = torch.empty_like(p)
+    for b in range(n - 1, -1, -1):
+        _add_block(cache, updates, slots, b, -1.0)
+        if need_updates:  # G_{b+1} is the gradient of what block b added
+            if slots is not None:
+                torch.index_select(grad_cache.view(N * S, Dv), 0, slots[b], out=grad_values[b].view(N * L, Dv))
+            else:
+                torch.bmm(updates.weights[:, b], grad_cache, out=grad_values[b])
+                torch.bmm(updates.values[:, b], grad_cache.transpose(-1, -2), out=grad_weights[b])
+        grad_cache.baddbmm_(p[:, b].transpose(-1, -2), grad_num[:, b])
+        torch.mul(p[:, b], logit_factor(b, torch.bmm(grad_num[:, b], cache.transpose(-1, -2))), out=grad_logits[:, b])
+    t = lambda x: None if x is None else x.transpose(0, 1)  # noqa: E731
+    return grad_logits, grad_cache, t(grad_values), t(grad_weights)
+
+
 class WindowCodeAttention(torch.autograd.Function):
     """Softmax attention of every block's queries over two key groups, with one shared max:
 
-        window  logits  qb·wkᵀ + window_bias        (N, nb, L, 2L)   values  wv     (N, nb, 2L, Dv)
-        codes   logits  code_logits + code_bias     (N, nb, L, S)    values  sums / counts  (N, nb, S, Dv)
+        window  logits  qb·wkᵀ + window_bias        (N, nb, L, 2L)   values  wv            (N, nb, 2L, Dv)
+        codes   logits  code_logits + code_bias     (N, nb, L, S)    values  C_b / counts  (N, S, Dv) per block
 
     qb: (N, nb, L, D) queries (already scaled); wk: (N, nb, 2L, D), or None (then qb is None too) when the
-    window logits are all in window_bias (soft/kernel mixtures); window_bias: broadcastable to (N, nb, L, 2L);
-    code_logits: (N, nb, L, S), code_bias: (N, nb, S), sums: (N, nb, S, Dv), counts: (N, nb, S), all None for
-    window-only attention. Returns (N, nb, L, Dv).
+    window logits are all in window_bias (kernel mixtures); window_bias: broadcastable to (N, nb, L, 2L);
+    code_logits: (N, nb, L, S), code_bias: (N, nb, S), counts: (N, nb, S) every block's cache counts; the value
+    sums C_b of block b's cache run through :func:`read_cache` from ``sums`` (N, S, Dv), block 0's, and the
+    statistics ``add_values``, ``add_index`` / ``add_weights`` (:class:`CacheUpdates`) that each block adds for the
+    next. All code arguments are None for window-only attention. Returns out (N, nb, L, Dv) and the cache after
+    the last block (N, S, Dv) (None without codes).
 
     window_codes (N, nb, 2L), the code z_j of every window key (hard VQ): the window logits are then the code
     logits of those codes, code_logits[i, z_j] = σ q_i·c_{z_j}, gathered instead of multiplied, with the
@@ -155,13 +286,13 @@ class WindowCodeAttention(torch.autograd.Function):
 
     Hand-written forward and backward (flash-attention style: dS = P ⊙ (dP − rowsum(dO ⊙ O))): the two groups
     are never concatenated and only the probabilities are kept for the backward pass. The code means are never
-    formed: the code probabilities are divided by the counts instead ((L, S) work, not a (S, Dv) tensor per
-    block and its gradient). Both run with autocast off, so a backward called inside autocast stays in the
-    forward's dtype.
+    formed: the code probabilities are divided by the counts instead. Both run with autocast off, so a backward
+    called inside autocast stays in the forward's dtype.
     """
 
     @staticmethod
-    def forward(ctx, qb, wk, window_bias, code_logits, code_bias, wv, sums, counts, window_codes=None):
+    def forward(ctx, qb, wk, window_bias, code_logits, code_bias, wv, counts, sums, add_values, add_index,
+                add_weights, window_codes=None):
         with no_autocast(wv.device):
             N, nb, W, _ = wv.shape
             L = window_bias.shape[-2]
@@ -173,7 +304,7 @@ class WindowCodeAttention(torch.autograd.Function):
             else:
                 p_window = torch.matmul(qb, wk.transpose(-1, -2)).add_(window_bias)
             m = p_window.amax(-1, keepdim=True)  # finite: the diagonal is always visible
-            p_codes = None
+            p_codes = last = None
             if code_logits is not None:
                 p_codes = code_logits + code_bias.unsqueeze(2)
                 m = torch.maximum(m, p_codes.amax(-1, keepdim=True))
@@ -185,19 +316,20 @@ class WindowCodeAttention(torch.autograd.Function):
             if p_codes is not None:
                 z.add_(p_codes.sum(-1, keepdim=True))
                 p_codes.div_(counts.clamp_min(torch.finfo(counts.dtype).tiny).unsqueeze(2))  # empty codes: 0 / tiny
-                out.add_(torch.matmul(p_codes, sums))
+                num, last = read_cache(p_codes, sums, CacheUpdates(add_values, add_index, add_weights))
+                out.add_(num)
             out.div_(z)
         # With window codes the keys' values are not needed: their gradient ds_windowᵀ·qb does not read them.
-        ctx.save_for_backward(qb, wk if window_codes is None else None, wv, sums, counts, p_window, p_codes, out, z,
-                              window_codes)
+        ctx.save_for_backward(qb, wk if window_codes is None else None, wv, counts, p_window, p_codes, out, z,
+                              window_codes, sums, last, add_values, add_index, add_weights)
         ctx.window_bias_shape = window_bias.shape
-        return out
+        return out, last
 
     @staticmethod
-    def backward(ctx, grad_out):
-        qb, wk, wv, sums, counts, p_window, p_codes, out, z, window_codes = ctx.saved_tensors  # p_codes: / counts
-        need = ctx.needs_input_grad
-        grads = [None] * 9
+    def backward(ctx, grad_out, grad_last):
+        qb, wk, wv, counts, p_window, p_codes, out, z, window_codes, sums, last, *updates = ctx.saved_tensors
+        need = ctx.needs_input_grad  # p_codes: divided by the counts
+        grads = [None] * 12
         with no_autocast(grad_out.device):
             grad_out = grad_out / z  # with P = p / z, every P-term below becomes a p-term of this scaled gradient
             delta = (grad_out * out).sum(-1, keepdim=True)  # (N, nb, L, 1)
@@ -211,17 +343,21 @@ class WindowCodeAttention(torch.autograd.Function):
             if need[5]:
                 grads[5] = torch.matmul(p_window.transpose(-1, -2), grad_out)
             if p_codes is not None:
-                # (dO·mean_s − δ) p_s = (dO·sums_s − δ n_s) p_s / n_s
-                ds_codes = torch.matmul(grad_out, sums.transpose(-1, -2))
-                ds_codes.addcmul_(delta, counts.unsqueeze(2), value=-1).mul_(p_codes)  # (N, nb, L, S)
-                grads[4] = ds_codes.sum(2) if need[4] else None
+                # (dO·mean_s − δ) p_s = (dO·C_s − δ n_s) p_s / n_s
+                if need[6]:
+                    p_delta = torch.matmul(p_codes.transpose(-1, -2), delta).squeeze(-1)  # (N, nb, S)
+                ds_codes, grads[7], grads[8], grads[10] = read_cache_backward(
+                    p_codes, grad_out, sums, last, grad_last, CacheUpdates(*updates), need[8] or need[10],
+                    lambda b, dp: dp.addcmul_(delta[:, b], counts[:, b].unsqueeze(-2), value=-1))
+                code_bias_grad = ds_codes.sum(2)
+                grads[4] = code_bias_grad if need[4] else None
                 if need[3]:
                     grads[3] = ds_codes if window_codes is None else ds_codes.scatter_add_(-1, window_codes, ds_window)
-                if need[6] or need[7]:
-                    grads[6] = torch.matmul(p_codes.transpose(-1, -2), grad_out)  # d/d sums
-                if need[7]:  # mean = sums / n: d/dn = −(d/d mean · sums) / n² = −(d/d sums · sums) / n
+                if need[6]:
+                    # The counts enter as log n (code_bias) and as mean = C / n, and the output only depends on
+                    # e^{logit} C_s and e^{logit} n_s: d/dn through the mean is −(d/d bias + n pᵀδ) / n.
                     tiny = torch.finfo(counts.dtype).tiny
-                    grads[7] = (grads[6] * sums).sum(-1).div_(counts.clamp_min(tiny)).neg_()
+                    grads[6] = p_delta.mul_(counts).add_(code_bias_grad).div_(counts.clamp_min(tiny)).neg_()
         return tuple(grads)
 
 
@@ -236,55 +372,59 @@ class MixtureAttention(torch.autograd.Function):
 
         P_is  = exp(max(code_logits_is − m_i, −60)),  m_i = max_s code_logits_is          (N, nb, L, S)
         A_ij  = (P Wᵀ)_ij · window_mask_ij          window mixture Σ_s e^{σ q_i·c_s} Δ_js   (N, nb, L, W)
-        out_i = (A wv + P sums)_i / (A 1 + P counts)_i                                        (N, nb, L, Dv)
+        out_i = (A wv + P C_b)_i / (A 1 + P counts_b)_i                                       (N, nb, L, Dv)
 
     code_logits: (N, nb, L, S) σ q·cᵀ; weights W: (N, nb, W, S) the window keys' assignment (rows sum to 1);
-    window_mask: 0/1, broadcastable to (N, nb, L, W); wv: (N, nb, W, Dv); sums: (N, nb, S, Dv), counts: (N, nb, S)
-    the cache of every block. This is :class:`WindowCodeAttention` with the mixture logits log(P Wᵀ) + m and the
-    cache logits code_logits + log n, divided through by e^m: one exp of the code logits serves both.
+    window_mask: 0/1, broadcastable to (N, nb, L, W); wv: (N, nb, W, Dv); counts: (N, nb, S) every block's cache
+    counts; its value sums C_b run through :func:`read_cache` from ``sums`` (N, S, Dv) with the statistics
+    ``add_values`` (N, nb, L, Dv), ``add_weights`` (N, nb, L, S) each block adds for the next. This is
+    :class:`WindowCodeAttention` with the mixture logits log(P Wᵀ) + m and the cache logits code_logits + log n,
+    divided through by e^m: one exp of the code logits serves both. Returns out and the last cache (N, S, Dv).
     """
 
     @staticmethod
-    def forward(ctx, code_logits, weights, window_mask, wv, sums, counts):
+    def forward(ctx, code_logits, weights, window_mask, wv, counts, sums, add_values, add_weights):
         with no_autocast(wv.device):
             p = code_logits - code_logits.amax(-1, keepdim=True)
             p.clamp_min_(MIXTURE_FLOOR).exp_()  # (N, nb, L, S)
             a = torch.matmul(p, weights.transpose(-1, -2)).mul_(window_mask)  # (N, nb, L, W)
             den = torch.matmul(p, counts.unsqueeze(-1)).add_(a.sum(-1, keepdim=True))  # (N, nb, L, 1)
-            out = torch.matmul(a, wv).add_(torch.matmul(p, sums)).div_(den)
-        ctx.save_for_backward(weights, window_mask, wv, sums, counts, p, a, out, den)
-        return out
+            num, last = read_cache(p, sums, CacheUpdates(add_values, None, add_weights))
+            out = torch.matmul(a, wv).add_(num).div_(den)
+        ctx.save_for_backward(weights, window_mask, wv, counts, p, a, out, den, sums, last, add_values, add_weights)
+        return out, last
 
     @staticmethod
-    def backward(ctx, grad_out):
-        weights, window_mask, wv, sums, counts, p, a, out, den = ctx.saved_tensors
+    def backward(ctx, grad_out, grad_last):
+        weights, window_mask, wv, counts, p, a, out, den, sums, last, add_values, add_weights = ctx.saved_tensors
         need = ctx.needs_input_grad
-        grads = [None] * 6
+        grads = [None] * 8
         with no_autocast(grad_out.device):
             grad_num = grad_out / den  # d/d numerator; the denominator's gradient is −delta
             delta = (grad_num * out).sum(-1, keepdim=True)  # (N, nb, L, 1)
             grad_a = torch.matmul(grad_num, wv.transpose(-1, -2)).sub_(delta).mul_(window_mask)  # (N, nb, L, W)
-            if need[0]:
-                grad_p = torch.matmul(grad_num, sums.transpose(-1, -2))
-                grad_p.addcmul_(delta, counts.unsqueeze(-2), value=-1).add_(torch.matmul(grad_a, weights))
-                grads[0] = grad_p.mul_(p)  # through exp; the max shift m cancels in out
             if need[1]:
                 grads[1] = torch.matmul(grad_a.transpose(-1, -2), p)
             if need[3]:
                 grads[3] = torch.matmul(a.transpose(-1, -2), grad_num)
             if need[4]:
-                grads[4] = torch.matmul(p.transpose(-1, -2), grad_num)
-            if need[5]:
-                grads[5] = torch.matmul(p.transpose(-1, -2), delta).squeeze(-1).neg_()
+                grads[4] = torch.matmul(p.transpose(-1, -2), delta).squeeze(-1).neg_()
+            # through exp (the max shift m cancels in out): p ⊙ (dnum·C − δ n + dA·W)
+            grads[0], grads[5], grads[6], grads[7] = read_cache_backward(
+                p, grad_num, sums, last, grad_last, CacheUpdates(add_values, None, add_weights), need[6] or need[7],
+                lambda b, dp: dp.addcmul_(delta[:, b], counts[:, b].unsqueeze(-2), value=-1).add_(
+                    grad_a[:, b] @ weights[:, b]))
         return tuple(grads)
 
 
-def mixture_attention(code_logits, weights, window_mask, wv, sums, counts):
-    """:class:`MixtureAttention` on (B, H, nb, ...) tensors (flattened to B·H). Returns (B, H, nb·L, Dv)."""
+def mixture_attention(code_logits, weights, window_mask, wv, counts, sums, updates: CacheUpdates):
+    """:class:`MixtureAttention` on (B, H, nb, ...) tensors (flattened to B·H). Returns out (B, H, nb·L, Dv) and
+    the cache after the last block (B, H, S, Dv)."""
     B, H = wv.shape[:2]
     flat = lambda x: x.reshape(B * H, *x.shape[2:])  # noqa: E731
-    out = MixtureAttention.apply(flat(code_logits), flat(weights), window_mask, flat(wv), flat(sums), flat(counts))
-    return out.view(B, H, -1, wv.shape[-1])
+    out, last = MixtureAttention.apply(flat(code_logits), flat(weights), window_mask, flat(wv), flat(counts),
+                                       flat(sums), flat(updates.values), flat(updates.weights))
+    return out.view(B, H, -1, wv.shape[-1]), last.view(B, H, *last.shape[1:])
 
 
 def _sum_to_shape(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -294,17 +434,19 @@ def _sum_to_shape(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return x.sum(dims, keepdim=True).view(shape) if dims else x
 
 
-def window_code_attention(qb, wk, bias, wv, code_logits=None, code_bias=None, sums=None, counts=None,
-                          window_codes=None):
+def window_code_attention(qb, wk, bias, wv, code_logits=None, code_bias=None, counts=None, sums=None,
+                          updates: CacheUpdates | None = None, window_codes=None):
     """:class:`WindowCodeAttention` on (B, H, nb, ...) tensors (flattened to B·H for the kernel).
 
-    bias: (nb, L, 2L) or (B, H, nb, L, 2L); the codes' values are sums / counts; window_codes (B, H, nb, 2L) for
-    hard VQ's gathered window logits. Returns (B, H, nb·L, Dv).
+    bias: (nb, L, 2L) or (B, H, nb, L, 2L); the codes' values are the caches C_b / counts, C_b from ``sums``
+    (B, H, S, Dv) and ``updates`` (:func:`read_cache`); window_codes (B, H, nb, 2L) for hard VQ's gathered window
+    logits. Returns out (B, H, nb·L, Dv) and the cache after the last block (B, H, S, Dv), or None without codes.
     """
     B, H, nb, W, Dv = wv.shape
     flat = lambda x: None if x is None else x.reshape(B * H, *x.shape[2:])  # noqa: E731
     if bias.dim() == 5:
         bias = flat(bias)
-    out = WindowCodeAttention.apply(flat(qb), flat(wk), bias, flat(code_logits), flat(code_bias), flat(wv),
-                                    flat(sums), flat(counts), flat(window_codes))
-    return out.view(B, H, -1, Dv)
+    updates = updates or CacheUpdates(None, None, None)
+    out, last = WindowCodeAttention.apply(flat(qb), flat(wk), bias, flat(code_logits), flat(code_bias), flat(wv),
+                                          flat(counts), flat(sums), *(flat(x) for x in updates), flat(window_codes))
+    return out.view(B, H, -1, Dv), None if last is None else last.view(B, H, *last.shape[1:])

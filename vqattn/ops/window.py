@@ -47,7 +47,7 @@ def _chunked(q, k, v, L: int, scale: float) -> torch.Tensor:
     bias_later = window_bias(2, L, q.device, q.dtype)[1:]  # (1, L, 2L): every block but the first
     out = [window_code_attention(blocks(q_g * scale, L), group_windows(*k_g, L),  # scaled per group: no full copy
                                  window_bias(b1 - b0, L, q.device, q.dtype) if b0 == 0 else bias_later,
-                                 group_windows(*v_g, L))
+                                 group_windows(*v_g, L))[0]
            for (b0, b1), (q_g, _), k_g, v_g in zip(groups, *(split_groups(x, groups, L) for x in (q, k, v)))]
     return torch.cat(out, 2)[:, :, :T]
 
