@@ -162,7 +162,8 @@ def _group(q, k, k_before, v, v_before, a, a_before, run, tail, sums, *, c, G, L
                            None if a.index is not None else detach(leaving(
                                unit_weights(a, G), None if a_before is None else unit_weights(a_before, G))))
 
-    code_logits = blocks(q @ c.transpose(-1, -2), L)  # (B, H, n, L, S): the one q·cᵀ product
+    # The kernels form the one q·cᵀ product (B, H, n, L, S) and take its gradient block by block; only kernel
+    # assignments, whose window mixture needs the code logits too, get them.
     qb, window_keys, window_codes, wv = blocks(q, L), None, None, group_windows(v, v_before, L)
     # (n, L, 2L) causal mask; after the first block every block's mask is the same (1, L, 2L)
     bias = window_bias(n, L, q.device, q.dtype) if first else window_bias(2, L, q.device, q.dtype)[1:]
@@ -182,13 +183,16 @@ def _group(q, k, k_before, v, v_before, a, a_before, run, tail, sums, *, c, G, L
                                     for x, y in zip(a, a_before)))
         if not isinstance(window_a.log_scale, torch.Tensor):
             # Soft: the linear form, one exp of the code logits for window and cache.
-            out, sums = mixture_attention(code_logits, window_a.weights, bias.exp(), wv, cache_counts, sums, updates)
+            out, sums = mixture_attention(qb, c, window_a.weights, bias.exp(), wv, cache_counts, sums, updates)
             return out, run, tail, sums, folded
         # Kernel keys carry per-key scales e^{r_j} whose spread exceeds the float range: the window stays in logs.
+        code_logits = blocks(q @ c.transpose(-1, -2), L)  # (B, H, n, L, S)
         bias = bias + mixture_logits(code_logits, window_a)
-        qb = None
-    out, sums = window_code_attention(qb, window_keys, bias, wv, code_logits, code_bias(cache_counts, G),
-                                      cache_counts, sums, updates, window_codes)
+        out, sums = window_code_attention(None, None, bias, wv, code_logits, code_bias(cache_counts, G), cache_counts,
+                                          sums, updates)
+        return out, run, tail, sums, folded
+    out, sums = window_code_attention(qb, window_keys, bias, wv, None, code_bias(cache_counts, G), cache_counts, sums,
+                                      updates, window_codes, codebook=c)
     return out, run, tail, sums, folded
 
 

@@ -223,23 +223,24 @@ def read_cache(logits: torch.Tensor, sums: torch.Tensor, updates: CacheUpdates, 
 
 
 def read_cache_backward(p, grad_num, sums, last, grad_last, updates: CacheUpdates, need_updates: bool,
-                        logit_factor):
+                        logit_factor, use_logit_grad):
     """Backward of :func:`read_cache` with its first and last caches ``sums`` = C_0 and ``last`` = C_n and the
     last one's gradient ``grad_last`` (or None). With G_b = dC_b = G_{b+1} + p_bᵀ · dnum_b (G_n = grad_last),
-    returns the logit gradients p_b ⊙ logit_factor(b, dp_b) with dp_b = dnum_b · C_bᵀ, d sums = G_0 and, if
-    ``need_updates``, the gradients of updates.values and updates.weights (None for an index): block b's
-    statistics enter C_{b+1}, so their gradient is G_{b+1}.
+    hands every block's logit gradients p_b ⊙ logit_factor(b, dp_b), dp_b = dnum_b · C_bᵀ, to
+    ``use_logit_grad(b, ds_b)`` (:class:`LogitGradients`), and returns d sums = G_0 and, if ``need_updates``, the
+    gradients of updates.values and updates.weights (None for an index): block b's statistics enter C_{b+1}, so
+    their gradient is G_{b+1}.
 
-    ``logit_factor(b, dp)`` takes a block index b and dp (N, L, S), or b = ``slice(None)`` and every block's dp
-    (N, n, L, S). On CPU the blocks are walked backwards, recovering C_b = C_{b+1} − (block b's statistics), and
-    every product is formed while its operands are in cache.
+    Both callbacks take a block index b and (N, L, S) tiles, or b = ``slice(None)`` and every block's (N, n, L, S).
+    On CPU the blocks are walked backwards, recovering C_b = C_{b+1} − (block b's statistics), and every product
+    is formed while its operands are in cache.
     """
     N, n, L, S = p.shape
     Dv = last.shape[-1]
     grad_last = torch.zeros_like(last) if grad_last is None else grad_last
     if not _scans(p.device):
         caches, _ = _block_caches(sums, updates)
-        grad_logits = p * logit_factor(slice(None), grad_num @ caches.transpose(-1, -2))
+        use_logit_grad(slice(None), logit_factor(slice(None), grad_num @ caches.transpose(-1, -2)).mul_(p))
         grad_caches = p.transpose(-1, -2) @ grad_num  # (N, n, S, Dv)
         suffix = torch.flip(torch.cumsum(torch.flip(grad_caches, [1]), 1), [1])  # Σ_{b' ≥ b}
         grad_stats = grad_last.unsqueeze(1) + torch.cat([suffix[:, 1:], torch.zeros_like(suffix[:, :1])], 1)
@@ -251,12 +252,11 @@ def read_cache_backward(p, grad_num, sums, last, grad_last, updates: CacheUpdate
             else:
                 grad_values = updates.weights @ grad_stats
                 grad_weights = updates.values @ grad_stats.transpose(-1, -2)
-        return grad_logits, grad_last + suffix[:, 0], grad_values, grad_weights
+        return grad_last + suffix[:, 0], grad_values, grad_weights
     cache, grad_cache = last.clone(), grad_last.clone()
     slots = None if updates.index is None else _flat_slots(updates.index, S)
     grad_values = p.new_empty(n, N, L, Dv) if need_updates else None
     grad_weights = p.new_empty(n, N, L, S) if need_updates and slots is None else None
-    grad_logits = torch.empty_like(p)
     for b in range(n - 1, -1, -1):
         _add_block(cache, updates, slots, b, -1.0)
         if need_updates:  # G_{b+1} is the gradient of what block b added
@@ -266,9 +266,47 @@ def read_cache_backward(p, grad_num, sums, last, grad_last, updates: CacheUpdate
                 torch.bmm(updates.weights[:, b], grad_cache, out=grad_values[b])
                 torch.bmm(updates.values[:, b], grad_cache.transpose(-1, -2), out=grad_weights[b])
         grad_cache.baddbmm_(p[:, b].transpose(-1, -2), grad_num[:, b])
-        torch.mul(p[:, b], logit_factor(b, torch.bmm(grad_num[:, b], cache.transpose(-1, -2))), out=grad_logits[:, b])
+        use_logit_grad(b, logit_factor(b, torch.bmm(grad_num[:, b], cache.transpose(-1, -2))).mul_(p[:, b]))
     t = lambda x: None if x is None else x.transpose(0, 1)  # noqa: E731
-    return grad_logits, grad_cache, t(grad_values), t(grad_weights)
+    return grad_cache, t(grad_values), t(grad_weights)
+
+
+def code_logits_of(q: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """q·cᵀ for q (N, n, L, D) and c (N, S, D): (N, n, L, S), one bmm (a broadcast matmul would copy c per block)."""
+    N, n, L, D = q.shape
+    return torch.bmm(q.reshape(N, n * L, D), codebook.transpose(-1, -2)).view(N, n, L, -1)
+
+
+class LogitGradients:
+    """Takes a group's code-logit gradients ds (:func:`read_cache_backward`) block by block: adds the window's
+    gathered-logit gradients (hard VQ), sums them over the queries (the code bias's gradient, ``bias``), and either
+    keeps them (``logits``, when the kernel got the code logits) or turns them into the gradients of the scaled
+    queries q (N, n, L, D) and the codebook c (N, S, D) of the logits q·cᵀ (``q``, ``codebook``), so no (T, S)
+    gradient is written."""
+
+    def __init__(self, like, *, q=None, codebook=None, need_q=False, need_codebook=False, need_bias=False,
+                 window_codes=None, ds_window=None):
+        N, n, L, S = like.shape
+        self.q, self.codebook, self.window_codes, self.ds_window = q, codebook, window_codes, ds_window
+        self.logits = torch.empty_like(like) if codebook is None else None
+        self.dq = like.new_empty(*q.shape) if codebook is not None and need_q else None
+        self.dc = torch.zeros_like(codebook) if codebook is not None and need_codebook else None
+        self.bias = like.new_empty(N, n, S) if need_bias else None
+
+    def __call__(self, b, ds):
+        N, S = ds.shape[0], ds.shape[-1]
+        if self.bias is not None:
+            self.bias[:, b] = ds.sum(-2)
+        if self.window_codes is not None:
+            ds.scatter_add_(-1, self.window_codes[:, b], self.ds_window[:, b])
+        if self.logits is not None:
+            self.logits[:, b] = ds
+            return
+        flat = ds.reshape(N, -1, S)
+        if self.dq is not None:
+            self.dq[:, b] = torch.bmm(flat, self.codebook).view(self.dq[:, b].shape)
+        if self.dc is not None:
+            self.dc.baddbmm_(flat.transpose(-1, -2), self.q[:, b].reshape(N, -1, self.q.shape[-1]))
 
 
 # Floor of the exp arguments (all ≤ 0 after the max shift). On x86 CPUs (measured with AVX-512) exp is about 100×
@@ -311,10 +349,12 @@ class WindowCodeAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qb, wk, window_bias, code_logits, code_bias, wv, counts, sums, add_values, add_index,
-                add_weights, window_codes=None):
+                add_weights, window_codes=None, codebook=None):
         with no_autocast(wv.device):
             N, nb, W, _ = wv.shape
             L = window_bias.shape[-2]
+            if codebook is not None:
+                code_logits = code_logits_of(qb, codebook)
             if window_codes is not None:
                 window_codes = window_codes.unsqueeze(2).expand(N, nb, L, W)
                 p_window = code_logits.gather(-1, window_codes).add_(window_bias)  # (N, nb, L, 2L)
@@ -347,43 +387,49 @@ class WindowCodeAttention(torch.autograd.Function):
             out.div_(z)
         # With window codes the keys' values are not needed: their gradient ds_windowᵀ·qb does not read them.
         ctx.save_for_backward(qb, wk if window_codes is None else None, wv, counts, p_window, p_codes, out, z,
-                              window_codes, sums, last, add_values, add_index, add_weights)
+                              window_codes, codebook, sums, last, add_values, add_index, add_weights)
         ctx.window_bias_shape = window_bias.shape
         return out, last
 
     @staticmethod
     def backward(ctx, grad_out, grad_last):
-        qb, wk, wv, counts, p_window, p_codes, out, z, window_codes, sums, last, *updates = ctx.saved_tensors
+        qb, wk, wv, counts, p_window, p_codes, out, z, window_codes, codebook, sums, last, *updates = \
+            ctx.saved_tensors
         need = ctx.needs_input_grad  # p_codes: divided by the counts
-        grads = [None] * 12
+        grads = [None] * 13
         with no_autocast(grad_out.device):
             grad_out = grad_out / z  # with P = p / z, every P-term below becomes a p-term of this scaled gradient
             delta = (grad_out * out).sum(-1, keepdim=True)  # (N, nb, L, 1)
             ds_window = torch.matmul(grad_out, wv.transpose(-1, -2)).sub_(delta).mul_(p_window)  # (N, nb, L, 2L)
-            if need[0] and window_codes is None:  # with window codes, q's window gradient goes through code_logits
-                grads[0] = torch.matmul(ds_window, wk)
             if need[1]:
                 grads[1] = torch.matmul(ds_window.transpose(-1, -2), qb)
             if need[2]:
                 grads[2] = _sum_to_shape(ds_window, ctx.window_bias_shape)
             if need[5]:
                 grads[5] = torch.matmul(p_window.transpose(-1, -2), grad_out)
+            logit_grads = None
             if p_codes is not None:
                 # (dO·mean_s − δ) p_s = (dO·C_s − δ n_s) p_s / n_s
                 if need[6]:
                     p_delta = torch.matmul(p_codes.transpose(-1, -2), delta).squeeze(-1)  # (N, nb, S)
-                ds_codes, grads[7], grads[8], grads[10] = read_cache_backward(
+                # With window codes, q's window gradient goes through the code logits (scattered at z_j).
+                logit_grads = LogitGradients(p_codes, q=qb, codebook=codebook, need_q=need[0], need_codebook=need[12],
+                                             need_bias=need[4] or need[6], window_codes=window_codes,
+                                             ds_window=ds_window)
+                grads[7], grads[8], grads[10] = read_cache_backward(
                     p_codes, grad_out, sums, last, grad_last, CacheUpdates(*updates), need[8] or need[10],
-                    lambda b, dp: dp.addcmul_(delta[:, b], counts[:, b].unsqueeze(-2), value=-1))
-                code_bias_grad = ds_codes.sum(2)
-                grads[4] = code_bias_grad if need[4] else None
-                if need[3]:
-                    grads[3] = ds_codes if window_codes is None else ds_codes.scatter_add_(-1, window_codes, ds_window)
+                    lambda b, dp: dp.addcmul_(delta[:, b], counts[:, b].unsqueeze(-2), value=-1), logit_grads)
+                grads[3], grads[4], grads[12] = logit_grads.logits, logit_grads.bias, logit_grads.dc
                 if need[6]:
                     # The counts enter as log n (code_bias) and as mean = C / n, and the output only depends on
                     # e^{logit} C_s and e^{logit} n_s: d/dn through the mean is −(d/d bias + n pᵀδ) / n.
                     tiny = torch.finfo(counts.dtype).tiny
-                    grads[6] = p_delta.mul_(counts).add_(code_bias_grad).div_(counts.clamp_min(tiny)).neg_()
+                    grads[6] = p_delta.mul_(counts).add_(logit_grads.bias).div_(counts.clamp_min(tiny)).neg_()
+            if need[0]:
+                if window_codes is None:
+                    grads[0] = torch.matmul(ds_window, wk)
+                if logit_grads is not None and logit_grads.dq is not None:
+                    grads[0] = logit_grads.dq if grads[0] is None else grads[0].add_(logit_grads.dq)
         return tuple(grads)
 
 
@@ -400,58 +446,65 @@ class MixtureAttention(torch.autograd.Function):
         A_ij  = (P Wᵀ)_ij · window_mask_ij          window mixture Σ_s e^{σ q_i·c_s} Δ_js   (N, nb, L, W)
         out_i = (A wv + P C_b)_i / (A 1 + P counts_b)_i                                       (N, nb, L, Dv)
 
-    code_logits: (N, nb, L, S) σ q·cᵀ; weights W: (N, nb, W, S) the window keys' assignment (rows sum to 1);
-    window_mask: 0/1, broadcastable to (N, nb, L, W); wv: (N, nb, W, Dv); counts: (N, nb, S) every block's cache
-    counts; its value sums C_b run through :func:`read_cache` from ``sums`` (N, S, Dv) with the statistics
-    ``add_values`` (N, nb, L, Dv), ``add_weights`` (N, nb, L, S) each block adds for the next. This is
-    :class:`WindowCodeAttention` with the mixture logits log(P Wᵀ) + m and the cache logits code_logits + log n,
-    divided through by e^m: one exp of the code logits serves both. Returns out and the last cache (N, S, Dv).
+    code_logits = q·cᵀ from the (scaled) queries q (N, nb, L, D) and the codebook c (N, S, D); weights W:
+    (N, nb, W, S) the window keys' assignment (rows sum to 1); window_mask: 0/1, broadcastable to (N, nb, L, W);
+    wv: (N, nb, W, Dv); counts: (N, nb, S) every block's cache counts; its value sums C_b run through
+    :func:`read_cache` from ``sums`` (N, S, Dv) with the statistics ``add_values`` (N, nb, L, Dv), ``add_weights``
+    (N, nb, L, S) each block adds for the next. This is :class:`WindowCodeAttention` with the mixture logits
+    log(P Wᵀ) + m and the cache logits code_logits + log n, divided through by e^m: one exp of the code logits
+    serves both. Returns out and the last cache (N, S, Dv).
     """
 
     @staticmethod
-    def forward(ctx, code_logits, weights, window_mask, wv, counts, sums, add_values, add_weights):
+    def forward(ctx, q, codebook, weights, window_mask, wv, counts, sums, add_values, add_weights):
         with no_autocast(wv.device):
             def probabilities(b, logits, out):
                 torch.sub(logits, logits.amax(-1, keepdim=True), out=out)
                 return out.clamp_min_(MIXTURE_FLOOR).exp_()
 
+            code_logits = code_logits_of(q, codebook)
             p, num, last = read_cache(code_logits, sums, CacheUpdates(add_values, None, add_weights), probabilities)
             a = torch.matmul(p, weights.transpose(-1, -2)).mul_(window_mask)  # (N, nb, L, W)
             den = torch.matmul(p, counts.unsqueeze(-1)).add_(a.sum(-1, keepdim=True))  # (N, nb, L, 1)
             out = torch.matmul(a, wv).add_(num).div_(den)
-        ctx.save_for_backward(weights, window_mask, wv, counts, p, a, out, den, sums, last, add_values, add_weights)
+        ctx.save_for_backward(q, codebook, weights, window_mask, wv, counts, p, a, out, den, sums, last, add_values,
+                              add_weights)
         return out, last
 
     @staticmethod
     def backward(ctx, grad_out, grad_last):
-        weights, window_mask, wv, counts, p, a, out, den, sums, last, add_values, add_weights = ctx.saved_tensors
+        q, codebook, weights, window_mask, wv, counts, p, a, out, den, sums, last, add_values, add_weights = \
+            ctx.saved_tensors
         need = ctx.needs_input_grad
-        grads = [None] * 8
+        grads = [None] * 9
         with no_autocast(grad_out.device):
             grad_num = grad_out / den  # d/d numerator; the denominator's gradient is −delta
             delta = (grad_num * out).sum(-1, keepdim=True)  # (N, nb, L, 1)
             grad_a = torch.matmul(grad_num, wv.transpose(-1, -2)).sub_(delta).mul_(window_mask)  # (N, nb, L, W)
-            if need[1]:
-                grads[1] = torch.matmul(grad_a.transpose(-1, -2), p)
-            if need[3]:
-                grads[3] = torch.matmul(a.transpose(-1, -2), grad_num)
+            if need[2]:
+                grads[2] = torch.matmul(grad_a.transpose(-1, -2), p)
             if need[4]:
-                grads[4] = torch.matmul(p.transpose(-1, -2), delta).squeeze(-1).neg_()
+                grads[4] = torch.matmul(a.transpose(-1, -2), grad_num)
+            if need[5]:
+                grads[5] = torch.matmul(p.transpose(-1, -2), delta).squeeze(-1).neg_()
             # through exp (the max shift m cancels in out): p ⊙ (dnum·C − δ n + dA·W)
-            grads[0], grads[5], grads[6], grads[7] = read_cache_backward(
-                p, grad_num, sums, last, grad_last, CacheUpdates(add_values, None, add_weights), need[6] or need[7],
+            logit_grads = LogitGradients(p, q=q, codebook=codebook, need_q=need[0], need_codebook=need[1])
+            grads[6], grads[7], grads[8] = read_cache_backward(
+                p, grad_num, sums, last, grad_last, CacheUpdates(add_values, None, add_weights), need[7] or need[8],
                 lambda b, dp: dp.addcmul_(delta[:, b], counts[:, b].unsqueeze(-2), value=-1).add_(
-                    grad_a[:, b] @ weights[:, b]))
+                    grad_a[:, b] @ weights[:, b]), logit_grads)
+            grads[0], grads[1] = logit_grads.dq, logit_grads.dc
         return tuple(grads)
 
 
-def mixture_attention(code_logits, weights, window_mask, wv, counts, sums, updates: CacheUpdates):
-    """:class:`MixtureAttention` on (B, H, nb, ...) tensors (flattened to B·H). Returns out (B, H, nb·L, Dv) and
-    the cache after the last block (B, H, S, Dv)."""
+def mixture_attention(q, codebook, weights, window_mask, wv, counts, sums, updates: CacheUpdates):
+    """:class:`MixtureAttention` on (B, H, nb, ...) tensors (flattened to B·H), codebook (H, S, D). Returns out
+    (B, H, nb·L, Dv) and the cache after the last block (B, H, S, Dv)."""
     B, H = wv.shape[:2]
     flat = lambda x: x.reshape(B * H, *x.shape[2:])  # noqa: E731
-    out, last = MixtureAttention.apply(flat(code_logits), flat(weights), window_mask, flat(wv), flat(counts),
-                                       flat(sums), flat(updates.values), flat(updates.weights))
+    out, last = MixtureAttention.apply(flat(q), flat(codebook.expand(B, *codebook.shape)), flat(weights),
+                                       window_mask, flat(wv), flat(counts), flat(sums), flat(updates.values),
+                                       flat(updates.weights))
     return out.view(B, H, -1, wv.shape[-1]), last.view(B, H, *last.shape[1:])
 
 
@@ -463,18 +516,22 @@ def _sum_to_shape(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 
 
 def window_code_attention(qb, wk, bias, wv, code_logits=None, code_bias=None, counts=None, sums=None,
-                          updates: CacheUpdates | None = None, window_codes=None):
+                          updates: CacheUpdates | None = None, window_codes=None, codebook=None):
     """:class:`WindowCodeAttention` on (B, H, nb, ...) tensors (flattened to B·H for the kernel).
 
-    bias: (nb, L, 2L) or (B, H, nb, L, 2L); the codes' values are the caches C_b / counts, C_b from ``sums``
-    (B, H, S, Dv) and ``updates`` (:func:`read_cache`); window_codes (B, H, nb, 2L) for hard VQ's gathered window
-    logits. Returns out (B, H, nb·L, Dv) and the cache after the last block (B, H, S, Dv), or None without codes.
+    bias: (nb, L, 2L) or (B, H, nb, L, 2L); the code logits are ``code_logits`` or, given the codebook (H, S, D),
+    qb·cᵀ formed in the kernel; the codes' values are the caches C_b / counts, C_b from ``sums`` (B, H, S, Dv) and
+    ``updates`` (:func:`read_cache`); window_codes (B, H, nb, 2L) for hard VQ's gathered window logits. Returns out
+    (B, H, nb·L, Dv) and the cache after the last block (B, H, S, Dv), or None without codes.
     """
     B, H, nb, W, Dv = wv.shape
     flat = lambda x: None if x is None else x.reshape(B * H, *x.shape[2:])  # noqa: E731
     if bias.dim() == 5:
         bias = flat(bias)
+    if codebook is not None:
+        codebook = codebook.expand(B, *codebook.shape)
     updates = updates or CacheUpdates(None, None, None)
     out, last = WindowCodeAttention.apply(flat(qb), flat(wk), bias, flat(code_logits), flat(code_bias), flat(wv),
-                                          flat(counts), flat(sums), *(flat(x) for x in updates), flat(window_codes))
+                                          flat(counts), flat(sums), *(flat(x) for x in updates), flat(window_codes),
+                                          flat(codebook))
     return out.view(B, H, -1, Dv), None if last is None else last.view(B, H, *last.shape[1:])
