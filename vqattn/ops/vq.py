@@ -183,7 +183,9 @@ def _group(q, k, k_before, v, v_before, a, a_before, run, tail, sums, *, c, G, L
                                     for x, y in zip(a, a_before)))
         if not isinstance(window_a.log_scale, torch.Tensor):
             # Soft: the linear form, one exp of the code logits for window and cache.
-            out, sums = mixture_attention(qb, c, window_a.weights, bias.exp(), wv, cache_counts, sums, updates)
+            # With lag 1 the window is the current block, which is also what enters the cache after it.
+            out, sums = mixture_attention(qb, c, window_a.weights, bias.exp(), wv, cache_counts, sums,
+                                          None if lag == 1 else updates)
             return out, run, tail, sums, folded
         # Kernel keys carry per-key scales e^{r_j} whose spread exceeds the float range: the window stays in logs.
         code_logits = blocks(q @ c.transpose(-1, -2), L)  # (B, H, n, L, S)

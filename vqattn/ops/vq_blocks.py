@@ -223,13 +223,14 @@ def read_cache(logits: torch.Tensor, sums: torch.Tensor, updates: CacheUpdates, 
 
 
 def read_cache_backward(p, grad_num, sums, last, grad_last, updates: CacheUpdates, need_updates: bool,
-                        logit_factor, use_logit_grad):
+                        logit_factor, use_logit_grad, grad_values=None, grad_weights=None):
     """Backward of :func:`read_cache` with its first and last caches ``sums`` = C_0 and ``last`` = C_n and the
     last one's gradient ``grad_last`` (or None). With G_b = dC_b = G_{b+1} + p_bᵀ · dnum_b (G_n = grad_last),
     hands every block's logit gradients p_b ⊙ logit_factor(b, dp_b), dp_b = dnum_b · C_bᵀ, to
     ``use_logit_grad(b, ds_b)`` (:class:`LogitGradients`), and returns d sums = G_0 and, if ``need_updates``, the
     gradients of updates.values and updates.weights (None for an index): block b's statistics enter C_{b+1}, so
-    their gradient is G_{b+1}.
+    their gradient is G_{b+1}. Given ``grad_values`` / ``grad_weights`` (N, n, L, ·), weights' gradients are added
+    to them (when the updates are tensors that the caller also differentiates otherwise).
 
     Both callbacks take a block index b and (N, L, S) tiles, or b = ``slice(None)`` and every block's (N, n, L, S).
     On CPU the blocks are walked backwards, recovering C_b = C_{b+1} − (block b's statistics), and every product
@@ -238,37 +239,39 @@ def read_cache_backward(p, grad_num, sums, last, grad_last, updates: CacheUpdate
     N, n, L, S = p.shape
     Dv = last.shape[-1]
     grad_last = torch.zeros_like(last) if grad_last is None else grad_last
+    weighted = need_updates and updates.index is None
+    if weighted:
+        grad_values = p.new_zeros(N, n, L, Dv) if grad_values is None else grad_values
+        grad_weights = torch.zeros_like(updates.weights) if grad_weights is None else grad_weights
     if not _scans(p.device):
         caches, _ = _block_caches(sums, updates)
         use_logit_grad(slice(None), logit_factor(slice(None), grad_num @ caches.transpose(-1, -2)).mul_(p))
         grad_caches = p.transpose(-1, -2) @ grad_num  # (N, n, S, Dv)
         suffix = torch.flip(torch.cumsum(torch.flip(grad_caches, [1]), 1), [1])  # Σ_{b' ≥ b}
         grad_stats = grad_last.unsqueeze(1) + torch.cat([suffix[:, 1:], torch.zeros_like(suffix[:, :1])], 1)
-        grad_values = grad_weights = None
-        if need_updates:
-            if updates.index is not None:
-                slots = _block_slots(updates.index, S).expand(-1, -1, Dv)
-                grad_values = grad_stats.flatten(1, 2).gather(1, slots).view(N, n, L, Dv)
-            else:
-                grad_values = updates.weights @ grad_stats
-                grad_weights = updates.values @ grad_stats.transpose(-1, -2)
+        if weighted:
+            grad_values = grad_values + updates.weights @ grad_stats
+            grad_weights = grad_weights + updates.values @ grad_stats.transpose(-1, -2)
+        elif need_updates:
+            slots = _block_slots(updates.index, S).expand(-1, -1, Dv)
+            grad_values = grad_stats.flatten(1, 2).gather(1, slots).view(N, n, L, Dv)
         return grad_last + suffix[:, 0], grad_values, grad_weights
     cache, grad_cache = last.clone(), grad_last.clone()
     slots = None if updates.index is None else _flat_slots(updates.index, S)
-    grad_values = p.new_empty(n, N, L, Dv) if need_updates else None
-    grad_weights = p.new_empty(n, N, L, S) if need_updates and slots is None else None
+    if need_updates and not weighted:
+        grad_values = p.new_empty(n, N, L, Dv)
     for b in range(n - 1, -1, -1):
         _add_block(cache, updates, slots, b, -1.0)
-        if need_updates:  # G_{b+1} is the gradient of what block b added
-            if slots is not None:
-                torch.index_select(grad_cache.view(N * S, Dv), 0, slots[b], out=grad_values[b].view(N * L, Dv))
-            else:
-                torch.bmm(updates.weights[:, b], grad_cache, out=grad_values[b])
-                torch.bmm(updates.values[:, b], grad_cache.transpose(-1, -2), out=grad_weights[b])
+        if weighted:  # G_{b+1} is the gradient of what block b added
+            grad_values[:, b].baddbmm_(updates.weights[:, b], grad_cache)
+            grad_weights[:, b].baddbmm_(updates.values[:, b], grad_cache.transpose(-1, -2))
+        elif need_updates:
+            torch.index_select(grad_cache.view(N * S, Dv), 0, slots[b], out=grad_values[b].view(N * L, Dv))
         grad_cache.baddbmm_(p[:, b].transpose(-1, -2), grad_num[:, b])
         use_logit_grad(b, logit_factor(b, torch.bmm(grad_num[:, b], cache.transpose(-1, -2))).mul_(p[:, b]))
-    t = lambda x: None if x is None else x.transpose(0, 1)  # noqa: E731
-    return grad_cache, t(grad_values), t(grad_weights)
+    if need_updates and not weighted:
+        grad_values = grad_values.transpose(0, 1)
+    return grad_cache, grad_values, grad_weights
 
 
 def code_logits_of(q: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
@@ -450,7 +453,8 @@ class MixtureAttention(torch.autograd.Function):
     (N, nb, W, S) the window keys' assignment (rows sum to 1); window_mask: 0/1, broadcastable to (N, nb, L, W);
     wv: (N, nb, W, Dv); counts: (N, nb, S) every block's cache counts; its value sums C_b run through
     :func:`read_cache` from ``sums`` (N, S, Dv) with the statistics ``add_values`` (N, nb, L, Dv), ``add_weights``
-    (N, nb, L, S) each block adds for the next. This is :class:`WindowCodeAttention` with the mixture logits
+    (N, nb, L, S) each block adds for the next (None: the window's own wv and weights, when the window is the
+    current block only and leaves it right after). This is :class:`WindowCodeAttention` with the mixture logits
     log(P Wᵀ) + m and the cache logits code_logits + log n, divided through by e^m: one exp of the code logits
     serves both. Returns out and the last cache (N, S, Dv).
     """
@@ -463,7 +467,9 @@ class MixtureAttention(torch.autograd.Function):
                 return out.clamp_min_(MIXTURE_FLOOR).exp_()
 
             code_logits = code_logits_of(q, codebook)
-            p, num, last = read_cache(code_logits, sums, CacheUpdates(add_values, None, add_weights), probabilities)
+            updates = CacheUpdates(wv, None, weights) if add_values is None else CacheUpdates(add_values, None,
+                                                                                              add_weights)
+            p, num, last = read_cache(code_logits, sums, updates, probabilities)
             a = torch.matmul(p, weights.transpose(-1, -2)).mul_(window_mask)  # (N, nb, L, W)
             den = torch.matmul(p, counts.unsqueeze(-1)).add_(a.sum(-1, keepdim=True))  # (N, nb, L, 1)
             out = torch.matmul(a, wv).add_(num).div_(den)
@@ -489,22 +495,31 @@ class MixtureAttention(torch.autograd.Function):
                 grads[5] = torch.matmul(p.transpose(-1, -2), delta).squeeze(-1).neg_()
             # through exp (the max shift m cancels in out): p ⊙ (dnum·C − δ n + dA·W)
             logit_grads = LogitGradients(p, q=q, codebook=codebook, need_q=need[0], need_codebook=need[1])
-            grads[6], grads[7], grads[8] = read_cache_backward(
-                p, grad_num, sums, last, grad_last, CacheUpdates(add_values, None, add_weights), need[7] or need[8],
+            own = add_values is None  # the updates are wv and weights: their gradients add up in grads[4], grads[2]
+            updates = CacheUpdates(wv, None, weights) if own else CacheUpdates(add_values, None, add_weights)
+            grads[6], grad_values, grad_weights = read_cache_backward(
+                p, grad_num, sums, last, grad_last, updates, (need[4] or need[2]) if own else (need[7] or need[8]),
                 lambda b, dp: dp.addcmul_(delta[:, b], counts[:, b].unsqueeze(-2), value=-1).add_(
-                    grad_a[:, b] @ weights[:, b]), logit_grads)
+                    grad_a[:, b] @ weights[:, b]), logit_grads,
+                *((grads[4], grads[2]) if own else ()))
+            if own:
+                grads[4], grads[2] = grad_values, grad_weights
+            else:
+                grads[7], grads[8] = grad_values, grad_weights
             grads[0], grads[1] = logit_grads.dq, logit_grads.dc
         return tuple(grads)
 
 
-def mixture_attention(q, codebook, weights, window_mask, wv, counts, sums, updates: CacheUpdates):
-    """:class:`MixtureAttention` on (B, H, nb, ...) tensors (flattened to B·H), codebook (H, S, D). Returns out
-    (B, H, nb·L, Dv) and the cache after the last block (B, H, S, Dv)."""
+def mixture_attention(q, codebook, weights, window_mask, wv, counts, sums, updates: CacheUpdates | None):
+    """:class:`MixtureAttention` on (B, H, nb, ...) tensors (flattened to B·H), codebook (H, S, D); updates None
+    for the window's own. Returns out (B, H, nb·L, Dv) and the cache after the last block (B, H, S, Dv)."""
+    updates = updates or CacheUpdates(None, None, None)
     B, H = wv.shape[:2]
     flat = lambda x: x.reshape(B * H, *x.shape[2:])  # noqa: E731
+    flat_or_none = lambda x: None if x is None else flat(x)  # noqa: E731
     out, last = MixtureAttention.apply(flat(q), flat(codebook.expand(B, *codebook.shape)), flat(weights),
-                                       window_mask, flat(wv), flat(counts), flat(sums), flat(updates.values),
-                                       flat(updates.weights))
+                                       window_mask, flat(wv), flat(counts), flat(sums), flat_or_none(updates.values),
+                                       flat_or_none(updates.weights))
     return out.view(B, H, -1, wv.shape[-1]), last.view(B, H, *last.shape[1:])
 
 
