@@ -153,14 +153,14 @@ def _group(q, k, k_before, v, v_before, a, a_before, run, tail, sums, *, c, G, L
         folded = tuple(detach(x.squeeze(2)) for x in code_statistics(
             _split_time(a, [fold * L, (n - fold) * L])[0], v[:, :, : fold * L], S, 1, G))
     # After block b, the sums cache takes in the block that leaves b's window: b−1 (lag 2) or b itself (lag 1).
-    if lag == 2:
-        leaving = lambda x, x_before: previous_blocks(x, x_before, L)  # noqa: E731
+    def leaving(x, x_before):
+        return previous_blocks(x, x_before, L) if lag == 2 else blocks(x, L)
+
+    if a.index is not None:
+        updates = CacheUpdates(detach(leaving(v, v_before)), leaving(a.index, a_before.index), None)
     else:
-        leaving = lambda x, x_before: blocks(x, L)  # noqa: E731
-    updates = CacheUpdates(detach(leaving(v, v_before)),
-                           None if a.index is None else leaving(a.index, a_before and a_before.index),
-                           None if a.index is not None else detach(leaving(
-                               unit_weights(a, G), None if a_before is None else unit_weights(a_before, G))))
+        weights_before = None if a_before is None else unit_weights(a_before, G)
+        updates = CacheUpdates(detach(leaving(v, v_before)), None, detach(leaving(unit_weights(a, G), weights_before)))
 
     # The kernels form the one q·cᵀ product (B, H, n, L, S) and take its gradient block by block; only kernel
     # assignments, whose window mixture needs the code logits too, get them.
