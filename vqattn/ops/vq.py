@@ -22,8 +22,9 @@ Causal attention runs in blocks of ``block_len`` L (the Transformer-VQ algorithm
   entering as S extra "keys" with logit σ q_i·c_s + log n_s and value (Σ_j Δ_js v_j) / n_s.
 
 Both groups share one softmax (one max), so nothing overflows and empty codes (log 0 = −inf) drop out.
-Cost O(T·(L + S)·D); memory O(T·(L + S) + (T/L)·S·D); no T×T tensor. The code logits σ q·cᵀ are computed
-once and serve both the cache and the soft/kernel window mixtures.
+Cost O(T·(L + S)·D); memory O(T·(L + S) + S·D) on CPU, where the blocks read one running value-sum cache, and
+O(T·(L + S) + (T/L)·S·D) on GPUs and under torch.compile, which form every block's cache at once; no T×T tensor.
+The code logits σ q·cᵀ are computed once and serve both the cache and the soft/kernel window mixtures.
 
 Window logits: hard uses σ q_i·k̂_j with the straight-through k̂_j = c_{z_j} + (k_j − sg(k_j)), so keys get the
 gradient k̂ would get; ``exact_window`` uses the raw keys σ q_i·k_j; soft/kernel use the exact mixture

@@ -4,7 +4,8 @@ Queries run in blocks of L. Block b attends, with one softmax, to its window (bl
 and, for codebook attention, to S compressed "keys" (the codes, carrying per-block counts and value means of
 blocks ≤ b−2): :class:`WindowCodeAttention`. Window attention is the same kernel without the codes. Soft codebook
 attention, whose window logits are mixtures over the codes, runs the same math in linear form:
-:class:`MixtureAttention`.
+:class:`MixtureAttention`. Both read the codes' value sums through :func:`read_cache`: one running cache per batch·head,
+block after block, on CPU; every block's cache at once (one cumsum) on GPUs and under torch.compile.
 """
 
 from __future__ import annotations
