@@ -90,7 +90,7 @@ def _causal(q, k, v, c, a: Assignment | None, *, L, scale, exact_window, detach_
     with ``assign_keys`` (so no (T, S) tensor exists at once); counts0/sums0: the cache before position 0 in units
     of e^G. Returns out (B, H, T, Dv) and the cache after the first ``fold_blocks`` blocks (for a state)."""
     B, H, T, D = q.shape
-    S, Dv = c.shape[1], v.shape[-1]
+    S = c.shape[1]
     # Padding sits after every real query, so the causal mask hides it; its block statistics are never read
     # because block b's cache only holds blocks ≤ b−1. Padded kernel keys get scale e^{−inf} = 0.
     q, k, v = (pad_to_blocks(x, L) for x in (q, k, v))
