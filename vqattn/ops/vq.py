@@ -153,15 +153,15 @@ def _group(q, k, k_before, v, v_before, a, a_before, run, tail, sums, *, c, G, L
     if fold:
         folded = tuple(detach(x.squeeze(2)) for x in code_statistics(
             _split_time(a, [fold * L, (n - fold) * L])[0], v[:, :, : fold * L], S, 1, G))
-    # After block b, the sums cache takes in the block that leaves b's window: b−1 (lag 2) or b itself (lag 1).
-    def leaving(x, x_before):
-        return previous_blocks(x, x_before, L) if lag == 2 else blocks(x, L)
+    def cache_updates():
+        """After block b, the sums cache takes in the block that leaves b's window: b−1 (lag 2) or b (lag 1)."""
+        def leaving(x, x_before):
+            return previous_blocks(x, x_before, L) if lag == 2 else blocks(x, L)
 
-    if a.index is not None:
-        updates = CacheUpdates(detach(leaving(v, v_before)), leaving(a.index, a_before.index), None)
-    else:
+        if a.index is not None:
+            return CacheUpdates(detach(leaving(v, v_before)), leaving(a.index, a_before.index), None)
         weights_before = None if a_before is None else unit_weights(a_before, G)
-        updates = CacheUpdates(detach(leaving(v, v_before)), None, detach(leaving(unit_weights(a, G), weights_before)))
+        return CacheUpdates(detach(leaving(v, v_before)), None, detach(leaving(unit_weights(a, G), weights_before)))
 
     # The kernels form the one q·cᵀ product (B, H, n, L, S) and take its gradient block by block; only kernel
     # assignments, whose window mixture needs the code logits too, get them.
@@ -186,16 +186,16 @@ def _group(q, k, k_before, v, v_before, a, a_before, run, tail, sums, *, c, G, L
             # Soft: the linear form, one exp of the code logits for window and cache.
             # With lag 1 the window is the current block, which is also what enters the cache after it.
             out, sums = mixture_attention(qb, c, window_a.weights, bias.exp(), wv, cache_counts, sums,
-                                          None if lag == 1 else updates)
+                                          None if lag == 1 else cache_updates())
             return out, run, tail, sums, folded
         # Kernel keys carry per-key scales e^{r_j} whose spread exceeds the float range: the window stays in logs.
         code_logits = blocks(q @ c.transpose(-1, -2), L)  # (B, H, n, L, S)
         bias = bias + mixture_logits(code_logits, window_a)
         out, sums = window_code_attention(None, None, bias, wv, code_logits, code_bias(cache_counts, G), cache_counts,
-                                          sums, updates)
+                                          sums, cache_updates())
         return out, run, tail, sums, folded
     out, sums = window_code_attention(qb, window_keys, bias, wv, None, code_bias(cache_counts, G), cache_counts, sums,
-                                      updates, window_codes, codebook=c)
+                                      cache_updates(), window_codes, codebook=c)
     return out, run, tail, sums, folded
 
 
