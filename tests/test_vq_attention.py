@@ -275,22 +275,6 @@ def test_non_causal_accepts_different_key_length():
     assert math.isfinite(out.sum().item())
 
 
-@pytest.mark.parametrize("chunk_blocks", [[1], [2], [3], [2, 5], [1, 1, 3]])
-def test_prefix_sum_values_and_gradcheck(chunk_blocks):
-    """Against the sums, over the concatenation of the chunks."""
-    from vqattn.ops.vq_blocks import prefix_sum
-
-    chunks = [torch.randn(2, 3, n, 4, dtype=F64, requires_grad=True) for n in chunk_blocks]
-    initial = torch.randn(2, 3, 4, dtype=F64, requires_grad=True)
-    x = torch.cat(chunks, 2)
-    out, last = prefix_sum(chunks, initial)
-    for b in range(x.shape[2]):
-        torch.testing.assert_close(out[:, :, b], initial + x[:, :, : b + 1].sum(2))
-    torch.testing.assert_close(last, out[:, :, -1])
-    assert torch.autograd.gradcheck(lambda i, *c: prefix_sum(c, i), (initial, *chunks))  # both outputs
-    assert torch.autograd.gradcheck(lambda i, *c: prefix_sum(c, i)[1], (initial, *chunks))  # the first one unused
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
 def test_floored_exp_is_exp_above_the_floor_and_exactly_zero_below(dtype):
     from vqattn.ops.vq_blocks import EXP_FLOOR, floored_exp_

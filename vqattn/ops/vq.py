@@ -72,7 +72,6 @@ from .vq_blocks import (
     mixture_attention,
     no_autocast,
     pad_to_blocks,
-    prefix_sum,
     previous_blocks,
     split_groups,
     window_bias,
@@ -138,22 +137,12 @@ def _group(q, k, k_before, v, v_before, a, a_before, run, tail, sums, *, c, G, L
         a = assign_keys(k)
         a_before = assign_keys(k_before) if lag == 2 else None
     detach = (lambda x: x.detach()) if detach_cache else (lambda x: x)  # noqa: E731
-
-    # The counts of the caches add, in order, the tail and the group's own blocks but its last ``lag``, which are
-    # the next group's tail; the prefix sum reads the two parts in place.
-    if n > lag:
-        head, new_tail = (detach(code_counts(part, S, size, G, dtype=q.dtype))
-                          for part, size in zip(_split_time(a, [(n - lag) * L, lag * L]), (n - lag, lag)))
-        enter, tail = (tail, head), new_tail
-    else:  # a group of at most ``lag`` blocks: everything it enters comes from the (small) tail
-        entering, tail = torch.cat([tail, detach(code_counts(a, S, n, G, dtype=q.dtype))], 2).split([n, lag], 2)
-        enter = (entering,)
-    cache_counts, run = prefix_sum(enter, run)
     folded = None
     if fold:
         folded = tuple(detach(x.squeeze(2)) for x in code_statistics(
             _split_time(a, [fold * L, (n - fold) * L])[0], v[:, :, : fold * L], S, 1, G))
-    def cache_updates():
+
+    def cache_updates(v, v_before):
         """After block b, the sums cache takes in the block that leaves b's window: b−1 (lag 2) or b (lag 1)."""
         def leaving(x, x_before):
             return previous_blocks(x, x_before, L) if lag == 2 else blocks(x, L)
@@ -165,37 +154,52 @@ def _group(q, k, k_before, v, v_before, a, a_before, run, tail, sums, *, c, G, L
 
     # The kernels form the one q·cᵀ product (B, H, n, L, S) and take its gradient block by block; only kernel
     # assignments, whose window mixture needs the code logits too, get them.
-    qb, window_keys, window_codes, wv = blocks(q, L), None, None, group_windows(v, v_before, L)
+    qb = blocks(q, L)
     # (n, L, 2L) causal mask; after the first block every block's mask is the same (1, L, 2L)
     bias = window_bias(n, L, q.device, q.dtype) if first else window_bias(2, L, q.device, q.dtype)[1:]
+    if not exact_window and a.index is None and not isinstance(a.log_scale, torch.Tensor):
+        # Soft: the linear form, one exp of the code logits for window and cache. The values get a column of ones,
+        # so the cache's last column is the counts (the linear form keeps every count in ``run``; its tail stays 0).
+        # The zero block before block 0 is no key: it counts 0.
+        v, v_before = (torch.cat([x, x.new_full((*x.shape[:-1], 1), one)], -1)
+                       for x, one in ((v, 1.0), (v_before, 0.0 if first else 1.0)))
+        if lag == 1:  # the window is the current block, which is also what enters the cache after it
+            mask, wv, weights, updates = block_bias(L, q.device, q.dtype).exp(), blocks(v, L), blocks(a.weights, L), None
+        else:
+            mask, wv = bias.exp(), group_windows(v, v_before, L)
+            weights, updates = group_windows(a.weights, a_before.weights, L), cache_updates(v, v_before)
+        out, run, sums = mixture_attention(qb, c, weights, mask, wv, run, sums, updates)
+        return out, run, tail, sums, folded
+
+    # The caches' counts add, in order, the tail and the group's own blocks but its last ``lag``, which are the
+    # next group's tail. The group's counts are one reduction of its whole assignment (split afterwards, so the
+    # backward pass hands the (n·L, S) weights one expanded gradient, not a cat of two).
+    counts = torch.cat([tail, detach(code_counts(a, S, n, G, dtype=q.dtype))], 2)  # (B, H, lag + n, S)
+    entering, tail = counts.split([n, lag], 2)
+    cache_counts = run.unsqueeze(2) + entering.cumsum(2)  # (B, H, n, S), block b's cache
+    run = cache_counts[:, :, -1]
+    window_codes, wv = None, group_windows(v, v_before, L)
     if exact_window or a.index is not None:
         window_keys = group_windows(k, k_before, L)
         if not exact_window:
             # Hard: the logit σ q·k̂_j of the straight-through key k̂_j = c_{z_j} + (k_j − sg(k_j)) is a code logit,
             # gathered at z_j; the kernel routes k̂'s gradient to the raw keys.
             window_codes = group_windows(a.index, a_before.index, L)
-    else:
-        # The mixture logit log Σ_s e^{σ q·c_s} Δ_js is not a dot product: it is the whole window logit.
-        if lag == 1:
-            bias, wv = block_bias(L, q.device, q.dtype), blocks(v, L)
-            window_a = map_time(lambda x: blocks(x, L), a)
-        else:
-            window_a = Assignment(*(group_windows(x, y, L) if isinstance(x, torch.Tensor) else x
-                                    for x, y in zip(a, a_before)))
-        if not isinstance(window_a.log_scale, torch.Tensor):
-            # Soft: the linear form, one exp of the code logits for window and cache.
-            # With lag 1 the window is the current block, which is also what enters the cache after it.
-            out, sums = mixture_attention(qb, c, window_a.weights, bias.exp(), wv, cache_counts, sums,
-                                          None if lag == 1 else cache_updates())
-            return out, run, tail, sums, folded
-        # Kernel keys carry per-key scales e^{r_j} whose spread exceeds the float range: the window stays in logs.
-        code_logits = blocks(q @ c.transpose(-1, -2), L)  # (B, H, n, L, S)
-        bias = bias + mixture_logits(code_logits, window_a)
-        out, sums = window_code_attention(None, None, bias, wv, code_logits, code_bias(cache_counts, G), cache_counts,
-                                          sums, cache_updates())
+        out, sums = window_code_attention(qb, window_keys, bias, wv, None, code_bias(cache_counts, G), cache_counts,
+                                          sums, cache_updates(v, v_before), window_codes, codebook=c)
         return out, run, tail, sums, folded
-    out, sums = window_code_attention(qb, window_keys, bias, wv, None, code_bias(cache_counts, G), cache_counts, sums,
-                                      cache_updates(), window_codes, codebook=c)
+    # Kernel keys carry per-key scales e^{r_j} whose spread exceeds the float range: their window mixture
+    # log Σ_s e^{σ q·c_s} Δ_js stays in logs, and it is the whole window logit.
+    if lag == 1:
+        bias, wv = block_bias(L, q.device, q.dtype), blocks(v, L)
+        window_a = map_time(lambda x: blocks(x, L), a)
+    else:
+        window_a = Assignment(*(group_windows(x, y, L) if isinstance(x, torch.Tensor) else x
+                                for x, y in zip(a, a_before)))
+    code_logits = blocks(q @ c.transpose(-1, -2), L)  # (B, H, n, L, S)
+    bias = bias + mixture_logits(code_logits, window_a)
+    out, sums = window_code_attention(None, None, bias, wv, code_logits, code_bias(cache_counts, G), cache_counts, sums,
+                                      cache_updates(v, v_before))
     return out, run, tail, sums, folded
 
 

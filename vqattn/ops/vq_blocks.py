@@ -99,14 +99,6 @@ def group_windows(piece: torch.Tensor, before: torch.Tensor, L: int) -> torch.Te
     return torch.cat([previous_blocks(piece, before, L), blocks(piece, L)], dim=3)
 
 
-def prefix_sum(chunks: Sequence[torch.Tensor], initial: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """out[:, :, b] = initial + Σ_{b' ≤ b} x[:, :, b'] for x, the concatenation of ``chunks`` (B, H, nb_i, ...)
-    along the block dim (the code counts of a group's caches); returned with the last of them, out[:, :, −1], the
-    next group's initial counts."""
-    out = initial.unsqueeze(2) + torch.cumsum(torch.cat(list(chunks), 2), 2)
-    return out, out[:, :, -1]
-
-
 class CacheUpdates(NamedTuple):
     """The statistics that enter the value-sum cache after each block of a group (see :func:`read_cache`):
     block b adds Σ_j Δ_js v_j over its L keys j, with values (N, n, L, Dv) and either the keys' codes ``index``
@@ -411,20 +403,25 @@ class MixtureAttention(torch.autograd.Function):
 
         P_is  = exp(max(code_logits_is − m_i, −60)),  m_i = max_s code_logits_is          (N, nb, L, S)
         A_ij  = (P Wᵀ)_ij · window_mask_ij          window mixture Σ_s e^{σ q_i·c_s} Δ_js   (N, nb, L, W)
-        out_i = (A wv + P C_b)_i / (A 1 + P counts_b)_i                                       (N, nb, L, Dv)
+        Y     = A wv + P C_b                         numerator and normaliser              (N, nb, L, Dv + 1)
+        out_i = Y_i[:Dv] / Y_i[Dv]                                                         (N, nb, L, Dv)
+
+    The values carry a last column of ones (linear attention's normaliser as one more value column), so the
+    cache C_b (S, Dv + 1) holds the value sums Σ_j Δ_js v_j and, in its last column, the counts n_s = Σ_j Δ_js:
+    the counts need no prefix sum of their own, and their gradient reaches the weights with the values'.
 
     code_logits = q·cᵀ from the (scaled) queries q (N, nb, L, D) and the codebook c (N, S, D); weights W:
     (N, nb, W, S) the window keys' assignment (rows sum to 1); window_mask: 0/1, broadcastable to (N, nb, L, W);
-    wv: (N, nb, W, Dv); counts: (N, nb, S) every block's cache counts; its value sums C_b run through
-    :func:`read_cache` from ``sums`` (N, S, Dv) with the statistics ``add_values`` (N, nb, L, Dv), ``add_weights``
+    wv: (N, nb, W, Dv + 1) the window's values with the ones column; C_b runs through :func:`read_cache` from
+    ``sums`` (N, S, Dv + 1) with the statistics ``add_values`` (N, nb, L, Dv + 1) and ``add_weights``
     (N, nb, L, S) each block adds for the next (None: the window's own wv and weights, when the window is the
     current block only and leaves it right after). This is :class:`WindowCodeAttention` with the mixture logits
     log(P Wᵀ) + m and the cache logits code_logits + log n, divided through by e^m: one exp of the code logits
-    serves both. Returns out and the last cache (N, S, Dv).
+    serves both. Returns out and the last cache (N, S, Dv + 1).
     """
 
     @staticmethod
-    def forward(ctx, q, codebook, weights, window_mask, wv, counts, sums, add_values, add_weights):
+    def forward(ctx, q, codebook, weights, window_mask, wv, sums, add_values, add_weights):
         with no_autocast(wv.device):
             def probabilities(b, logits, out):
                 torch.sub(logits, logits.amax(-1, keepdim=True), out=out)
@@ -435,56 +432,58 @@ class MixtureAttention(torch.autograd.Function):
                                                                                               add_weights)
             p, num, last = read_cache(code_logits, sums, updates, probabilities)
             a = torch.matmul(p, weights.transpose(-1, -2)).mul_(window_mask)  # (N, nb, L, W)
-            den = torch.matmul(p, counts.unsqueeze(-1)).add_(a.sum(-1, keepdim=True))  # (N, nb, L, 1)
-            out = torch.matmul(a, wv).add_(num).div_(den)
-        ctx.save_for_backward(q, codebook, weights, window_mask, wv, counts, p, a, out, den, sums, last, add_values,
+            total = torch.matmul(a, wv).add_(num)  # (N, nb, L, Dv + 1)
+            den = total[..., -1:]
+            out = total[..., :-1] / den
+        ctx.save_for_backward(q, codebook, weights, window_mask, wv, p, a, out, den, sums, last, add_values,
                               add_weights)
         return out, last
 
     @staticmethod
     def backward(ctx, grad_out, grad_last):
-        q, codebook, weights, window_mask, wv, counts, p, a, out, den, sums, last, add_values, add_weights = \
-            ctx.saved_tensors
+        q, codebook, weights, window_mask, wv, p, a, out, den, sums, last, add_values, add_weights = ctx.saved_tensors
         need = ctx.needs_input_grad
-        grads = [None] * 9
+        grads = [None] * 8
         with no_autocast(grad_out.device):
-            grad_num = grad_out / den  # d/d numerator; the denominator's gradient is −delta
-            delta = (grad_num * out).sum(-1, keepdim=True)  # (N, nb, L, 1)
-            grad_a = torch.matmul(grad_num, wv.transpose(-1, -2)).sub_(delta).mul_(window_mask)  # (N, nb, L, W)
+            # dY = [dout / den, −δ] with δ = Σ_d (dout / den)_d out_d: the normaliser's gradient
+            grad_num = grad_out / den
+            grad_total = torch.cat([grad_num, (grad_num * out).sum(-1, keepdim=True).neg_()], -1)
+            grad_a = torch.matmul(grad_total, wv.transpose(-1, -2)).mul_(window_mask)  # (N, nb, L, W)
             if need[2]:
                 grads[2] = torch.matmul(grad_a.transpose(-1, -2), p)
             if need[4]:
-                grads[4] = torch.matmul(a.transpose(-1, -2), grad_num)
-            if need[5]:
-                grads[5] = torch.matmul(p.transpose(-1, -2), delta).squeeze(-1).neg_()
-            # through exp (the max shift m cancels in out): p ⊙ (dnum·C − δ n + dA·W)
+                grads[4] = torch.matmul(a.transpose(-1, -2), grad_total)
+            # through exp (the max shift m cancels in out): p ⊙ (dY·C_bᵀ + dA·W)
             logit_grads = LogitGradients(p, q=q, codebook=codebook, need_q=need[0], need_codebook=need[1])
             own = add_values is None  # the updates are wv and weights: their gradients add up in grads[4], grads[2]
             updates = CacheUpdates(wv, None, weights) if own else CacheUpdates(add_values, None, add_weights)
-            grads[6], grad_values, grad_weights = read_cache_backward(
-                p, grad_num, sums, last, grad_last, updates, (need[4] or need[2]) if own else (need[7] or need[8]),
-                lambda b, dp: dp.addcmul_(delta[:, b], counts[:, b].unsqueeze(-2), value=-1).add_(
-                    grad_a[:, b] @ weights[:, b]), logit_grads,
+            grads[5], grad_values, grad_weights = read_cache_backward(
+                p, grad_total, sums, last, grad_last, updates, (need[4] or need[2]) if own else (need[6] or need[7]),
+                lambda b, dp: dp.add_(grad_a[:, b] @ weights[:, b]), logit_grads,
                 *((grads[4], grads[2]) if own else ()))
             if own:
                 grads[4], grads[2] = grad_values, grad_weights
             else:
-                grads[7], grads[8] = grad_values, grad_weights
+                grads[6], grads[7] = grad_values, grad_weights
             grads[0], grads[1] = logit_grads.dq, logit_grads.dc
         return tuple(grads)
 
 
 def mixture_attention(q, codebook, weights, window_mask, wv, counts, sums, updates: CacheUpdates | None):
-    """:class:`MixtureAttention` on (B, H, nb, ...) tensors (flattened to B·H), codebook (H, S, D); updates None
-    for the window's own. Returns out (B, H, nb·L, Dv) and the cache after the last block (B, H, S, Dv)."""
+    """:class:`MixtureAttention` on (B, H, nb, ...) tensors (flattened to B·H), codebook (H, S, D); wv and the
+    updates' values with their ones column (Dv + 1); the cache before the first block as ``counts`` (B, H, S) and
+    ``sums`` (B, H, S, Dv); updates None for the window's own. Returns out (B, H, nb·L, Dv) and the counts
+    (B, H, S) and sums (B, H, S, Dv) after the last block."""
     updates = updates or CacheUpdates(None, None, None)
     B, H = wv.shape[:2]
     flat = lambda x: x.reshape(B * H, *x.shape[2:])  # noqa: E731
     flat_or_none = lambda x: None if x is None else flat(x)  # noqa: E731
+    cache = torch.cat([sums, counts.unsqueeze(-1)], -1)  # (B, H, S, Dv + 1)
     out, last = MixtureAttention.apply(flat(q), flat(codebook.expand(B, *codebook.shape)), flat(weights),
-                                       window_mask, flat(wv), flat(counts), flat(sums), flat_or_none(updates.values),
+                                       window_mask, flat(wv), flat(cache), flat_or_none(updates.values),
                                        flat_or_none(updates.weights))
-    return out.view(B, H, -1, wv.shape[-1]), last.view(B, H, *last.shape[1:])
+    last = last.view(B, H, *last.shape[1:])
+    return out.view(B, H, -1, out.shape[-1]), last[..., -1], last[..., :-1]
 
 
 def _sum_to_shape(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
