@@ -164,7 +164,8 @@ def _group(q, k, k_before, v, v_before, a, a_before, run, tail, sums, *, c, G, L
         v, v_before = (torch.cat([x, x.new_full((*x.shape[:-1], 1), one)], -1)
                        for x, one in ((v, 1.0), (v_before, 0.0 if first else 1.0)))
         if lag == 1:  # the window is the current block, which is also what enters the cache after it
-            mask, wv, weights, updates = block_bias(L, q.device, q.dtype).exp(), blocks(v, L), blocks(a.weights, L), None
+            mask, updates = block_bias(L, q.device, q.dtype).exp(), None
+            wv, weights = blocks(v, L), blocks(a.weights, L)
         else:
             mask, wv = bias.exp(), group_windows(v, v_before, L)
             weights, updates = group_windows(a.weights, a_before.weights, L), cache_updates(v, v_before)

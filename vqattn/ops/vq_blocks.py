@@ -11,7 +11,6 @@ block after block, on CPU; every block's cache at once (one cumsum) on GPUs and 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
