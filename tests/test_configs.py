@@ -11,13 +11,13 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import get_class, instantiate
 from omegaconf import OmegaConf
 
-from vqattn.configs import register, signature_defaults
-from vqattn.data import StdlibDataModule
+from vqattn.train.configs import register, signature_defaults
+from vqattn.train.data import StdlibDataModule
 from vqattn.layers import ATTENTIONS, Attention
-from vqattn.lit import LitLM, OptimConfig
+from vqattn.train.lit import LitLM, OptimConfig
 from vqattn.model import GPT, GPTConfig
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(__file__).resolve().parents[1] / "vqattn" / "train" / "conf"
 register()
 
 # (group, option) -> keys the option deliberately sets away from the Python default; each carries a comment

@@ -10,8 +10,8 @@ import torch
 from hydra.utils import instantiate
 
 from test_train import FAST, cfg_for, finish_script, run_inprocess, start_script, val_rows
-from vqattn.data import IGNORE_INDEX
-from vqattn.report import markdown_table
+from vqattn.model import IGNORE_INDEX
+from vqattn.train.report import markdown_table
 
 LONG_ATTENTIONS = ["softmax", "vq_hard", "vq_soft", "performer", "linear"]
 
@@ -143,12 +143,12 @@ def test_ddp_carried_run_resumes_exactly(tmp_path):
 
 @pytest.mark.slow
 def test_mqar_long_smoke_run(tmp_path):
-    import train
+    from vqattn.train import cli
 
     cfg = cfg_for("trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "experiment=mqar_long",
                   "attention=vq_hard", "model.n_embd=32", "model.n_head=2", "data.batch_size=2",
                   "data.num_val_examples=4", "trainer.max_steps=3", "trainer.val_check_interval=3")
-    results = train.train(cfg, tmp_path)
+    results = cli.train(cfg, tmp_path)
     assert results["steps"] == 3 and results["seq_len"] == 512 and 0.0 <= results["val_acc"] <= 1.0
     # state_floats: codes of every head, the raw window of 2 x 64 keys and values, 3 rows of q/k/v for the convolution
     assert results["state_floats"] == 2 * 64 * (16 + 1) + 2 * 128 * 32 + 3 * 3 * 32

@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vqattn.data import IGNORE_INDEX
-from vqattn.mqar import MQARDataModule
+from vqattn.model import IGNORE_INDEX
+from vqattn.train.mqar import MQARDataModule
 from vqattn.layers import ATTENTIONS
-from vqattn.lit import LitLM, SummedNLL, warmup_cosine
+from vqattn.train.lit import LitLM, SummedNLL, warmup_cosine
 
 TINY = dict(vocab_size=256, seq_len=32, n_layer=2, n_head=2, n_embd=32)
 
@@ -97,8 +97,8 @@ def test_checkpoint_round_trip(mqar, tmp_path):
 
 
 def test_sample_honours_its_seed_whatever_the_checkpoint_holds(mqar, tmp_path):
-    from vqattn.callbacks import RNGState
-    from vqattn.sample import sample
+    from vqattn.train.callbacks import RNGState
+    from vqattn.train.sample import sample
 
     module = LitLM(model={**TINY, "attention": "softmax"}, optim={"warmup_steps": 1})
     trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False,
@@ -112,7 +112,7 @@ def test_sample_honours_its_seed_whatever_the_checkpoint_holds(mqar, tmp_path):
 
 
 def test_sample_cli_reports_an_invalid_checkpoint_in_one_line(tmp_path, capsys):
-    from vqattn.sample import main
+    from vqattn.train.sample import main
 
     (tmp_path / "bad.ckpt").write_bytes(b"garbage")
     with pytest.raises(SystemExit) as info:

@@ -1,4 +1,4 @@
-"""Compare the runs of a sweep: ``python -m vqattn.report SWEEP_DIR``.
+"""Compare the runs of a sweep: ``python -m vqattn.train.report SWEEP_DIR``.
 
 Reads every ``results.json`` under SWEEP_DIR (one per run dir, as train.py writes them) and the validation
 rows of each run's ``metrics.csv``; writes SWEEP_DIR/report.md (a markdown table: val bpb, tokens/s, params,
@@ -82,7 +82,7 @@ def plot_curves(runs: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vqattn.report", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m vqattn.train.report", description=__doc__.splitlines()[0])
     parser.add_argument("sweep_dir", type=Path, help="a Hydra sweep dir (or any dir holding run dirs with results.json)")
     args = parser.parse_args(argv)
     if not args.sweep_dir.is_dir():

@@ -7,9 +7,9 @@ decay to ``min_lr_ratio * lr``; gradient clipping is the Trainer's ``gradient_cl
 Logged: train_loss, train_nll, train_aux, train_bpb, and after each validation (one row at step =
 global_step) val_loss, val_bpb, val_acc (next-byte accuracy; recall accuracy for MQAR, whose labels are the
 answers only) and the codebook usage stats (codebook_perplexity, codebook_dead_codes, codebook_quant_error).
-train.py adds Lightning's LearningRateMonitor and ThroughputMonitor (vqattn.callbacks) for the learning rate
+train.py adds Lightning's LearningRateMonitor and ThroughputMonitor (vqattn.train.callbacks) for the learning rate
 and tokens per second.
-With ``carry_state`` each training step continues the previous step's rows from their detached state (vqattn.carry;
+With ``carry_state`` each training step continues the previous step's rows from their detached state (vqattn.train.carry;
 the data must then be consecutive segments, ``data.stream``). A datamodule with a second validation loader (the
 carried pass, ``data.val_carried``) adds val_loss_carried, val_bpb_carried and val_acc_carried.
 At the end of training ``buffer_divergence`` records how far the ranks' model buffers drifted apart (0 when
@@ -28,9 +28,8 @@ import torch.nn.functional as F
 from torchmetrics import Metric
 
 from .carry import CarriedState
-from .data import IGNORE_INDEX
-from .feature_maps import set_feature_step
-from .model import GPT, GPTConfig
+from ..feature_maps import set_feature_step
+from ..model import GPT, IGNORE_INDEX, GPTConfig
 
 LN2 = math.log(2.0)
 
@@ -248,7 +247,7 @@ class LitLM(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # The carried state travels with the checkpoint, every rank's (saving is a collective under DDP: see
-    # vqattn.carry), so that a resumed run continues its rows from the state it stopped with.
+    # vqattn.train.carry), so that a resumed run continues its rows from the state it stopped with.
     def on_save_checkpoint(self, checkpoint):
         if self.carry is not None:
             checkpoint["carry_state"] = self.carry.gathered(self.trainer.world_size)
