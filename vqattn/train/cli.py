@@ -74,8 +74,6 @@ def check_config(cfg: DictConfig) -> None:
     """Explain settings that cannot work before anything is built."""
     _positive_int("trainer.max_steps", cfg.trainer.max_steps)
     _positive_int("checkpoint_every", cfg.checkpoint_every)
-    if cfg.threads is not None:
-        _positive_int("threads", cfg.threads)
     devices = _device_count(cfg.trainer.devices)
     if cfg.trainer.strategy == "auto" and devices != 1:
         # Lightning would pick a multi-process strategy itself, without the launch handling of trainer=ddp
@@ -168,6 +166,7 @@ def intra_op_threads(threads: int | None):
     """torch.set_num_threads(threads) for the run (None: torch's default), restored after."""
     before = torch.get_num_threads()
     if threads is not None:
+        _positive_int("threads", threads)
         torch.set_num_threads(threads)
     try:
         yield
@@ -353,8 +352,8 @@ def hydra_main(cfg: DictConfig) -> float:
     _task_started = True
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     env = dict(os.environ)
-    quiet_console()
     try:
+        quiet_console()
         results = train(cfg, run_dir)
         return results.get("recall_acc", results["val_bpb"])
     except Interrupted as stop:
@@ -367,7 +366,7 @@ def hydra_main(cfg: DictConfig) -> float:
         checkpoint = run_dir / "checkpoints" / "last.ckpt"
         if _is_rank_zero():
             saved = f"the last checkpoint is {checkpoint}" if checkpoint.exists() else "nothing was saved"
-            print(f"\n{stop or 'interrupted during start-up'}: {saved}", file=sys.stderr)
+            print(f"\n{stop or 'interrupted'}: {saved}", file=sys.stderr)
         raise SystemExit(128 + signal.SIGINT) from None
     except Exception as err:
         message = _user_error(err)
@@ -398,6 +397,7 @@ def main() -> None:
             raise SystemExit(2) from None
         raise
     except KeyboardInterrupt:  # Ctrl-C while Hydra composes the config
+        print("\ninterrupted: nothing was saved", file=sys.stderr)
         raise SystemExit(128 + signal.SIGINT) from None
 
 
