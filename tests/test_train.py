@@ -69,6 +69,18 @@ def test_unknown_attention_lists_the_valid_ones():
     assert all(name in str(info.value) for name in ATTENTION_OPTIONS)
 
 
+def test_compile_says_it_is_compiling_before_the_first_step(tmp_path, caplog):
+    from lightning.pytorch.callbacks import LambdaCallback
+
+    from vqattn.train import cli
+
+    _, _, trainer = cli.build(cfg_for(*FAST, "compile=true"), tmp_path)
+    with caplog.at_level("INFO", logger="train"):
+        for hook in [c for c in trainer.callbacks if isinstance(c, LambdaCallback)]:
+            hook.on_fit_start(trainer, None)
+    assert "compiling the model" in caplog.text
+
+
 def run_inprocess(tmp_path, name, *overrides):
     from vqattn.train import cli
 
@@ -215,8 +227,9 @@ def test_ctrl_c_saves_and_the_printed_command_resumes_in_the_same_run_dir(tmp_pa
     assert not [word for word in NOISE if word in console]
     bars = re.findall(r"Training:\s+\d+%\|[^|]*\|\s*(\d+)/(\d+)([^\r\n]*)", console)  # once it knows its total
     assert bars and {int(t) for _, t, _ in bars} == {total} and int(bars[0][0]) == step and int(bars[-1][0]) == total
-    before_validation = [rest for n, _, rest in bars if int(n) < total]
-    assert not [rest for rest in before_validation if "val_bpb" in rest]  # none left from the interrupted run
+    first_validation = (step // 4 + 1) * 4  # the resumed run's own, at the next multiple of val_check_interval
+    before = [rest for n, _, rest in bars if int(n) < first_validation]
+    assert before and not [rest for rest in before if "val_bpb" in rest]  # no value left from the interrupted run
     steps = [int(r["step"]) for r in val_rows(out)]
     assert steps == sorted(set(steps)) and steps[-1] == total  # no validation logged twice, the final one at the end
     assert all(s % 4 == 0 for s in steps[:-1])  # no validation pass on the way out of the interrupted run

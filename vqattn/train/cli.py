@@ -150,8 +150,7 @@ def build(cfg: DictConfig, run_dir: Path):
     callbacks = [LastCheckpoint(run_dir / "checkpoints", cfg.checkpoint_every), LearningRateMonitor("step"),
                  TokenThroughput(window_size=max(2, trainer_log_every(cfg))), RNGState(), GracefulInterrupt()]
     if cfg.compile:  # the first steps compile the model: say so before the bar sits at 0/N
-        callbacks.append(LambdaCallback(on_fit_start=lambda trainer, _: trainer.is_global_zero and log.info(
-            "compiling the model (compile=true): the first steps take a minute or more")))
+        callbacks.append(LambdaCallback(on_fit_start=_say_compiling))
     if cfg.trainer.enable_progress_bar is not False:
         callbacks.append(StepProgressBar())
     if cfg.trainer.enable_model_summary is not False:
@@ -159,6 +158,11 @@ def build(cfg: DictConfig, run_dir: Path):
     loggers = [RunCSVLogger(run_dir, resume_step), *extra_loggers(cfg.get("logger"), run_dir)]
     trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers, callbacks=callbacks)
     return module, datamodule, trainer
+
+
+def _say_compiling(trainer, pl_module) -> None:
+    if trainer.is_global_zero:
+        log.info("compiling the model (compile=true): the first steps take a minute or more")
 
 
 @contextlib.contextmanager
