@@ -81,6 +81,16 @@ def test_compile_says_it_is_compiling_before_the_first_step(tmp_path, caplog):
     assert "compiling the model" in caplog.text
 
 
+def test_more_than_one_device_needs_a_multi_process_strategy():
+    from vqattn.train.checks import check_config
+
+    for fine in (["trainer.devices=auto"], ["trainer.devices=1"], ["trainer=ddp", "trainer.devices=3"]):
+        check_config(cfg_for(*fine))
+    for many in ("3", "[0,1]", "'0,1'"):
+        with pytest.raises(ValueError, match=r"starts one process per device: add trainer=ddp"):
+            check_config(cfg_for(f"trainer.devices={many}"))
+
+
 def run_inprocess(tmp_path, name, *overrides):
     from vqattn.train import cli
 
