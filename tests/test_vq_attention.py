@@ -9,9 +9,8 @@ from vqattn.ops.vq import DEFAULT_BLOCK_LEN
 from references import ref_softmax_attention, ref_vq_attention
 
 F64 = torch.float64
-ASSIGNS = ("hard", "soft", "kernel")
-# kernel with exact_window is refused (test_kernel_exact_window_is_refused)
-ASSIGN_WINDOW = [(a, e) for a in ASSIGNS for e in (False, True) if not (a == "kernel" and e)]
+ASSIGNS = ("hard", "soft")
+ASSIGN_WINDOW = [(a, e) for a in ASSIGNS for e in (False, True)]
 
 
 def make_inputs(B=2, H=3, T=50, D=8, S=16, Dv=None, dtype=F64, seed=0, shared_codebook=False):
@@ -51,7 +50,7 @@ def test_hard_on_codebook_equals_softmax(causal, T, block_len, dtype, tol):
     torch.testing.assert_close(out, expected, atol=tol, rtol=0)
 
 
-@pytest.mark.parametrize("assign", ["hard", "soft", "kernel"])
+@pytest.mark.parametrize("assign", ASSIGNS)
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("T,block_len", [(1, 4), (5, 8), (37, 8), (64, 16), (100, 16), (300, None)])
 def test_matches_quadratic_reference_outputs_and_grads(assign, causal, T, block_len, block_grouping):
@@ -66,33 +65,14 @@ def test_matches_quadratic_reference_outputs_and_grads(assign, causal, T, block_
 
 
 @pytest.mark.parametrize("assign,exact_window", ASSIGN_WINDOW)
-@pytest.mark.parametrize("detach_cache", [False, True])
-def test_window_and_cache_options_match_reference(assign, exact_window, detach_cache, block_grouping):
+def test_window_options_match_reference(assign, exact_window, block_grouping):
     q, k, v, c = make_inputs(T=45)
-    kw = dict(causal=True, assign=assign, temperature=1.3, block_len=8, exact_window=exact_window,
-              detach_cache=detach_cache)
+    kw = dict(causal=True, assign=assign, temperature=1.3, block_len=8, exact_window=exact_window)
     out, g = grads(lambda *x: vq_attention(*x, **kw), q, k, v, c)
     ref, g_ref = grads(lambda *x: ref_vq_attention(*x, **kw), q, k, v, c)
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
     for name, a, b in zip("qkvc", g, g_ref):
         torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9, msg=f"grad of {name}")
-
-
-def test_detach_cache_changes_only_gradients():
-    """With the cache detached, v of block 0 gets gradient only from the queries whose window holds it."""
-    q, k, v, c = make_inputs(T=40)
-    L = 8
-    v_a, v_b = v.clone().requires_grad_(True), v.clone().requires_grad_(True)
-    upstream = torch.randn(2, 3, 40, 8, dtype=F64)
-    out_a = vq_attention(q, k, v_a, c, causal=True, block_len=L)
-    out_b = vq_attention(q, k, v_b, c, causal=True, block_len=L, detach_cache=True)
-    torch.testing.assert_close(out_a, out_b, atol=0, rtol=0)
-    (out_a[:, :, : 2 * L] * upstream[:, :, : 2 * L]).sum().backward()  # queries of blocks 0 and 1 only
-    (out_b * upstream).sum().backward()
-    torch.testing.assert_close(v_b.grad[:, :, :L], v_a.grad[:, :, :L], atol=1e-12, rtol=0)
-    v_full = v.clone().requires_grad_(True)
-    (vq_attention(q, k, v_full, c, causal=True, block_len=L) * upstream).sum().backward()
-    assert not torch.allclose(v_full.grad[:, :, :L], v_b.grad[:, :, :L])
 
 
 def test_exact_window_is_softmax_when_everything_is_in_the_window():
@@ -238,6 +218,7 @@ def test_no_t_by_t_tensor_in_causal_path(monkeypatch):
         (dict(block_len=0), "block_len"),
         (dict(block_len=2.5), "block_len"),
         (dict(assign="fuzzy"), "assign"),
+        (dict(assign="kernel"), "codebook_kernel_features"),
     ],
 )
 def test_bad_arguments_raise_value_error(kwargs, match):

@@ -273,13 +273,10 @@ def _validate(q, k, v, codebook, *, causal, assign, block_len, exact_window, sta
         raise ValueError(f"codebook has {codebook.shape[0]} heads but k has H={k.shape[1]}")
     if codebook.shape[-2] == 0:
         raise ValueError("codebook must have at least one code (S >= 1)")
+    if assign == "kernel":
+        raise ValueError("assign must be 'hard' or 'soft'; the kernel assignment makes codebook attention linear "
+                         "attention: use linear_attention with vqattn.analysis.codebook_kernel_features")
     check_choice("assign", assign, ASSIGNMENTS)
-    if assign == "kernel" and exact_window:
-        raise ValueError(
-            "assign='kernel' does not support exact_window=True: the window would score keys by e^{σ q·k} while the "
-            "cache scores codes by the kernel estimate, which is larger by a query- and codebook-dependent factor "
-            "(e^{σ‖q‖²/2}·S for FAVOR+ codes), so the cache would drown the window. Use exact_window=False."
-        )
     if block_len is not None:
         check_positive_int("block_len", block_len)
     if not causal and (exact_window or state is not None or return_state):
@@ -313,7 +310,6 @@ def vq_attention(
     block_len: int | None = None,
     scale: float | None = None,
     exact_window: bool = False,
-    detach_cache: bool = False,
     state: VQState | None = None,
     return_state: bool = False,
     assignment: Assignment | None = None,
@@ -324,14 +320,13 @@ def vq_attention(
         q, k: (B, H, T, D); v: (B, H, T, Dv). Non-causal calls may give k and v another length than q.
         codebook: (H, S, D), one codebook per head, or (S, D) shared by all heads.
         causal: block-wise linear-time causal attention; else exp(QCᵀ)(ΔᵀV) over all keys.
-        assign: "hard" (Transformer-VQ), "soft" (GMM posterior) or "kernel" (unnormalised Gaussian kernel).
+        assign: "hard" (Transformer-VQ) or "soft" (GMM posterior).
         temperature: τ > 0 of soft/kernel assignments: a number, or a tensor with 1 or H elements (learnable).
         block_len: causal block length L (default 64, or T when T < 64). The window is the current and the
             previous block; older blocks are compressed.
         scale: multiplies q·k and q·c; defaults to D**-0.5 as in SDPA.
         exact_window: the window uses the raw keys (exact softmax nearby, codes only for the far past); not with
             assign="kernel".
-        detach_cache: stop gradients through the compressed cache (Transformer-VQ's truncation).
         state: a :class:`VQState` from an earlier call; the inputs then continue that sequence. Up to
             ``RECURRENT_MAX_LEN`` new tokens run the O(1)-per-token recurrence, longer chunks the block algorithm.
         return_state: also return the :class:`VQState` after this call (causal only).
@@ -363,7 +358,7 @@ def vq_attention(
             a = None  # the block algorithm assigns group by group
         if not causal:
             return _non_causal(q, k, v, c, a, scale).to(in_dtype)
-        kw = dict(scale=scale, exact_window=exact_window, detach_cache=detach_cache)
+        kw = dict(scale=scale, exact_window=exact_window, detach_cache=False)
         if state is not None and q.shape[2] <= RECURRENT_MAX_LEN:
             out, new_state = vq_recurrent(q, k, v, c, a, state=state.to(dtype), **kw)
         else:

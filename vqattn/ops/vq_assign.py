@@ -6,10 +6,10 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ._checks import compute_dtype
+from ._checks import check_choice, compute_dtype
 from .vq_blocks import no_autocast
 
-ASSIGNMENTS = ("hard", "soft", "kernel")
+ASSIGNMENTS = ("hard", "soft")
 
 
 class Assignment(NamedTuple):
@@ -59,6 +59,7 @@ def vq_assign(k: torch.Tensor, codebook: torch.Tensor, *, assign: str, temperatu
     stays float64) whatever the autocast state. Soft and kernel weights carry the autograd graph to k, the
     codebook and the temperature, so an Assignment computed once per layer can be handed to ``vq_attention``.
     """
+    check_choice("assign", assign, ASSIGNMENTS)
     with no_autocast(k.device):
         dtype = compute_dtype(k.dtype)
         k, c = k.to(dtype), codebook.to(dtype)  # c: (H, S, D)
