@@ -80,21 +80,22 @@ def test_assignment_shape_and_kind_are_checked():
     with pytest.raises(ValueError, match="integer code index"):
         vq_attention(q, k, v, c, causal=True, assign="hard", assignment=soft)
     with pytest.raises(ValueError, match=r"\(B, H, T\)"):
-        vq_attention(q, k, v, c, causal=True, assign="hard", assignment=Assignment(None, hard.index[:, :, :5], 0.0))
+        vq_attention(q, k, v, c, causal=True, assign="hard", assignment=Assignment(None, hard.index[:, :, :5]))
     with pytest.raises(ValueError, match="weights of shape"):
         vq_attention(q, k, v, c, causal=True, assign="soft", assignment=hard)
     with pytest.raises(ValueError, match="weights of shape"):
-        vq_attention(q, k, v, c, causal=True, assign="soft", assignment=Assignment(soft.weights[..., :3], None, 0.0))
+        vq_attention(q, k, v, c, causal=True, assign="soft", assignment=Assignment(soft.weights[..., :3], None))
     with pytest.raises(ValueError, match="assignment must be an Assignment"):
         vq_attention(q, k, v, c, causal=True, assignment=hard.index)
 
 
-def _decode(q, k, v, c, sizes, **kw):
-    """Outputs of consecutive vq_attention calls over chunks of the given sizes, threading the state."""
+def _decode(q, k, v, c, sizes, impls=None, **kw):
+    """Outputs of consecutive vq_attention calls over chunks of the given sizes (each with its ``impl``), threading
+    the state."""
     outs, state, a = [], None, 0
-    for n in sizes:
+    for n, impl in zip(sizes, impls or ["auto"] * len(sizes)):
         out, state = vq_attention(q[:, :, a : a + n], k[:, :, a : a + n], v[:, :, a : a + n], c, state=state,
-                                  return_state=True, **kw)
+                                  return_state=True, impl=impl, **kw)
         outs.append(out)
         a += n
         assert state.length == a and state.keys.shape[2] < 2 * state.block_len
@@ -102,17 +103,14 @@ def _decode(q, k, v, c, sizes, **kw):
 
 
 @pytest.mark.parametrize("assign,exact_window", ASSIGN_WINDOW)
-def test_token_by_token_recurrence_matches_reference_outputs_and_grads(assign, exact_window, monkeypatch):
-    """Prefill 5 tokens, then 36 single tokens (the recurrent path: the block algorithm is never called)."""
-    import vqattn.ops.vq as vq_module
-
+@pytest.mark.parametrize("prefill_impl", ["chunk", "recurrent"])
+def test_token_by_token_recurrence_matches_reference_outputs_and_grads(assign, exact_window, prefill_impl):
+    """Prefill 5 tokens, then 36 single tokens with impl="recurrent" (the block algorithm is never called for them;
+    with a recurrent prefill, never at all)."""
     q, k, v, c = make_inputs(B=1, H=2, T=41)
     kw = dict(causal=True, assign=assign, temperature=0.8, block_len=8, exact_window=exact_window)
-    chunked = vq_module._chunked
-    calls = []
-    monkeypatch.setattr(vq_module, "_chunked", lambda *a, **k: calls.append(a[0].shape[2]) or chunked(*a, **k))
-    out, g = grads(lambda *x: _decode(*x, [5] + [1] * 36, **kw), q, k, v, c)
-    assert calls == [5]
+    impls = [prefill_impl] + ["recurrent"] * 36
+    out, g = grads(lambda *x: _decode(*x, [5] + [1] * 36, impls=impls, **kw), q, k, v, c)
     ref, g_ref = grads(lambda *x: ref_vq_attention(*x, **kw), q, k, v, c)
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
     for name, a, b in zip("qkvc", g, g_ref):
