@@ -88,6 +88,22 @@ class OptimConfig:
 
     def __post_init__(self):
         self.betas = tuple(self.betas)  # a list when it comes from a config
+        rules = {  # key: (test, what is allowed)
+            "lr": (lambda v: v > 0, "> 0"),
+            "weight_decay": (lambda v: v >= 0, ">= 0"),
+            "betas": (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two values in [0, 1)"),
+            "warmup_steps": (lambda v: isinstance(v, int) and v >= 0, "an int >= 0"),
+            "min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+            "total_steps": (lambda v: v is None or isinstance(v, int) and v > 0, "a positive int or None"),
+        }
+        for key, (test, allowed) in rules.items():
+            value = getattr(self, key)
+            try:
+                ok = not isinstance(value, (bool, str)) and test(value)
+            except TypeError:
+                ok = False
+            if not ok:
+                raise ValueError(f"optim.{key} must be {allowed}, got {value!r}")
 
 
 def model_config(model: dict) -> GPTConfig:
