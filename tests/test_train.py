@@ -173,6 +173,10 @@ def read_results(run_dir):
                 "wall_seconds"):
         assert key in results, key
     assert results["val_bpb"] == results["val_bpb"] and 0 < results["val_bpb"] < 9  # finite
+    by_position, tokens = results["val_bpb_by_position"], results["val_tokens_by_position"]
+    assert list(by_position) == list(tokens) == list(results["val_acc_by_position"]) and by_position
+    recombined = sum(by_position[k] * tokens[k] for k in tokens) / sum(tokens.values())  # over all ranks' windows
+    assert recombined == pytest.approx(results["val_bpb"], rel=1e-9)
     return results
 
 
@@ -200,6 +204,8 @@ def test_train_script_writes_results_with_a_clean_console(tmp_path):
     assert "done: vq_soft, 20 steps" in console and f"run dir {out}" in console
     # one validation row per validation, at the optimizer step it followed: 10 and 20 (the final one, once)
     assert [int(r["step"]) for r in val_rows(out)] == [10, 20]
+    assert list(results["val_bpb_by_position"]) == ["0_63"]  # experiment=tiny: 64-byte windows
+    assert all(float(r["val_bpb_pos_0_63"]) == pytest.approx(float(r["val_bpb"]), rel=1e-9) for r in val_rows(out))
 
 
 def wait_for(path, proc, timeout=240):

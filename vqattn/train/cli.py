@@ -190,8 +190,13 @@ def summarize(cfg: DictConfig, module, datamodule, trainer, run_dir: Path) -> di
         "val_bpb": val["val_bpb"],
         "val_acc": val["val_acc"],
         **{k: val[k] for k in ("val_bpb_carried", "val_loss_carried", "val_acc_carried") if k in val},
+        # per bucket "A_B" of positions A..B in the validation windows (LitLM's position_edges)
+        **{f"val_{k}_by_position": {name: bucket[k] for name, bucket in val["by_position"].items()}
+           for k in ("bpb", "acc", "tokens")},
         "state_floats": module.model.state_floats(cfg.data.seq_len),
         "carry_state": cfg.carry_state,
+        "seed": cfg.seed,
+        "lr": cfg.optim.lr,
         "tokens_per_sec": None,
         "peak_memory_mb": memory,
         "peak_memory_kind": memory_kind,
