@@ -76,9 +76,19 @@ def in_chunks(sizes):
     return run
 
 
+@pytest.fixture(params=[True, False], ids=["scan", "batched"])
+def cache_scans(request, monkeypatch):
+    """Read the slots' value sums with the CPU loop over blocks, or all blocks at once as GPUs and torch.compile do."""
+    import vqattn.ops.vq_blocks as blocks_module
+
+    if not request.param:
+        monkeypatch.setattr(blocks_module, "_scans", lambda device: False)
+    return request.param
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("T", [1, L - 1, L, 2 * L + 3, 5 * L + 1])
-def test_chunk_and_recurrent_match_naive(T, mode):
+def test_chunk_and_recurrent_match_naive(T, mode, cache_scans):
     tensors, fixed = make_inputs(T, mode)
     naive = outputs_and_grads(naive_ovq_attention, tensors, fixed)
     assert_same(outputs_and_grads(chunk_ovq_attention, tensors, fixed), naive)

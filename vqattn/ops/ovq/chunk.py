@@ -1,28 +1,28 @@
 """Chunked (block-parallel) form of :func:`~vqattn.ops.ovq.ovq_attention`, for training and prefill.
 
-All blocks attend at once: the window logits (nb, L, 2L) and the memory logits (nb, L, S) of every block share one
-softmax. The memory each block reads is a prefix sum over the blocks' slot statistics (one cumsum); only the online
-assignment runs block after block, without gradient. Time O(T·(L + S)·D), memory O(T·(L + S) + (T/L)·S·D): no
-T×T tensor.
+Every block's queries attend at once through the block kernel of codebook attention
+(:class:`~vqattn.ops.vq_blocks.WindowCodeAttention`): one softmax over the window logits (nb, L, 2L) and the slot
+logits (nb, L, S), with the slots' value sums read from one running cache (in blocks on CPU, as for
+``vq_attention``). The slot logits σ q̃·K_s / n_s need every block's memory-key sums K (nb, S, D), one prefix sum
+over the blocks' statistics. Only the online assignment runs block after block, without gradient.
+Time O(T·(L + S)·D), memory O(T·(L + S) + (T/L)·S·D): no T×T tensor.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..vq_blocks import blocks, group_windows, pad_to_blocks, window_bias
-from ..vq_recurrent import attend_one, window_start
-from .memory import block_statistics, memory_logits, online_slots
+from ..vq_assign import Assignment, code_statistics, log_counts
+from ..vq_blocks import CacheUpdates, blocks, group_windows, pad_to_blocks, previous_blocks, window_bias, \
+    window_code_attention
+from ..vq_recurrent import window_start
+from .memory import online_slots, statistics
 from .state import Inputs, OVQState
 
 
-def _memory_state(state: OVQState) -> torch.Tensor:
-    """The state's memory as [n, K, V] (B, H, S, 1 + D + Dv)."""
-    return torch.cat([state.counts.unsqueeze(-1), state.key_sums, state.value_sums], -1)
-
-
 def _with_prefix(x: Inputs, state: OVQState) -> Inputs:
-    """The state's raw window (block-aligned) in front of the new tokens; its queries are zeros (outputs dropped)."""
+    """The state's raw window (block-aligned) in front of the new tokens; its queries are zeros (outputs
+    dropped)."""
     def cat(before, now):
         return now if before is None else torch.cat([before, now], 2)
 
@@ -32,15 +32,26 @@ def _with_prefix(x: Inputs, state: OVQState) -> Inputs:
                       slots=cat(state.slots, x.slots), slot_weights=cat(state.slot_weights, x.slot_weights))
 
 
+def _lagged(x: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+    """x0 + Σ_{b' ≤ b−2} x_b' for every block b: x (B, H, nb, ...) per-block statistics, x0 (B, H, ...) the state's."""
+    total = x0.unsqueeze(2) + torch.cumsum(x, 2)
+    return torch.cat([x0.unsqueeze(2).expand(-1, -1, min(x.shape[2], 2), *x0.shape[2:]), total[:, :, :-2]], 2)
+
+
+def _previous(x: torch.Tensor | None, L: int) -> torch.Tensor | None:
+    """The block before each block (zeros before the first): (B, H, nb, L, ...)."""
+    return None if x is None else previous_blocks(x, x.new_zeros(*x.shape[:2], L, *x.shape[3:]), L)
+
+
 def chunk_forward(x: Inputs, state: OVQState | None, return_state: bool) -> tuple[torch.Tensor, OVQState | None]:
     """out (B, H, T, Dv) of the inputs continuing ``state`` (None: a fresh sequence), and the state after them."""
     B, H, T, D = x.q.shape
     L, S, Dv = x.block_len, x.num_slots, x.v.shape[-1]
+    start = 0
     if state is None:
-        start, memory0 = 0, x.q.new_zeros(B, H, S, 1 + D + Dv)
+        state = OVQState.empty(x.q, x.v, S, L, memory_keys=False, slots=False, slot_weights=False)
     else:
-        start, memory0 = state.length - state.keys.shape[2], _memory_state(state)
-        x = _with_prefix(x, state)
+        start, x = state.length - state.keys.shape[2], _with_prefix(x, state)
     length = start + x.k.shape[2]
     # Padding comes after every real query, so the causal mask hides it; a block's statistics reach only blocks
     # two or more later, so the padded last block's are never read, and only whole blocks enter a state.
@@ -48,22 +59,24 @@ def chunk_forward(x: Inputs, state: OVQState | None, return_state: bool) -> tupl
     nb = q.shape[2] // L
     slots = pad_to_blocks(x.slots, L)
     if slots is None and weights is None:
-        slots = online_slots(k_mem, memory0[..., 0], memory0[..., 1 : 1 + D], L, x.threshold)
-    stats = block_statistics(slots, weights, k_mem, v, S, nb)  # (B, H, nb, S, 1 + D + Dv)
-    after = memory0.unsqueeze(2) + stats.cumsum(2)  # the memory after each block
-    # Block b reads the memory of blocks ≤ b − 2 (the state's memory for b < 2).
-    read = torch.cat([memory0.unsqueeze(2).expand(B, H, min(nb, 2), S, -1), after[:, :, : nb - 2]], 2)
-    mem_logits, mem_values = memory_logits(blocks(q_mem * x.scale, L), read, D)  # (B, H, nb, L, S), (.., S, Dv)
-    zeros = k.new_zeros(B, H, L, D)
-    window_logits = blocks(q * x.scale, L) @ group_windows(k, zeros, L).transpose(-1, -2) + \
-        window_bias(nb, L, q.device, q.dtype)  # (B, H, nb, L, 2L)
-    out = attend_one(window_logits, group_windows(v, v.new_zeros(B, H, L, Dv), L), mem_logits, mem_values)
-    out = out.flatten(2, 3)[:, :, x.k.shape[2] - T : x.k.shape[2]]
+        slots = online_slots(k_mem, state.counts, state.key_sums, L, x.threshold)
+    counts, key_sums = code_statistics(Assignment(weights, slots, 0.0), k_mem, S, nb)  # (B, H, nb, S), (.., S, D)
+    # Block b reads the memory of blocks ≤ b − 2 on top of the state's: counts and key sums here, value sums in
+    # the kernel's running cache, which takes in block b − 1 after block b.
+    counts, key_sums = _lagged(counts, state.counts), _lagged(key_sums, state.key_sums)
+    inverse = torch.where(counts > 0, 1 / counts.clamp_min(torch.finfo(counts.dtype).tiny), 0.0)
+    slot_logits = (blocks(q_mem * x.scale, L) @ key_sums.transpose(-1, -2)) * inverse.unsqueeze(-2)  # (B,H,nb,L,S)
+    out, _ = window_code_attention(
+        blocks(q * x.scale, L), group_windows(k, k.new_zeros(B, H, L, D), L), window_bias(nb, L, q.device, q.dtype),
+        group_windows(v, v.new_zeros(B, H, L, Dv), L), slot_logits, log_counts(counts), counts, state.value_sums,
+        CacheUpdates(_previous(v, L), _previous(slots, L), _previous(weights, L)))
+    out = out[:, :, x.k.shape[2] - T : x.k.shape[2]]
     if not return_state:
         return out, None
     keep = window_start(length, L) - start  # whole blocks leave the raw window
-    counts, key_sums, value_sums = (after[:, :, keep // L - 1] if keep else memory0).split([1, D, Dv], -1)
+    head = lambda t: None if t is None else t[:, :, :keep]  # noqa: E731
+    n, keys, values = statistics(head(slots), head(weights), head(k_mem), head(v), S)
     raw = lambda t: None if t is None else t[:, :, keep:]  # noqa: E731
-    return out, OVQState(counts.squeeze(-1), key_sums, value_sums, raw(x.k), raw(x.v),
-                         raw(x.k_mem) if x.separate_keys else None,
-                         raw(x.slots), raw(x.slot_weights), length, L)
+    return out, OVQState(state.counts + n, state.key_sums + keys, state.value_sums + values, raw(x.k),
+                         raw(x.v), raw(x.k_mem) if x.separate_keys else None, raw(x.slots), raw(x.slot_weights),
+                         length, L)

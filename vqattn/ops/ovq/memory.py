@@ -58,21 +58,21 @@ def online_slots(memory_keys: torch.Tensor, counts: torch.Tensor, key_sums: torc
     return torch.cat(out, 2)
 
 
-def block_statistics(slots: torch.Tensor | None, slot_weights: torch.Tensor | None, memory_keys: torch.Tensor,
-                     values: torch.Tensor, num_slots: int, num_blocks: int) -> torch.Tensor:
-    """Per block, the slots' [count, memory-key sum, value sum] (B, H, nb, S, 1 + D + Dv) of the keys
-    (B, H, nb·L, ·) assigned by ``slots`` (B, H, nb·L) or weighted by ``slot_weights`` (B, H, nb·L, S). The keys
-    (and the weights) get gradients: one scatter-add (or product) of the keys and values side by side."""
+def statistics(slots: torch.Tensor | None, slot_weights: torch.Tensor | None, memory_keys: torch.Tensor,
+               values: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The slots' counts (B, H, S), memory-key sums (B, H, S, D) and value sums (B, H, S, Dv) of the keys
+    (B, H, T, ·) assigned by ``slots`` (B, H, T) or weighted by ``slot_weights`` (B, H, T, S). The keys (and the
+    weights) get gradients: one scatter-add (or product) of the keys and values side by side."""
+    D = memory_keys.shape[-1]
     counts, sums = code_statistics(Assignment(slot_weights, slots, 0.0), torch.cat([memory_keys, values], -1),
-                                   num_slots, num_blocks)
-    return torch.cat([counts.unsqueeze(-1), sums], -1)
+                                   num_slots, 1)
+    return counts.squeeze(2), *sums.squeeze(2).split([D, values.shape[-1]], -1)
 
 
-def memory_logits(q_mem: torch.Tensor, stats: torch.Tensor, D: int) -> tuple[torch.Tensor, torch.Tensor]:
+def memory_logits(q_mem: torch.Tensor, counts: torch.Tensor, key_sums: torch.Tensor,
+                  value_sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits σ q̃·k̄_s + log n_s (..., L, S) of the (already scaled) memory queries q_mem (..., L, D) and the
-    slots' mean values v̄_s (..., S, Dv), from the memory [n, K, V] ``stats`` (..., S, 1 + D + Dv). Empty slots get
-    logit −inf and no NaN, also in the gradients."""
-    counts, key_sums, value_sums = stats.split([1, D, stats.shape[-1] - 1 - D], -1)
-    counts = counts.squeeze(-1)
+    slots' mean values v̄_s (..., S, Dv), from the memory's counts (..., S) and key and value sums (..., S, ·).
+    Empty slots get logit −inf and no NaN, also in the gradients."""
     logits = q_mem @ code_means(counts, key_sums).transpose(-1, -2) + log_counts(counts).unsqueeze(-2)
     return logits, code_means(counts, value_sums)

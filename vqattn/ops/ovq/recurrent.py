@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..vq_recurrent import attend_one, window_start
-from .memory import assign_block, block_statistics, memory_logits
+from .memory import assign_block, memory_logits, statistics
 from .state import Inputs, OVQState
 
 
@@ -21,10 +21,8 @@ def _absorb(state: OVQState, L: int, threshold: float) -> tuple[torch.Tensor, to
     slots = None if state.slots is None else state.slots[:, :, :L]
     if slots is None and weights is None:
         slots = assign_block(memory_keys, state.counts, state.key_sums, threshold)
-    D = memory_keys.shape[-1]
-    n, keys, values = block_statistics(slots, weights, memory_keys, state.values[:, :, :L], state.counts.shape[-1],
-                                       1).squeeze(2).split([1, D, state.values.shape[-1]], -1)
-    return state.counts + n.squeeze(-1), state.key_sums + keys, state.value_sums + values
+    n, keys, values = statistics(slots, weights, memory_keys, state.values[:, :, :L], state.counts.shape[-1])
+    return state.counts + n, state.key_sums + keys, state.value_sums + values
 
 
 def _step(x: Inputs, t: int, state: OVQState) -> tuple[torch.Tensor, OVQState]:
@@ -34,8 +32,8 @@ def _step(x: Inputs, t: int, state: OVQState) -> tuple[torch.Tensor, OVQState]:
     grown = OVQState(state.counts, state.key_sums, state.value_sums, cat(state.keys, x.k), cat(state.values, x.v),
                      cat(state.memory_keys, x.k_mem), cat(state.slots, x.slots),
                      cat(state.slot_weights, x.slot_weights), state.length + 1, state.block_len)
-    memory = torch.cat([state.counts.unsqueeze(-1), state.key_sums, state.value_sums], -1)
-    mem_logits, mem_values = memory_logits(x.q_mem[:, :, token] * x.scale, memory, x.q.shape[-1])
+    mem_logits, mem_values = memory_logits(x.q_mem[:, :, token] * x.scale, state.counts, state.key_sums,
+                                           state.value_sums)
     out = attend_one((x.q[:, :, token] * x.scale) @ grown.keys.transpose(-1, -2), grown.values, mem_logits,
                      mem_values)
     L = state.block_len
