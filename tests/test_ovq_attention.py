@@ -21,9 +21,10 @@ from references import ref_softmax_attention
 
 F64 = torch.float64
 B, H, D, Dv, L, S = 2, 2, 6, 5, 4, 6
-# ‖k − k'‖² of two standard-normal keys in D = 6 averages 12: at 9 the first block opens 4 slots, later
-# blocks open the rest one by one, and all S are full by position 5L (test_slots_open_over_several_blocks_and_fill_up).
-THRESHOLD = 9.0
+# A key's squared distance to a slot's mean over its own squared norm averages 1 + 1/n here: at 1.4 the first block
+# opens 4 slots, later blocks open the rest one by one, and all S are full by position 5L
+# (test_slots_open_over_several_blocks_and_fill_up).
+THRESHOLD = 1.4
 MODES = ["online", "online-greedy", "online-separate", "slots", "weights"]
 
 

@@ -29,7 +29,8 @@ first reaches the queries of block j + 2, so every block is assigned in parallel
 * Given (``slots`` (B, H, T) in [0, S), or ``slot_weights`` (B, H, T, S) ≥ 0): e.g. a learned global codebook's
   hard argmin. The memory is then a prefix sum over blocks.
 * Online (neither given). With the m occupied slots of M_{j−1} (always slots 0..m−1), a key of block j is *novel*
-  when ‖k̃ − k̄_s‖² > ``threshold`` for every occupied s (every key is novel when m = 0). Novel keys open slots
+  when ‖k̃ − k̄_s‖² > ``threshold``·‖k̃‖² for every occupied s (every key is novel when m = 0): the
+  threshold is relative, so it means the same at any key scale. Novel keys open slots
   m, m+1, ... in position order while slots remain (a new slot starts at its opening key). Every other key, novel
   ones that found no free slot included, joins the nearest slot among the occupied slots of M_{j−1} (at their
   mean keys k̄_s) and the slots opened in block j (at their opening keys); on a tie, the lowest slot index.
@@ -99,8 +100,9 @@ def ovq_attention(q, k, v, *, num_slots: int, block_len: int | None = None, scal
         num_slots: S, the memory's slots.
         block_len: L (default 64, or the state's).
         scale: σ, multiplies q·k and q̃·k̄; defaults to D**-0.5.
-        threshold: online assignment only: the squared distance beyond which a key opens a slot (default 0: every
-            key not exactly on a slot's mean opens one while slots remain; inf: only the first block opens slots).
+        threshold: online assignment only: a key opens a slot (while slots remain) when its squared distance to
+            every slot's mean key exceeds ``threshold`` times its squared norm. Default 0: every key not exactly on
+            a slot's mean (so the first S keys fill the memory); inf: only the first block opens slots.
         slots: (B, H, T) integer slot of every key (given assignment), or
         slot_weights: (B, H, T, S) non-negative weights of every key (given soft assignment, with gradients).
         q_mem, k_mem: (B, H, T, D) the memory's queries and keys, when not q and k (e.g. without RoPE).

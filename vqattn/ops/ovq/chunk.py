@@ -33,7 +33,8 @@ def _with_prefix(x: Inputs, state: OVQState) -> Inputs:
 
 
 def _lagged(x: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
-    """x0 + Σ_{b' ≤ b−2} x_b' for every block b: x (B, H, nb, ...) per-block statistics, x0 (B, H, ...) the state's."""
+    """x0 + Σ_{b' ≤ b−2} x_b' for every block b: x (B, H, nb, ...) per-block statistics, x0 (B, H, ...) the
+    state's."""
     total = x0.unsqueeze(2) + torch.cumsum(x, 2)
     return torch.cat([x0.unsqueeze(2).expand(-1, -1, min(x.shape[2], 2), *x0.shape[2:]), total[:, :, :-2]], 2)
 

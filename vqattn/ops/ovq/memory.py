@@ -18,8 +18,8 @@ def assign_block(keys: torch.Tensor, counts: torch.Tensor, key_sums: torch.Tenso
     """Online assignment of one block's memory keys (B, H, L, D) to the slots of the memory before the block
     (counts (B, H, S), key sums (B, H, S, D); its m occupied slots are 0..m−1): (B, H, L) slot indices.
 
-    A key is novel when its squared distance to every occupied slot's mean key exceeds ``threshold`` (always when
-    m = 0). The novel keys, in position order, open slots m, m+1, ... while slots remain; every other key joins
+    A key is novel when its squared distance to every occupied slot's mean key exceeds ``threshold`` times its
+    squared norm (always when m = 0). The novel keys, in position order, open slots m, m+1, ... while slots remain; every other key joins
     the nearest of the occupied slots (at their mean keys) and the slots opened in this block (at their opening
     keys), the lowest slot index on a tie. Masks and a cumsum, no host sync; no gradient (the choice is discrete).
     """
@@ -30,7 +30,7 @@ def assign_block(keys: torch.Tensor, counts: torch.Tensor, key_sums: torch.Tenso
     means = code_means(counts, key_sums)  # 0 for empty slots, which are masked below
     to_means = _squared_distances(keys, means).masked_fill_(~occupied.unsqueeze(-2), float("inf"))  # (B, H, L, S)
     m = occupied.sum(-1, keepdim=True)  # (B, H, 1)
-    novel = (to_means.amin(-1) > threshold) | (m == 0)  # (B, H, L)
+    novel = (to_means.amin(-1) > threshold * (keys * keys).sum(-1)) | (m == 0)  # (B, H, L)
     new_slot = m + novel.cumsum(-1) - novel.long()  # m + (novel keys before)
     opens = novel & (new_slot < S)
     target = torch.where(opens, new_slot, S)  # column S collects the keys that open nothing; dropped

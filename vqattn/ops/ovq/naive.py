@@ -23,7 +23,8 @@ def _assign_online(keys: torch.Tensor, counts: torch.Tensor, key_sums: torch.Ten
     """One batch·head: keys (L, D) of a block, the memory before it (S,), (S, D) -> the slot of each key."""
     S = counts.shape[0]
     means = {s: key_sums[s] / counts[s] for s in range(S) if counts[s] > 0}
-    novel = [all(float(((key - c) ** 2).sum()) > threshold for c in means.values()) for key in keys]
+    novel = [all(float(((key - c) ** 2).sum()) > threshold * float((key**2).sum()) for c in means.values())
+             for key in keys]
     slots, centres, free = [None] * len(keys), dict(means), len(means)
     for j, key in enumerate(keys):  # novel keys open slots in position order while slots remain
         if novel[j] and free < S:

@@ -83,8 +83,8 @@ def _check_threshold(threshold, online: bool) -> float:
         raise ValueError("threshold applies to online assignment only; drop it when passing slots or slot_weights")
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or math.isnan(threshold) \
             or threshold < 0:
-        raise ValueError(f"threshold must be a number >= 0 (a squared distance; inf: never open a slot once one "
-                         f"is occupied), got {threshold!r}")
+        raise ValueError(f"threshold must be a number >= 0 (a squared distance relative to the key's; inf: never open "
+                         f"a slot once one is occupied), got {threshold!r}")
     return float(threshold)
 
 
