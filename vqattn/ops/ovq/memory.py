@@ -9,8 +9,8 @@ from ..vq_assign import Assignment, code_means, code_statistics, log_counts
 
 
 def _scores(keys: torch.Tensor, centres: torch.Tensor, centre_sq: torch.Tensor) -> torch.Tensor:
-    """‖k_i − c_s‖² − ‖k_i‖² = ‖c_s‖² − 2 k_i·c_s, one batched product: keys (B, H, L, D), centres (B, H, S, D) and
-    their squared norms (B, H, S) (+inf for a centre that does not count) -> (B, H, L, S)."""
+    """‖k_i − c_s‖² − ‖k_i‖² = ‖c_s‖² − 2 k_i·c_s, one batched product: keys (B, H, L, D), centres
+    (B, H, S, D) and their squared norms (B, H, S) (+inf for a centre that does not count) -> (B, H, L, S)."""
     B, H, L, D = keys.shape
     S = centres.shape[2]
     return torch.baddbmm(centre_sq.reshape(B * H, 1, S), keys.reshape(B * H, L, D),
