@@ -1,5 +1,5 @@
-"""Forward+backward time and peak memory: causal SDPA against causal vq_attention (hard and soft) and
-window_attention.
+"""Forward+backward time and peak memory: causal SDPA against causal vq_attention (hard and soft),
+window_attention and ovq_attention (online assignment, S slots, relative threshold 0.5).
 
 Gradients flow to q, k, v, and to the codebook for soft (learned by gradient); the hard codebook is an EMA
 buffer without gradient, as in Transformer-VQ and ``Codebook(learning="ema")``.
@@ -37,10 +37,10 @@ import time
 
 import torch
 
-from vqattn.functional import softmax_attention, vq_attention, window_attention
+from vqattn.functional import ovq_attention, softmax_attention, vq_attention, window_attention
 from vqattn.utils import tune_cpu_allocator
 
-METHODS = ("sdpa", "vq_hard", "vq_soft", "window")
+METHODS = ("sdpa", "vq_hard", "vq_soft", "window", "ovq")
 MODES = ("default", "tuned", "compiled")
 
 
@@ -49,6 +49,8 @@ def attention(method: str, q, k, v, codebook, block_len):
         return softmax_attention(q, k, v, causal=True)
     if method == "window":
         return window_attention(q, k, v, block_len=block_len)
+    if method == "ovq":
+        return ovq_attention(q, k, v, num_slots=codebook.shape[1], block_len=block_len, threshold=0.5)
     return vq_attention(q, k, v, codebook, causal=True, assign=method.removeprefix("vq_"), block_len=block_len)
 
 
