@@ -8,9 +8,13 @@ import torch
 from ..vq.assign import Assignment, code_means, code_statistics, log_counts
 
 
-def _squared_distances(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """‖x_i − y_s‖² for x (..., L, D), y (..., S, D): (..., L, S), clamped at 0 against rounding."""
-    return ((x * x).sum(-1, keepdim=True) + (y * y).sum(-1).unsqueeze(-2) - 2 * x @ y.transpose(-1, -2)).clamp_min_(0)
+def _scores(keys: torch.Tensor, centres: torch.Tensor, centre_sq: torch.Tensor) -> torch.Tensor:
+    """‖k_i − c_s‖² − ‖k_i‖² = ‖c_s‖² − 2 k_i·c_s, one batched product: keys (B, H, L, D), centres
+    (B, H, S, D) and their squared norms (B, H, S) (+inf for a centre that does not count) -> (B, H, L, S)."""
+    B, H, L, D = keys.shape
+    S = centres.shape[2]
+    return torch.baddbmm(centre_sq.reshape(B * H, 1, S), keys.reshape(B * H, L, D),
+                         centres.reshape(B * H, S, D).transpose(1, 2), alpha=-2).view(B, H, L, S)
 
 
 @torch.no_grad()
@@ -19,28 +23,27 @@ def assign_block(keys: torch.Tensor, counts: torch.Tensor, key_sums: torch.Tenso
     (counts (B, H, S), key sums (B, H, S, D); its m occupied slots are 0..m−1): (B, H, L) slot indices.
 
     A key is novel when its squared distance to every occupied slot's mean key exceeds ``threshold`` times its
-    squared norm (always when m = 0). The novel keys, in position order, open slots m, m+1, ... while slots remain; every other key joins
-    the nearest of the occupied slots (at their mean keys) and the slots opened in this block (at their opening
-    keys), the lowest slot index on a tie. Masks and a cumsum, no host sync; no gradient (the choice is discrete).
+    squared norm (always when m = 0). The novel keys, in position order, open slots m, m+1, ... while slots remain;
+    every other key joins the nearest of the occupied slots (at their mean keys) and the slots opened in this block
+    (at their opening keys), the lowest slot index on a tie. Masks and a cumsum, no host sync; no gradient (the
+    choice is discrete). Cost: one (L, S) and one (L, L) score product.
     """
     keys = keys.detach()
-    B, H, L, _ = keys.shape
     S = counts.shape[-1]
     occupied = counts > 0  # (B, H, S)
-    means = code_means(counts, key_sums)  # 0 for empty slots, which are masked below
-    to_means = _squared_distances(keys, means).masked_fill_(~occupied.unsqueeze(-2), float("inf"))  # (B, H, L, S)
     m = occupied.sum(-1, keepdim=True)  # (B, H, 1)
-    novel = (to_means.amin(-1) > threshold * (keys * keys).sum(-1)) | (m == 0)  # (B, H, L)
+    means = code_means(counts, key_sums)
+    old = _scores(keys, means, (means * means).sum(-1).masked_fill(~occupied, float("inf")))
+    old_score, old_slot = old.min(-1)  # (B, H, L); min's index is the first (lowest) on a tie
+    key_sq = (keys * keys).sum(-1)  # (B, H, L)
+    novel = (old_score + key_sq > threshold * key_sq) | (m == 0)
     new_slot = m + novel.cumsum(-1) - novel.long()  # m + (novel keys before)
     opens = novel & (new_slot < S)
-    target = torch.where(opens, new_slot, S)  # column S collects the keys that open nothing; dropped
-    opener = keys.new_zeros(B, H, S + 1, dtype=torch.long).scatter_(
-        -1, target, torch.arange(L, device=keys.device).expand(B, H, L))[..., :S]  # (B, H, S) key of each new slot
-    opened = torch.zeros(B, H, S + 1, dtype=torch.bool, device=keys.device).scatter_(-1, target, True)[..., :S]
-    to_openers = _squared_distances(keys, keys).gather(-1, opener.unsqueeze(-2).expand(B, H, L, S))
-    distances = torch.where(occupied.unsqueeze(-2), to_means,
-                            to_openers.masked_fill_(~opened.unsqueeze(-2), float("inf")))
-    return torch.where(opens, new_slot, distances.argmin(-1))  # argmin: the first (lowest) index on a tie
+    # The slots opened in this block, at their opening keys: scores against the keys that open one.
+    new_score, opener = _scores(keys, keys, key_sq.masked_fill(~opens, float("inf"))).min(-1)
+    # Opened slots come after every occupied one and in their openers' order: a tie keeps the lower slot.
+    nearest = torch.where(new_score < old_score, new_slot.gather(-1, opener), old_slot)
+    return torch.where(opens, new_slot, nearest)
 
 
 @torch.no_grad()
@@ -48,12 +51,15 @@ def online_slots(memory_keys: torch.Tensor, counts: torch.Tensor, key_sums: torc
                  threshold: float) -> torch.Tensor:
     """:func:`assign_block` block after block, absorbing each block before the next: memory keys
     (B, H, nb·L, D) and the memory before them -> (B, H, nb·L) slot indices."""
+    B, H, S, D = key_sums.shape
     counts, key_sums = counts.detach().clone(), key_sums.detach().clone()
+    offsets = torch.arange(B * H, device=counts.device).view(B, H, 1) * S  # rows of the flattened (B·H·S) slots
     out = []
     for block in memory_keys.detach().split(L, 2):
         slots = assign_block(block, counts, key_sums, threshold)
-        counts.scatter_add_(-1, slots, torch.ones_like(block[..., 0]))
-        key_sums.scatter_add_(-2, slots.unsqueeze(-1).expand_as(block), block)
+        rows = (slots + offsets).flatten()
+        counts.view(-1).index_add_(0, rows, torch.ones_like(rows, dtype=counts.dtype))
+        key_sums.view(-1, D).index_add_(0, rows, block.reshape(-1, D))
         out.append(slots)
     return torch.cat(out, 2)
 
