@@ -37,6 +37,7 @@ import torch.nn as nn
 from .ops._checks import check_4d, check_choice, check_positive_int
 from .ops.precision import autocast_off
 from .ops.vq import Assignment, vq_assign
+from .ops.vq.assign import code_slots
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -171,8 +172,7 @@ class Codebook(nn.Module):
 
     def _slots(self, index: torch.Tensor) -> torch.Tensor:
         """Code indices (B, H, T) -> flat (H·S) slots (B·H·T,), for scatter-adds over all heads at once."""
-        heads = torch.arange(self.num_heads, device=index.device).view(1, -1, 1)
-        return (heads * self.num_codes + index).flatten()
+        return code_slots(index, self.num_codes, 1).flatten()
 
     def _batch_counts(self, assignment: Assignment) -> torch.Tensor:
         """Keys per code in this batch, (H, S), in the statistics' dtype."""

@@ -90,10 +90,18 @@ def code_means(counts: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
     return sums / counts.clamp_min(torch.finfo(counts.dtype).tiny).unsqueeze(-1)
 
 
-def _slots(index: torch.Tensor, num_codes: int, num_groups: int) -> torch.Tensor:
+def code_slots(index: torch.Tensor, num_codes: int, dim: int) -> torch.Tensor:
+    """index + i·S for the i-th slice of ``index`` along ``dim``: the codes of each slice (a head, a block, a group
+    of keys) as rows of a flattened (n·S) axis, for scatter-adds of every slice's statistics at once."""
+    shape = [1] * index.dim()
+    shape[dim] = index.shape[dim]
+    return index + torch.arange(index.shape[dim], device=index.device).view(shape) * num_codes
+
+
+def _group_slots(index: torch.Tensor, num_codes: int, num_groups: int) -> torch.Tensor:
     """(B, H, T) codes -> their slots in a flattened (num_groups·S) axis of consecutive groups of keys."""
-    T = index.shape[-1]
-    return torch.arange(T, device=index.device) // (T // num_groups) * num_codes + index
+    B, H, T = index.shape
+    return code_slots(index.view(B, H, num_groups, T // num_groups), num_codes, 2).view(B, H, T)
 
 
 def code_counts(a: Assignment, num_codes: int, num_groups: int, *, dtype: torch.dtype) -> torch.Tensor:
@@ -102,7 +110,7 @@ def code_counts(a: Assignment, num_codes: int, num_groups: int, *, dtype: torch.
         return a.weights.view(*a.weights.shape[:2], num_groups, -1, num_codes).sum(3)
     B, H, T = a.index.shape
     ones = torch.ones((), device=a.index.device, dtype=dtype).expand(B, H, T)
-    counts = ones.new_zeros(B, H, num_groups * num_codes).scatter_add_(2, _slots(a.index, num_codes, num_groups), ones)
+    counts = ones.new_zeros(B, H, num_groups * num_codes).scatter_add_(2, _group_slots(a.index, num_codes, num_groups), ones)
     return counts.view(B, H, num_groups, num_codes)
 
 
@@ -118,7 +126,7 @@ def code_statistics(a: Assignment, v: torch.Tensor, num_codes: int, num_groups: 
     if a.index is None:
         w = a.weights.view(B, H, num_groups, T // num_groups, S)
         return counts, w.transpose(-1, -2) @ v.view(B, H, num_groups, -1, Dv)
-    slots = _slots(a.index, S, num_groups).unsqueeze(-1).expand(B, H, T, Dv)
+    slots = _group_slots(a.index, S, num_groups).unsqueeze(-1).expand(B, H, T, Dv)
     return counts, v.new_zeros(B, H, num_groups * S, Dv).scatter_add_(2, slots, v).view(B, H, num_groups, S, Dv)
 
 

@@ -12,6 +12,8 @@ from typing import NamedTuple
 
 import torch
 
+from .assign import code_slots
+
 
 class CacheUpdates(NamedTuple):
     """The statistics that enter the value-sum cache after each block of a group: block b adds Σ_j Δ_js v_j over
@@ -25,8 +27,7 @@ class CacheUpdates(NamedTuple):
 
 def _flat_slots(index: torch.Tensor, S: int) -> torch.Tensor:
     """(N, n, L) codes -> (n, N·L) rows of the flattened (N·S, Dv) cache."""
-    N = index.shape[0]
-    return (index + torch.arange(N, device=index.device).view(N, 1, 1) * S).transpose(0, 1).reshape(index.shape[1], -1)
+    return code_slots(index, S, 0).transpose(0, 1).reshape(index.shape[1], -1)
 
 
 def _add_block(cache: torch.Tensor, updates: CacheUpdates, slots, b: int, alpha: float) -> None:
@@ -41,8 +42,7 @@ def _add_block(cache: torch.Tensor, updates: CacheUpdates, slots, b: int, alpha:
 
 def _block_slots(index: torch.Tensor, S: int) -> torch.Tensor:
     """(N, n, L) codes -> (N, n·L, 1) rows of the (N, n·S, Dv) per-block statistics."""
-    n = index.shape[1]
-    return (index + torch.arange(n, device=index.device).view(1, n, 1) * S).flatten(1).unsqueeze(-1)
+    return code_slots(index, S, 1).flatten(1).unsqueeze(-1)
 
 
 def _block_caches(sums: torch.Tensor, updates: CacheUpdates) -> tuple[torch.Tensor, torch.Tensor]:
