@@ -23,7 +23,7 @@ name to its class.
 from __future__ import annotations
 
 from .base import Attention, AttentionOutput, AttentionState, CachedAttention, KVCache, rope_rotate
-from .codebook import VQAttention, VQHardAttention, VQSoftAttention
+from .vq import VQAttention, VQHardAttention, VQSoftAttention
 from .kernel import EluLinearAttention, KernelAttention, PerformerAttention, TaylorAttention
 from .quadratic import (
     KernelSmootherAttention,
