@@ -46,7 +46,8 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_4d, check_choice, check_positive_int, check_qkv, check_same_device_dtype, compute_dtype
+from ._checks import check_4d, check_choice, check_positive_int, check_qkv, check_same_device_dtype, compute_dtype, \
+    size_max, size_min
 from .vq_assign import (
     ASSIGNMENTS,
     Assignment,
@@ -118,7 +119,7 @@ def _causal(q, k, v, c, a: Assignment | None, *, L, scale, exact_window, detach_
             # q is scaled per group (cheaper than scaling the logits, and no full-size temporary)
             q_g * scale, k_g, k_before, v_g, v_before, a_g, a_before, run, tail, sums, c=c, G=G, L=L, lag=lag,
             first=b0 == 0, exact_window=exact_window, detach_cache=detach_cache, assign_keys=assign_keys,
-            fold=min(max(fold_blocks - b0, 0), b1 - b0))
+            fold=size_min(size_max(fold_blocks - b0, 0), b1 - b0))
         outs.append(out)
         if fold is not None:
             fold_counts, fold_sums = fold_counts + fold[0], fold_sums + fold[1]
@@ -232,7 +233,7 @@ def _chunked(q, k, v, c, a, *, state, L, return_state, scale, exact_window, deta
     if detach_cache:
         counts0, sums0 = counts0.detach(), sums0.detach()
     # Short sequences fit in one block; a shorter block gives the same result with less padding.
-    L_run = L if state is not None or return_state else min(L, k.shape[2])
+    L_run = L if state is not None or return_state else size_min(L, k.shape[2])
     length = start + k.shape[2]
     keep = window_start(length, L) - start  # positions leaving the raw window: whole blocks
     out, counts, sums = _causal(q, k, v, c, a, L=L_run, scale=scale, exact_window=exact_window,

@@ -155,6 +155,10 @@ def code_statistics(
         w = unit_weights(a, scale).view(B, H, num_groups, T // num_groups, S)
         return counts, w.transpose(-1, -2) @ v.view(B, H, num_groups, -1, Dv)
     slots = _slots(a.index, S, num_groups).unsqueeze(-1).expand(B, H, T, Dv)
+    if torch.compiler.is_compiling():
+        # With this expanded (stride-0) index, inductor (torch 2.13, CPU) fused a read of the scatter's result into a
+        # kernel that ran before the scatter: a compiled decoding step folded zeros into the value sums.
+        slots = slots.contiguous()
     return counts, v.new_zeros(B, H, num_groups * S, Dv).scatter_add_(2, slots, v).view(B, H, num_groups, S, Dv)
 
 

@@ -16,6 +16,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ._checks import size_max, size_min
+
 # Measured in benchmarks/attention_speed.py (README): at S=512, D=64, T=8192 on CPU, 64 is as fast as 128 for
 # hard and clearly faster for soft (whose exact in-block mixture costs L·S per query); the layers use 64 too.
 DEFAULT_BLOCK_LEN = 64
@@ -72,8 +74,8 @@ def block_groups(num_blocks: int, bytes_per_block: int, device: torch.device) ->
     """
     if device.type != "cpu":
         return [(0, num_blocks)]
-    size = max(1, min(num_blocks, GROUP_BYTES // max(bytes_per_block, 1)))
-    return [(b0, min(b0 + size, num_blocks)) for b0 in range(0, num_blocks, size)]
+    size = size_max(1, size_min(num_blocks, GROUP_BYTES // size_max(bytes_per_block, 1)))
+    return [(b0, size_min(b0 + size, num_blocks)) for b0 in range(0, num_blocks, size)]
 
 
 def split_groups(x: torch.Tensor, groups: list[tuple[int, int]], L: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

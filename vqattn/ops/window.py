@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import check_positive_int, check_qkv, compute_dtype
+from ._checks import check_positive_int, check_qkv, compute_dtype, size_min
 from .vq_blocks import (
     DEFAULT_BLOCK_LEN,
     block_groups,
@@ -118,7 +118,7 @@ def window_attention(
             start, prefix = state.length - state.keys.shape[2], state.keys.shape[2]
             q = torch.cat([q.new_zeros(*q.shape[:2], prefix, q.shape[-1]), q], 2)
             k, v = torch.cat([state.keys, k], 2), torch.cat([state.values, v], 2)
-        L_run = L if state is not None or return_state else min(L, T)  # one block: same result, less padding
+        L_run = L if state is not None or return_state else size_min(L, T)  # one block: same result, less padding
         out = _chunked(q, k, v, L_run, scale)[:, :, -T:].to(in_dtype)
         if not return_state:
             return out
