@@ -44,6 +44,8 @@ Decoding (a ``state`` and at most :data:`RECURRENT_MAX_LEN` new tokens) runs the
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ._checks import check_4d, check_choice, check_positive_int, check_qkv, check_same_device_dtype, compute_dtype, \
@@ -63,6 +65,7 @@ from .vq_assign import (
     unit_weights,
     vq_assign,
 )
+from .nonfinite import nonfinite_keys, visible_poison, zero_assignment_rows, zero_rows
 from .vq_blocks import (
     DEFAULT_BLOCK_LEN,
     CacheUpdates,
@@ -355,15 +358,20 @@ def vq_attention(
         c = codebook.to(dtype)
         c = c.unsqueeze(0).expand(q.shape[1], -1, -1) if c.dim() == 2 else c  # (H, S, D)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
+        # Non-finite keys reach the outputs as NaN only through the poison: inside the kernels they would reach
+        # queries that cannot see them too (see vqattn.ops.nonfinite).
+        bad, poison = nonfinite_keys(k)
+        k = zero_rows(k, bad)
+        poison = visible_poison(poison, causal=causal, state_counts=None if state is None else state.counts)
         assign_keys = lambda keys: vq_assign(keys, c, assign=assign, temperature=temperature)  # noqa: E731
         if assignment is not None:
-            a = map_time(lambda x: x.to(dtype) if x.is_floating_point() else x, assignment)
+            a = zero_assignment_rows(map_time(lambda x: x.to(dtype) if x.is_floating_point() else x, assignment), bad)
         elif not causal or state is not None or assign == "kernel":
             a = assign_keys(k)  # kernel: the statistics' unit e^G is the largest scale of all keys
         else:
             a = None  # the block algorithm assigns group by group
         if not causal:
-            return _non_causal(q, k, v, c, a, scale).to(in_dtype)
+            return (_non_causal(q, k, v, c, a, scale) + poison).to(in_dtype)
         kw = dict(scale=scale, exact_window=exact_window, detach_cache=detach_cache)
         if state is not None and q.shape[2] <= RECURRENT_MAX_LEN:
             out, new_state = vq_recurrent(q, k, v, c, a, state=state.to(dtype), **kw)
@@ -371,4 +379,5 @@ def vq_attention(
             L = block_len or (state.block_len if state is not None else DEFAULT_BLOCK_LEN)
             out, new_state = _chunked(q, k, v, c, a, state=None if state is None else state.to(dtype), L=L,
                                       return_state=return_state, assign=assign, assign_keys=assign_keys, **kw)
-        return (out.to(in_dtype), new_state) if return_state else out.to(in_dtype)
+        out = (out + poison).to(in_dtype)
+        return (out, dataclasses.replace(new_state, counts=new_state.counts + poison[:, :, -1])) if return_state else out
