@@ -50,6 +50,7 @@ import torch
 
 from ._checks import check_4d, check_choice, check_positive_int, check_qkv, check_same_device_dtype, compute_dtype, \
     size_max, size_min
+from .nonfinite import nonfinite_keys, visible_poison, zero_assignment_rows, zero_rows
 from .vq_assign import (
     ASSIGNMENTS,
     Assignment,
@@ -65,7 +66,6 @@ from .vq_assign import (
     unit_weights,
     vq_assign,
 )
-from .nonfinite import nonfinite_keys, visible_poison, zero_assignment_rows, zero_rows
 from .vq_blocks import (
     DEFAULT_BLOCK_LEN,
     CacheUpdates,
@@ -345,7 +345,8 @@ def vq_attention(
 
     Returns:
         out (B, H, T, Dv) in the input dtype, or (out, state) when ``return_state``. Computed in float32 for
-        half-precision inputs and inside autocast (float64 stays float64).
+        half-precision inputs and inside autocast (float64 stays float64). As in softmax attention, a key with a NaN
+        or infinite entry makes NaN exactly the outputs of the queries that see it (and a state's later ones).
     """
     _validate(q, k, v, codebook, causal=causal, assign=assign, block_len=block_len, exact_window=exact_window,
               state=state, return_state=return_state)
@@ -380,4 +381,6 @@ def vq_attention(
             out, new_state = _chunked(q, k, v, c, a, state=None if state is None else state.to(dtype), L=L,
                                       return_state=return_state, assign=assign, assign_keys=assign_keys, **kw)
         out = (out + poison).to(in_dtype)
-        return (out, dataclasses.replace(new_state, counts=new_state.counts + poison[:, :, -1])) if return_state else out
+        if not return_state:
+            return out
+        return out, dataclasses.replace(new_state, counts=new_state.counts + poison[:, :, -1])  # the state carries it
