@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -77,14 +76,16 @@ def time_fwd_bwd(run_once, tensors, device: str, reps: int) -> dict:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     else:
-        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-        rss_before = _current_rss_kib()
+        rss_before = _status_kib("VmRSS")
+        # Reset the process's RSS high-water mark, which would otherwise still hold the peak of importing torch.
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
     run_once()  # warm-up (and compilation); also the memory measurement
     sync()
     if device == "cuda":
         peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20
     else:
-        peak_mb = (max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, base) - rss_before) / 1024
+        peak_mb = (_status_kib("VmHWM") - rss_before) / 1024
     run_once()  # glibc's dynamic mmap threshold settles only after the first step has freed its blocks
     sync()
     times = []
@@ -112,12 +113,13 @@ def cuda_kernels(step) -> int:
     return sum(1 for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def _current_rss_kib() -> int:
+def _status_kib(field: str) -> int:
+    """A memory field of /proc/self/status (VmRSS: resident now, VmHWM: its high-water mark), in KiB."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1])
-    raise RuntimeError("no VmRSS in /proc/self/status")
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def measure(method, T, device, reps, block_len, mode):
