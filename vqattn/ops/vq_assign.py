@@ -150,15 +150,17 @@ def code_statistics(
     """
     B, H, T, Dv = v.shape
     S = num_codes
+    if a.index is not None and torch.compiler.is_compiling():
+        # Inductor (torch 2.13, CPU) ran a kernel reading these scatter-adds' results before the scatters: compiled
+        # decoding folded zeros into the value sums. Under compile the one-hot product, (B, H, T, G·S), instead.
+        one_hot = torch.nn.functional.one_hot(_slots(a.index, S, num_groups), num_groups * S).to(v.dtype)
+        return (one_hot.sum(2).view(B, H, num_groups, S),
+                (one_hot.transpose(-1, -2) @ v).view(B, H, num_groups, S, Dv))
     counts = code_counts(a, S, num_groups, scale, dtype=v.dtype)
     if a.index is None:
         w = unit_weights(a, scale).view(B, H, num_groups, T // num_groups, S)
         return counts, w.transpose(-1, -2) @ v.view(B, H, num_groups, -1, Dv)
     slots = _slots(a.index, S, num_groups).unsqueeze(-1).expand(B, H, T, Dv)
-    if torch.compiler.is_compiling():
-        # With this expanded (stride-0) index, inductor (torch 2.13, CPU) fused a read of the scatter's result into a
-        # kernel that ran before the scatter: a compiled decoding step folded zeros into the value sums.
-        slots = slots.contiguous()
     return counts, v.new_zeros(B, H, num_groups * S, Dv).scatter_add_(2, slots, v).view(B, H, num_groups, S, Dv)
 
 
