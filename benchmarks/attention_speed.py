@@ -4,6 +4,7 @@ window_attention and ovq_attention (online assignment, S slots, relative thresho
 ``vq_hard`` and ``vq_soft`` time the op's defaults (the window scores keys by their codes); ``vq_hard_rope`` and
 ``vq_soft_rope`` the configuration the default vq layers run: ``exact_window=True`` with the window scored by
 RoPE-rotated queries and keys (``q_rot``, ``k_rot``, given as inputs: the rotation is the layer's, not the op's).
+The layers themselves are timed by ``benchmarks/layer_speed.py``.
 
 Gradients flow to q, k, v, and to the codebook for soft (learned by gradient); the hard codebook is an EMA
 buffer without gradient, as in Transformer-VQ and ``Codebook(learning="ema")``.
@@ -33,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -65,35 +65,43 @@ def child(method: str, T: int, device: str, reps: int, block_len: int | None, co
     torch.manual_seed(0)
     make = lambda *shape: torch.randn(*shape, device=device).requires_grad_(True)  # noqa: E731
     q, k, v, codebook = make(B, H, T, D), make(B, H, T, D), make(B, H, T, D), make(H, S, D)
-    rotated = (make(B, H, T, D), make(B, H, T, D)) if method.endswith("_rope") else (None, None)
+    rotated = (make(B, H, T, D), make(B, H, T, D)) if method.endswith("_rope") else ()
     # As in Transformer-VQ, the hard codebook is an EMA k-means buffer (no gradient); the soft one is learned.
     codebook.requires_grad_(method.startswith("vq_soft"))
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-        rss_before = _current_rss_kib()
     fn = torch.compile(attention, fullgraph=True) if compiled else attention
 
     def run_once():
         out = fn(method, q, k, v, codebook, block_len, *rotated)
         out.backward(torch.ones_like(out))
 
+    return time_fwd_bwd(run_once, (q, k, v, codebook, *rotated), device, reps)
+
+
+def time_fwd_bwd(run_once, tensors, device: str, reps: int) -> dict:
+    """Median ms of ``run_once`` (a forward and backward pass) over ``reps`` calls, each with fresh gradients of
+    ``tensors``, and the peak memory (MB) of its first call above what the process held before it; on CUDA also the
+    GPU kernels one call launches."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        rss_before = _status_kib("VmRSS")
+        # Reset the process's RSS high-water mark, which would otherwise still hold the peak of importing torch.
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
     run_once()  # warm-up (and compilation); also the memory measurement
     sync()
     if device == "cuda":
         peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20
     else:
-        peak_mb = (max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, base) - rss_before) / 1024
+        peak_mb = (_status_kib("VmHWM") - rss_before) / 1024
     run_once()  # glibc's dynamic mmap threshold settles only after the first step has freed its blocks
     sync()
     times = []
     for _ in range(reps):
-        for t in (q, k, v, codebook, *rotated):
-            if t is not None:
-                t.grad = None  # fresh gradients every repetition, as in a training step
+        for t in tensors:
+            t.grad = None  # fresh gradients every repetition, as in a training step
         sync()
         start = time.perf_counter()
         run_once()
@@ -115,20 +123,36 @@ def cuda_kernels(step) -> int:
     return sum(1 for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def _current_rss_kib() -> int:
+def _status_kib(field: str) -> int:
+    """A memory field of /proc/self/status (VmRSS: resident now, VmHWM: its high-water mark), in KiB."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1])
-    raise RuntimeError("no VmRSS in /proc/self/status")
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def measure(method, T, device, reps, block_len, mode):
-    cmd = [sys.executable, __file__, "--child", method, str(T), device, str(reps), str(block_len or 0), mode]
-    result = subprocess.run(cmd, capture_output=True, text=True)
+    return run_child(__file__, [method, str(T), device, str(reps), str(block_len or 0), mode])
+
+
+def run_child(script: str, args: list[str]) -> dict:
+    """``script --child *args`` in a fresh process (its allocator and peak RSS its own); the JSON it prints last."""
+    result = subprocess.run([sys.executable, script, "--child", *args], capture_output=True, text=True)
     if result.returncode != 0:
         return {"ms": float("nan"), "peak_mb": float("nan"), "error": result.stderr.strip().splitlines()[-1:]}
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def summarise(rounds: list[dict], baseline) -> dict:
+    """Interleaved rounds {key: measurement} -> {key: median ms, max peak MB, errors, and the median over rounds of
+    the per-round ratio baseline ms / key ms}: a slow spell of a shared machine hits both sides of a ratio alike."""
+    return {key: {"ms": statistics.median(r[key]["ms"] for r in rounds),
+                  "peak_mb": max(r[key]["peak_mb"] for r in rounds),
+                  "errors": [r[key]["error"] for r in rounds if "error" in r[key]],
+                  "ratio": statistics.median(r[baseline]["ms"] / r[key]["ms"] for r in rounds)
+                  if baseline in rounds[0] else float("nan")}
+            for key in rounds[0]}
 
 
 def fresh_page_ms_per_mb(mb: int = 256) -> float:
@@ -177,23 +201,20 @@ def main():
         for block_len in args.block_lens:
             rounds = [{(m, mode): measure(m, T, args.device, args.reps, block_len, mode)
                        for mode in args.modes for m in args.methods} for _ in range(args.rounds)]
-            results = {key: {"ms": statistics.median(r[key]["ms"] for r in rounds),
-                             "peak_mb": max(r[key]["peak_mb"] for r in rounds),
-                             "errors": [r[key]["error"] for r in rounds if "error" in r[key]]}
-                       for key in rounds[0]}
+            results = {mode: summarise([{m: r[m, mode] for m in args.methods} for r in rounds], "sdpa")
+                       for mode in args.modes}
             for m in args.methods:
                 row = [str(T), str(block_len or "default"), m]
                 for mode in args.modes:
-                    ratio = statistics.median(r["sdpa", mode]["ms"] / r[m, mode]["ms"] for r in rounds) \
-                        if "sdpa" in args.methods else float("nan")
-                    row += [f"{results[m, mode]['ms']:.1f}", f"{ratio:.2f}x"]
-                row += [f"{results[m, args.modes[0]]['peak_mb']:.0f}"]
+                    row += [f"{results[mode][m]['ms']:.1f}", f"{results[mode][m]['ratio']:.2f}x"]
+                row += [f"{results[args.modes[0]][m]['peak_mb']:.0f}"]
                 if args.device == "cuda":
                     row += [str(rounds[0][m, args.modes[0]].get("kernels", "nan"))]
                 print("| " + " | ".join(row) + " |", flush=True)
-            for (m, mode), r in results.items():
-                if r["errors"]:
-                    print(f"  {m} {mode} T={T} failed: {r['errors'][0]}", file=sys.stderr)
+            for mode, by_method in results.items():
+                for m, r in by_method.items():
+                    if r["errors"]:
+                        print(f"  {m} {mode} T={T} failed: {r['errors'][0]}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -57,3 +57,14 @@ def tiny_model(name: str, pos_emb: str = "rope", **overrides) -> GPT:
         attention_kwargs=layer_kwargs(name, rope=pos_emb == "rope"), pos_emb=pos_emb, **overrides,
     )
     return GPT(config).double().eval()
+
+
+def decode_in_chunks(model, idx, sizes):
+    """Logits from forward_step over consecutive chunks of the given sizes, and the final state."""
+    logits, state, start = [], None, 0
+    for size in sizes:
+        out, state = model.forward_step(idx[:, start : start + size], state)
+        logits.append(out)
+        start += size
+    assert start == idx.shape[1]
+    return torch.cat(logits, dim=1), state

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from model_helpers import layer_kwargs, scramble_short_conv
+from model_helpers import decode_in_chunks, layer_kwargs, scramble_short_conv
 from vqattn.model import GPT, GPTConfig
 
 COMPILED = ["vq_hard", "vq_soft", "window", "performer", "ovq"]
@@ -66,3 +66,24 @@ def test_the_trainer_flag_compiles_the_model_in_place():
     eager, compiled = LitLM(model), LitLM(model, compile=True)
     assert compiled.model._compiled_call_impl is not None and eager.model._compiled_call_impl is None
     assert compiled.state_dict().keys() == eager.state_dict().keys()  # checkpoints interchangeable
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["vq_hard", "vq_soft", "window"])
+def test_compiled_decoding_matches_eager(name):
+    """A compiled model decodes prompts of several lengths, in chunks of every size (the recurrent form, folding a
+    block into the cache, the block algorithm re-running a state's window) and by ``generate``, as eager does.
+    New lengths make dynamo recompile with symbolic sizes; min() of those once failed in inductor ("Failed to realize
+    expression to int"). Falling back to eager at the recompile limit would hide a failure, so hitting it fails."""
+    eager = _model(name).eval()
+    compiled = copy.deepcopy(eager)
+    compiled.compile()
+    generator = torch.Generator().manual_seed(2)
+    idx = torch.randint(0, 32, (1, 30), generator=generator)
+    with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True):
+        for sizes in ([5, 1, 1, 3, 9], [11, 2, 6]):  # chunks on both sides of RECURRENT_MAX_LEN, folds inside them
+            expected, _ = decode_in_chunks(eager, idx[:, : sum(sizes)], sizes)
+            got, _ = decode_in_chunks(compiled, idx[:, : sum(sizes)], sizes)
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4, msg=lambda m: f"chunks {sizes}: {m}")
+        expected = eager.generate(idx[:, :6], 6, temperature=0)
+        torch.testing.assert_close(compiled.generate(idx[:, :6], 6, temperature=0), expected)

@@ -5,20 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_helpers import COMBINATIONS, NAMES, scramble_short_conv, tiny_model
+from model_helpers import COMBINATIONS, NAMES, decode_in_chunks, scramble_short_conv, tiny_model
 
 T = 13  # not a multiple of the block / chunk length 4
-
-
-def decode_in_chunks(model, idx, sizes):
-    """Logits from forward_step over consecutive chunks of the given sizes."""
-    logits, state, start = [], None, 0
-    for size in sizes:
-        out, state = model.forward_step(idx[:, start : start + size], state)
-        logits.append(out)
-        start += size
-    assert start == idx.shape[1]
-    return torch.cat(logits, dim=1), state
 
 
 @pytest.mark.parametrize("name,pos_emb", COMBINATIONS)

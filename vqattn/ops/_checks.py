@@ -56,3 +56,15 @@ def check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Half-precision inputs are computed and accumulated in float32."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def size_min(a: int, b: int) -> int:
+    """min of two sizes that may be symbolic under torch.compile, as a comparison that dynamo guards on: min() would
+    give a ``Min`` expression that inductor can fail to resolve in later view sizes ("Failed to realize expression
+    to int"), e.g. when a compiled model decodes prompts of a new length."""
+    return a if a <= b else b
+
+
+def size_max(a: int, b: int) -> int:
+    """max of two sizes that may be symbolic, guarded like :func:`size_min`."""
+    return a if a >= b else b

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ._checks import check_choice, check_positive_int
+from ._checks import check_choice, check_positive_int, size_max, size_min
 
 # Measured in benchmarks/attention_speed.py (docs/performance_notes.md): at S=512, D=64, T=8192 on CPU, 64 is as
 # fast as 128 for hard and clearly faster for soft (whose exact in-block mixture costs L·S per query).
@@ -110,9 +110,9 @@ def block_groups(num_blocks: int, bytes_per_block: int, device: torch.device,
     if group_blocks is None:
         if device.type != "cpu":
             return [(0, num_blocks)]
-        group_blocks = GROUP_BYTES // max(bytes_per_block, 1)
-    size = max(1, min(num_blocks, group_blocks))
-    return [(b0, min(b0 + size, num_blocks)) for b0 in range(0, num_blocks, size)]
+        group_blocks = GROUP_BYTES // size_max(bytes_per_block, 1)
+    size = size_max(1, size_min(num_blocks, group_blocks))
+    return [(b0, size_min(b0 + size, num_blocks)) for b0 in range(0, num_blocks, size)]
 
 
 def split_groups(x: torch.Tensor, groups: list[tuple[int, int]], L: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import check_positive_int, check_qkv, compute_dtype
+from ._checks import check_positive_int, check_qkv, compute_dtype, size_min
 from .blocks import (
     DEFAULT_BLOCK_LEN,
     RECURRENT_MAX_LEN,
@@ -128,7 +128,7 @@ def window_attention(
     if state is not None:  # re-run the state's raw window (block-aligned) in front; drop its outputs
         start = state.length - state.keys.shape[2]
         q, k, v = prepend_window(q, k, v, state.keys, state.values)
-    L_run = L if state is not None or return_state else min(L, T)  # one block: same result, less padding
+    L_run = L if state is not None or return_state else size_min(L, T)  # one block: same result, less padding
     out = _chunked(q, k, v, L_run, scale, schedule)[:, :, -T:].to(in_dtype)
     if not return_state:
         return out

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .._checks import check_4d, check_choice, check_positive_int, check_qkv, check_same_device_dtype, compute_dtype
 from ..blocks import DEFAULT_BLOCK_LEN, RECURRENT_MAX_LEN, Schedule, as_schedule
+from ..nonfinite import nonfinite_keys, visible_poison, zero_assignment_rows, zero_rows
 from ..precision import autocast_off
 from .assign import ASSIGNMENTS, Assignment, check_assignment, code_means, code_statistics, log_counts, map_time, \
     vq_assign
@@ -136,7 +139,8 @@ def vq_attention(
 
     Returns:
         out (B, H, T, Dv) in the input dtype, or (out, state) when ``return_state``. Computed in float32 for
-        half-precision inputs and inside autocast (float64 stays float64).
+        half-precision inputs and inside autocast (float64 stays float64). As in softmax attention, a key with a NaN
+        or infinite entry makes NaN exactly the outputs of the queries that see it (and a state's later ones).
     """
     _validate(q, k, v, codebook, causal=causal, assign=assign, block_len=block_len, exact_window=exact_window,
               state=state, return_state=return_state, impl=impl, q_rot=q_rot, k_rot=k_rot)
@@ -150,17 +154,22 @@ def vq_attention(
     c = codebook.to(dtype)
     c = c.unsqueeze(0).expand(q.shape[1], -1, -1) if c.dim() == 2 else c  # (H, S, D)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    # Non-finite keys reach the outputs as NaN only through the poison: inside the kernels they would also reach
+    # queries that cannot see them (vqattn.ops.nonfinite).
+    bad, poison = nonfinite_keys(k if k_rot is None else torch.cat([k, k_rot], -1))
+    k, k_rot = zero_rows(k, bad), None if k_rot is None else zero_rows(k_rot, bad)
+    poison = visible_poison(poison, causal=causal, state_counts=None if state is None else state.counts)
     assign_keys = lambda keys: vq_assign(keys, c, assign=assign, temperature=temperature)  # noqa: E731
     state = None if state is None else state.to(dtype)
     recurrent = impl == "recurrent" or (impl == "auto" and state is not None and q.shape[2] <= RECURRENT_MAX_LEN)
     if assignment is not None:
-        a = map_time(lambda x: x.to(dtype) if x.is_floating_point() else x, assignment)
+        a = zero_assignment_rows(map_time(lambda x: x.to(dtype) if x.is_floating_point() else x, assignment), bad)
     elif not causal or state is not None or recurrent:
         a = assign_keys(k)
     else:
         a = None  # the block algorithm assigns group by group
     if not causal:
-        return _non_causal(q, k, v, c, a, scale).to(in_dtype)
+        return (_non_causal(q, k, v, c, a, scale) + poison).to(in_dtype)
     L = block_len or (state.block_len if state is not None else DEFAULT_BLOCK_LEN)
     if recurrent:
         state = VQState.empty(k, v, c.shape[1], L, assign) if state is None else state
@@ -170,4 +179,7 @@ def vq_attention(
         out, new_state = chunk_vq_attention(q, k, v, c, a, assign=assign, state=state, block_len=L, scale=scale,
                                             exact_window=exact_window, assign_keys=assign_keys,
                                             return_state=return_state, schedule=schedule, q_rot=q_rot, k_rot=k_rot)
-    return (out.to(in_dtype), new_state) if return_state else out.to(in_dtype)
+    out = (out + poison).to(in_dtype)
+    if not return_state:
+        return out
+    return out, dataclasses.replace(new_state, counts=new_state.counts + poison[:, :, -1])  # the state carries it

@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 
+from .._checks import size_max, size_min
 from ..blocks import (
     Schedule,
     block_groups,
@@ -136,7 +137,7 @@ def _causal(q, k, v, c, a: Assignment | None, *, assign: str, L: int, scale: flo
         else:
             out, carry = _window_group(g, carry, c=c, L=L, loop=loop, gathered=not exact_window)
         outs.append(out)
-        fold = min(max(fold_blocks - b0, 0), b1 - b0) * L
+        fold = size_min(size_max(fold_blocks - b0, 0), b1 - b0) * L
         if fold:
             n, s = code_statistics(map_time(lambda x: x[:, :, :fold], a_g), v_g[:, :, :fold], S)
             fold_counts, fold_sums = fold_counts + n.squeeze(2), fold_sums + s.squeeze(2)
@@ -166,7 +167,7 @@ def chunk_vq_attention(q, k, v, c, a: Assignment | None, *, assign: str, state: 
         q, window_k, v = prepend_window(q, window_k, v, state.keys, state.values)
         k, a = None, cat_time(state.assignment, a)  # the keys come assigned: only the window's keys are read
     # Short sequences fit in one block; a shorter block gives the same result with less padding.
-    L_run = L if state is not None or return_state else min(L, v.shape[2])
+    L_run = L if state is not None or return_state else size_min(L, v.shape[2])
     length = start + v.shape[2]
     keep = window_start(length, L) - start  # positions leaving the raw window: whole blocks
     out, counts, sums = _causal(q, k, v, c, a, assign=assign, L=L_run, scale=scale, exact_window=exact_window,

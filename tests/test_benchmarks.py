@@ -1,0 +1,43 @@
+"""The layer benchmark parses its options and measures a tiny step (no timing is asserted)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture
+def layer_speed(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import layer_speed
+
+    return layer_speed
+
+
+def test_options_and_the_softmax_baseline(layer_speed):
+    args = layer_speed.parse_args(["--lengths", "64", "128", "--layers", "vq_hard", "--autocast", "bf16",
+                                   "--dtype", "bfloat16", "--device", "cpu", "--rounds", "2"])
+    assert args.lengths == [64, 128] and args.autocast == "bf16" and args.dtype == "bfloat16" and args.rounds == 2
+    assert args.layers == ["softmax", "vq_hard"]  # the baseline of the ratios is always measured
+    defaults = layer_speed.parse_args([])
+    assert set(defaults.layers) == set(layer_speed.ATTENTIONS) and defaults.dim == 256 and defaults.heads == 4
+    with pytest.raises(SystemExit):
+        layer_speed.parse_args(["--layers", "no_such_layer"])
+
+
+@pytest.mark.parametrize("name,autocast", [("vq_soft", "none"), ("vq_hard", "bf16")])
+def test_one_tiny_step_is_measured(layer_speed, name, autocast):
+    result = layer_speed.child(name, T=40, device="cpu", reps=1, dtype="float32", autocast=autocast, dim=32,
+                               num_heads=2, num_codes=8)
+    assert result["ms"] > 0 and math.isfinite(result["peak_mb"])
+
+
+def test_ratios_are_medians_of_per_round_ratios(layer_speed):
+    rounds = [{"softmax": {"ms": 10.0, "peak_mb": 1.0}, "vq_hard": {"ms": 5.0, "peak_mb": 2.0}},
+              {"softmax": {"ms": 40.0, "peak_mb": 1.0}, "vq_hard": {"ms": 10.0, "peak_mb": 3.0}},
+              {"softmax": {"ms": 9.0, "peak_mb": 1.0}, "vq_hard": {"ms": 3.0, "peak_mb": 2.0}}]
+    summary = layer_speed.summarise(rounds, "softmax")
+    assert summary["vq_hard"]["ratio"] == 3.0 and summary["vq_hard"]["ms"] == 5.0
+    assert summary["vq_hard"]["peak_mb"] == 3.0 and summary["softmax"]["ratio"] == 1.0

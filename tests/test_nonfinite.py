@@ -1,0 +1,97 @@
+"""A NaN or infinite key makes NaN exactly the outputs that see it, as in softmax attention: for every assignment,
+every schedule of the block algorithm, decoding states and the layers (whose codebook computes the assignment)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_helpers import SMALL_KWARGS
+from vqattn.functional import softmax_attention, vq_assign, vq_attention
+from vqattn.layers import build_attention
+
+F64 = torch.float64
+ASSIGN_WINDOW = [("hard", False), ("hard", True), ("soft", False), ("soft", True)]
+T, J = 21, 9  # the bad key sits inside a block of 4, so earlier queries of its block must stay finite
+
+
+def _inputs(bad=float("nan")):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, T, 8, generator=g, dtype=F64) for _ in range(3))
+    c = torch.randn(3, 6, 8, generator=g, dtype=F64)
+    k_bad = k.clone()
+    k_bad[1, 2, J, 5] = bad  # one key of one batch element and head
+    return q, k, k_bad, v, c
+
+
+def _check_poisoned(out, clean, *, causal):
+    """NaN exactly where the bad key (batch 1, head 2, position J) is visible; everything else equals ``clean``."""
+    seen = torch.zeros(out.shape[:3], dtype=torch.bool)
+    seen[1, 2, J if causal else 0 :] = True
+    assert torch.equal(out.isnan().any(-1), seen)
+    assert out.isnan().all(-1)[seen].all()
+    torch.testing.assert_close(out[~seen], clean[~seen], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("assign,exact_window", ASSIGN_WINDOW)
+def test_op_propagates_a_nonfinite_key_causally(assign, exact_window, bad, block_grouping):
+    q, k, k_bad, v, c = _inputs(bad)
+    kw = dict(causal=True, assign=assign, block_len=4, exact_window=exact_window, schedule=block_grouping)
+    _check_poisoned(vq_attention(q, k_bad, v, c, **kw), vq_attention(q, k, v, c, **kw), causal=True)
+    # the same with the assignment computed beforehand (soft weights of the bad key are NaN)
+    a = vq_assign(k_bad, c, assign=assign)
+    _check_poisoned(vq_attention(q, k_bad, v, c, assignment=a, **kw), vq_attention(q, k, v, c, **kw), causal=True)
+
+
+@pytest.mark.parametrize("assign", ["hard", "soft"])
+def test_op_non_causal_poisons_every_query_of_that_head(assign):
+    q, k, k_bad, v, c = _inputs()
+    _check_poisoned(vq_attention(q, k_bad, v, c, causal=False, assign=assign),
+                    vq_attention(q, k, v, c, causal=False, assign=assign), causal=False)
+
+
+def test_softmax_attention_is_what_the_codebook_ops_match():
+    q, k, k_bad, v, _ = _inputs()
+    _check_poisoned(softmax_attention(q, k_bad, v, causal=True), softmax_attention(q, k, v, causal=True), causal=True)
+
+
+@pytest.mark.parametrize("assign,exact_window", ASSIGN_WINDOW)
+@pytest.mark.parametrize("sizes", [[5, 1, 1, 1, 2, 11], [12, 9], [9, 12]])
+def test_decoding_state_carries_the_poison(assign, exact_window, sizes):
+    """The poison outlives the bad key's window: chunks after it (recurrent or block form) stay NaN."""
+    q, k, k_bad, v, c = _inputs()
+    kw = dict(causal=True, assign=assign, block_len=4, exact_window=exact_window)
+    outs, state, start = [], None, 0
+    for size in sizes:
+        part = slice(start, start + size)
+        out, state = vq_attention(q[:, :, part], k_bad[:, :, part], v[:, :, part], c, state=state, return_state=True,
+                                  **kw)
+        outs.append(out)
+        start += size
+    _check_poisoned(torch.cat(outs, 2), vq_attention(q, k, v, c, **kw), causal=True)
+
+
+def test_vq_assign_weights_of_a_nan_key_are_nan():
+    _, _, k_bad, _, c = _inputs()
+    weights = vq_assign(k_bad, c, assign="soft").weights
+    assert weights[1, 2, J].isnan().all() and weights.isnan().sum() == weights.shape[-1]
+
+
+@pytest.mark.parametrize("name", ["softmax", "vq_hard", "vq_soft"])
+@pytest.mark.parametrize("training", [True, False])
+def test_layers_propagate_a_nan_key_causally(name, training):
+    torch.manual_seed(0)
+    kwargs = dict(SMALL_KWARGS[name], exact_window=True) if name != "softmax" else {}
+    layer = build_attention(name, dim=16, num_heads=2, rope=True, **kwargs).double().train(training)
+    x = torch.randn(1, 13, 16, dtype=F64)
+
+    def nan_key(module, inputs, k):  # k (B, H, T, Dh) after projection: the key of head 1 at position 6
+        k = k.clone()
+        k[0, 1, 6, 0] = float("nan")
+        return k
+
+    layer.k_norm.register_forward_hook(nan_key)
+    out, aux_loss, _ = layer(x)
+    nan_rows = out.isnan().any(-1)[0]  # the output projection mixes the heads
+    assert nan_rows.tolist() == [False] * 6 + [True] * 7

@@ -1,0 +1,50 @@
+"""Non-finite keys in codebook attention: NaN in, NaN out, causally, as in softmax attention.
+
+Softmax attention turns a key k_j with a NaN (or infinite) entry into NaN outputs for every query that sees it
+(i ≥ j when causal). Codebook attention would not by itself: a hard assignment is an index, which cannot be NaN
+(the argmin picks some code), and a key in the compressed cache is only a count. Inside the block kernels a NaN
+would instead reach the earlier queries of its block too, through their masked entries (−inf + NaN and 0·NaN are
+NaN).
+
+So :func:`~vqattn.ops.vq.vq_attention` zeroes the rows of non-finite keys (and of their assignment) before the
+kernels and adds to every output the poison
+
+    p_i = Σ_{j ≤ i} 0 · [k_j not finite]  (NaN · 0 = NaN)      (all j when not causal)
+
+which is 0, or NaN once a non-finite key is visible. A state carries it in its counts, so decoding after such a key
+stays NaN. Everything is masked tensor arithmetic: no host synchronisation in a training step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .vq.assign import Assignment
+
+
+def nonfinite_keys(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k (B, H, T, D) -> (bad (B, H, T): the key has a NaN or ±inf entry, poison (B, H, T): NaN where bad, else 0)."""
+    bad = ~k.detach().isfinite().all(-1)
+    return bad, k.new_zeros(bad.shape).masked_fill_(bad, float("nan"))
+
+
+def zero_rows(x: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+    """x (B, H, T, ...) with the rows where ``bad`` (B, H, T) is set replaced by 0 (no gradient reaches them)."""
+    return x.masked_fill(bad.view(*bad.shape, *[1] * (x.dim() - 3)), 0)
+
+
+def zero_assignment_rows(a: Assignment, bad: torch.Tensor) -> Assignment:
+    """The weights of non-finite keys set to 0 (hard indices are kept: a key's code only matters
+    to the queries that see it, whose outputs are NaN)."""
+    return Assignment(*(zero_rows(x, bad) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in a))
+
+
+def visible_poison(poison: torch.Tensor, *, causal: bool, state_counts: torch.Tensor | None) -> torch.Tensor:
+    """The keys' poison (B, H, Tk) summed over the keys each query sees -> (B, H, Tq, 1), or (B, H, 1, 1) when not
+    causal; ``state_counts`` (B, H, S), of the state the keys continue, carries the poison of the keys before."""
+    if not causal:
+        return poison.sum(2, keepdim=True).unsqueeze(-1)
+    poison = poison.cumsum(2)
+    if state_counts is not None:
+        poison = poison + state_counts.sum(-1, keepdim=True) * 0
+    return poison.unsqueeze(-1)
