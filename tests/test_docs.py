@@ -189,6 +189,25 @@ def test_no_test_marker_skips_a_block(tmp_path):
     assert fenced_blocks(doc, "python") == [("doc.md:3", "print(1)\n")]
 
 
+def heading_anchors(path: Path) -> set[str]:
+    """GitHub's anchors for the headings of a markdown file: lower case, punctuation dropped, spaces to hyphens."""
+    text = FENCE.sub("", path.read_text())
+    titles = re.findall(r"^#+ (.+)$", text, re.M)
+    return {re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-") for title in titles}
+
+
+@pytest.mark.parametrize("path", DOCS, ids=[str(path.relative_to(ROOT)) for path in DOCS])
+def test_relative_links_resolve(path):
+    for target in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", FENCE.sub("", path.read_text())):
+        file, anchor = target
+        if file.startswith(("http://", "https://")):
+            continue
+        linked = (path.parent / file).resolve() if file else path
+        assert linked.exists(), f"{path.name} links to missing {file}"
+        if anchor:
+            assert anchor in heading_anchors(linked), f"{path.name} links to missing #{anchor} in {linked.name}"
+
+
 def test_short_forms(tmp_path):
     sweep = short_form(shlex.split("python train.py -m attention=softmax,vq_hard,vq_soft model.n_layer=2"), tmp_path)
     assert sweep.argv[2:] == ["-m", "attention=softmax,vq_hard", "model.n_layer=2", "experiment=tiny",
