@@ -79,7 +79,8 @@ def finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
 
 
 def report(result: subprocess.CompletedProcess) -> str:
-    return f"exit {result.returncode}: {shlex.join(map(str, result.args))}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    command = shlex.join(map(str, result.args))
+    return f"exit {result.returncode}: {command}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
 
 
 @dataclass
@@ -215,8 +216,9 @@ def test_short_forms(tmp_path):
     run = short_form(shlex.split("python train.py experiment=mqar"), tmp_path / "run")
     assert "experiment=tiny" not in run.argv and f"hydra.run.dir={tmp_path / 'run'}" in run.argv
     sample = short_form(shlex.split("python -m vqattn.train.sample DATE/TIME/last.ckpt --max-new-tokens 300"), tmp_path)
-    assert resolve(sample, [sweep, run, short_form(['python', 'train.py'], tmp_path / 'later')])[3:] == [str(tmp_path / "run" / "checkpoints" / "last.ckpt"),
-                                                 "--max-new-tokens", "8"]
+    later = short_form(["python", "train.py"], tmp_path / "later")
+    checkpoint = str(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    assert resolve(sample, [sweep, run, later])[3:] == [checkpoint, "--max-new-tokens", "8"]
     assert short_form(["make", "docs"], tmp_path).error.startswith("no short form")
 
 
