@@ -32,13 +32,12 @@ def ref_assignment_log_weights(k, codebook, assign, temperature):
 
 
 def ref_vq_attention(q, k, v, codebook, *, causal, assign="hard", temperature=1.0, block_len=None, scale=None,
-                     exact_window=False, detach_cache=False):
+                     exact_window=False):
     """Codebook attention as one (T, T) softmax.
 
     Pair (i, j) has logit log Σ_s exp(scale q_i·c_s) Δ_js. Causal: j ≤ i, and j is "in the window" of i when
     block(j) ≥ block(i) − 1. Hard keys in the window use the straight-through key c_z + (k − sg k); everywhere
-    else hard keys carry no gradient. ``exact_window`` uses scale q_i·k_j in the window. ``detach_cache`` stops
-    gradients through Δ and v outside the window.
+    else hard keys carry no gradient. ``exact_window`` uses scale q_i·k_j in the window.
     """
     B, H, T, D = q.shape
     scale = D**-0.5 if scale is None else scale
@@ -55,9 +54,6 @@ def ref_vq_attention(q, k, v, codebook, *, causal, assign="hard", temperature=1.
     pos = torch.arange(T)
     in_window = (pos[None, :] // L) >= (pos[:, None] // L) - 1  # (Tq, Tk)
     future = pos[None, :] > pos[:, None]
-    far = mixture
-    if detach_cache:
-        far = torch.logsumexp(code_logits.unsqueeze(3) + log_w.detach().unsqueeze(2), dim=-1)
     if exact_window:
         near = scale * torch.einsum("bhid,bhjd->bhij", q, k)
     elif assign == "hard":
@@ -66,12 +62,8 @@ def ref_vq_attention(q, k, v, codebook, *, causal, assign="hard", temperature=1.
         near = scale * torch.einsum("bhid,bhjd->bhij", q, c_z + (k - k.detach()))
     else:
         near = mixture
-    logits = torch.where(in_window, near, far).masked_fill(future, -math.inf)
-    probs = torch.softmax(logits, -1)
-    v_far = v.detach() if detach_cache else v
-    return torch.einsum("bhij,bhjd->bhid", probs * in_window, v) + torch.einsum(
-        "bhij,bhjd->bhid", probs * ~in_window, v_far
-    )
+    logits = torch.where(in_window, near, mixture).masked_fill(future, -math.inf)
+    return torch.einsum("bhij,bhjd->bhid", torch.softmax(logits, -1), v)
 
 
 def ref_window_attention(q, k, v, *, block_len, scale=None):

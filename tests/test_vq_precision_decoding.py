@@ -1,5 +1,5 @@
-"""vq_attention under autocast, with a precomputed Assignment, at extreme kernel scales, and decoding token by
-token (the recurrent path), all against the float64 reference."""
+"""vq_attention under autocast, with a precomputed Assignment, and decoding token by token (the recurrent path),
+all against the float64 reference."""
 
 import pytest
 import torch
@@ -77,52 +77,25 @@ def test_assignment_shape_and_kind_are_checked():
 
     q, k, v, c = make_inputs(T=10)
     hard, soft = vq_assign(k, c, assign="hard"), vq_assign(k, c, assign="soft")
-    kernel = vq_assign(k, c, assign="kernel")
     with pytest.raises(ValueError, match="integer code index"):
         vq_attention(q, k, v, c, causal=True, assign="hard", assignment=soft)
     with pytest.raises(ValueError, match=r"\(B, H, T\)"):
-        vq_attention(q, k, v, c, causal=True, assign="hard", assignment=Assignment(None, hard.index[:, :, :5], 0.0))
+        vq_attention(q, k, v, c, causal=True, assign="hard", assignment=Assignment(None, hard.index[:, :, :5]))
     with pytest.raises(ValueError, match="weights of shape"):
         vq_attention(q, k, v, c, causal=True, assign="soft", assignment=hard)
     with pytest.raises(ValueError, match="weights of shape"):
-        vq_attention(q, k, v, c, causal=True, assign="soft", assignment=Assignment(soft.weights[..., :3], None, 0.0))
-    with pytest.raises(ValueError, match="log_scale"):
-        vq_attention(q, k, v, c, causal=True, assign="soft", assignment=kernel)
-    with pytest.raises(ValueError, match="log_scale"):
-        vq_attention(q, k, v, c, causal=True, assign="kernel", assignment=soft)
+        vq_attention(q, k, v, c, causal=True, assign="soft", assignment=Assignment(soft.weights[..., :3], None))
     with pytest.raises(ValueError, match="assignment must be an Assignment"):
         vq_attention(q, k, v, c, causal=True, assignment=hard.index)
 
 
-def test_kernel_exact_window_is_refused():
-    q, k, v, c = make_inputs(T=10)
-    with pytest.raises(ValueError, match="exact_window"):
-        vq_attention(q, k, v, c, causal=True, assign="kernel", exact_window=True)
-
-
-@pytest.mark.parametrize("causal", [True, False])
-def test_kernel_with_large_keys_and_small_temperature_does_not_underflow(causal):
-    """τ = 0.05, ‖k‖ ≈ 17: every raw kernel weight is below e^{-2000}; per-key scales keep fp32 exact."""
-    q, k, v, c = make_inputs(B=1, H=2, T=70, D=16, S=32, seed=4)
-    norms = 17 * (1 + 0.05 * torch.rand(k.shape[:-1], dtype=F64, generator=torch.Generator().manual_seed(5)))
-    k = k / k.norm(dim=-1, keepdim=True) * norms.unsqueeze(-1)
-    c = c / c.norm(dim=-1, keepdim=True)
-    q, k, v, c = (x.float() for x in (q, k, v, c))
-    kw = dict(causal=causal, assign="kernel", temperature=0.05, block_len=8)
-    ref = ref_vq_attention(*(x.double() for x in (q, k, v, c)), **kw)
-    out = vq_attention(q, k, v, c, **kw)
-    # the window-mean fallback this guards against is far from the reference
-    assert (ref - v.double().mean(2, keepdim=True)).abs().max() > 0.5
-    # Logits relative between keys include ‖k‖²/2τ ≈ 2900, whose float32 ulp is 2.4e-4.
-    torch.testing.assert_close(out.double(), ref, atol=1e-3, rtol=1e-3)
-
-
-def _decode(q, k, v, c, sizes, **kw):
-    """Outputs of consecutive vq_attention calls over chunks of the given sizes, threading the state."""
+def _decode(q, k, v, c, sizes, impls=None, **kw):
+    """Outputs of consecutive vq_attention calls over chunks of the given sizes (each with its ``impl``), threading
+    the state."""
     outs, state, a = [], None, 0
-    for n in sizes:
+    for n, impl in zip(sizes, impls or ["auto"] * len(sizes)):
         out, state = vq_attention(q[:, :, a : a + n], k[:, :, a : a + n], v[:, :, a : a + n], c, state=state,
-                                  return_state=True, **kw)
+                                  return_state=True, impl=impl, **kw)
         outs.append(out)
         a += n
         assert state.length == a and state.keys.shape[2] < 2 * state.block_len
@@ -130,35 +103,18 @@ def _decode(q, k, v, c, sizes, **kw):
 
 
 @pytest.mark.parametrize("assign,exact_window", ASSIGN_WINDOW)
-@pytest.mark.parametrize("detach_cache", [False, True])
-def test_token_by_token_recurrence_matches_reference_outputs_and_grads(assign, exact_window, detach_cache, monkeypatch):
-    """Prefill 5 tokens, then 36 single tokens (the recurrent path: the block algorithm is never called)."""
-    import vqattn.ops.vq as vq_module
-
+@pytest.mark.parametrize("prefill_impl", ["chunk", "recurrent"])
+def test_token_by_token_recurrence_matches_reference_outputs_and_grads(assign, exact_window, prefill_impl):
+    """Prefill 5 tokens, then 36 single tokens with impl="recurrent" (the block algorithm is never called for them;
+    with a recurrent prefill, never at all)."""
     q, k, v, c = make_inputs(B=1, H=2, T=41)
-    kw = dict(causal=True, assign=assign, temperature=0.8, block_len=8, exact_window=exact_window,
-              detach_cache=detach_cache)
-    chunked = vq_module._chunked
-    calls = []
-    monkeypatch.setattr(vq_module, "_chunked", lambda *a, **k: calls.append(a[0].shape[2]) or chunked(*a, **k))
-    out, g = grads(lambda *x: _decode(*x, [5] + [1] * 36, **kw), q, k, v, c)
-    assert calls == [5]
+    kw = dict(causal=True, assign=assign, temperature=0.8, block_len=8, exact_window=exact_window)
+    impls = [prefill_impl] + ["recurrent"] * 36
+    out, g = grads(lambda *x: _decode(*x, [5] + [1] * 36, impls=impls, **kw), q, k, v, c)
     ref, g_ref = grads(lambda *x: ref_vq_attention(*x, **kw), q, k, v, c)
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
     for name, a, b in zip("qkvc", g, g_ref):
         torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9, msg=f"grad of {name}")
-
-
-def test_recurrent_kernel_with_large_keys_fp32():
-    """The per-key scales and the running count scale G also hold token by token."""
-    q, k, v, c = make_inputs(B=1, H=2, T=40, D=16, S=32, seed=4)
-    k = k / k.norm(dim=-1, keepdim=True) * torch.linspace(17, 4, 40, dtype=F64)[:, None]  # G changes as it goes
-    c = c / c.norm(dim=-1, keepdim=True)
-    kw = dict(causal=True, assign="kernel", temperature=0.05, block_len=8)
-    q, k, v, c = (x.float() for x in (q, k, v, c))
-    ref = ref_vq_attention(*(x.double() for x in (q, k, v, c)), **kw)
-    out = _decode(q, k, v, c, [3] + [1] * 20 + [17], **kw)
-    torch.testing.assert_close(out.double(), ref, atol=1e-3, rtol=1e-3)
 
 
 @pytest.mark.parametrize("assign", ASSIGNS)

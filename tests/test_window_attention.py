@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from vqattn.functional import WindowState, window_attention
-from vqattn.ops.vq import DEFAULT_BLOCK_LEN, RECURRENT_MAX_LEN
+from vqattn.ops.blocks import DEFAULT_BLOCK_LEN, RECURRENT_MAX_LEN
 
 from references import ref_softmax_attention, ref_window_attention
 
@@ -26,7 +26,7 @@ def grads(fn, *tensors):
 @pytest.mark.parametrize("T,block_len", [(1, 4), (5, 8), (37, 8), (64, 16), (100, 7), (300, None)])
 def test_matches_band_reference_outputs_and_grads(T, block_len, block_grouping):
     q, k, v = make_qkv(T=T)
-    out, g = grads(lambda *x: window_attention(*x, block_len=block_len, scale=0.4), q, k, v)
+    out, g = grads(lambda *x: window_attention(*x, block_len=block_len, scale=0.4, schedule=block_grouping), q, k, v)
     ref, g_ref = grads(lambda *x: ref_window_attention(*x, block_len=block_len or DEFAULT_BLOCK_LEN, scale=0.4),
                        q, k, v)
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
@@ -81,17 +81,18 @@ def test_recurrent_gradients_match_one_call():
 def test_causality_and_locality(block_grouping):
     q, k, v = make_qkv(T=53)
     L = 8
-    out = window_attention(q, k, v, block_len=L)
+    out = window_attention(q, k, v, block_len=L, schedule=block_grouping)
     for t0 in (0, 9, 30, 52):
         k2, v2 = k.clone(), v.clone()
         k2[:, :, t0 + 1 :] += 5
         v2[:, :, t0 + 1 :] += 5
-        torch.testing.assert_close(window_attention(q, k2, v2, block_len=L)[:, :, : t0 + 1], out[:, :, : t0 + 1],
-                                   atol=0, rtol=0)
+        torch.testing.assert_close(window_attention(q, k2, v2, block_len=L, schedule=block_grouping)[:, :, : t0 + 1],
+                                   out[:, :, : t0 + 1], atol=0, rtol=0)
     # keys older than the previous block are invisible
     k3, v3 = k.clone(), v.clone()
     k3[:, :, :8], v3[:, :, :8] = 9.0, 9.0
-    torch.testing.assert_close(window_attention(q, k3, v3, block_len=L)[:, :, 16:], out[:, :, 16:], atol=0, rtol=0)
+    torch.testing.assert_close(window_attention(q, k3, v3, block_len=L, schedule=block_grouping)[:, :, 16:],
+                               out[:, :, 16:], atol=0, rtol=0)
 
 
 def test_autocast_and_half_inputs():

@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .ops._checks import check_4d, check_choice, check_positive_int
+from .ops.precision import autocast_off
 from .ops.vq import Assignment, vq_assign
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -134,6 +135,7 @@ class Codebook(nn.Module):
         """τ of the soft assignment: a float, or a learnable (H,) tensor."""
         return self.fixed_temperature if self.log_temperature is None else self.log_temperature.exp()
 
+    @autocast_off
     def forward(self, k: torch.Tensor, record: bool = True) -> CodebookOutput:
         """k: (B, H, T, D) -> CodebookOutput(codes (H, S, D), assignment of k, aux_loss scalar).
 
@@ -143,29 +145,28 @@ class Codebook(nn.Module):
         check_4d("k", k)
         if k.shape[1] != self.num_heads or k.shape[3] != self.dim:
             raise ValueError(f"k must have H={self.num_heads} and D={self.dim}, got shape {tuple(k.shape)}")
-        with torch.autocast(k.device.type, enabled=False):
-            keys = k.to(torch.promote_types(k.dtype, torch.float32))  # (B, H, T, D), float32 or float64
-            if self.training:
-                self._restart()
-            # EMA codes are updated in place at the end of the step, so attention gets a copy autograd may keep.
-            codes = (self.codes.clone() if self.learning == "ema" else self.codes).to(keys.dtype)
-            temperature = self.temperature if self.assign == "soft" else 1.0
-            assignment = vq_assign(keys if self.assign == "soft" else keys.detach(), codes, assign=self.assign,
-                                   temperature=temperature)
-            if not (record or self.training):
-                return CodebookOutput(codes.to(k.dtype), assignment, keys.new_zeros(()))
-            index = assignment.index if assignment.index is not None else assignment.weights.detach().max(-1).indices
-            nearest = torch.gather(codes.unsqueeze(0).expand(k.shape[0], -1, -1, -1), 2,
-                                   index.unsqueeze(-1).expand(-1, -1, -1, self.dim))  # (B, H, T, D)
-            aux = keys.new_zeros(())
-            if self.assign == "hard":
-                aux = self.commitment * (keys - nearest.detach()).pow(2).mean()
-                if self.learning == "grad":
-                    aux = aux + (keys.detach() - nearest).pow(2).mean()
-            counts = self._batch_counts(assignment)  # (H, S)
-            if self.training:
-                self._training_update(counts, assignment, keys.detach())
-            self._record_stats(counts, (keys.detach() - nearest.detach()).pow(2).sum(-1).mean())
+        keys = k.to(torch.promote_types(k.dtype, torch.float32))  # (B, H, T, D), float32 or float64
+        if self.training:
+            self._restart()
+        # EMA codes are updated in place at the end of the step, so attention gets a copy autograd may keep.
+        codes = (self.codes.clone() if self.learning == "ema" else self.codes).to(keys.dtype)
+        temperature = self.temperature if self.assign == "soft" else 1.0
+        assignment = vq_assign(keys if self.assign == "soft" else keys.detach(), codes, assign=self.assign,
+                               temperature=temperature)
+        if not (record or self.training):
+            return CodebookOutput(codes.to(k.dtype), assignment, keys.new_zeros(()))
+        index = assignment.index if assignment.index is not None else assignment.weights.detach().max(-1).indices
+        nearest = torch.gather(codes.unsqueeze(0).expand(k.shape[0], -1, -1, -1), 2,
+                               index.unsqueeze(-1).expand(-1, -1, -1, self.dim))  # (B, H, T, D)
+        aux = keys.new_zeros(())
+        if self.assign == "hard":
+            aux = self.commitment * (keys - nearest.detach()).pow(2).mean()
+            if self.learning == "grad":
+                aux = aux + (keys.detach() - nearest).pow(2).mean()
+        counts = self._batch_counts(assignment)  # (H, S)
+        if self.training:
+            self._training_update(counts, assignment, keys.detach())
+        self._record_stats(counts, (keys.detach() - nearest.detach()).pow(2).sum(-1).mean())
         return CodebookOutput(codes.to(k.dtype), assignment, aux)  # aux stays float32 (a loss term)
 
     def _slots(self, index: torch.Tensor) -> torch.Tensor:

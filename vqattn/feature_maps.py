@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .ops._checks import check_positive_int, compute_dtype
-from .ops.linear import autocast_off
+from .ops.precision import autocast_off
 
 
 class QKFeatures(NamedTuple):

@@ -3,13 +3,15 @@
 from .ops.kernel import kernel_attention
 from .ops.linear import LinearState, linear_attention
 from .ops.softmax import softmax_attention
-from .ops.vq import Assignment, VQState, vq_assign, vq_attention
+from .ops.vq import Assignment, Schedule, VQState, naive_vq_attention, vq_assign, vq_attention
 from .ops.window import WindowState, window_attention
 
 __all__ = [
     "softmax_attention",
     "vq_attention",
     "vq_assign",
+    "naive_vq_attention",
+    "Schedule",
     "Assignment",
     "VQState",
     "window_attention",

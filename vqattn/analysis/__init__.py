@@ -22,7 +22,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torchmetrics import Metric
 
-from ..feature_maps import ExpDefinitionFeatures, FeatureMap, TaylorFeatures, draw_random_features, favor_logits
+from ..feature_maps import (ExpDefinitionFeatures, FeatureMap, QKFeatures, TaylorFeatures, draw_random_features,
+                            favor_logits)
 from ..ops._checks import check_positive_int
 
 # ---------------------------------------------------------------------------------------------- sparsity
@@ -214,6 +215,37 @@ def approximation_error_curves(
 # ------------------------------------------------------------------------------------------- the bridge
 
 
+def codebook_kernel_features(q: torch.Tensor, k: torch.Tensor, codebook: torch.Tensor, *, temperature: float,
+                             scale: float | None = None) -> QKFeatures:
+    """Codebook attention with the unnormalised Gaussian-kernel assignment, as linear-attention features.
+
+    Spreading key k_j over codes c_s by Δ_js = exp(−‖k_j − c_s‖²/2τ + ‖c_s‖²/2τ) and reading it through the
+    query weights e^{σ q_i·c_s} gives the weights κ_ij = Σ_s e^{σ q_i·c_s} Δ_js = φ(q_i)·φ(k_j): codebook attention
+    with this assignment is linear attention, in window and cache alike. For the random codebook c = ω/√σ and
+    τ = 1/σ it is exactly FAVOR+ (Performer): Δ_js = exp(ω_s·k'_j − ‖k'_j‖²/2) with k' = √σ k, the Performer key
+    feature, and e^{σ q·c_s} = e^{ω_s·q'} its query feature up to a per-query factor.
+
+    q, k: (B, H, T, D), codebook: (H, S, D) or (S, D) -> ``QKFeatures`` for ``linear_attention(phi_q, phi_k, v,
+    k_log_scale=k_log_scale, ...)``. Query features are shifted by their row max (a per-query factor the "kernel"
+    normaliser cancels); key features are exp(log Δ_js − r_j) with r_j = max_s log Δ_js returned as
+    ``k_log_scale``: a key of norm 17 at τ = 0.05 has every Δ_js below e^{−2000}, far outside float32. The
+    temperature is a positive number (this is an analysis tool, not a layer: τ is not learned here).
+    """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    c = codebook if codebook.dim() == 3 else codebook.expand(k.shape[1], -1, -1)  # (H, S, D)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    q_logits = scale * q @ c.transpose(-1, -2)  # (B, H, T, S)
+    phi_q = torch.exp(q_logits - q_logits.detach().amax(-1, keepdim=True))
+    kc = k @ c.transpose(-1, -2)
+    # log Δ = (k·c − ‖k‖²/2)/τ, split as (k·c − max_s k·c)/τ + r: the large ‖k‖²/2τ never rounds the features.
+    # r is handed over detached (it multiplies back exactly); r − sg(r) adds nothing but routes r's gradient to k.
+    kc_max = kc.detach().amax(-1, keepdim=True)
+    r = (kc_max - (k * k).sum(-1, keepdim=True) / 2) / temperature  # (B, H, T, 1)
+    phi_k = torch.exp((kc - kc_max) / temperature + (r - r.detach()))
+    return QKFeatures(phi_q, phi_k, r.detach().squeeze(-1))
+
+
 def kernel_soft_factors(
     k: torch.Tensor, codebook: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -244,5 +276,6 @@ __all__ = [
     "relative_rmse",
     "performer_estimates",
     "approximation_error_curves",
+    "codebook_kernel_features",
     "kernel_soft_factors",
 ]

@@ -23,6 +23,7 @@ import torch  # noqa: E402
 
 from . import (  # noqa: E402
     approximation_error_curves,
+    codebook_kernel_features,
     kernel_soft_factors,
     sparsity,
     sparsity_exp,
@@ -31,6 +32,7 @@ from . import (  # noqa: E402
     sparsity_relu2,
 )
 from ..feature_maps import draw_random_features  # noqa: E402
+from ..ops.linear import linear_attention  # noqa: E402
 from ..ops.softmax import softmax_attention  # noqa: E402
 from ..ops.vq import vq_attention  # noqa: E402
 
@@ -146,8 +148,9 @@ def kernel_vs_soft(D: int = 64, T: int = 256, heads: int = 4, features=(64, 256,
         for equal_norms in (False, True):
             w = omega / omega.norm(dim=-1, keepdim=True) * math.sqrt(D) if equal_norms else omega
             c = w / math.sqrt(scale)
-            out = {a: vq_attention(q, k, v, c, causal=False, assign=a, temperature=tau, scale=scale)
-                   for a in ("kernel", "soft")}
+            phi_q, phi_k, k_log_scale = codebook_kernel_features(q, k, c, temperature=tau, scale=scale)
+            out = {"kernel": linear_attention(phi_q, phi_k, v, causal=False, k_log_scale=k_log_scale),
+                   "soft": vq_attention(q, k, v, c, causal=False, assign="soft", temperature=tau, scale=scale)}
             per_key, per_code = zip(*(kernel_soft_factors(k[:, h], c[h], tau) for h in range(heads)))
             rows.append({
                 "qk_std": std,

@@ -51,7 +51,6 @@ class VQAttention(Attention):
         num_codes: int = 64,
         block_len: int | None = 64,
         exact_window: bool = True,
-        detach_cache: bool = False,
         cache_scores: str = "all",
         codebook: dict | None = None,
         **attention_kwargs,
@@ -72,7 +71,7 @@ class VQAttention(Attention):
             raise ValueError("cache_scores='slow' selects RoPE pairs and needs rope=True; without RoPE use 'all'")
         check_positive_int("num_codes", num_codes)
         self.cache_scores = cache_scores
-        self.block_len, self.exact_window, self.detach_cache = block_len, exact_window, detach_cache
+        self.block_len, self.exact_window = block_len, exact_window
         self.codebook = Codebook(num_heads, num_codes, self.head_dim, assign=self.assign, **(codebook or {}))
 
     def _attend(self, q, k, v, pos, state, return_state):
@@ -91,7 +90,6 @@ class VQAttention(Attention):
             block_len=self.block_len,
             scale=self.head_dim**-0.5,
             exact_window=self.exact_window,
-            detach_cache=self.detach_cache,
             state=state,
             return_state=return_state,
             assignment=assignment,  # computed once, by the codebook; unchanged by the RoPE augmentation

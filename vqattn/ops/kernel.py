@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_choice, check_positive_int, check_qkv, compute_dtype
-from .linear import NORMALIZERS, _normalize, autocast_off
+from .linear import NORMALIZERS, _normalize
+from .precision import autocast_off
 
 KERNELS = ("exp", "rbf", "poly", "linear")
 

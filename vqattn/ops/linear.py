@@ -12,34 +12,15 @@ Cost O(T·M·Dv + T·C·(M + Dv)); memory holds one (M × Dv) state per chunk, n
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from ._checks import check_4d, check_choice, check_positive_int, check_qkv, check_same_device_dtype, compute_dtype
+from .precision import autocast_off
 
 NORMALIZERS = ("kernel", "count", "none")
-
-
-def autocast_off(fn):
-    """Run ``fn`` with autocast disabled on the device of its first tensor argument.
-
-    These ops promise float32 arithmetic for half inputs (exp features and long sums need it); under
-    ``torch.autocast`` their matmuls would otherwise run in bf16/fp16 whatever the input dtype. The result keeps
-    the dtype the op gives without autocast (the input's), which autocast's callers accept as is.
-    """
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
-        if x is None:  # not a tensor: fn's own checks raise the ValueError
-            return fn(*args, **kwargs)
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            return fn(*args, **kwargs)
-
-    return wrapper
 
 
 @dataclass

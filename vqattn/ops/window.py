@@ -5,7 +5,7 @@ Query i in block b = i // L attends to the keys j ≤ i of blocks b−1 and b:
     out_i = Σ_{j ∈ W(i)} e^{σ q_i·k_j} v_j / Σ_{j ∈ W(i)} e^{σ q_i·k_j},   W(i) = {j : (b−1)·L ≤ j ≤ i}
 
 so it sees between L and 2L−1 keys. It is ``vq_attention`` without the compressed cache, and runs the same
-block kernel (:class:`~vqattn.ops.vq_blocks.WindowCodeAttention` without codes) and the same recurrence:
+block kernel (:class:`~vqattn.ops.vq.window_codes.WindowCodeAttention` without codes) and the same recurrence:
 O(T·L·D) time, no T×T tensor, and a decoding state of fewer than 2L raw keys and values.
 """
 
@@ -16,18 +16,24 @@ from dataclasses import dataclass
 import torch
 
 from ._checks import check_positive_int, check_qkv, compute_dtype
-from .vq_blocks import (
+from .blocks import (
     DEFAULT_BLOCK_LEN,
+    RECURRENT_MAX_LEN,
+    Schedule,
+    as_schedule,
+    attend_one,
     block_groups,
     blocks,
+    group_window_bias,
     group_windows,
-    no_autocast,
     pad_to_blocks,
+    prepend_window,
     split_groups,
-    window_bias,
-    window_code_attention,
+    window_start,
 )
-from .vq_recurrent import RECURRENT_MAX_LEN, attend_one, window_start
+from .precision import autocast_off
+from .vq.window_codes import WindowCodeInputs, window_code_attention
+
 
 @dataclass
 class WindowState:
@@ -39,17 +45,19 @@ class WindowState:
     block_len: int
 
 
-def _chunked(q, k, v, L: int, scale: float) -> torch.Tensor:
+def _chunked(q, k, v, L: int, scale: float, schedule: Schedule) -> torch.Tensor:
     T = q.shape[2]
     q, k, v = (pad_to_blocks(x, L) for x in (q, k, v))  # padding comes after every real query: masked
     nb = q.shape[2] // L
-    groups = block_groups(nb, q.shape[0] * q.shape[1] * L * 2 * L * q.element_size(), q.device)
-    bias_later = window_bias(2, L, q.device, q.dtype)[1:]  # (1, L, 2L): every block but the first
-    out = [window_code_attention(blocks(q_g * scale, L), group_windows(*k_g, L),  # scaled per group: no full copy
-                                 window_bias(b1 - b0, L, q.device, q.dtype) if b0 == 0 else bias_later,
-                                 group_windows(*v_g, L))[0]
-           for (b0, b1), (q_g, _), k_g, v_g in zip(groups, *(split_groups(x, groups, L) for x in (q, k, v)))]
-    return torch.cat(out, 2)[:, :, :T]
+    B, H = q.shape[:2]
+    groups = block_groups(nb, B * H * L * 2 * L * q.element_size(), q.device, schedule.group_blocks)
+    outs = []
+    for (b0, b1), (q_g, _), k_g, v_g in zip(groups, *(split_groups(x, groups, L) for x in (q, k, v))):
+        bias = group_window_bias(b0 == 0, b1 - b0, L, q.device, q.dtype)
+        # q is scaled per group: no full-size copy
+        inputs = WindowCodeInputs(blocks(q_g * scale, L), group_windows(*k_g, L), bias, group_windows(*v_g, L))
+        outs.append(window_code_attention(inputs, loop=False)[0])  # no codes: no cache to read
+    return torch.cat(outs, 2)[:, :, :T]
 
 
 def _recurrent(q, k, v, state: WindowState, scale: float) -> tuple[torch.Tensor, WindowState]:
@@ -78,6 +86,7 @@ def _validate(q, k, v, block_len, state) -> None:
                              f"{tuple(state.values.shape)} for k {tuple(k.shape)}, v {tuple(v.shape)}")
 
 
+@autocast_off
 def window_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -87,6 +96,7 @@ def window_attention(
     scale: float | None = None,
     state: WindowState | None = None,
     return_state: bool = False,
+    schedule: str | Schedule = "auto",
 ):
     """Causal softmax attention over the current and the previous block of ``block_len`` (see module doc).
 
@@ -97,31 +107,31 @@ def window_attention(
         state: a :class:`WindowState` from an earlier call; the inputs then continue that sequence. Up to
             ``RECURRENT_MAX_LEN`` new tokens run token by token, longer chunks the block kernel.
         return_state: also return the state after this call.
+        schedule: the blocks' :class:`~vqattn.ops.blocks.Schedule` (its ``group_blocks``); never changes the result.
 
     Returns:
         out (B, H, T, Dv) in the input dtype (computed in float32 for half precision and under autocast), or
         (out, state) when ``return_state``.
     """
     _validate(q, k, v, block_len, state)
+    schedule = as_schedule(schedule)
     L = block_len or (state.block_len if state is not None else DEFAULT_BLOCK_LEN)
-    with no_autocast(q.device):
-        in_dtype, dtype = q.dtype, compute_dtype(q.dtype)
-        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-        scale = q.shape[-1] ** -0.5 if scale is None else scale
-        if state is not None:
-            state = WindowState(state.keys.to(dtype), state.values.to(dtype), state.length, state.block_len)
-        if state is not None and q.shape[2] <= RECURRENT_MAX_LEN:
-            out, new_state = _recurrent(q, k, v, state, scale)
-            return (out.to(in_dtype), new_state) if return_state else out.to(in_dtype)
-        T, start = q.shape[2], 0
-        if state is not None:  # re-run the state's raw window (block-aligned) in front; drop its outputs
-            start, prefix = state.length - state.keys.shape[2], state.keys.shape[2]
-            q = torch.cat([q.new_zeros(*q.shape[:2], prefix, q.shape[-1]), q], 2)
-            k, v = torch.cat([state.keys, k], 2), torch.cat([state.values, v], 2)
-        L_run = L if state is not None or return_state else min(L, T)  # one block: same result, less padding
-        out = _chunked(q, k, v, L_run, scale)[:, :, -T:].to(in_dtype)
-        if not return_state:
-            return out
-        length = start + k.shape[2]
-        keep = window_start(length, L) - start
-        return out, WindowState(k[:, :, keep:], v[:, :, keep:], length, L)
+    in_dtype, dtype = q.dtype, compute_dtype(q.dtype)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if state is not None:
+        state = WindowState(state.keys.to(dtype), state.values.to(dtype), state.length, state.block_len)
+    if state is not None and q.shape[2] <= RECURRENT_MAX_LEN:
+        out, new_state = _recurrent(q, k, v, state, scale)
+        return (out.to(in_dtype), new_state) if return_state else out.to(in_dtype)
+    T, start = q.shape[2], 0
+    if state is not None:  # re-run the state's raw window (block-aligned) in front; drop its outputs
+        start = state.length - state.keys.shape[2]
+        q, k, v = prepend_window(q, k, v, state.keys, state.values)
+    L_run = L if state is not None or return_state else min(L, T)  # one block: same result, less padding
+    out = _chunked(q, k, v, L_run, scale, schedule)[:, :, -T:].to(in_dtype)
+    if not return_state:
+        return out
+    length = start + k.shape[2]
+    keep = window_start(length, L) - start
+    return out, WindowState(k[:, :, keep:], v[:, :, keep:], length, L)

@@ -1,0 +1,150 @@
+"""The entry point :func:`vq_attention`: validation, precision, and the choice of form (``impl``)."""
+
+from __future__ import annotations
+
+import torch
+
+from .._checks import check_4d, check_choice, check_positive_int, check_qkv, check_same_device_dtype, compute_dtype
+from ..blocks import DEFAULT_BLOCK_LEN, RECURRENT_MAX_LEN, Schedule, as_schedule
+from ..precision import autocast_off
+from .assign import ASSIGNMENTS, Assignment, check_assignment, code_means, code_statistics, log_counts, map_time, \
+    vq_assign
+from .chunk import chunk_vq_attention
+from .recurrent import VQState, recurrent_vq_attention
+
+IMPLS = ("auto", "chunk", "recurrent")
+
+
+def _non_causal(q, k, v, c, a: Assignment, scale) -> torch.Tensor:
+    """exp(σ QCᵀ + log n) (ΔᵀV / n): every query reads every key through the codes."""
+    counts, sums = (x.squeeze(2) for x in code_statistics(a, v, c.shape[1]))  # (B, H, S), (B, H, S, Dv)
+    logits = (q * scale) @ c.transpose(-1, -2) + log_counts(counts).unsqueeze(2)
+    return torch.softmax(logits, dim=-1) @ code_means(counts, sums)
+
+
+def _check_codebook(codebook, k) -> None:
+    if not isinstance(codebook, torch.Tensor) or codebook.dim() not in (2, 3):
+        shape = tuple(codebook.shape) if isinstance(codebook, torch.Tensor) else type(codebook).__name__
+        raise ValueError(f"codebook must be a tensor of shape (H, S, D) or (S, D), got {shape}")
+    check_same_device_dtype(k=k, codebook=codebook)
+    if codebook.shape[-1] != k.shape[-1]:
+        raise ValueError(f"codebook D={codebook.shape[-1]} differs from the key D={k.shape[-1]}")
+    if codebook.dim() == 3 and codebook.shape[0] != k.shape[1]:
+        raise ValueError(f"codebook has {codebook.shape[0]} heads but k has H={k.shape[1]}")
+    if codebook.shape[-2] == 0:
+        raise ValueError("codebook must have at least one code (S >= 1)")
+
+
+def _check_state(state, k, v, codebook, *, assign, block_len) -> None:
+    B, H, _, D = k.shape
+    S, Dv = codebook.shape[-2], v.shape[-1]
+    if not isinstance(state, VQState):
+        raise ValueError(f"state must be a VQState returned by vq_attention, got {type(state).__name__}")
+    if block_len is not None and block_len != state.block_len:
+        raise ValueError(f"block_len={block_len} differs from the state's block_len={state.block_len}")
+    if state.counts.shape != (B, H, S) or state.sums.shape != (B, H, S, Dv) or state.keys.shape[-1] != D:
+        raise ValueError(
+            f"state does not match the inputs: counts {tuple(state.counts.shape)}, sums {tuple(state.sums.shape)} "
+            f"for B={B}, H={H}, S={S}, D={D}, Dv={Dv}"
+        )
+    check_4d("state.keys", state.keys)
+    check_assignment(state.assignment, assign=assign, shape=tuple(state.keys.shape[:3]), num_codes=S,
+                     device=k.device)
+
+
+def _validate(q, k, v, codebook, *, causal, assign, block_len, exact_window, state, return_state, impl) -> None:
+    check_qkv(q, k, v, causal=causal)
+    _check_codebook(codebook, k)
+    if assign == "kernel":
+        raise ValueError("assign must be 'hard' or 'soft'; the kernel assignment makes codebook attention linear "
+                         "attention: use linear_attention with vqattn.analysis.codebook_kernel_features")
+    check_choice("assign", assign, ASSIGNMENTS)
+    check_choice("impl", impl, IMPLS)
+    if block_len is not None:
+        check_positive_int("block_len", block_len)
+    if not causal and (exact_window or state is not None or return_state or impl == "recurrent"):
+        raise ValueError("exact_window, state, return_state and impl='recurrent' need causal=True "
+                         "(non-causal attention has no window)")
+    if state is not None:
+        _check_state(state, k, v, codebook, assign=assign, block_len=block_len)
+
+
+@autocast_off
+def vq_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    codebook: torch.Tensor,
+    *,
+    causal: bool,
+    assign: str = "hard",
+    temperature: float | torch.Tensor = 1.0,
+    block_len: int | None = None,
+    scale: float | None = None,
+    exact_window: bool = False,
+    state: VQState | None = None,
+    return_state: bool = False,
+    assignment: Assignment | None = None,
+    impl: str = "auto",
+    schedule: str | Schedule = "auto",
+):
+    """Codebook attention (see :mod:`vqattn.ops.vq` for the math, :func:`naive_vq_attention` for the definition).
+
+    Args:
+        q, k: (B, H, T, D); v: (B, H, T, Dv). Non-causal calls may give k and v another length than q.
+        codebook: (H, S, D), one codebook per head, or (S, D) shared by all heads.
+        causal: block-wise linear-time causal attention; else exp(QCᵀ)(ΔᵀV) over all keys.
+        assign: "hard" (Transformer-VQ) or "soft" (GMM posterior).
+        temperature: τ > 0 of soft assignments: a number, or a tensor with 1 or H elements (learnable).
+        block_len: causal block length L (default 64, or T when T < 64). The window is the current and the
+            previous block; older blocks are compressed.
+        scale: multiplies q·k and q·c; defaults to D**-0.5 as in SDPA.
+        exact_window: the window scores the raw keys σ q·k (exact softmax nearby, codes only for the far past),
+            which RoPE needs; otherwise hard keys are scored by their code (straight-through) and soft keys by
+            their mixture, which is cheaper (docs/performance_notes.md).
+        state: a :class:`VQState` from an earlier call; the inputs then continue that sequence.
+        return_state: also return the :class:`VQState` after this call (causal only).
+        assignment: the keys' :class:`Assignment`, ``vq_assign(k, codebook, assign=assign, temperature=...)``,
+            when the caller already has it (e.g. from its codebook module); computed here otherwise. With it,
+            ``temperature`` is not used (it is in the assignment, with its gradient for soft).
+        impl: the form that computes it, as flash-linear-attention's ``mode``: "chunk" (the block algorithm),
+            "recurrent" (token by token, O(1) per token: decoding), or "auto": recurrent for a ``state`` and at
+            most ``RECURRENT_MAX_LEN`` new tokens, chunk otherwise. All give the same result to rounding.
+        schedule: how the chunk form runs its blocks (:class:`~vqattn.ops.blocks.Schedule`): "auto", "loop"
+            or "cumsum"; never changes the result.
+
+    Returns:
+        out (B, H, T, Dv) in the input dtype, or (out, state) when ``return_state``. Computed in float32 for
+        half-precision inputs and inside autocast (float64 stays float64).
+    """
+    _validate(q, k, v, codebook, causal=causal, assign=assign, block_len=block_len, exact_window=exact_window,
+              state=state, return_state=return_state, impl=impl)
+    schedule = as_schedule(schedule)
+    if assignment is not None:
+        check_assignment(assignment, assign=assign, shape=tuple(k.shape[:3]), num_codes=codebook.shape[-2],
+                         device=q.device)
+    in_dtype, dtype = q.dtype, compute_dtype(q.dtype)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    c = codebook.to(dtype)
+    c = c.unsqueeze(0).expand(q.shape[1], -1, -1) if c.dim() == 2 else c  # (H, S, D)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    assign_keys = lambda keys: vq_assign(keys, c, assign=assign, temperature=temperature)  # noqa: E731
+    state = None if state is None else state.to(dtype)
+    recurrent = impl == "recurrent" or (impl == "auto" and state is not None and q.shape[2] <= RECURRENT_MAX_LEN)
+    if assignment is not None:
+        a = map_time(lambda x: x.to(dtype) if x.is_floating_point() else x, assignment)
+    elif not causal or state is not None or recurrent:
+        a = assign_keys(k)
+    else:
+        a = None  # the block algorithm assigns group by group
+    if not causal:
+        return _non_causal(q, k, v, c, a, scale).to(in_dtype)
+    L = block_len or (state.block_len if state is not None else DEFAULT_BLOCK_LEN)
+    if recurrent:
+        state = VQState.empty(k, v, c.shape[1], L, assign) if state is None else state
+        out, new_state = recurrent_vq_attention(q, k, v, c, a, state=state, scale=scale, exact_window=exact_window)
+    else:
+        out, new_state = chunk_vq_attention(q, k, v, c, a, assign=assign, state=state, block_len=L, scale=scale,
+                                            exact_window=exact_window, assign_keys=assign_keys,
+                                            return_state=return_state, schedule=schedule)
+    return (out.to(in_dtype), new_state) if return_state else out.to(in_dtype)

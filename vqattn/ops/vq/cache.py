@@ -1,0 +1,183 @@
+"""The codes' value-sum cache that every block of a group reads, and the gradients of what reads it.
+
+Block b of a group reads C_b (S, Dv per batch·head), the value sums Σ_j Δ_js v_j of the keys compressed before
+it: C_0 is the cache the group starts from and C_{b+1} = C_b + (block b's statistics, :class:`CacheUpdates`).
+Two schedules (:class:`~vqattn.ops.blocks.Schedule`) give the same sums: a loop over the blocks with one running
+cache, or every C_b at once by one cumsum.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class CacheUpdates(NamedTuple):
+    """The statistics that enter the value-sum cache after each block of a group: block b adds Σ_j Δ_js v_j over
+    its L keys j, with values (N, n, L, Dv) and either the keys' codes ``index`` (N, n, L) (hard: Δ one-hot) or
+    their weights ``weights`` (N, n, L, S) (soft)."""
+
+    values: torch.Tensor
+    index: torch.Tensor | None
+    weights: torch.Tensor | None
+
+
+def _flat_slots(index: torch.Tensor, S: int) -> torch.Tensor:
+    """(N, n, L) codes -> (n, N·L) rows of the flattened (N·S, Dv) cache."""
+    N = index.shape[0]
+    return (index + torch.arange(N, device=index.device).view(N, 1, 1) * S).transpose(0, 1).reshape(index.shape[1], -1)
+
+
+def _add_block(cache: torch.Tensor, updates: CacheUpdates, slots, b: int, alpha: float) -> None:
+    """cache (N, S, Dv) += alpha · (block b's statistics), in place."""
+    values = updates.values[:, b]  # (N, L, Dv)
+    if slots is not None:
+        N, S, Dv = cache.shape
+        cache.view(N * S, Dv).index_add_(0, slots[b], values.reshape(-1, Dv), alpha=alpha)
+    else:
+        cache.baddbmm_(updates.weights[:, b].transpose(-1, -2), values, alpha=alpha)
+
+
+def _block_slots(index: torch.Tensor, S: int) -> torch.Tensor:
+    """(N, n, L) codes -> (N, n·L, 1) rows of the (N, n·S, Dv) per-block statistics."""
+    n = index.shape[1]
+    return (index + torch.arange(n, device=index.device).view(1, n, 1) * S).flatten(1).unsqueeze(-1)
+
+
+def _block_caches(sums: torch.Tensor, updates: CacheUpdates) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every block's cache C_b (N, n, S, Dv) at once, and C_n."""
+    N, S, Dv = sums.shape
+    values = updates.values
+    n = values.shape[1]
+    if updates.index is not None:
+        slots = _block_slots(updates.index, S).expand(-1, -1, Dv)
+        stats = values.new_zeros(N, n * S, Dv).scatter_add(1, slots, values.flatten(1, 2)).view(N, n, S, Dv)
+    else:
+        stats = updates.weights.transpose(-1, -2) @ values
+    ends = sums.unsqueeze(1) + torch.cumsum(stats, 1)  # C_{b+1}
+    return torch.cat([sums.unsqueeze(1), ends[:, :-1]], 1), ends[:, -1]
+
+
+def read_cache(logits: torch.Tensor, sums: torch.Tensor, updates: CacheUpdates, probabilities, loop: bool):
+    """num_b = p_b · C_b for every block b of a group, with p_b = ``probabilities(b, logits_b, out)`` block b's
+    code weights from its code logits, written into ``out``. Returns p (N, n, L, S), num (N, n, L, Dv) and C_n
+    (N, S, Dv). ``probabilities`` takes a block index b and logits_b (N, L, S), or b = ``slice(None)`` and every
+    block's logits (N, n, L, S).
+
+    ``loop``: the blocks run one after another while their (L, S) tiles and one running (S, Dv) cache per
+    batch·head stay in cache (CPU): every pass over the (T, S) weights is a pass over memory otherwise, and a
+    cache per block is 8× a block's keys at S = 512, L = 64.
+    """
+    p = torch.empty_like(logits)
+    if not loop:
+        caches, last = _block_caches(sums, updates)
+        probabilities(slice(None), logits, p)
+        return p, p @ caches, last
+    N, n, L, _ = logits.shape
+    cache = sums.clone()
+    slots = None if updates.index is None else _flat_slots(updates.index, sums.shape[1])
+    num = logits.new_empty(n, N, L, sums.shape[-1])
+    for b in range(n):
+        torch.bmm(probabilities(b, logits[:, b], p[:, b]), cache, out=num[b])
+        _add_block(cache, updates, slots, b, 1.0)
+    return p, num.transpose(0, 1), cache
+
+
+class CacheGradients(NamedTuple):
+    """Gradients of :func:`read_cache`'s inputs: the first cache ``sums`` and the updates' values and weights
+    (None when not asked for, or for a code index)."""
+
+    sums: torch.Tensor
+    values: torch.Tensor | None
+    weights: torch.Tensor | None
+
+
+def read_cache_backward(p, grad_num, sums, last, grad_last, updates: CacheUpdates, need_updates: bool,
+                        logit_factor, use_logit_grad, loop: bool, grad_values=None, grad_weights=None):
+    """Backward of :func:`read_cache` with its first and last caches ``sums`` = C_0 and ``last`` = C_n and the
+    last one's gradient ``grad_last`` (or None). With G_b = dC_b = G_{b+1} + p_bᵀ · dnum_b (G_n = grad_last),
+    hands every block's logit gradients p_b ⊙ logit_factor(b, dp_b), dp_b = dnum_b · C_bᵀ, to
+    ``use_logit_grad(b, ds_b)`` (:class:`LogitGradients`), and returns :class:`CacheGradients`: block b's
+    statistics enter C_{b+1}, so their gradient is G_{b+1}. Given ``grad_values`` / ``grad_weights`` (N, n, L, ·),
+    the updates' gradients are added to them (when the caller also differentiates them otherwise).
+
+    Both callbacks take a block index b and (N, L, S) tiles, or b = ``slice(None)`` and every block's (N, n, L, S).
+    With ``loop`` the blocks are walked backwards, recovering C_b = C_{b+1} − (block b's statistics), and every
+    product is formed while its operands are in cache.
+    """
+    grad_last = torch.zeros_like(last) if grad_last is None else grad_last
+    weighted = need_updates and updates.index is None
+    if weighted:
+        grad_values = p.new_zeros(*p.shape[:3], last.shape[-1]) if grad_values is None else grad_values
+        grad_weights = torch.zeros_like(updates.weights) if grad_weights is None else grad_weights
+    backward = _backward_loop if loop else _backward_cumsum
+    return backward(p, grad_num, sums, last, grad_last, updates, need_updates, logit_factor, use_logit_grad,
+                    grad_values if weighted else None, grad_weights if weighted else None)
+
+
+def _backward_cumsum(p, grad_num, sums, last, grad_last, updates, need_updates, logit_factor, use_logit_grad,
+                     grad_values, grad_weights) -> CacheGradients:
+    N, n, L, S = p.shape
+    Dv = last.shape[-1]
+    caches, _ = _block_caches(sums, updates)
+    use_logit_grad(slice(None), logit_factor(slice(None), grad_num @ caches.transpose(-1, -2)).mul_(p))
+    grad_caches = p.transpose(-1, -2) @ grad_num  # (N, n, S, Dv)
+    suffix = torch.flip(torch.cumsum(torch.flip(grad_caches, [1]), 1), [1])  # Σ_{b' ≥ b}
+    grad_stats = grad_last.unsqueeze(1) + torch.cat([suffix[:, 1:], torch.zeros_like(suffix[:, :1])], 1)
+    if grad_weights is not None:
+        grad_values = grad_values + updates.weights @ grad_stats
+        grad_weights = grad_weights + updates.values @ grad_stats.transpose(-1, -2)
+    elif need_updates:
+        slots = _block_slots(updates.index, S).expand(-1, -1, Dv)
+        grad_values = grad_stats.flatten(1, 2).gather(1, slots).view(N, n, L, Dv)
+    return CacheGradients(grad_last + suffix[:, 0], grad_values, grad_weights)
+
+
+def _backward_loop(p, grad_num, sums, last, grad_last, updates, need_updates, logit_factor, use_logit_grad,
+                   grad_values, grad_weights) -> CacheGradients:
+    N, n, L, S = p.shape
+    Dv = last.shape[-1]
+    cache, grad_cache = last.clone(), grad_last.clone()
+    slots = None if updates.index is None else _flat_slots(updates.index, S)
+    gathered = need_updates and grad_weights is None  # hard: the values' gradient is gathered at their codes
+    if gathered:
+        grad_values = p.new_empty(n, N, L, Dv)
+    for b in range(n - 1, -1, -1):
+        _add_block(cache, updates, slots, b, -1.0)
+        if grad_weights is not None:  # G_{b+1} is the gradient of what block b added
+            grad_values[:, b].baddbmm_(updates.weights[:, b], grad_cache)
+            grad_weights[:, b].baddbmm_(updates.values[:, b], grad_cache.transpose(-1, -2))
+        elif gathered:
+            torch.index_select(grad_cache.view(N * S, Dv), 0, slots[b], out=grad_values[b].view(N * L, Dv))
+        grad_cache.baddbmm_(p[:, b].transpose(-1, -2), grad_num[:, b])
+        use_logit_grad(b, logit_factor(b, torch.bmm(grad_num[:, b], cache.transpose(-1, -2))).mul_(p[:, b]))
+    return CacheGradients(grad_cache, grad_values.transpose(0, 1) if gathered else grad_values, grad_weights)
+
+
+def code_logits_of(q: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """q·cᵀ for q (N, n, L, D) and c (N, S, D): (N, n, L, S), one bmm (a broadcast matmul would copy c per block)."""
+    N, n, L, D = q.shape
+    return torch.bmm(q.reshape(N, n * L, D), codebook.transpose(-1, -2)).view(N, n, L, -1)
+
+
+class LogitGradients:
+    """Takes a group's code-logit gradients ds (:func:`read_cache_backward`) block by block, adds the window's
+    gathered-logit gradients (hard VQ: ``window_codes`` (N, n, L, W) and ``ds_window``), and turns them into the
+    gradients ``dq`` of the queries q (N, n, L, D) and ``dc`` of the codebook c (N, S, D) of the logits q·cᵀ, so
+    no (T, S) gradient is written."""
+
+    def __init__(self, q, codebook, *, need_q: bool, need_codebook: bool, window_codes=None, ds_window=None):
+        self.q, self.codebook, self.window_codes, self.ds_window = q, codebook, window_codes, ds_window
+        self.dq = torch.empty_like(q) if need_q else None
+        self.dc = torch.zeros_like(codebook) if need_codebook else None
+
+    def __call__(self, b, ds):
+        N, S = ds.shape[0], ds.shape[-1]
+        if self.window_codes is not None:
+            ds.scatter_add_(-1, self.window_codes[:, b], self.ds_window[:, b])
+        flat = ds.reshape(N, -1, S)
+        if self.dq is not None:
+            self.dq[:, b] = torch.bmm(flat, self.codebook).view(self.dq[:, b].shape)
+        if self.dc is not None:
+            self.dc.baddbmm_(flat.transpose(-1, -2), self.q[:, b].reshape(N, -1, self.q.shape[-1]))

@@ -1,0 +1,167 @@
+"""The block (chunk) form of causal codebook attention: the Transformer-VQ algorithm.
+
+Queries run in blocks of L. Block b attends, with one softmax, to its window (blocks b−1 and b, one logit per key,
+causally masked) and to the S codes, which carry the counts n_s and value sums Σ_j Δ_js v_j of blocks ≤ b−2 and
+enter with logit σ q·c_s + log n_s and value (Σ_j Δ_js v_j) / n_s. Cost O(T·(L + S)·D), no T×T tensor.
+
+The blocks run in groups (:func:`~vqattn.ops.blocks.block_groups`), each starting from the cache the previous
+group leaves, through one of two kernels:
+
+* :func:`_window_group` (:class:`WindowCodeAttention`): hard VQ, whose window logit of key j is the code logit
+  σ q·c_{z_j} gathered at its code (straight-through gradient to k_j), and every ``exact_window`` call, whose window
+  logits are σ q·k_j of the raw keys;
+* :func:`_mixture_group` (:class:`MixtureAttention`): soft VQ, whose window logit log Σ_s e^{σ q·c_s} Δ_js is the
+  cache's own formula, so its window is the current block only and the previous one is read through the cache.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..blocks import (
+    Schedule,
+    block_groups,
+    blocks,
+    group_window_bias,
+    group_windows,
+    loops,
+    pad_to_blocks,
+    prepend_window,
+    previous_blocks,
+    split_groups,
+    window_start,
+)
+from .assign import Assignment, cat_time, code_counts, code_statistics, map_time
+from .cache import CacheUpdates
+from .mixture import mixture_attention
+from .recurrent import VQState
+from .window_codes import WindowCodeInputs, window_code_attention
+
+
+class Group(NamedTuple):
+    """One group of n blocks: q (scaled), k (B, H, n·L, D), v (B, H, n·L, Dv) and the keys' Assignment ``a``; the
+    block before the group k_before, v_before, a_before (B, H, L, ·) (zeros before block 0, masked)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    a: Assignment
+    k_before: torch.Tensor
+    v_before: torch.Tensor
+    a_before: Assignment | None
+    first: bool
+
+
+class Carry(NamedTuple):
+    """What a group hands the next: ``run`` (B, H, S), the counts of the next group's first block's cache without
+    ``tail`` (B, H, lag, S), the counts of the last ``lag`` blocks, which enter the caches of the next group's
+    blocks one by one; ``sums`` (B, H, S, Dv), the value sums of the next group's first block's cache."""
+
+    run: torch.Tensor
+    tail: torch.Tensor
+    sums: torch.Tensor
+
+
+def _window_group(g: Group, carry: Carry, *, c, L: int, loop: bool, gathered: bool):
+    """Window (raw keys, or gathered code logits when ``gathered``) plus codes; the block b−1 leaving block b's
+    window enters the cache after block b (lag 2)."""
+    n, S = g.q.shape[2] // L, c.shape[1]
+    # The caches' counts add, in order, the tail and the group's own blocks but its last two, which are the next
+    # group's tail. One reduction of the whole assignment, split afterwards: the backward pass hands the (n·L, S)
+    # weights one expanded gradient, not a cat of two.
+    counts = torch.cat([carry.tail, code_counts(g.a, S, n, dtype=g.q.dtype)], 2)  # (B, H, 2 + n, S)
+    entering, tail = counts.split([n, 2], 2)
+    cache_counts = carry.run.unsqueeze(2) + entering.cumsum(2)  # (B, H, n, S), block b's cache
+    leaving = [None if x is None else previous_blocks(x, y, L) for x, y in zip(g.a, g.a_before)]
+    updates = CacheUpdates(previous_blocks(g.v, g.v_before, L), leaving[1], leaving[0])
+    inputs = WindowCodeInputs(
+        queries=blocks(g.q, L), window_keys=group_windows(g.k, g.k_before, L),
+        window_bias=group_window_bias(g.first, n, L, g.q.device, g.q.dtype),
+        window_values=group_windows(g.v, g.v_before, L), counts=cache_counts, sums=carry.sums,
+        add_values=updates.values, add_index=updates.index, add_weights=updates.weights, codebook=c,
+        window_codes=group_windows(g.a.index, g.a_before.index, L) if gathered else None)
+    out, sums = window_code_attention(inputs, loop)
+    return out, Carry(cache_counts[:, :, -1], tail, sums)
+
+
+def _mixture_group(g: Group, carry: Carry, *, c, L: int, loop: bool):
+    """Soft VQ in linear form; the block leaves the window right after it (lag 1), so ``run`` holds every count."""
+    # The values get a column of ones, so the cache's last column is the counts.
+    values = torch.cat([g.v, g.v.new_ones(*g.v.shape[:-1], 1)], -1)
+    out, run, sums = mixture_attention(blocks(g.q, L), c, blocks(g.a.weights, L), blocks(values, L), carry.run,
+                                       carry.sums, loop)
+    return out, Carry(run, carry.tail, sums)
+
+
+def _causal(q, k, v, c, a: Assignment | None, *, assign: str, L: int, scale: float, exact_window: bool, counts0,
+            sums0, assign_keys, fold_blocks: int, schedule: Schedule):
+    """The block algorithm, group by group. q, k: (B, H, T, D), c: (H, S, D); ``a`` the keys' Assignment, or None
+    to assign each group's keys with ``assign_keys`` (so no (T, S) tensor exists at once); counts0/sums0: the
+    cache before position 0. Returns out (B, H, T, Dv) and the cache after the first ``fold_blocks`` blocks."""
+    B, H, T, D = q.shape
+    S = c.shape[1]
+    # Padding sits after every real query, so the causal mask hides it; its block statistics are never read
+    # because block b's cache only holds blocks ≤ b−1.
+    q, k, v = (pad_to_blocks(x, L) for x in (q, k, v))
+    a = None if a is None else map_time(lambda x: pad_to_blocks(x, L), a)
+    nb = q.shape[2] // L
+    mixture = assign == "soft" and not exact_window
+    lag = 1 if mixture else 2
+    groups = block_groups(nb, block_bytes(B, H, L, S, q.element_size()), q.device, schedule.group_blocks)
+    splits = [split_groups(x, groups, L) for x in (q, k, v)]
+    a_splits = None if a is None else [None if x is None else split_groups(x, groups, L) for x in a]
+    carry = Carry(counts0, q.new_zeros(B, H, lag, S), sums0)
+    outs, fold_counts, fold_sums = [], counts0, sums0
+    loop = loops(schedule, q.device)
+    for i, (b0, b1) in enumerate(groups):
+        (q_g, _), (k_g, k_before), (v_g, v_before) = (split[i] for split in splits)
+        if a is None:
+            a_g, a_before = assign_keys(k_g), (assign_keys(k_before) if lag == 2 else None)
+        else:
+            a_g, a_before = (Assignment(*parts) for parts in zip(*((None, None) if x is None else x[i]
+                                                                    for x in a_splits)))
+        # q is scaled per group (cheaper than scaling the logits, and no full-size temporary)
+        g = Group(q_g * scale, k_g, v_g, a_g, k_before, v_before, a_before, b0 == 0)
+        if mixture:
+            out, carry = _mixture_group(g, carry, c=c, L=L, loop=loop)
+        else:
+            out, carry = _window_group(g, carry, c=c, L=L, loop=loop, gathered=not exact_window)
+        outs.append(out)
+        fold = min(max(fold_blocks - b0, 0), b1 - b0) * L
+        if fold:
+            n, s = code_statistics(map_time(lambda x: x[:, :, :fold], a_g), v_g[:, :, :fold], S)
+            fold_counts, fold_sums = fold_counts + n.squeeze(2), fold_sums + s.squeeze(2)
+    return torch.cat(outs, 2)[:, :, :T], fold_counts, fold_sums
+
+
+def block_bytes(B: int, H: int, L: int, S: int, element_size: int) -> int:
+    """The size of one block's temporaries: its (L, S + 2L) logit tiles over every batch·head."""
+    return B * H * L * (S + 2 * L) * element_size
+
+
+def chunk_vq_attention(q, k, v, c, a: Assignment | None, *, assign: str, state: VQState | None, block_len: int,
+                       scale: float, exact_window: bool, assign_keys, return_state: bool, schedule: Schedule):
+    """Causal block algorithm over new tokens that may continue ``state``, whose raw window is re-run in front.
+    ``a``: the keys' Assignment, or None (no state) to assign group by group. Returns (out, state or None)."""
+    B, H, T, _ = q.shape
+    S, Dv, L = c.shape[1], v.shape[-1], block_len
+    if state is None:
+        start, counts0, sums0 = 0, q.new_zeros(B, H, S), q.new_zeros(B, H, S, Dv)
+    else:
+        start, counts0, sums0 = state.length - state.keys.shape[2], state.counts, state.sums
+        q, k, v = prepend_window(q, k, v, state.keys, state.values)
+        a = cat_time(state.assignment, a)
+    # Short sequences fit in one block; a shorter block gives the same result with less padding.
+    L_run = L if state is not None or return_state else min(L, k.shape[2])
+    length = start + k.shape[2]
+    keep = window_start(length, L) - start  # positions leaving the raw window: whole blocks
+    out, counts, sums = _causal(q, k, v, c, a, assign=assign, L=L_run, scale=scale, exact_window=exact_window,
+                                counts0=counts0, sums0=sums0, assign_keys=assign_keys,
+                                fold_blocks=keep // L if return_state else 0, schedule=schedule)
+    out = out[:, :, out.shape[2] - T :]
+    if not return_state:
+        return out, None
+    window = assign_keys(k[:, :, keep:]) if a is None else map_time(lambda x: x[:, :, keep:], a)
+    return out, VQState(counts, sums, k[:, :, keep:], v[:, :, keep:], length, L, window)
