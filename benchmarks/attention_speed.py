@@ -1,6 +1,10 @@
 """Forward+backward time and peak memory: causal SDPA against causal vq_attention (hard and soft) and
 window_attention.
 
+``vq_hard`` and ``vq_soft`` time the op's defaults (the window scores keys by their codes); ``vq_hard_rope`` and
+``vq_soft_rope`` the configuration the default vq layers run: ``exact_window=True`` with the window scored by
+RoPE-rotated queries and keys (``q_rot``, ``k_rot``, given as inputs: the rotation is the layer's, not the op's).
+
 Gradients flow to q, k, v, and to the codebook for soft (learned by gradient); the hard codebook is an EMA
 buffer without gradient, as in Transformer-VQ and ``Codebook(learning="ema")``.
 
@@ -40,16 +44,18 @@ import torch
 from vqattn.functional import softmax_attention, vq_attention, window_attention
 from vqattn.utils import tune_cpu_allocator
 
-METHODS = ("sdpa", "vq_hard", "vq_soft", "window")
+METHODS = ("sdpa", "vq_hard", "vq_soft", "vq_hard_rope", "vq_soft_rope", "window")
 MODES = ("default", "tuned", "compiled")
 
 
-def attention(method: str, q, k, v, codebook, block_len):
+def attention(method: str, q, k, v, codebook, block_len, q_rot=None, k_rot=None):
     if method == "sdpa":
         return softmax_attention(q, k, v, causal=True)
     if method == "window":
         return window_attention(q, k, v, block_len=block_len)
-    return vq_attention(q, k, v, codebook, causal=True, assign=method.removeprefix("vq_"), block_len=block_len)
+    rope = dict(exact_window=True, q_rot=q_rot, k_rot=k_rot) if method.endswith("_rope") else {}
+    assign = method.removeprefix("vq_").removesuffix("_rope")
+    return vq_attention(q, k, v, codebook, causal=True, assign=assign, block_len=block_len, **rope)
 
 
 def child(method: str, T: int, device: str, reps: int, block_len: int | None, compiled: bool, B=1, H=4, D=64,
@@ -57,8 +63,9 @@ def child(method: str, T: int, device: str, reps: int, block_len: int | None, co
     torch.manual_seed(0)
     make = lambda *shape: torch.randn(*shape, device=device).requires_grad_(True)  # noqa: E731
     q, k, v, codebook = make(B, H, T, D), make(B, H, T, D), make(B, H, T, D), make(H, S, D)
+    rotated = (make(B, H, T, D), make(B, H, T, D)) if method.endswith("_rope") else (None, None)
     # As in Transformer-VQ, the hard codebook is an EMA k-means buffer (no gradient); the soft one is learned.
-    codebook.requires_grad_(method == "vq_soft")
+    codebook.requires_grad_(method.startswith("vq_soft"))
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -69,7 +76,7 @@ def child(method: str, T: int, device: str, reps: int, block_len: int | None, co
     fn = torch.compile(attention, fullgraph=True) if compiled else attention
 
     def run_once():
-        out = fn(method, q, k, v, codebook, block_len)
+        out = fn(method, q, k, v, codebook, block_len, *rotated)
         out.backward(torch.ones_like(out))
 
     run_once()  # warm-up (and compilation); also the memory measurement
@@ -82,8 +89,9 @@ def child(method: str, T: int, device: str, reps: int, block_len: int | None, co
     sync()
     times = []
     for _ in range(reps):
-        for t in (q, k, v, codebook):
-            t.grad = None  # fresh gradients every repetition, as in a training step
+        for t in (q, k, v, codebook, *rotated):
+            if t is not None:
+                t.grad = None  # fresh gradients every repetition, as in a training step
         sync()
         start = time.perf_counter()
         run_once()

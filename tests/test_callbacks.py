@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from vqattn.train import cli, launch
-from vqattn.train.callbacks import RNGState, _ContinuingWriter
+from vqattn.train.callbacks import RNGState
+from vqattn.train.loggers import RunCSVLogger
 from vqattn.train.lit import model_config, read_checkpoint
 from vqattn.train.report import markdown_table
 
@@ -56,20 +57,26 @@ def test_metrics_csv_is_continued_from_the_resume_step(tmp_path):
         writer = csv.DictWriter(f, fieldnames=["step", "train_loss", "val_bpb"])
         writer.writeheader()
         writer.writerows(rows)
-    writer = _ContinuingWriter(str(tmp_path), resume_step=20)
-    writer.log_metrics({"train_loss": 0.5}, step=20)  # the resumed run's 21st batch
-    writer.save()
+    logger = RunCSVLogger(tmp_path, resume_step=20)
+    logger.log_metrics({"train_loss": 0.5}, step=20)  # the resumed run's 21st batch
+    logger.save()
+    logger.log_metrics({"train_loss": 0.25, "val_acc": 0.5}, step=21)  # a new column: the header is rewritten
+    logger.finalize("success")
     with path.open(newline="") as f:
         rows = [(int(r["step"]), r["train_loss"], r["val_bpb"]) for r in csv.DictReader(f)]
     # kept: everything up to the checkpoint, including the validation after its step; dropped: the old 21st batch
-    assert rows == [(9, "0.1", ""), (19, "0.05", ""), (20, "", "5.0"), (20, "0.5", "")]
+    assert rows == [(9, "0.1", ""), (19, "0.05", ""), (20, "", "5.0"), (20, "0.5", ""), (21, "0.25", "")]
+    with path.open(newline="") as f:
+        assert next(csv.reader(f)) == ["step", "train_loss", "val_acc", "val_bpb"]
 
 
 def test_a_run_dir_holding_hydra_files_is_not_warned_about(tmp_path):
     (tmp_path / "train.log").write_text("log\n")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _ContinuingWriter(str(tmp_path))
+        logger = RunCSVLogger(tmp_path)
+        logger.log_metrics({"train_loss": 1.0}, step=0)
+        logger.save()
     assert not [w for w in caught if "exists and is not empty" in str(w.message)]
     assert (tmp_path / "train.log").read_text() == "log\n"
 

@@ -86,7 +86,7 @@ def test_the_checker_catches_a_silent_override():
 def test_root_values_are_the_python_defaults():
     cfg = compose_cfg()
     assert OmegaConf.to_container(cfg.optim) == {**dataclasses.asdict(OptimConfig()), "betas": [0.9, 0.95]}
-    for key in ("aux_weight", "compile", "carry_state", "carry_segments"):
+    for key in ("aux_weight", "compile", "carry_state", "carry_segments", "position_edges"):
         assert cfg[key] == inspect.signature(LitLM).parameters[key].default, key
     assert cfg.block_len == inspect.signature(ATTENTIONS["vq_hard"]).parameters["block_len"].default
     assert cfg.block_len == inspect.signature(ATTENTIONS["window"]).parameters["block_len"].default

@@ -115,9 +115,11 @@ def test_vq_rope_inside_one_block_is_softmax_rope(name):
     torch.testing.assert_close(run(vq, x), run(softmax, x), rtol=0, atol=1e-12)
 
 
-def test_vq_hard_rope_far_cache_uses_position_free_codes():
-    """Naive reference: window keys (previous + current block) scored with RoPE, older keys by their code."""
-    layer = make("vq_hard", rope=True)  # block_len 4
+@pytest.mark.parametrize("cache_scores", ["slow", "all"])
+def test_vq_hard_rope_far_cache_uses_position_free_codes(cache_scores):
+    """Naive reference: window keys (previous + current block) scored with RoPE, older keys by their code, on the
+    RoPE pairs that turn by less than a radian over the 8-token window ("slow": all but the first) or on all."""
+    layer = make("vq_hard", rope=True, cache_scores=cache_scores)  # block_len 4
     t, L = 11, 4
     x = torch.randn(1, t, DIM, dtype=torch.float64)
     q, k, v = heads(layer, x)
@@ -126,11 +128,13 @@ def test_vq_hard_rope_far_cache_uses_position_free_codes():
     code_keys = torch.stack([codebook[h][z[0, h]] for h in range(HEADS)])[None]  # (B, H, T, Dh)
     qr, kr = rope_rotate(q, 0, 1e4), rope_rotate(k, 0, 1e4)
     scale = (DIM // HEADS) ** -0.5
+    # head_dim 8: pair m turns by 1e4^(-m/4) rad per token, by ≥ 1 rad over 8 tokens only for m = 0
+    scored = torch.tensor([0.0, 1, 1, 1] * 2 if cache_scores == "slow" else [1.0] * 8, dtype=torch.float64)
     out = torch.empty_like(v)
     for i in range(t):
         first_window = max(0, (i // L - 1) * L)
         window = scale * (qr[:, :, i : i + 1] * kr[:, :, first_window : i + 1]).sum(-1)
-        cache = scale * (q[:, :, i : i + 1] * code_keys[:, :, :first_window]).sum(-1)
+        cache = scale * (q[:, :, i : i + 1] * code_keys[:, :, :first_window] * scored).sum(-1)
         w = torch.softmax(torch.cat((cache, window), dim=-1), dim=-1)
         out[:, :, i] = (w.unsqueeze(-1) * v[:, :, : i + 1]).sum(2)
     expected = layer.proj(out.transpose(1, 2).reshape(1, t, DIM))
@@ -207,7 +211,6 @@ def test_backward_reaches_every_projection(name):
         ("vq_soft", {"block_len": 0}, "block_len"),
         ("vq_soft", {"num_codes": 0}, "num_codes"),
         ("vq_hard", {"rope": True, "cache_scores": "fast"}, "cache_scores must be one of 'all', 'slow'"),
-        ("vq_soft", {"cache_scores": "slow"}, "needs rope=True"),
         ("linear", {"chunk_len": -2}, "chunk_len"),
         ("softmax", {"short_conv": -1}, "short_conv must be an int >= 0"),
         ("vq_hard", {"short_conv": 2.5}, "short_conv must be an int >= 0"),
@@ -267,7 +270,7 @@ def test_cache_scores_slow_scores_codes_on_the_slow_rope_pairs_only(name):
     slow = make(name, rope=True, block_len=4, cache_scores="slow")
     assert slow._slow_dims(torch.ones(1)).tolist() == [0, 1, 1, 1] * 2
     x = torch.randn(2, 19, DIM, dtype=torch.float64)
-    every = make(name, rope=True, block_len=4)
+    every = make(name, rope=True, block_len=4, cache_scores="all")
     assert not torch.allclose(run(slow, x), run(every, x))
     for layer in (slow, every):  # codes without the fast pair: both score codes alike
         layer.codebook.codes.data[..., [0, 4]] = 0
@@ -275,6 +278,16 @@ def test_cache_scores_slow_scores_codes_on_the_slow_rope_pairs_only(name):
     first, _, state = slow(x[:, :10], return_state=True)
     second, _, _ = slow(x[:, 10:], state, return_state=True)
     torch.testing.assert_close(torch.cat((first, second), dim=1), run(slow, x), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", VQ_NAMES)
+def test_cache_scores_default_is_slow_and_needs_rope_to_differ(name):
+    """"slow" is the default; without RoPE no pair turns, so it scores every dim, as "all" does."""
+    x = torch.randn(2, 19, DIM, dtype=torch.float64)
+    torch.testing.assert_close(run(make(name, rope=True), x), run(make(name, rope=True, cache_scores="slow"), x),
+                               rtol=0, atol=0)
+    torch.testing.assert_close(run(make(name, cache_scores="slow"), x), run(make(name, cache_scores="all"), x),
+                               rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------- short convolution over q/k/v

@@ -27,6 +27,7 @@ CONF = str(ROOT / "vqattn" / "train" / "conf")
 register()
 ATTENTION_OPTIONS = sorted(name.removesuffix(".yaml") for name in ConfigStore.instance().list("attention"))
 FAST = ["experiment=tiny", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
+AS_USERS_HAVE_IT = ["experiment=tiny"]  # progress bar and model summary on
 
 
 def cfg_for(*overrides):
@@ -128,28 +129,39 @@ def read_results(run_dir):
                 "wall_seconds"):
         assert key in results, key
     assert results["val_bpb"] == results["val_bpb"] and 0 < results["val_bpb"] < 9  # finite
+    by_position, tokens = results["val_bpb_by_position"], results["val_tokens_by_position"]
+    assert list(by_position) == list(tokens) == list(results["val_acc_by_position"]) and by_position
+    recombined = sum(by_position[k] * tokens[k] for k in tokens) / sum(tokens.values())  # over all ranks' windows
+    assert recombined == pytest.approx(results["val_bpb"], rel=1e-9)
     return results
 
 
-NOISE = ("litlogger", "LeafSpec", "weights_only", "exists and is not empty", "dirpath has changed", "Traceback")
+NOISE = ("litlogger", "LeafSpec", "weights_only", "exists and is not empty", "dirpath has changed", "Traceback",
+         "all_gather is deprecated", "not supported by the model summary", "model summary callbacks")
 
 
 @pytest.mark.slow
 def test_train_script_writes_results_with_a_clean_console(tmp_path):
     out = tmp_path / "OUT"
-    proc = run_script([*FAST, "attention=vq_soft", "trainer.max_steps=20", "trainer.val_check_interval=10",
-                       f"hydra.run.dir={out}"], tmp_path)
+    proc = run_script([*AS_USERS_HAVE_IT, "attention=vq_soft", "trainer.max_steps=20", "trainer.val_check_interval=10",
+                       "trainer.precision=bf16-mixed", "threads=1", f"hydra.run.dir={out}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = read_results(out)
     assert results["steps"] == 20 and results["attention"] == "vq_soft" and results["headline"] == "val_bpb"
+    assert results["device"].endswith(", 1 threads)")
     assert (out / "checkpoints" / "last.ckpt").exists() and (out / ".hydra" / "config.yaml").exists()
     assert (out / "hparams.yaml").exists()
     console = proc.stdout + proc.stderr
     assert not [word for word in NOISE if word in console]
     assert console.count("GPU available") == 1  # Lightning's INFO lines once, not twice
+    assert "Total params" in console and "FLOPs" not in console  # the summary, without its zero FLOPs column
+    lines = console.replace("\r", "\n").splitlines()  # the bar ends its line before the next log line
+    assert [line for line in lines if "`Trainer.fit` stopped" in line][0].startswith("[")
     assert "done: vq_soft, 20 steps" in console and f"run dir {out}" in console
     # one validation row per validation, at the optimizer step it followed: 10 and 20 (the final one, once)
     assert [int(r["step"]) for r in val_rows(out)] == [10, 20]
+    assert list(results["val_bpb_by_position"]) == ["0_63"]  # experiment=tiny: 64-byte windows
+    assert all(float(r["val_bpb_pos_0_63"]) == pytest.approx(float(r["val_bpb"]), rel=1e-9) for r in val_rows(out))
 
 
 def wait_for(path, proc, timeout=240):
@@ -162,7 +174,7 @@ def wait_for(path, proc, timeout=240):
 @pytest.mark.slow
 def test_ctrl_c_saves_and_the_printed_command_resumes_in_the_same_run_dir(tmp_path):
     out = tmp_path / "OUT"
-    args = [FAST[0], FAST[2], "attention=softmax", "trainer.max_steps=2000", "optim.total_steps=2000", "checkpoint_every=3",
+    args = [*AS_USERS_HAVE_IT, "attention=softmax", "trainer.max_steps=2000", "optim.total_steps=2000", "checkpoint_every=3",
             "trainer.val_check_interval=4", f"hydra.run.dir={out}"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, env=env,
@@ -185,20 +197,76 @@ def test_ctrl_c_saves_and_the_printed_command_resumes_in_the_same_run_dir(tmp_pa
     assert read_results(out)["steps"] == total
     console = resumed.stdout + resumed.stderr
     assert not [word for word in NOISE if word in console]
-    bars = re.findall(r"Training:\s+\d+%\|[^|]*\|\s*(\d+)/(\d+)", console)  # the bar once it knows its total
-    assert bars and {int(t) for _, t in bars} == {total} and int(bars[0][0]) == step and int(bars[-1][0]) == total
+    bars = re.findall(r"Training:\s+\d+%\|[^|]*\|\s*(\d+)/(\d+)([^\r\n]*)", console)  # once it knows its total
+    assert bars and {int(t) for _, t, _ in bars} == {total} and int(bars[0][0]) == step and int(bars[-1][0]) == total
+    before_validation = [rest for n, _, rest in bars if int(n) < total]
+    assert not [rest for rest in before_validation if "val_bpb" in rest]  # none left from the interrupted run
     steps = [int(r["step"]) for r in val_rows(out)]
     assert steps == sorted(set(steps)) and steps[-1] == total  # no validation logged twice, the final one at the end
     assert all(s % 4 == 0 for s in steps[:-1])  # no validation pass on the way out of the interrupted run
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("attention", ["vq_hard", "performer"])
-def test_ddp_two_cpu_processes_share_one_run_dir_and_stay_in_sync(tmp_path, attention):
+def test_ctrl_c_during_start_up_and_a_second_ctrl_c_exit_130_without_a_traceback(tmp_path):
+    starting, training = tmp_path / "starting", tmp_path / "training"
+    procs = {"starting": start_script([*FAST, f"hydra.run.dir={starting}"], tmp_path),
+             "training": start_script([*FAST, "attention=softmax", "trainer.max_steps=2000", "checkpoint_every=3",
+                                       f"hydra.run.dir={training}"], tmp_path)}
+    wait_for(starting / ".hydra" / "config.yaml", procs["starting"])  # Hydra made the run dir: the job starts
+    procs["starting"].send_signal(signal.SIGINT)
+    wait_for(training / "checkpoints" / "last.ckpt", procs["training"])
+    procs["training"].send_signal(signal.SIGINT)  # finish the step and stop ...
+    procs["training"].send_signal(signal.SIGINT)  # ... no: stop now
+    finished = {name: finish_script(running, timeout=120) for name, running in procs.items()}
+    for proc in finished.values():
+        assert proc.returncode == 130, proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr and "TypeError" not in proc.stderr, proc.stderr[-3000:]
+    assert "nothing was saved" in finished["starting"].stderr and not starting.exists()
+    assert (training / "checkpoints" / "last.ckpt").exists()  # kept: a checkpoint to resume from
+
+
+def test_an_exception_in_training_is_raised_as_itself_and_restores_sigint(tmp_path, monkeypatch):
+    from vqattn.train.lit import LitLM
+
+    def broken_step(self, batch, batch_idx):
+        raise RuntimeError("broken training step")
+
+    monkeypatch.setattr(LitLM, "training_step", broken_step)
+    handler = signal.getsignal(signal.SIGINT)
+    with pytest.raises(RuntimeError, match="broken training step"):
+        run_inprocess(tmp_path, "run", "trainer.max_steps=2")
+    assert signal.getsignal(signal.SIGINT) is handler
+
+
+DDP_ATTENTIONS = ["vq_hard", "performer"]
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory):
+    """The README's DDP command (progress bar on) for each of DDP_ATTENTIONS, started together: {attention: (cwd,
+    process)}."""
+    runs = {}
+    for attention in DDP_ATTENTIONS:
+        cwd = tmp_path_factory.mktemp(f"ddp_{attention}")
+        runs[attention] = (cwd, start_script([*AS_USERS_HAVE_IT, f"attention={attention}", "trainer=ddp",
+                                              "trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=10",
+                                              f"hydra.run.dir={cwd / 'OUT'}"], cwd))
+    yield runs
+    for _, proc in runs.values():
+        proc.kill()
+        proc.communicate()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attention", DDP_ATTENTIONS)
+def test_ddp_two_cpu_processes_share_one_run_dir_and_stay_in_sync(ddp_runs, attention):
+    tmp_path, running = ddp_runs[attention]
     out = tmp_path / "OUT"
-    proc = run_script([*FAST, f"attention={attention}", "trainer=ddp", "trainer.accelerator=cpu",
-                       "trainer.devices=2", "trainer.max_steps=10", f"hydra.run.dir={out}"], tmp_path)
+    proc = finish_script(running)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    console = proc.stdout + proc.stderr
+    assert not [word for word in NOISE if word in console]
+    assert re.search(r"Training: 100%\|[^|]*\| 10/10", console)  # rank 0's bar; the others' are disabled
     results = read_results(out)
     assert results["world_size"] == 2 and results["steps"] == 10
     assert results["ddp_buffer_divergence"] == 0.0  # codebook EMA / feature draws identical on both ranks
@@ -239,34 +307,61 @@ CONFIG_ERRORS = [
     (["model.seq_len=-1"], "model.seq_len must be a positive int"),
     (["ckpt_path=corrupt.ckpt"], "is not a valid checkpoint"),
     (["trainer.val_check_interval=abc"], "val_check_interval"),
+    (["optim.lr=-1"], "optim.lr must be > 0, got -1"),
+    (["attention=vq_soft", "ckpt_path=softmax.ckpt"], "trained with attention=softmax, this run has attention=vq_soft"),
+    (["trainer.accelerator=cpu", "trainer.devices=3"], "trainer.devices=3 starts one process per device: add trainer=ddp"),
+    (["attention=vq_hard", "attention.kwargs.num_codes=0"], "attention.kwargs.num_codes must be a positive int"),
+    (["threads=0"], "threads must be a positive int, got 0"),
+    (["attention=softmax", "model.n_embd=64", "ckpt_path=softmax.ckpt"], "does not fit this model"),
 ]
+# Errors Hydra reports itself, composing the config: its own message (the valid options), exit status 2 as well
+COMPOSE_ERRORS = [(["attention=foo"], "Could not find 'attention/foo'")]
+
+
+def write_softmax_checkpoint(path: Path) -> None:
+    """A checkpoint as train.py writes one (hyperparameters, state_dict, global_step), of a softmax model."""
+    module = instantiate(cfg_for(*FAST, "attention=softmax").module, _convert_="all")
+    torch.save({"state_dict": module.state_dict(), "global_step": 5, "hyper_parameters": dict(module.hparams)}, path)
 
 
 @pytest.fixture(scope="module")
 def config_error_runs(tmp_path_factory):
-    """Every CONFIG_ERRORS run, started together, each in its own directory: {case index: (cwd, process)}."""
+    """Every CONFIG_ERRORS and COMPOSE_ERRORS run, started together, each in its own directory:
+    {overrides: (cwd, process)}."""
     runs = {}
-    for case, (overrides, _) in enumerate(CONFIG_ERRORS):
+    for case, (overrides, _) in enumerate(CONFIG_ERRORS + COMPOSE_ERRORS):
         cwd = tmp_path_factory.mktemp(f"config_error_{case}")
         (cwd / "corrupt.ckpt").write_bytes(b"PK\x03\x04 not really")
-        runs[case] = (cwd, start_script([*FAST, *overrides], cwd))
+        write_softmax_checkpoint(cwd / "softmax.ckpt")
+        runs[tuple(overrides)] = (cwd, start_script([*FAST, *overrides], cwd))
     yield runs
     for _, proc in runs.values():
         proc.kill()
         proc.communicate()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case", range(len(CONFIG_ERRORS)), ids=[message for _, message in CONFIG_ERRORS])
-def test_config_errors_are_one_line_exit_2_and_leave_no_run_dir(config_error_runs, case):
-    message = CONFIG_ERRORS[case][1]
-    tmp_path, running = config_error_runs[case]
-    proc = finish_script(running, timeout=120)
+def finish_config_error(runs, overrides) -> subprocess.CompletedProcess:
+    tmp_path, running = runs[tuple(overrides)]
+    proc = finish_script(running)  # started with the others: 300 s for all of them
     assert proc.returncode == 2, proc.stderr[-3000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and "weights_only" not in proc.stderr
     assert not (tmp_path / "outputs").exists()
+    return proc
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides,message", CONFIG_ERRORS, ids=[message for _, message in CONFIG_ERRORS])
+def test_config_errors_are_one_line_exit_2_and_leave_no_run_dir(config_error_runs, overrides, message):
+    proc = finish_config_error(config_error_runs, overrides)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides,message", COMPOSE_ERRORS, ids=[message for _, message in COMPOSE_ERRORS])
+def test_a_config_hydra_cannot_compose_exits_2_too(config_error_runs, overrides, message):
+    proc = finish_config_error(config_error_runs, overrides)
+    assert message in proc.stderr and "softmax" in proc.stderr  # the message lists the valid options
 
 
 def test_mqar_results_lead_with_recall_accuracy(tmp_path):

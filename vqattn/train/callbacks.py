@@ -1,22 +1,23 @@
-"""Trainer parts of train.py that Lightning does not ship as such, each a small subclass or callback: per-rank
-RNG state in checkpoints, a graceful Ctrl-C, one last.ckpt save per step, a run-long progress bar,
-training-only throughput, and a CSV logger that continues a resumed run's metrics.csv.
+"""Trainer parts of train.py that Lightning does not ship as such, each a small callback on Lightning's public
+hooks: per-rank RNG state in checkpoints, a graceful Ctrl-C, one last.ckpt save per step, a run-long progress
+bar, training-only token throughput, and a model summary without the FLOPs column.
 """
 
 from __future__ import annotations
 
-import csv
+import logging
 import signal
+import time
+from collections import deque
 from pathlib import Path
 
 import torch
 from lightning.pytorch import Callback
-from lightning.pytorch.callbacks import ModelCheckpoint, ThroughputMonitor, TQDMProgressBar
-from lightning.pytorch.loggers import CSVLogger
-from lightning.pytorch.loggers.csv_logs import ExperimentWriter
-from lightning.pytorch.loggers.logger import rank_zero_experiment
-from lightning.pytorch.trainer.states import RunningStage
-from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
+from lightning.pytorch.callbacks import Checkpoint, ModelSummary, TQDMProgressBar
+from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.model_summary import get_human_readable_count
+
+log = logging.getLogger("lightning.pytorch.callbacks.model_summary")  # where Lightning's summary goes
 
 
 class RNGState(Callback):
@@ -82,7 +83,7 @@ class GracefulInterrupt(Callback):
     The flag is checked after each training batch, so the checkpoint holds a whole optimizer step (a
     KeyboardInterrupt raised inside ``optimizer.step`` could leave parameters half updated). Under DDP the
     ranks agree on the step to stop at by one boolean all-reduce per step. ``interrupted_at`` is the global
-    step it stopped at, or None.
+    step it stopped at, or None. The previous SIGINT handler is back once training ends, however it ends.
     """
 
     def __init__(self):
@@ -104,45 +105,84 @@ class GracefulInterrupt(Callback):
             trainer.should_stop = True
             trainer.limit_val_batches = 0  # no validation pass on the way out
 
-    def on_train_end(self, trainer, pl_module):
+    def restore_handler(self) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
-
-    on_exception = on_train_end
-
-
-class LastCheckpoint(ModelCheckpoint):
-    """ModelCheckpoint keeping only ``dirpath/last.ckpt``: every ``every_n_train_steps`` steps and once more when
-    training ends (finished or interrupted) unless that step was just saved, so each step is written at most once."""
-
-    def __init__(self, dirpath: Path, every_n_train_steps: int):
-        super().__init__(dirpath=dirpath, save_top_k=0, save_last=True, every_n_train_steps=every_n_train_steps)
+            self._previous = None
 
     def on_train_end(self, trainer, pl_module):
-        if not self._should_skip_saving_checkpoint(trainer):
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        self.restore_handler()
+
+    def on_exception(self, trainer, pl_module, exception):
+        self.restore_handler()
+
+
+class LastCheckpoint(Checkpoint):
+    """Keeps only ``dirpath/last.ckpt``: saved every ``every_n_train_steps`` optimizer steps and once more when
+    training ends (finished or interrupted) unless that step was just saved, so each step is written at most once.
+
+    Lightning runs Checkpoint callbacks after the others, so the saved step includes their state (RNGState).
+    Saving is a collective under DDP: every rank calls it at the same step, rank 0 writes.
+    """
+
+    def __init__(self, dirpath: Path, every_n_train_steps: int):
+        self.path, self.every_n_train_steps = Path(dirpath) / "last.ckpt", every_n_train_steps
+        self.saved_step: int | None = None
+
+    def _save(self, trainer) -> None:
+        if trainer.global_step != self.saved_step and not trainer.sanity_checking:
+            trainer.save_checkpoint(self.path, weights_only=False)
+            self.saved_step = trainer.global_step
+
+    def on_train_start(self, trainer, pl_module):
+        self.saved_step = trainer.global_step  # a resumed run's checkpoint holds this step already
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step % self.every_n_train_steps == 0:
+            self._save(trainer)
+
+    def on_train_end(self, trainer, pl_module):
+        self._save(trainer)
 
 
 class StepProgressBar(TQDMProgressBar):
     """The TQDM bar counting the run's optimizer steps (global_step of max_steps).
 
     Lightning's bar counts the current epoch's batches and loses its total after a mid-epoch resume ("81/?");
-    this one continues a resumed run at its step, with the run's total.
+    this one continues a resumed run at its step, with the run's total. Its metrics are this run's: a resumed
+    run shows no validation result until its own first validation.
     """
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._restored: dict = {}  # metrics a resumed run starts with, shown once this run has measured them
 
     def _reset(self, trainer) -> None:
         bar = self.train_progress_bar
-        bar.total = trainer.max_steps
-        bar.initial = bar.n = bar.last_print_n = trainer.global_step  # the rate counts this process's steps only
-        bar.start_t = bar.last_print_t = bar._time()
+        bar.reset(total=trainer.max_steps)  # public on every bar, the disabled ones of ranks > 0 too
+        bar.initial = bar.n = trainer.global_step  # the rate counts this process's steps only
         bar.set_description("Training")  # refreshes
 
     def on_train_start(self, trainer, pl_module):
         super().on_train_start(trainer, pl_module)
+        self._restored = dict(trainer.progress_bar_metrics)
         self._reset(trainer)
 
     def on_train_epoch_start(self, trainer, *args):
         self._reset(trainer)  # not super's: it would count the epoch's batches again
+
+    def on_validation_end(self, trainer, pl_module):
+        super().on_validation_end(trainer, pl_module)
+        self._restored.clear()
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        # closed (its last state printed once, with a newline) before Lightning logs why fit stopped
+        self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
+        self.train_progress_bar.close()
+
+    def get_metrics(self, trainer, pl_module):
+        metrics = super().get_metrics(trainer, pl_module)
+        return {k: v for k, v in metrics.items() if k not in self._restored or v != self._restored[k]}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         bar = self.train_progress_bar
@@ -151,72 +191,67 @@ class StepProgressBar(TQDMProgressBar):
             bar.set_postfix(self.get_metrics(trainer, pl_module))  # refreshes the bar
 
 
-class TrainThroughput(ThroughputMonitor):
-    """Lightning's ThroughputMonitor for tokens (items) per second, logging training throughput only.
+class TokenThroughput(Callback):
+    """Training tokens per second, validation excluded.
 
-    Validation batches are still timed, which is how the monitor excludes validation from training time, but
-    their throughput is not logged (it would add rows at validation batch counts to metrics.csv).
-    ``totals()`` gives results.json its tokens per second: all ranks' training tokens over the training wall time
-    (steps and data loading, not validation).
+    Logs ``train/device/items_per_sec`` (this process's tokens per second over the last ``window_size`` batches)
+    and ``train/items_per_sec`` (times the world size) with the train rows. ``totals()`` gives results.json its
+    tokens per second: all ranks' training tokens over the training wall time (steps and data loading, not
+    validation) of this process's fit.
     """
 
-    def __init__(self, **kwargs):
-        super().__init__(batch_size_fn=lambda batch: batch[0].size(0), length_fn=lambda batch: batch[0].numel(),
-                         **kwargs)
+    def __init__(self, window_size: int = 50):
+        self.window: deque[tuple[float, int]] = deque(maxlen=window_size)  # (training clock, tokens so far)
+        self.tokens, self._seconds, self._since = 0, 0.0, None  # _since: the training clock runs since then
 
-    @rank_zero_only
-    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, *args, **kwargs):
-        if not trainer.sanity_checking:
-            self._update(trainer, pl_module, batch, trainer._evaluation_loop.batch_progress.total.ready)
+    def _clock(self) -> float:
+        """Seconds of training so far (the time between on_train_start and now, less validation)."""
+        return self._seconds + (time.perf_counter() - self._since if self._since is not None else 0.0)
+
+    def _pause(self) -> None:
+        self._seconds, self._since = self._clock(), None
+
+    def on_train_start(self, trainer, pl_module):
+        self.tokens, self._seconds, self._since = 0, 0.0, time.perf_counter()
+        self.window.clear()
+
+    def on_validation_start(self, trainer, pl_module):
+        self._pause()
+
+    def on_validation_end(self, trainer, pl_module):
+        if trainer.training:  # a validation inside fit, not the final trainer.validate
+            self._since = time.perf_counter()
+
+    def on_train_end(self, trainer, pl_module):
+        self._pause()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.tokens += batch[0].numel()
+        self.window.append((self._clock(), self.tokens))
+        if len(self.window) > 1:
+            (t0, n0), (t1, n1) = self.window[0], self.window[-1]
+            rate = (n1 - n0) / max(t1 - t0, 1e-9)
+            pl_module.log_dict({"train/device/items_per_sec": rate, "train/items_per_sec": rate * trainer.world_size},
+                               on_step=True, on_epoch=False)
 
     def totals(self, world_size: int) -> tuple[int, float]:
-        """All ranks' training tokens and the training wall time (s) of this process's fit; rank 0 only."""
-        throughput = self._throughputs.get(RunningStage.TRAINING)
-        if throughput is None or not throughput._time:
-            return 0, 0.0
-        totals = throughput.compute()
-        return int(totals["lengths"]) * world_size, float(totals["time"])
+        """All ranks' training tokens and the training wall time (s) of this process's fit."""
+        return self.tokens * world_size, self._clock()
 
 
-class _ContinuingWriter(ExperimentWriter):
-    """ExperimentWriter that keeps an existing metrics.csv (the run dir also holds Hydra's files, and a resumed
-    run continues its own file) and drops the rows logged after the step it resumes from, which it logs again."""
+class ParamSummary(ModelSummary):
+    """Lightning's model summary without its FLOPs column, which counts only modules given an
+    ``example_input_array`` (LitLM has none: the column would show zeros)."""
 
-    def __init__(self, log_dir: str, resume_step: int = 0):
-        self.resume_step = resume_step
-        super().__init__(log_dir=log_dir)
-
-    def _before_resume(self, row: dict) -> bool:
-        """Whether the checkpoint at resume_step already holds what row records. Train rows carry Lightning's batch
-        index (step s: the (s+1)-th batch); validation rows the optimizer step they followed, and the validation
-        at the checkpoint's own step is not run again."""
-        step = int(row["step"])
-        return step < self.resume_step or (step == self.resume_step and bool(row.get("val_bpb")))
-
-    def _check_log_dir_exists(self) -> None:
-        path = Path(self.metrics_file_path)
-        if not path.is_file():
-            return
-        with path.open(newline="") as f:
-            reader = csv.DictReader(f)
-            keys, rows = reader.fieldnames or [], [r for r in reader if self._before_resume(r)]
-        with path.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=keys)
-            writer.writeheader()
-            writer.writerows(rows)
-        self.metrics_keys = sorted(keys)
-
-
-class RunCSVLogger(CSVLogger):
-    """CSVLogger writing metrics.csv and hparams.yaml straight into the run dir, continuing a resumed run's file."""
-
-    def __init__(self, run_dir: Path, resume_step: int = 0):
-        super().__init__(save_dir=str(run_dir), name="", version="")
-        self.resume_step = resume_step
-
-    @property
-    @rank_zero_experiment
-    def experiment(self) -> ExperimentWriter:
-        if self._experiment is None:
-            self._experiment = _ContinuingWriter(self.log_dir, self.resume_step)
-        return self._experiment
+    @staticmethod
+    def summarize(summary_data, total_parameters, trainable_parameters, model_size, total_training_modes,
+                  total_flops, **kwargs) -> None:
+        columns = [(head, [str(v) for v in values]) for head, values in summary_data if head != "FLOPs"]
+        widths = [max(len(head), *(len(v) for v in values)) for head, values in columns]
+        rows = [[head for head, _ in columns], *zip(*(values for _, values in columns))]
+        lines = [" | ".join(v.ljust(w) for v, w in zip(row, widths)) for row in rows]
+        lines.insert(1, "-" * len(lines[0]))
+        lines += [f"{get_human_readable_count(trainable_parameters):<10}Trainable params",
+                  f"{get_human_readable_count(total_parameters):<10}Total params",
+                  f"{model_size:<10,.3f}Total estimated model params size (MB)"]
+        log.info("\n" + "\n".join(lines))

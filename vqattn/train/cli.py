@@ -11,6 +11,7 @@ Multi-GPU (``trainer=ddp trainer.devices=N``): Lightning re-launches the command
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -28,14 +29,17 @@ import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from .configs import register
 from .launch import DDP_ARGV, ddp_child_argv
 
 log = logging.getLogger("train")
 register()
-HYDRA_FILES = {".hydra", "train.log"}
+# What a run writes before it has anything worth keeping (a checkpoint, results.json): a failed run dir holding
+# only these is removed.
+RUN_FILES = {".hydra", "train.log", "hparams.yaml", "metrics.csv", "checkpoints", "tensorboard", "wandb"}
+_task_started = False  # whether Hydra got as far as running the job (so its errors are the job's, not the config's)
 
 
 class Interrupted(Exception):
@@ -46,15 +50,35 @@ class Interrupted(Exception):
         self.step = step
 
 
+class Aborted(Exception):
+    """A second Ctrl-C stopped training mid-step (or Ctrl-C came before training started): nothing new saved."""
+
+
 def _positive_int(key: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{key} must be a positive int, got {value!r}")
+
+
+def _device_count(devices) -> int | None:
+    """How many devices ``trainer.devices`` asks for; None when it depends on the machine ("auto", -1)."""
+    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
+        devices = int(devices)
+    if isinstance(devices, int) and not isinstance(devices, bool):
+        return None if devices == -1 else devices
+    if isinstance(devices, str) and "," in devices:  # "0,1": those GPUs
+        return len([d for d in devices.split(",") if d.strip()])
+    return len(devices) if OmegaConf.is_list(devices) or isinstance(devices, (list, tuple)) else None
 
 
 def check_config(cfg: DictConfig) -> None:
     """Explain settings that cannot work before anything is built."""
     _positive_int("trainer.max_steps", cfg.trainer.max_steps)
     _positive_int("checkpoint_every", cfg.checkpoint_every)
+    devices = _device_count(cfg.trainer.devices)
+    if cfg.trainer.strategy == "auto" and devices != 1:
+        # Lightning would pick a multi-process strategy itself, without the launch handling of trainer=ddp
+        raise ValueError(f"trainer.devices={cfg.trainer.devices} starts one process per device: add trainer=ddp "
+                         f"(or set trainer.strategy), or use trainer.devices=1")
     m, d = cfg.model, cfg.data
     if m.pos_emb == "learned" and isinstance(d.seq_len, int) and d.seq_len > m.seq_len:
         raise ValueError(
@@ -80,33 +104,88 @@ def trainer_log_every(cfg: DictConfig) -> int:
     return cfg.trainer.log_every_n_steps or 50  # Lightning's default when unset
 
 
+def instantiate_module(cfg: DictConfig):
+    """The LitLM, with an attention layer's error named by the key the user types (attention.kwargs.num_codes)."""
+    try:
+        return hydra.utils.instantiate(cfg.module, _convert_="all")
+    except InstantiationException as err:
+        cause = err.__cause__
+        if isinstance(cause, ValueError) and str(cause).split(" ", 1)[0] in cfg.attention.kwargs:
+            raise ValueError(f"attention.kwargs.{cause}") from None
+        raise
+
+
+def check_resumable(module, checkpoint: dict, path: str) -> None:
+    """Raise a one-line ValueError unless the checkpoint's weights fit the module (same attention, same shapes)."""
+    trained = checkpoint.get("hyper_parameters", {}).get("model", {}).get("attention")
+    attention = module.model.config.attention
+    if trained is not None and trained != attention:
+        raise ValueError(f"ckpt_path={path} was trained with attention={trained}, this run has attention={attention}: "
+                         f"resume with attention={trained}")
+    saved, own = checkpoint["state_dict"], module.state_dict()
+    mismatch = sorted(k for k in own.keys() | saved.keys()
+                      if k not in own or k not in saved or own[k].shape != saved[k].shape)
+    if mismatch:
+        raise ValueError(f"ckpt_path={path} does not fit this model ({len(mismatch)} weights differ, e.g. "
+                         f"{mismatch[0]}): resume with the model and attention settings it was trained with")
+
+
 def build(cfg: DictConfig, run_dir: Path):
     """Module, data (loaded now, so data errors come before any training output) and a Trainer with its callbacks."""
-    from lightning.pytorch.callbacks import LearningRateMonitor
+    from lightning.pytorch.callbacks import LambdaCallback, LearningRateMonitor
 
-    from .callbacks import (GracefulInterrupt, LastCheckpoint, RNGState, RunCSVLogger, StepProgressBar,
-                                  TrainThroughput)
+    from .callbacks import (GracefulInterrupt, LastCheckpoint, ParamSummary, RNGState, StepProgressBar,
+                            TokenThroughput)
     from .lit import read_checkpoint
+    from .loggers import RunCSVLogger, extra_loggers
 
     check_config(cfg)
-    resume_step = int(read_checkpoint(cfg.ckpt_path)["global_step"]) if cfg.ckpt_path else 0
-    module = hydra.utils.instantiate(cfg.module, _convert_="all")  # model errors first: model.seq_len, not data's
+    checkpoint = read_checkpoint(cfg.ckpt_path) if cfg.ckpt_path else None
+    module = instantiate_module(cfg)  # model errors first: model.seq_len, not data's
+    if checkpoint is not None:
+        check_resumable(module, checkpoint, cfg.ckpt_path)
+    resume_step = int(checkpoint["global_step"]) if checkpoint is not None else 0
     datamodule = hydra.utils.instantiate(cfg.data)
     datamodule.setup("fit")
     callbacks = [LastCheckpoint(run_dir / "checkpoints", cfg.checkpoint_every), LearningRateMonitor("step"),
-                 TrainThroughput(window_size=max(2, trainer_log_every(cfg))), RNGState(), GracefulInterrupt()]
+                 TokenThroughput(window_size=max(2, trainer_log_every(cfg))), RNGState(), GracefulInterrupt()]
+    if cfg.compile:  # the first steps compile the model: say so before the bar sits at 0/N
+        callbacks.append(LambdaCallback(on_fit_start=lambda trainer, _: trainer.is_global_zero and log.info(
+            "compiling the model (compile=true): the first steps take a minute or more")))
     if cfg.trainer.enable_progress_bar is not False:
         callbacks.append(StepProgressBar())
-    trainer = hydra.utils.instantiate(cfg.trainer, logger=RunCSVLogger(run_dir, resume_step), callbacks=callbacks)
+    if cfg.trainer.enable_model_summary is not False:
+        callbacks.append(ParamSummary())
+    loggers = [RunCSVLogger(run_dir, resume_step), *extra_loggers(cfg.get("logger"), run_dir)]
+    trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers, callbacks=callbacks)
     return module, datamodule, trainer
+
+
+@contextlib.contextmanager
+def intra_op_threads(threads: int | None):
+    """torch.set_num_threads(threads) for the run (None: torch's default), restored after."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        _positive_int("threads", threads)
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def train(cfg: DictConfig, run_dir: Path) -> dict:
     """Train, validate once at the end (reusing the last in-fit validation when it was at the final step), write
-    results.json; returns the results (raises Interrupted after Ctrl-C, with the checkpoint saved)."""
+    results.json; returns the results (raises Interrupted after Ctrl-C, with the checkpoint saved, and Aborted
+    after a second Ctrl-C)."""
+    with intra_op_threads(cfg.get("threads")):
+        return _train(cfg, run_dir)
+
+
+def _train(cfg: DictConfig, run_dir: Path) -> dict:
     import lightning as L
 
-    from .callbacks import GracefulInterrupt, TrainThroughput
+    from .callbacks import GracefulInterrupt, TokenThroughput
     from ..utils import tune_cpu_allocator
 
     start = time.perf_counter()
@@ -122,13 +201,16 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         # an earlier run in this process (a sweep, a notebook) must not count; before CUDA's first use the
         # peak is zero already, and resetting it then raises "Invalid device argument"
         torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
     interrupt = next(c for c in trainer.callbacks if isinstance(c, GracefulInterrupt))
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
+    except SystemExit as exit:  # Lightning's answer to a KeyboardInterrupt: a second Ctrl-C, or one before training
+        raise Aborted(f"aborted at step {trainer.global_step}") from exit
     if interrupt.interrupted_at is not None:
         raise Interrupted(interrupt.interrupted_at)
     if module.last_validation is None or module.last_validation["step"] != trainer.global_step:
         trainer.validate(module, datamodule=datamodule, verbose=False)
-    throughput = next(c for c in trainer.callbacks if isinstance(c, TrainThroughput))
+    throughput = next(c for c in trainer.callbacks if isinstance(c, TokenThroughput))
     results = summarize(cfg, module, datamodule, trainer, run_dir)
     tokens, seconds = throughput.totals(trainer.world_size)
     results["tokens_per_sec"], results["train_tokens"] = tokens / max(seconds, 1e-9), tokens
@@ -151,8 +233,13 @@ def summarize(cfg: DictConfig, module, datamodule, trainer, run_dir: Path) -> di
         "val_bpb": val["val_bpb"],
         "val_acc": val["val_acc"],
         **{k: val[k] for k in ("val_bpb_carried", "val_loss_carried", "val_acc_carried") if k in val},
+        # per bucket "A_B" of positions A..B in the validation windows (LitLM's position_edges)
+        **{f"val_{k}_by_position": {name: bucket[k] for name, bucket in val["by_position"].items()}
+           for k in ("bpb", "acc", "tokens")},
         "state_floats": module.model.state_floats(cfg.data.seq_len),
         "carry_state": cfg.carry_state,
+        "seed": cfg.seed,
+        "lr": cfg.optim.lr,
         "tokens_per_sec": None,
         "peak_memory_mb": memory,
         "peak_memory_kind": memory_kind,
@@ -213,8 +300,13 @@ def quiet_console() -> None:
         for handler in list(logger.handlers):
             logger.removeHandler(handler)
         logger.propagate = True
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda r: "litlogger" not in r.getMessage())
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
+        lambda r: "litlogger" not in r.getMessage() and "configured with model summary" not in r.getMessage())
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+    # Lightning's all_gather calls torch's deprecated autograd all_gather, once per rank
+    warnings.filterwarnings("ignore", message=r".*all_gather is deprecated.*")
+    # bf16-mixed keeps fp32 weights: the summary's 32-bit size estimate is right
+    warnings.filterwarnings("ignore", message=r".*is not supported by the model summary.*")
     # A resumed run's epoch is its remaining steps; train rows are still logged every log_every_n_steps global steps.
     warnings.filterwarnings("ignore", message=r".*is smaller than the logging interval.*")
 
@@ -229,10 +321,12 @@ def _restore_environ(before: dict[str, str]) -> None:
             os.environ[key] = value
 
 
-def _discard_if_empty(run_dir: Path) -> None:
-    """Remove a run dir that holds nothing but Hydra's files (a failed start), and its parents left empty
-    (outputs/DATE/) up to the working directory."""
-    if not run_dir.is_dir() or {p.name for p in run_dir.iterdir()} - HYDRA_FILES:
+def _discard_failed_run(run_dir: Path) -> None:
+    """Remove the run dir of a run that failed or was stopped before saving anything (it holds only RUN_FILES and
+    rank logs, no checkpoint), and its parents left empty (outputs/DATE/) up to the working directory."""
+    if not run_dir.is_dir() or (run_dir / "checkpoints" / "last.ckpt").exists():
+        return
+    if any(p.name not in RUN_FILES and not (p.name.startswith("rank") and p.suffix == ".log") for p in run_dir.iterdir()):
         return
     shutil.rmtree(run_dir, ignore_errors=True)
     cwd = Path.cwd().resolve()
@@ -253,25 +347,39 @@ def _log_to_file(message: str) -> None:
             handler.handle(record)
 
 
+def _is_rank_zero() -> bool:
+    return os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0"
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def hydra_main(cfg: DictConfig) -> float:
+    global _task_started
+    _task_started = True
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     env = dict(os.environ)
-    quiet_console()
     try:
+        quiet_console()
         results = train(cfg, run_dir)
         return results.get("recall_acc", results["val_bpb"])
     except Interrupted as stop:
-        if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0":  # one message, from rank 0
+        if _is_rank_zero():  # one message, from rank 0
             print(f"\ninterrupted at step {stop.step}: saved {run_dir / 'checkpoints' / 'last.ckpt'}\n"
                   f"resume with:\n  {resume_command(run_dir)}", file=sys.stderr)
         raise SystemExit(128 + signal.SIGINT) from None
+    except (Aborted, KeyboardInterrupt) as stop:
+        _discard_failed_run(run_dir)
+        checkpoint = run_dir / "checkpoints" / "last.ckpt"
+        if _is_rank_zero():
+            saved = f"the last checkpoint is {checkpoint}" if checkpoint.exists() else "nothing was saved"
+            print(f"\n{stop or 'interrupted'}: {saved}", file=sys.stderr)
+        raise SystemExit(128 + signal.SIGINT) from None
     except Exception as err:
         message = _user_error(err)
+        if message is not None:
+            _log_to_file(f"error: {message}")
+        _discard_failed_run(run_dir)
         if message is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        _log_to_file(f"error: {message}")
-        _discard_if_empty(run_dir)
         print(f"error: {message}\n(set HYDRA_FULL_ERROR=1 for the full traceback)", file=sys.stderr)
         raise SystemExit(2) from None
     finally:
@@ -281,9 +389,21 @@ def hydra_main(cfg: DictConfig) -> float:
 
 
 def main() -> None:
-    """The ``vqattn-train`` console script and ``python train.py``: Hydra's command line."""
+    """The ``vqattn-train`` console script and ``python train.py``: Hydra's command line.
+
+    Hydra reports a command line it cannot compose (attention=foo, an unknown key) itself with exit status 1;
+    that is a configuration error like those train() finds, so it exits 2 as they do.
+    """
     sys.argv = ddp_child_argv(sys.argv, os.environ)
-    hydra_main()
+    try:
+        hydra_main()
+    except SystemExit as exit:
+        if exit.code == 1 and not _task_started:
+            raise SystemExit(2) from None
+        raise
+    except KeyboardInterrupt:  # Ctrl-C while Hydra composes the config
+        print("\ninterrupted: nothing was saved", file=sys.stderr)
+        raise SystemExit(128 + signal.SIGINT) from None
 
 
 if __name__ == "__main__":

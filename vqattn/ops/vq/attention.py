@@ -52,8 +52,24 @@ def _check_state(state, k, v, codebook, *, assign, block_len) -> None:
                      device=k.device)
 
 
-def _validate(q, k, v, codebook, *, causal, assign, block_len, exact_window, state, return_state, impl) -> None:
+def _check_rotated(q, k, q_rot, k_rot, *, causal, exact_window) -> None:
+    if (q_rot is None) != (k_rot is None):
+        raise ValueError("q_rot and k_rot go together: pass both (the window's queries and keys) or neither")
+    if q_rot is None:
+        return
+    if not (causal and exact_window):
+        raise ValueError("q_rot and k_rot score the raw-key window: they need causal=True and exact_window=True")
+    for name, x, like in (("q_rot", q_rot, q), ("k_rot", k_rot, k)):
+        check_4d(name, x)
+        if x.shape != like.shape:
+            raise ValueError(f"{name} must have the shape of {name[0]} {tuple(like.shape)}, got {tuple(x.shape)}")
+    check_same_device_dtype(q=q, q_rot=q_rot, k_rot=k_rot)
+
+
+def _validate(q, k, v, codebook, *, causal, assign, block_len, exact_window, state, return_state, impl, q_rot,
+              k_rot) -> None:
     check_qkv(q, k, v, causal=causal)
+    _check_rotated(q, k, q_rot, k_rot, causal=causal, exact_window=exact_window)
     _check_codebook(codebook, k)
     if assign == "kernel":
         raise ValueError("assign must be 'hard' or 'soft'; the kernel assignment makes codebook attention linear "
@@ -85,6 +101,8 @@ def vq_attention(
     state: VQState | None = None,
     return_state: bool = False,
     assignment: Assignment | None = None,
+    q_rot: torch.Tensor | None = None,
+    k_rot: torch.Tensor | None = None,
     impl: str = "auto",
     schedule: str | Schedule = "auto",
 ):
@@ -107,6 +125,9 @@ def vq_attention(
         assignment: the keys' :class:`Assignment`, ``vq_assign(k, codebook, assign=assign, temperature=...)``,
             when the caller already has it (e.g. from its codebook module); computed here otherwise. With it,
             ``temperature`` is not used (it is in the assignment, with its gradient for soft).
+        q_rot, k_rot: (B, H, T, D), the window's own queries and keys (with ``exact_window``): the window logits
+            are then σ q_rot·k_rot while the codes are scored by σ q·c and k is assigned. RoPE passes the rotated
+            q and k here, so the window is RoPE attention and the codes stay position-free (a state keeps k_rot).
         impl: the form that computes it, as flash-linear-attention's ``mode``: "chunk" (the block algorithm),
             "recurrent" (token by token, O(1) per token: decoding), or "auto": recurrent for a ``state`` and at
             most ``RECURRENT_MAX_LEN`` new tokens, chunk otherwise. All give the same result to rounding.
@@ -118,13 +139,14 @@ def vq_attention(
         half-precision inputs and inside autocast (float64 stays float64).
     """
     _validate(q, k, v, codebook, causal=causal, assign=assign, block_len=block_len, exact_window=exact_window,
-              state=state, return_state=return_state, impl=impl)
+              state=state, return_state=return_state, impl=impl, q_rot=q_rot, k_rot=k_rot)
     schedule = as_schedule(schedule)
     if assignment is not None:
         check_assignment(assignment, assign=assign, shape=tuple(k.shape[:3]), num_codes=codebook.shape[-2],
                          device=q.device)
     in_dtype, dtype = q.dtype, compute_dtype(q.dtype)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    q_rot, k_rot = (None if x is None else x.to(dtype) for x in (q_rot, k_rot))
     c = codebook.to(dtype)
     c = c.unsqueeze(0).expand(q.shape[1], -1, -1) if c.dim() == 2 else c  # (H, S, D)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -142,9 +164,10 @@ def vq_attention(
     L = block_len or (state.block_len if state is not None else DEFAULT_BLOCK_LEN)
     if recurrent:
         state = VQState.empty(k, v, c.shape[1], L, assign) if state is None else state
-        out, new_state = recurrent_vq_attention(q, k, v, c, a, state=state, scale=scale, exact_window=exact_window)
+        out, new_state = recurrent_vq_attention(q, k, v, c, a, state=state, scale=scale, exact_window=exact_window,
+                                                q_rot=q_rot, k_rot=k_rot)
     else:
         out, new_state = chunk_vq_attention(q, k, v, c, a, assign=assign, state=state, block_len=L, scale=scale,
                                             exact_window=exact_window, assign_keys=assign_keys,
-                                            return_state=return_state, schedule=schedule)
+                                            return_state=return_state, schedule=schedule, q_rot=q_rot, k_rot=k_rot)
     return (out.to(in_dtype), new_state) if return_state else out.to(in_dtype)

@@ -41,8 +41,9 @@ from .window_codes import WindowCodeInputs, window_code_attention
 
 
 class Group(NamedTuple):
-    """One group of n blocks: q (scaled), k (B, H, n·L, D), v (B, H, n·L, Dv) and the keys' Assignment ``a``; the
-    block before the group k_before, v_before, a_before (B, H, L, ·) (zeros before block 0, masked)."""
+    """One group of n blocks: q (scaled), the window keys k (B, H, n·L, D), v (B, H, n·L, Dv) and the keys'
+    Assignment ``a``; the block before the group k_before, v_before, a_before (B, H, L, ·) (zeros before block 0,
+    masked); window_q (scaled) the queries of the window logits when they are not q (RoPE), else None."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -52,6 +53,7 @@ class Group(NamedTuple):
     v_before: torch.Tensor
     a_before: Assignment | None
     first: bool
+    window_q: torch.Tensor | None = None
 
 
 class Carry(NamedTuple):
@@ -81,7 +83,8 @@ def _window_group(g: Group, carry: Carry, *, c, L: int, loop: bool, gathered: bo
         window_bias=group_window_bias(g.first, n, L, g.q.device, g.q.dtype),
         window_values=group_windows(g.v, g.v_before, L), counts=cache_counts, sums=carry.sums,
         add_values=updates.values, add_index=updates.index, add_weights=updates.weights, codebook=c,
-        window_codes=group_windows(g.a.index, g.a_before.index, L) if gathered else None)
+        window_codes=group_windows(g.a.index, g.a_before.index, L) if gathered else None,
+        window_queries=None if g.window_q is None else blocks(g.window_q, L))
     out, sums = window_code_attention(inputs, loop)
     return out, Carry(cache_counts[:, :, -1], tail, sums)
 
@@ -96,34 +99,38 @@ def _mixture_group(g: Group, carry: Carry, *, c, L: int, loop: bool):
 
 
 def _causal(q, k, v, c, a: Assignment | None, *, assign: str, L: int, scale: float, exact_window: bool, counts0,
-            sums0, assign_keys, fold_blocks: int, schedule: Schedule):
-    """The block algorithm, group by group. q, k: (B, H, T, D), c: (H, S, D); ``a`` the keys' Assignment, or None
-    to assign each group's keys with ``assign_keys`` (so no (T, S) tensor exists at once); counts0/sums0: the
-    cache before position 0. Returns out (B, H, T, Dv) and the cache after the first ``fold_blocks`` blocks."""
+            sums0, assign_keys, fold_blocks: int, schedule: Schedule, window_k, window_q=None):
+    """The block algorithm, group by group. q: (B, H, T, D), c: (H, S, D); window_k (B, H, T, D) the window's
+    keys and window_q its queries when they are not q (RoPE); ``a`` the keys' Assignment, or None to assign each
+    group's keys k with ``assign_keys`` (so no (T, S) tensor exists at once); counts0/sums0: the cache before
+    position 0.
+    Returns out (B, H, T, Dv) and the cache after the first ``fold_blocks`` blocks."""
     B, H, T, D = q.shape
     S = c.shape[1]
     # Padding sits after every real query, so the causal mask hides it; its block statistics are never read
     # because block b's cache only holds blocks ≤ b−1.
-    q, k, v = (pad_to_blocks(x, L) for x in (q, k, v))
     a = None if a is None else map_time(lambda x: pad_to_blocks(x, L), a)
-    nb = q.shape[2] // L
+    nb = -(-T // L)
     mixture = assign == "soft" and not exact_window
     lag = 1 if mixture else 2
     groups = block_groups(nb, block_bytes(B, H, L, S, q.element_size()), q.device, schedule.group_blocks)
-    splits = [split_groups(x, groups, L) for x in (q, k, v)]
-    a_splits = None if a is None else [None if x is None else split_groups(x, groups, L) for x in a]
+    split = lambda x: None if x is None else split_groups(pad_to_blocks(x, L), groups, L)  # noqa: E731
+    qs, vs, window_ks, window_qs = split(q), split(v), split(window_k), split(window_q)
+    assign_ks = None if a is not None else window_ks if k is window_k else split(k)
+    a_splits = None if a is None else [split(x) for x in a]
     carry = Carry(counts0, q.new_zeros(B, H, lag, S), sums0)
     outs, fold_counts, fold_sums = [], counts0, sums0
     loop = loops(schedule, q.device)
     for i, (b0, b1) in enumerate(groups):
-        (q_g, _), (k_g, k_before), (v_g, v_before) = (split[i] for split in splits)
+        (q_g, _), (k_g, k_before), (v_g, v_before) = qs[i], window_ks[i], vs[i]
         if a is None:
-            a_g, a_before = assign_keys(k_g), (assign_keys(k_before) if lag == 2 else None)
+            a_g, a_before = assign_keys(assign_ks[i][0]), (assign_keys(assign_ks[i][1]) if lag == 2 else None)
         else:
             a_g, a_before = (Assignment(*parts) for parts in zip(*((None, None) if x is None else x[i]
                                                                     for x in a_splits)))
-        # q is scaled per group (cheaper than scaling the logits, and no full-size temporary)
-        g = Group(q_g * scale, k_g, v_g, a_g, k_before, v_before, a_before, b0 == 0)
+        # queries are scaled per group (cheaper than scaling the logits, and no full-size temporary)
+        g = Group(q_g * scale, k_g, v_g, a_g, k_before, v_before, a_before, b0 == 0,
+                  None if window_qs is None else window_qs[i][0] * scale)
         if mixture:
             out, carry = _mixture_group(g, carry, c=c, L=L, loop=loop)
         else:
@@ -142,26 +149,32 @@ def block_bytes(B: int, H: int, L: int, S: int, element_size: int) -> int:
 
 
 def chunk_vq_attention(q, k, v, c, a: Assignment | None, *, assign: str, state: VQState | None, block_len: int,
-                       scale: float, exact_window: bool, assign_keys, return_state: bool, schedule: Schedule):
+                       scale: float, exact_window: bool, assign_keys, return_state: bool, schedule: Schedule,
+                       q_rot=None, k_rot=None):
     """Causal block algorithm over new tokens that may continue ``state``, whose raw window is re-run in front.
-    ``a``: the keys' Assignment, or None (no state) to assign group by group. Returns (out, state or None)."""
+    ``a``: the keys' Assignment, or None (no state) to assign group by group; q_rot, k_rot: the window's queries
+    and keys (RoPE), whose keys the state keeps. Returns (out, state or None)."""
     B, H, T, _ = q.shape
     S, Dv, L = c.shape[1], v.shape[-1], block_len
+    window_k = k if k_rot is None else k_rot
     if state is None:
         start, counts0, sums0 = 0, q.new_zeros(B, H, S), q.new_zeros(B, H, S, Dv)
     else:
         start, counts0, sums0 = state.length - state.keys.shape[2], state.counts, state.sums
-        q, k, v = prepend_window(q, k, v, state.keys, state.values)
-        a = cat_time(state.assignment, a)
+        if q_rot is not None:
+            q_rot = prepend_window(q_rot, k_rot, v, state.keys, state.values)[0]
+        q, window_k, v = prepend_window(q, window_k, v, state.keys, state.values)
+        k, a = None, cat_time(state.assignment, a)  # the keys come assigned: only the window's keys are read
     # Short sequences fit in one block; a shorter block gives the same result with less padding.
-    L_run = L if state is not None or return_state else min(L, k.shape[2])
-    length = start + k.shape[2]
+    L_run = L if state is not None or return_state else min(L, v.shape[2])
+    length = start + v.shape[2]
     keep = window_start(length, L) - start  # positions leaving the raw window: whole blocks
     out, counts, sums = _causal(q, k, v, c, a, assign=assign, L=L_run, scale=scale, exact_window=exact_window,
                                 counts0=counts0, sums0=sums0, assign_keys=assign_keys,
-                                fold_blocks=keep // L if return_state else 0, schedule=schedule)
+                                fold_blocks=keep // L if return_state else 0, schedule=schedule, window_q=q_rot,
+                                window_k=window_k)
     out = out[:, :, out.shape[2] - T :]
     if not return_state:
         return out, None
     window = assign_keys(k[:, :, keep:]) if a is None else map_time(lambda x: x[:, :, keep:], a)
-    return out, VQState(counts, sums, k[:, :, keep:], v[:, :, keep:], length, L, window)
+    return out, VQState(counts, sums, window_k[:, :, keep:], v[:, :, keep:], length, L, window)

@@ -21,13 +21,15 @@ def naive_assignment(k: torch.Tensor, codebook: torch.Tensor, assign: str, tempe
 
 
 def naive_vq_attention(q, k, v, codebook, *, causal: bool, assign: str = "hard", temperature=1.0,
-                       block_len: int = DEFAULT_BLOCK_LEN, scale: float | None = None, exact_window: bool = False):
+                       block_len: int = DEFAULT_BLOCK_LEN, scale: float | None = None, exact_window: bool = False,
+                       q_rot=None, k_rot=None):
     """Codebook attention (see :mod:`vqattn.ops.vq`) as one softmax over the keys.
 
     Query i scores key j by log Σ_s e^{σ q_i·c_s} Δ_js (the key read through the codes). Causal: j ≤ i, and keys
     of the window (the blocks of L keys from block(i) − 1 on) are scored instead by σ q_i·k_j (``exact_window``),
     by σ q_i·k̂_j with the straight-through code key k̂_j = c_{z_j} + (k_j − sg(k_j)) (hard), or by the same
-    mixture (soft). q, k: (B, H, T, D), v: (B, H, T, Dv), codebook (H, S, D) or (S, D) -> (B, H, T, Dv).
+    mixture (soft). With ``q_rot``, ``k_rot`` (RoPE-rotated q and k) the exact window scores σ q_rot_i·k_rot_j.
+    q, k: (B, H, T, D), v: (B, H, T, Dv), codebook (H, S, D) or (S, D) -> (B, H, T, Dv).
     """
     B, H, T, D = q.shape
     c = codebook if codebook.dim() == 3 else codebook.expand(H, -1, -1)
@@ -41,7 +43,7 @@ def naive_vq_attention(q, k, v, codebook, *, causal: bool, assign: str = "hard",
     i, j = torch.arange(T, device=q.device)[:, None], torch.arange(T, device=q.device)[None, :]
     in_window = j // block_len >= i // block_len - 1
     if exact_window:
-        window = scale * q @ k.transpose(-1, -2)
+        window = scale * (q if q_rot is None else q_rot) @ (k if k_rot is None else k_rot).transpose(-1, -2)
     elif assign == "hard":
         k_hat = delta @ c + (k - k.detach())  # c_{z_j}: the one-hot row picks the code
         window = scale * q @ k_hat.transpose(-1, -2)

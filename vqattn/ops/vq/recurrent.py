@@ -61,13 +61,15 @@ def _window_logits(q, keys, c, window: Assignment, code_logits, exact_window: bo
     return mixture_logits(code_logits, window.weights)
 
 
-def _step(q, k, v, c, a: Assignment, state: VQState, *, scale, exact_window):
-    """One token: q, k (B, H, 1, D), v (B, H, 1, Dv), ``a`` its assignment -> out (B, H, 1, Dv), new state."""
+def _step(q, k, v, c, a: Assignment, state: VQState, *, scale, exact_window, q_window=None):
+    """One token: q, k (B, H, 1, D), v (B, H, 1, Dv), ``a`` its assignment -> out (B, H, 1, Dv), new state. k is the
+    window key (RoPE: rotated) and q_window, when given, the window's query; q scores the codes."""
     keys, values = torch.cat([state.keys, k], 2), torch.cat([state.values, v], 2)
     window = cat_time(state.assignment, a)
     q = q * scale
     code_logits = q @ c.transpose(-1, -2)  # (B, H, 1, S)
-    out = attend_one(_window_logits(q, keys, c, window, code_logits, exact_window), values,
+    q_window = q if q_window is None else q_window * scale
+    out = attend_one(_window_logits(q_window, keys, c, window, code_logits, exact_window), values,
                      code_logits + log_counts(state.counts).unsqueeze(2), code_means(state.counts, state.sums))
     L, length = state.block_len, state.length + 1
     drop = window_start(length, L) - window_start(state.length, L)  # 0, or a whole block leaving the window
@@ -79,13 +81,16 @@ def _step(q, k, v, c, a: Assignment, state: VQState, *, scale, exact_window):
                         map_time(lambda x: x[:, :, drop:], window))
 
 
-def recurrent_vq_attention(q, k, v, c, a: Assignment, *, state: VQState, scale, exact_window):
+def recurrent_vq_attention(q, k, v, c, a: Assignment, *, state: VQState, scale, exact_window, q_rot=None,
+                           k_rot=None):
     """Token-by-token vq_attention continuing ``state``: q, k (B, H, T, D), v (B, H, T, Dv), c (H, S, D), ``a``
-    the new keys' Assignment. Returns out (B, H, T, Dv) and the state after the last token."""
-    outs = []
+    the new keys' Assignment; q_rot, k_rot the window's queries and keys (RoPE). Returns out (B, H, T, Dv) and the
+    state after the last token."""
+    outs, window_k = [], k if k_rot is None else k_rot
     for t in range(q.shape[2]):
         token = slice(t, t + 1)
-        out, state = _step(q[:, :, token], k[:, :, token], v[:, :, token], c, map_time(lambda x: x[:, :, token], a),
-                           state, scale=scale, exact_window=exact_window)
+        out, state = _step(q[:, :, token], window_k[:, :, token], v[:, :, token], c,
+                           map_time(lambda x: x[:, :, token], a), state, scale=scale, exact_window=exact_window,
+                           q_window=None if q_rot is None else q_rot[:, :, token])
         outs.append(out)
     return torch.cat(outs, 2), state

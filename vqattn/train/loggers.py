@@ -1,0 +1,111 @@
+"""The run's loggers: metrics.csv always (RunCSVLogger), plus those the ``logger`` config group adds.
+
+conf/logger/ follows lightning-hydra-template: each option is a dict of named loggers, each with a ``_target_``
+(``logger=tensorboard``, ``logger=wandb``, ``logger=[tensorboard,wandb]``); ``save_dir: null`` means the run dir.
+Every logger gets the same rows, at the step they were logged at (train rows at Lightning's batch index,
+validation rows at the optimizer step they followed), so each plots against the step.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import hydra
+from lightning.pytorch.core.saving import save_hparams_to_yaml
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig
+
+
+class RunCSVLogger(Logger):
+    """metrics.csv and hparams.yaml straight in the run dir (one row per log call; columns sorted, ``step`` among
+    them, a row's missing keys empty), continuing a resumed run's file.
+
+    A resumed run (``resume_step`` > 0) keeps the rows its checkpoint already holds and drops those logged after
+    it, which it logs again. Only rank 0 writes.
+    """
+
+    def __init__(self, run_dir: str | Path, resume_step: int = 0):
+        super().__init__()
+        self.run_dir, self.resume_step = Path(run_dir), resume_step
+        self.metrics_file_path = self.run_dir / "metrics.csv"
+        self._rows: list[dict] = []
+        self._keys: list[str] | None = None  # the file's columns, once read or written
+
+    @property
+    def name(self) -> str:
+        return ""
+
+    @property
+    def version(self) -> str:
+        return ""
+
+    @property
+    def save_dir(self) -> str:
+        return str(self.run_dir)
+
+    @property
+    def log_dir(self) -> str:
+        return str(self.run_dir)
+
+    @rank_zero_only
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        save_hparams_to_yaml(self.run_dir / "hparams.yaml", dict(params) if params is not None else {})
+
+    @rank_zero_only
+    def log_metrics(self, metrics: dict, step: int | None = None) -> None:
+        row = {k: v.item() if hasattr(v, "item") else v for k, v in metrics.items()}
+        self._rows.append({**row, "step": len(self._rows) if step is None else step})
+
+    def _before_resume(self, row: dict) -> bool:
+        """Whether the checkpoint at resume_step already holds what row records. Train rows carry Lightning's batch
+        index (step s: the (s+1)-th batch); validation rows the optimizer step they followed, and the validation
+        at the checkpoint's own step is not run again."""
+        step = int(row["step"])
+        return step < self.resume_step or (step == self.resume_step and bool(row.get("val_bpb")))
+
+    def _read_file(self, resuming: bool) -> list[dict]:
+        """metrics.csv's rows (when resuming, only those before resume_step); sets the columns it has."""
+        if not self.metrics_file_path.is_file():
+            return []
+        with self.metrics_file_path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            rows = [r for r in reader if not resuming or self._before_resume(r)]
+            self._keys = list(reader.fieldnames or [])
+        return rows
+
+    @rank_zero_only
+    def save(self) -> None:
+        first = self._keys is None  # the file is then rewritten: kept rows of an existing file, or a fresh one
+        kept = self._read_file(resuming=True) if first else []
+        self._keys = self._keys or []
+        new_keys = {k for row in self._rows for k in row} - set(self._keys)
+        if new_keys and not first:  # a new column changes the header: the file is written again
+            kept = self._read_file(resuming=False)
+        self._keys = sorted({*self._keys, *new_keys})
+        if not self._keys or not (first or new_keys or self._rows):
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with self.metrics_file_path.open("w" if first or new_keys else "a", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=self._keys)
+            if first or new_keys:
+                writer.writeheader()
+            writer.writerows([*kept, *self._rows])
+        self._rows = []
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        self.save()
+
+
+def extra_loggers(cfg: DictConfig | None, run_dir: Path) -> list[Logger]:
+    """The loggers the ``logger`` group names, each built from its ``_target_``; ``save_dir: null`` is the run dir."""
+    loggers = []
+    for name, node in (cfg or {}).items():
+        if not isinstance(node, DictConfig) or "_target_" not in node:
+            raise ValueError(f"logger.{name} must be a logger config with a _target_, got {node!r}")
+        overrides = {"save_dir": str(run_dir)} if node.get("save_dir", "unset") is None else {}
+        loggers.append(hydra.utils.instantiate(node, **overrides))
+    return loggers
