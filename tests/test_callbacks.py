@@ -1,7 +1,9 @@
 """Trainer glue: per-rank RNG state, metrics.csv continued on resume, DDP argv, environment restore, errors."""
 
 import csv
+import io
 import os
+import signal
 import warnings
 from types import SimpleNamespace
 
@@ -9,8 +11,8 @@ import pytest
 import torch
 
 from vqattn.train import cli, launch
-from vqattn.train.callbacks import RNGState
-from vqattn.train.loggers import RunCSVLogger
+from vqattn.train.callbacks import GracefulInterrupt, ParamSummary, RNGState, StepProgressBar
+from vqattn.train.loggers import RunCSVLogger, extra_loggers
 from vqattn.train.lit import model_config, read_checkpoint
 from vqattn.train.report import markdown_table
 
@@ -134,3 +136,43 @@ def test_mqar_report_ranks_by_recall_accuracy():
             {**run, "name": "better", "val_bpb": 7.2, "recall_acc": 0.9}]
     table = markdown_table(runs)
     assert "recall acc" in table and table.index("| better |") < table.index("| worse |")
+
+
+def test_extra_loggers_are_built_from_their_target_with_the_run_dir(tmp_path):
+    from omegaconf import OmegaConf
+
+    node = {"_target_": "lightning.pytorch.loggers.CSVLogger", "save_dir": None, "name": "extra"}
+    [logger] = extra_loggers(OmegaConf.create({"csv": node}), tmp_path)
+    assert logger.save_dir == str(tmp_path) and logger.name == "extra"
+    [logger] = extra_loggers(OmegaConf.create({"csv": {**node, "save_dir": str(tmp_path / "x")}}), tmp_path)
+    assert logger.save_dir == str(tmp_path / "x")
+    with pytest.raises(ValueError, match="logger.bad must be a logger config with a _target_"):
+        extra_loggers(OmegaConf.create({"bad": 1}), tmp_path)
+
+
+@pytest.mark.parametrize("disable", [True, False])  # ranks > 0 have a disabled bar
+def test_the_step_bar_continues_at_the_resumed_step(disable):
+    from tqdm import tqdm
+
+    bar = StepProgressBar()
+    bar.train_progress_bar = tqdm(disable=disable, file=io.StringIO())
+    bar._reset(SimpleNamespace(max_steps=10, global_step=3))
+    assert (bar.train_progress_bar.n, bar.train_progress_bar.total) == (3, 10)
+
+
+@pytest.mark.parametrize("ending", ["on_train_end", "on_exception"])
+def test_graceful_interrupt_gives_the_sigint_handler_back_however_training_ends(ending):
+    before = signal.getsignal(signal.SIGINT)
+    callback = GracefulInterrupt()
+    callback.on_train_start(None, None)
+    assert signal.getsignal(signal.SIGINT) == callback._handler
+    args = (RuntimeError("the real error"),) if ending == "on_exception" else ()
+    getattr(callback, ending)(None, None, *args)  # the arguments Lightning passes
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_the_model_summary_has_no_flops_column(caplog):
+    data = [(" ", ["0"]), ("Name", ["model"]), ("Type", ["GPT"]), ("Params", ["1.0 K"]), ("FLOPs", ["0"])]
+    with caplog.at_level("INFO"):
+        ParamSummary.summarize(data, 1000, 1000, 0.004, {"train": 1, "eval": 0}, total_flops=0)
+    assert "GPT" in caplog.text and "1.0 K" in caplog.text and "FLOP" not in caplog.text.upper()

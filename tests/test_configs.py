@@ -36,6 +36,9 @@ DELIBERATE = {
 DELIBERATE[("trainer", "cpu")] = DELIBERATE[("trainer", "default")] | {"accelerator"}
 DELIBERATE[("trainer", "gpu")] = DELIBERATE[("trainer", "default")] | {"accelerator", "precision"}
 DELIBERATE[("trainer", "ddp")] = DELIBERATE[("trainer", "default")] | {"strategy"}
+# logger option -> {logger name: keys set away from the logger class's defaults}
+LOGGERS_DELIBERATE = {"tensorboard": {"tensorboard": {"name", "version", "default_hp_metric"}},
+                      "wandb": {"wandb": {"save_dir", "project"}}}
 GROUPS = [(group, p.stem) for group in ("model", "data", "trainer") for p in sorted((CONF / group).glob("*.yaml"))]
 GROUPS += [("attention", name) for name in sorted(ATTENTIONS)]
 
@@ -121,3 +124,18 @@ def test_signature_defaults_follow_the_kwargs_chain():
 def test_every_default_can_be_overridden_without_plus(override):
     key, value = override.split("=")
     assert str(OmegaConf.select(compose_cfg(override), key)).lower() == value.lower().replace("1e-3", "0.001")
+
+
+@pytest.mark.parametrize("option", sorted(p.stem for p in (CONF / "logger").glob("*.yaml")))
+def test_logger_options_differ_from_lightning_only_where_declared(option):
+    loggers = compose_cfg(f"logger={option}").logger
+    declared = LOGGERS_DELIBERATE.get(option, {})
+    assert set(loggers) == set(declared)
+    for name, node in loggers.items():
+        assert differing_keys(node, signature_defaults(get_class(node._target_))) == declared[name], name
+
+
+def test_several_loggers_compose_together():
+    loggers = compose_cfg("logger=[tensorboard,wandb]").logger
+    assert set(loggers) == {"tensorboard", "wandb"} and loggers.wandb.name == compose_cfg().attention.name
+    assert compose_cfg().logger == {}  # the default: metrics.csv alone

@@ -69,6 +69,28 @@ def test_unknown_attention_lists_the_valid_ones():
     assert all(name in str(info.value) for name in ATTENTION_OPTIONS)
 
 
+def test_compile_says_it_is_compiling_before_the_first_step(tmp_path, caplog):
+    from lightning.pytorch.callbacks import LambdaCallback
+
+    from vqattn.train import cli
+
+    _, _, trainer = cli.build(cfg_for(*FAST, "compile=true"), tmp_path)
+    with caplog.at_level("INFO", logger="train"):
+        for hook in [c for c in trainer.callbacks if isinstance(c, LambdaCallback)]:
+            hook.on_fit_start(trainer, None)
+    assert "compiling the model" in caplog.text
+
+
+def test_more_than_one_device_needs_a_multi_process_strategy():
+    from vqattn.train.checks import check_config
+
+    for fine in (["trainer.devices=auto"], ["trainer.devices=1"], ["trainer=ddp", "trainer.devices=3"]):
+        check_config(cfg_for(*fine))
+    for many in ("3", "[0,1]", "'0,1'"):
+        with pytest.raises(ValueError, match=r"starts one process per device: add trainer=ddp"):
+            check_config(cfg_for(f"trainer.devices={many}"))
+
+
 def run_inprocess(tmp_path, name, *overrides):
     from vqattn.train import cli
 
@@ -100,6 +122,28 @@ def test_resume_20_plus_20_equals_40_straight(tmp_path, attention):
     assert [int(r["step"]) for r in val_rows(c)] == [int(r["step"]) for r in val_rows(b)] == [10, 20, 30, 40]
     bpb_b, bpb_c = ([float(r["val_bpb"]) for r in val_rows(run)] for run in (b, c))
     assert bpb_b == pytest.approx(bpb_c, rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("logger", ["tensorboard", "wandb"])
+def test_a_logger_option_logs_per_step_beside_metrics_csv(tmp_path, monkeypatch, logger):
+    pytest.importorskip(logger)  # optional: tensorboard comes with vqattn[tensorboard], wandb is separate
+    monkeypatch.setenv("WANDB_MODE", "offline")  # never the network, whatever logger.wandb.offline says
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    extra = ["logger.wandb.offline=true"] if logger == "wandb" else []
+    results, run_dir = run_inprocess(tmp_path, "run", f"logger={logger}", *extra, "attention=softmax",
+                                     "trainer.max_steps=10", "trainer.val_check_interval=5",
+                                     "trainer.log_every_n_steps=5")
+    assert results["steps"] == 10 and [int(r["step"]) for r in val_rows(run_dir)] == [5, 10]  # metrics.csv as ever
+    if logger == "tensorboard":
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(run_dir / "tensorboard"))
+        events.Reload()
+        assert [e.step for e in events.Scalars("val_bpb")] == [5, 10]
+        assert [e.step for e in events.Scalars("train_bpb")] == [4, 9]  # Lightning's batch index, as in metrics.csv
+    else:
+        assert list((run_dir / "wandb").glob("offline-run-*"))
 
 
 def start_script(args, cwd) -> subprocess.Popen:
@@ -199,8 +243,9 @@ def test_ctrl_c_saves_and_the_printed_command_resumes_in_the_same_run_dir(tmp_pa
     assert not [word for word in NOISE if word in console]
     bars = re.findall(r"Training:\s+\d+%\|[^|]*\|\s*(\d+)/(\d+)([^\r\n]*)", console)  # once it knows its total
     assert bars and {int(t) for _, t, _ in bars} == {total} and int(bars[0][0]) == step and int(bars[-1][0]) == total
-    before_validation = [rest for n, _, rest in bars if int(n) < total]
-    assert not [rest for rest in before_validation if "val_bpb" in rest]  # none left from the interrupted run
+    first_validation = (step // 4 + 1) * 4  # the resumed run's own, at the next multiple of val_check_interval
+    before = [rest for n, _, rest in bars if int(n) < first_validation]
+    assert before and not [rest for rest in before if "val_bpb" in rest]  # no value left from the interrupted run
     steps = [int(r["step"]) for r in val_rows(out)]
     assert steps == sorted(set(steps)) and steps[-1] == total  # no validation logged twice, the final one at the end
     assert all(s % 4 == 0 for s in steps[:-1])  # no validation pass on the way out of the interrupted run

@@ -159,8 +159,11 @@ class StepProgressBar(TQDMProgressBar):
 
     def _reset(self, trainer) -> None:
         bar = self.train_progress_bar
-        bar.reset(total=trainer.max_steps)  # public on every bar, the disabled ones of ranks > 0 too
-        bar.initial = bar.n = trainer.global_step  # the rate counts this process's steps only
+        bar.total = trainer.max_steps
+        bar.initial = bar.n = bar.last_print_n = trainer.global_step  # the rate counts this process's steps only
+        # tqdm's clock is time.time (not its _time(), which the disabled bars of ranks > 0 do not have); tqdm's
+        # reset() is not used as it would first show 0/total
+        bar.start_t = bar.last_print_t = time.time()
         bar.set_description("Training")  # refreshes
 
     def on_train_start(self, trainer, pl_module):
@@ -176,9 +179,13 @@ class StepProgressBar(TQDMProgressBar):
         self._restored.clear()
 
     def on_train_epoch_end(self, trainer, pl_module):
-        # closed (its last state printed once, with a newline) before Lightning logs why fit stopped
-        self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
-        self.train_progress_bar.close()
+        # After the last epoch the bar is closed (its last state printed once, ending the line) before Lightning
+        # logs why fit stopped; a resumed run's first epoch is what remained of the interrupted one.
+        last = (trainer.should_stop or 0 <= trainer.max_steps <= trainer.global_step
+                or trainer.max_epochs not in (None, -1) and trainer.current_epoch + 1 >= trainer.max_epochs)
+        if last:
+            self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
+            self.train_progress_bar.close()
 
     def get_metrics(self, trainer, pl_module):
         metrics = super().get_metrics(trainer, pl_module)

@@ -29,8 +29,9 @@ import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
+from .checks import check_config, check_resumable, positive_int
 from .configs import register
 from .launch import DDP_ARGV, ddp_child_argv
 
@@ -52,39 +53,6 @@ class Interrupted(Exception):
 
 class Aborted(Exception):
     """A second Ctrl-C stopped training mid-step (or Ctrl-C came before training started): nothing new saved."""
-
-
-def _positive_int(key: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{key} must be a positive int, got {value!r}")
-
-
-def _device_count(devices) -> int | None:
-    """How many devices ``trainer.devices`` asks for; None when it depends on the machine ("auto", -1)."""
-    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
-        devices = int(devices)
-    if isinstance(devices, int) and not isinstance(devices, bool):
-        return None if devices == -1 else devices
-    if isinstance(devices, str) and "," in devices:  # "0,1": those GPUs
-        return len([d for d in devices.split(",") if d.strip()])
-    return len(devices) if OmegaConf.is_list(devices) or isinstance(devices, (list, tuple)) else None
-
-
-def check_config(cfg: DictConfig) -> None:
-    """Explain settings that cannot work before anything is built."""
-    _positive_int("trainer.max_steps", cfg.trainer.max_steps)
-    _positive_int("checkpoint_every", cfg.checkpoint_every)
-    devices = _device_count(cfg.trainer.devices)
-    if cfg.trainer.strategy == "auto" and devices != 1:
-        # Lightning would pick a multi-process strategy itself, without the launch handling of trainer=ddp
-        raise ValueError(f"trainer.devices={cfg.trainer.devices} starts one process per device: add trainer=ddp "
-                         f"(or set trainer.strategy), or use trainer.devices=1")
-    m, d = cfg.model, cfg.data
-    if m.pos_emb == "learned" and isinstance(d.seq_len, int) and d.seq_len > m.seq_len:
-        raise ValueError(
-            f"data.seq_len={d.seq_len} exceeds model.seq_len={m.seq_len}, the longest sequence learned absolute "
-            f"positions can encode; set data.seq_len <= model.seq_len or model.pos_emb=rope"
-        )
 
 
 def peak_memory_mb(device: torch.device) -> tuple[float, str]:
@@ -115,21 +83,6 @@ def instantiate_module(cfg: DictConfig):
         raise
 
 
-def check_resumable(module, checkpoint: dict, path: str) -> None:
-    """Raise a one-line ValueError unless the checkpoint's weights fit the module (same attention, same shapes)."""
-    trained = checkpoint.get("hyper_parameters", {}).get("model", {}).get("attention")
-    attention = module.model.config.attention
-    if trained is not None and trained != attention:
-        raise ValueError(f"ckpt_path={path} was trained with attention={trained}, this run has attention={attention}: "
-                         f"resume with attention={trained}")
-    saved, own = checkpoint["state_dict"], module.state_dict()
-    mismatch = sorted(k for k in own.keys() | saved.keys()
-                      if k not in own or k not in saved or own[k].shape != saved[k].shape)
-    if mismatch:
-        raise ValueError(f"ckpt_path={path} does not fit this model ({len(mismatch)} weights differ, e.g. "
-                         f"{mismatch[0]}): resume with the model and attention settings it was trained with")
-
-
 def build(cfg: DictConfig, run_dir: Path):
     """Module, data (loaded now, so data errors come before any training output) and a Trainer with its callbacks."""
     from lightning.pytorch.callbacks import LambdaCallback, LearningRateMonitor
@@ -150,8 +103,7 @@ def build(cfg: DictConfig, run_dir: Path):
     callbacks = [LastCheckpoint(run_dir / "checkpoints", cfg.checkpoint_every), LearningRateMonitor("step"),
                  TokenThroughput(window_size=max(2, trainer_log_every(cfg))), RNGState(), GracefulInterrupt()]
     if cfg.compile:  # the first steps compile the model: say so before the bar sits at 0/N
-        callbacks.append(LambdaCallback(on_fit_start=lambda trainer, _: trainer.is_global_zero and log.info(
-            "compiling the model (compile=true): the first steps take a minute or more")))
+        callbacks.append(LambdaCallback(on_fit_start=_say_compiling))
     if cfg.trainer.enable_progress_bar is not False:
         callbacks.append(StepProgressBar())
     if cfg.trainer.enable_model_summary is not False:
@@ -161,12 +113,17 @@ def build(cfg: DictConfig, run_dir: Path):
     return module, datamodule, trainer
 
 
+def _say_compiling(trainer, pl_module) -> None:
+    if trainer.is_global_zero:
+        log.info("compiling the model (compile=true): the first steps take a minute or more")
+
+
 @contextlib.contextmanager
 def intra_op_threads(threads: int | None):
     """torch.set_num_threads(threads) for the run (None: torch's default), restored after."""
     before = torch.get_num_threads()
     if threads is not None:
-        _positive_int("threads", threads)
+        positive_int("threads", threads)
         torch.set_num_threads(threads)
     try:
         yield

@@ -287,8 +287,9 @@ class LitLM(L.LightningModule):
         metrics.update({f"val_{k}_pos_{name}": bucket[k] for name, bucket in by_position.items() for k in ("bpb", "acc")})
         # Written at global_step, the number of optimizer steps done (Lightning's own step for epoch-end logging
         # is the last batch index, 199 for the validation after 200 steps).
-        if self.logger is not None and not self.trainer.sanity_checking:
-            self.logger.log_metrics(metrics, step=self.global_step)
+        if not self.trainer.sanity_checking:
+            for logger in self.loggers:  # metrics.csv and any logger=... the run adds
+                logger.log_metrics(metrics, step=self.global_step)
         self.last_validation = {"step": self.global_step, **metrics, "by_position": by_position}
 
     def configure_optimizers(self):

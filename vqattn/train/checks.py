@@ -1,0 +1,53 @@
+"""Checks that explain, in one line naming the key to change, a run that cannot work, before anything is built."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig, OmegaConf
+
+
+def positive_int(key: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{key} must be a positive int, got {value!r}")
+
+
+def _device_count(devices) -> int | None:
+    """How many devices ``trainer.devices`` asks for; None when it depends on the machine ("auto", -1)."""
+    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
+        devices = int(devices)
+    if isinstance(devices, int) and not isinstance(devices, bool):
+        return None if devices == -1 else devices
+    if isinstance(devices, str) and "," in devices:  # "0,1": those GPUs
+        return len([d for d in devices.split(",") if d.strip()])
+    return len(devices) if OmegaConf.is_list(devices) or isinstance(devices, (list, tuple)) else None
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Explain settings that cannot work before anything is built."""
+    positive_int("trainer.max_steps", cfg.trainer.max_steps)
+    positive_int("checkpoint_every", cfg.checkpoint_every)
+    devices = _device_count(cfg.trainer.devices)
+    if cfg.trainer.strategy == "auto" and devices is not None and devices > 1:
+        # Lightning would pick a multi-process strategy itself, without the launch handling of trainer=ddp
+        raise ValueError(f"trainer.devices={cfg.trainer.devices} starts one process per device: add trainer=ddp "
+                         f"(or set trainer.strategy), or use trainer.devices=1")
+    m, d = cfg.model, cfg.data
+    if m.pos_emb == "learned" and isinstance(d.seq_len, int) and d.seq_len > m.seq_len:
+        raise ValueError(
+            f"data.seq_len={d.seq_len} exceeds model.seq_len={m.seq_len}, the longest sequence learned absolute "
+            f"positions can encode; set data.seq_len <= model.seq_len or model.pos_emb=rope"
+        )
+
+
+def check_resumable(module, checkpoint: dict, path: str) -> None:
+    """Raise a one-line ValueError unless the checkpoint's weights fit the module (same attention, same shapes)."""
+    trained = checkpoint.get("hyper_parameters", {}).get("model", {}).get("attention")
+    attention = module.model.config.attention
+    if trained is not None and trained != attention:
+        raise ValueError(f"ckpt_path={path} was trained with attention={trained}, this run has attention={attention}: "
+                         f"resume with attention={trained}")
+    saved, own = checkpoint["state_dict"], module.state_dict()
+    mismatch = sorted(k for k in own.keys() | saved.keys()
+                      if k not in own or k not in saved or own[k].shape != saved[k].shape)
+    if mismatch:
+        raise ValueError(f"ckpt_path={path} does not fit this model ({len(mismatch)} weights differ, e.g. "
+                         f"{mismatch[0]}): resume with the model and attention settings it was trained with")
