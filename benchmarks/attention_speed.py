@@ -1,5 +1,5 @@
-"""Forward+backward time and peak memory: causal SDPA against causal vq_attention (hard and soft) and
-window_attention.
+"""Forward+backward time and peak memory: causal SDPA against causal vq_attention (hard and soft),
+window_attention and ovq_attention (online assignment, S slots, relative threshold 0.5).
 
 ``vq_hard`` and ``vq_soft`` time the op's defaults (the window scores keys by their codes); ``vq_hard_rope`` and
 ``vq_soft_rope`` the configuration the default vq layers run: ``exact_window=True`` with the window scored by
@@ -41,10 +41,10 @@ import time
 
 import torch
 
-from vqattn.functional import softmax_attention, vq_attention, window_attention
+from vqattn.functional import ovq_attention, softmax_attention, vq_attention, window_attention
 from vqattn.utils import tune_cpu_allocator
 
-METHODS = ("sdpa", "vq_hard", "vq_soft", "vq_hard_rope", "vq_soft_rope", "window")
+METHODS = ("sdpa", "vq_hard", "vq_soft", "vq_hard_rope", "vq_soft_rope", "window", "ovq")
 MODES = ("default", "tuned", "compiled")
 
 
@@ -53,6 +53,8 @@ def attention(method: str, q, k, v, codebook, block_len, q_rot=None, k_rot=None)
         return softmax_attention(q, k, v, causal=True)
     if method == "window":
         return window_attention(q, k, v, block_len=block_len)
+    if method == "ovq":
+        return ovq_attention(q, k, v, num_slots=codebook.shape[1], block_len=block_len, threshold=0.5)
     rope = dict(exact_window=True, q_rot=q_rot, k_rot=k_rot) if method.endswith("_rope") else {}
     assign = method.removeprefix("vq_").removesuffix("_rope")
     return vq_attention(q, k, v, codebook, causal=True, assign=assign, block_len=block_len, **rope)

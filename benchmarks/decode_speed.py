@@ -3,7 +3,8 @@
 A 2-layer byte-level GPT (n_embd 256, 4 heads, RoPE; vq layers S=512 codes, block_len 128, exact window) first
 consumes a context of T tokens (prefill, chunked), then decodes single tokens with ``GPT.forward_step``. softmax
 keeps a KV cache that grows with T; window keeps under 2·block_len keys; vq keeps per-code counts and value sums plus
-that window; performer keeps its feature-space sums. Ratios are softmax / X from the same run.
+that window; ovq keeps per-slot counts, key and value sums plus that window (S=512 slots); performer keeps its
+feature-space sums. Ratios are softmax / X from the same run.
 
     python benchmarks/decode_speed.py                                  # T = 256 … 32k
     python benchmarks/decode_speed.py --lengths 1024 8192 --methods softmax vq_hard --steps 50
@@ -24,9 +25,10 @@ import torch
 from vqattn.layers import ATTENTIONS
 from vqattn.model import GPT, GPTConfig
 
-DEFAULT_METHODS = [m for m in ("softmax", "window", "vq_hard", "vq_soft", "performer") if m in ATTENTIONS]
+DEFAULT_METHODS = [m for m in ("softmax", "window", "vq_hard", "vq_soft", "ovq", "performer") if m in ATTENTIONS]
 VQ_KWARGS = {"num_codes": 512, "block_len": 128, "exact_window": True}
-KWARGS = {"vq_hard": VQ_KWARGS, "vq_soft": VQ_KWARGS, "window": {"block_len": 128}}
+KWARGS = {"vq_hard": VQ_KWARGS, "vq_soft": VQ_KWARGS, "window": {"block_len": 128},
+          "ovq": {"num_slots": 512, "block_len": 128}}
 
 
 def build(method: str, device: str) -> GPT:

@@ -22,6 +22,7 @@ SMALL_KWARGS = {
     "kernel_rbf": {},
     "kernel_poly": {"degree": 3},
     "kernel_linear": {},
+    "ovq": {"num_slots": 8, "block_len": 4},
 }
 
 

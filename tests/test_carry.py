@@ -33,7 +33,7 @@ def tensors(obj) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("name,short_conv", [("vq_hard", 0), ("vq_soft", 0), ("performer", 0), ("linear", 0),
-                                             ("vq_hard", 4)])
+                                             ("ovq", 0), ("vq_hard", 4)])
 def test_carried_segments_equal_one_pass_over_the_whole_sequence(name, short_conv):
     # constant-size states carry the whole past, so segment after segment is the long sequence
     model = scramble_short_conv(tiny_model(name, short_conv=short_conv))
@@ -55,7 +55,8 @@ def test_softmax_carries_a_memory_of_one_segment():
     assert not torch.allclose(logits[:, 16:], model(x).logits[:, 16:])  # segment 3 no longer sees keys 0..7
 
 
-@pytest.mark.parametrize("name,short_conv", [("vq_hard", 0), ("softmax", 0), ("performer", 0), ("softmax", 2)])
+@pytest.mark.parametrize("name,short_conv", [("vq_hard", 0), ("softmax", 0), ("performer", 0), ("ovq", 0),
+                                             ("softmax", 2)])
 def test_encoded_state_survives_a_weights_only_checkpoint(name, short_conv):
     model = scramble_short_conv(tiny_model(name, short_conv=short_conv))
     x = torch.randint(0, 17, (2, 20), generator=torch.Generator().manual_seed(2))

@@ -11,7 +11,7 @@ import torch
 from model_helpers import layer_kwargs, scramble_short_conv
 from vqattn.model import GPT, GPTConfig
 
-COMPILED = ["vq_hard", "vq_soft", "window", "performer"]
+COMPILED = ["vq_hard", "vq_soft", "window", "performer", "ovq"]
 
 
 def _model(name: str, short_conv: int = 0) -> GPT:

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from vqattn.model import IGNORE_INDEX
 from vqattn.train import data as D
 from vqattn.train.mqar import MQARDataModule, mqar_example
 
@@ -27,7 +28,7 @@ def test_mqar_every_answer_is_the_value_bound_to_the_queried_key(seq_len, pairs,
         keys, values = xs[0:ctx:2], xs[1:ctx:2]
         assert len(set(keys)) == pairs and all(1 <= k < 128 for k in keys)
         assert len(set(values)) == pairs and all(128 <= v < 256 for v in values)
-        answers = [j for j, t in enumerate(ys) if t != D.IGNORE_INDEX]
+        answers = [j for j, t in enumerate(ys) if t != IGNORE_INDEX]
         assert len(answers) == pairs  # every key is queried exactly once
         assert all(j >= ctx for j in answers)  # queries come after all pairs
         binding = dict(zip(keys, values))
@@ -49,7 +50,7 @@ def test_mqar_random_filler_never_repeats_a_key_of_its_sequence(seq_len, pairs, 
         keys = xs[0:ctx:2]
         filler = torch.ones(seq_len, dtype=torch.bool)
         filler[:ctx] = False
-        filler[ys != D.IGNORE_INDEX] = False  # query positions hold the keys
+        filler[ys != IGNORE_INDEX] = False  # query positions hold the keys
         assert not torch.isin(xs[filler], keys).any()
     seen = torch.zeros(256, dtype=torch.bool)
     seen[x[:, 2 * pairs + gap:].flatten()] = True
@@ -59,7 +60,7 @@ def test_mqar_random_filler_never_repeats_a_key_of_its_sequence(seq_len, pairs, 
 def test_mqar_gaps_follow_a_decreasing_power_law():
     # p(g) ∝ g^(a-1) with a=0.01: early query slots are far more likely than late ones.
     x, y = mqar_example(np.random.default_rng(0), 400, 256, 4)
-    pos = (y != D.IGNORE_INDEX).nonzero()[:, 1] - 8
+    pos = (y != IGNORE_INDEX).nonzero()[:, 1] - 8
     early, late = (pos < 40).sum().item(), (pos >= 200).sum().item()
     assert early > 3 * late
 

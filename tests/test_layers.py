@@ -33,12 +33,12 @@ def heads(layer: Attention, x: torch.Tensor):
 
 def test_registry_names():
     assert set(ATTENTIONS) == {"softmax", "vq_hard", "vq_soft", "window", "performer", "linear", "taylor",
-                               "kernel_rbf", "kernel_poly", "kernel_linear"}
+                               "kernel_rbf", "kernel_poly", "kernel_linear", "ovq"}
 
 
 def test_unknown_name_lists_valid_names():
-    with pytest.raises(ValueError, match="valid names are: kernel_linear, kernel_poly, kernel_rbf, linear, performer, "
-                       "softmax, taylor, vq_hard, vq_soft, window"):
+    with pytest.raises(ValueError, match="valid names are: kernel_linear, kernel_poly, kernel_rbf, linear, ovq, "
+                       "performer, softmax, taylor, vq_hard, vq_soft, window"):
         build_attention("flash", dim=DIM, num_heads=HEADS)
 
 
@@ -167,6 +167,8 @@ def test_aux_loss_and_usage_stats(name):
     if name in VQ_NAMES:
         assert {"perplexity", "dead_codes", "quant_error"} <= set(stats)
         assert all(math.isfinite(value) for value in stats.values())
+    elif name == "ovq":  # after 9 tokens only block 0 (4 keys) is in the memory; all open slots in an empty memory
+        assert aux_loss == 0 and stats == {"occupied_slots": 4.0}
     else:
         assert aux_loss == 0 and stats == {}
     if name == "vq_hard":
@@ -242,6 +244,9 @@ def test_state_floats_counts_the_decoding_state(name):
         held = inner.counts[0].numel() + inner.sums[0].numel() + 2 * min(t, 2 * layer.block_len) * DIM
     elif name == "window":
         held = 2 * min(t, 2 * layer.block_len) * DIM  # the bound: the state holds L to 2L − 1 keys
+    elif name == "ovq":
+        held = sum(x[0].numel() for x in (inner.counts, inner.key_sums, inner.value_sums)) + \
+            2 * min(t, 2 * layer.block_len) * DIM
     elif hasattr(inner, "kv"):
         held = inner.kv[0].numel() + inner.k_sum[0].numel()
     else:

@@ -72,7 +72,7 @@ def test_codebook_stats(name):
     model = tiny_model(name).train()
     model(torch.randint(0, 17, (2, 9)))
     stats = model.codebook_stats()
-    if name in VQ_NAMES:
+    if name in (*VQ_NAMES, "ovq"):
         layer_stats = [block.attn.usage_stats() for block in model.blocks]
         assert set(stats) == set(layer_stats[0])
         for key, value in stats.items():
@@ -90,7 +90,7 @@ def test_performer_layers_draw_different_features():
 @pytest.mark.parametrize(
     "overrides,match",
     [
-        ({"attention": "flash"}, "valid names are: kernel_linear, kernel_poly, kernel_rbf, linear, performer, softmax, taylor, vq_hard, vq_soft"),
+        ({"attention": "flash"}, "valid names are: kernel_linear, kernel_poly, kernel_rbf, linear, ovq, performer, softmax, taylor, vq_hard, vq_soft"),
         ({"pos_emb": "alibi"}, "pos_emb"),
         ({"n_embd": 30, "n_head": 4}, "divisible"),
         ({"seq_len": 0}, "seq_len"),

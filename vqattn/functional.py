@@ -2,6 +2,7 @@
 
 from .ops.kernel import kernel_attention
 from .ops.linear import LinearState, linear_attention
+from .ops.ovq import OVQState, ovq_attention
 from .ops.softmax import softmax_attention
 from .ops.vq import Assignment, Schedule, VQState, naive_vq_attention, vq_assign, vq_attention
 from .ops.window import WindowState, window_attention
@@ -19,4 +20,6 @@ __all__ = [
     "linear_attention",
     "LinearState",
     "kernel_attention",
+    "ovq_attention",
+    "OVQState",
 ]

@@ -39,7 +39,7 @@ class GPTConfig:
     attention: str = "vq_soft"
     attention_kwargs: dict = field(default_factory=dict)  # extra constructor kwargs of the attention layer
     pos_emb: str = "rope"  # "rope" (inside the attention), "learned" (absolute, added to embeddings), "none"
-    qk_norm: bool = False
+    qk_norm: bool | str = False  # False, True (RMSNorm) or "l2" (unit q and k, learned scale): see layers.base
     short_conv: int = 0  # kernel size of the attention layers' short convolution over q/k/v (0 = none)
     mlp_ratio: int = 4
 

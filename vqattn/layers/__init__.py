@@ -3,10 +3,10 @@
 Every layer maps x: (B, T, C) -> (B, T, C) and is causal. It owns
 
 * a fused q/k/v projection and an output projection,
-* optional per-head RMS normalisation of q and k (``qk_norm``, as in Transformer-VQ),
+* optional per-head normalisation of q and k (``qk_norm``: RMS as in Transformer-VQ, or L2 with a learned scale),
 * optional rotary position embedding (``rope``); learned absolute positions live in the model,
   so a layer with ``rope=False`` is position-free,
-* ``usage_stats()``: codebook usage for vq layers, ``{}`` otherwise,
+* ``usage_stats()``: codebook usage for vq layers, memory occupancy for ovq, ``{}`` otherwise,
 * a recurrent decoding path: ``forward(x, state, return_state=True)`` consumes a chunk of tokens that
   follows the tokens summarised by ``state`` and returns the state after the chunk. Feeding a sequence in
   chunks gives the same outputs as one call on the whole sequence.
@@ -25,6 +25,7 @@ from __future__ import annotations
 from .base import Attention, AttentionOutput, AttentionState, CachedAttention, KVCache, rope_rotate
 from .vq import VQAttention, VQHardAttention, VQSoftAttention
 from .kernel import EluLinearAttention, KernelAttention, PerformerAttention, TaylorAttention
+from .ovq import OnlineVQAttention
 from .quadratic import (
     KernelSmootherAttention,
     LinearSmootherAttention,
@@ -33,6 +34,7 @@ from .quadratic import (
     SoftmaxAttention,
     WindowAttention,
 )
+from .vq import VQAttention, VQHardAttention, VQSoftAttention
 
 ATTENTIONS: dict[str, type[Attention]] = {
     "softmax": SoftmaxAttention,
@@ -45,6 +47,7 @@ ATTENTIONS: dict[str, type[Attention]] = {
     "kernel_rbf": RBFSmootherAttention,
     "kernel_poly": PolySmootherAttention,
     "kernel_linear": LinearSmootherAttention,
+    "ovq": OnlineVQAttention,
 }
 
 
@@ -57,7 +60,8 @@ def build_attention(name: str, **kwargs) -> Attention:
 
 __all__ = [
     "ATTENTIONS", "Attention", "AttentionOutput", "AttentionState", "CachedAttention", "EluLinearAttention",
-    "KVCache", "KernelAttention", "KernelSmootherAttention", "LinearSmootherAttention", "PerformerAttention",
+    "KVCache", "KernelAttention", "KernelSmootherAttention", "LinearSmootherAttention", "OnlineVQAttention",
+    "PerformerAttention",
     "PolySmootherAttention", "RBFSmootherAttention", "SoftmaxAttention", "TaylorAttention", "VQAttention",
     "VQHardAttention", "VQSoftAttention", "WindowAttention", "build_attention", "rope_rotate",
 ]

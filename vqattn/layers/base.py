@@ -111,6 +111,24 @@ def rope_rotate(x: torch.Tensor, start: int, base: float) -> torch.Tensor:
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).to(x.dtype)
 
 
+QK_NORMS = (False, True, "rms", "l2")
+
+
+class L2Norm(nn.Module):
+    """x / ‖x‖ per head vector of x (B, H, T, Dh), times a learned per-head scale when ``num_heads`` is given.
+
+    For q, with the scale initialised to Dh, the logit Dh^{−1/2} q·k of a unit key starts at √Dh·cos θ, the range
+    of RMS-normalised vectors; learning it sets how sharp attention can get (unit keys leave it to q)."""
+
+    def __init__(self, num_heads: int | None = None, *, scale: float = 1.0):
+        super().__init__()
+        self.scale = None if num_heads is None else nn.Parameter(torch.full((num_heads, 1, 1), scale))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = nn.functional.normalize(x, dim=-1)
+        return x if self.scale is None else x * self.scale.to(x.dtype)
+
+
 class Attention(nn.Module):
     """Base class: projections, an optional short convolution, q/k normalisation, RoPE and the chunked-state
     protocol.
@@ -129,13 +147,16 @@ class Attention(nn.Module):
         *,
         bias: bool = False,
         dropout: float = 0.0,
-        qk_norm: bool = False,
+        qk_norm: bool | str = False,
         rope: bool = False,
         rope_base: float = 10000.0,
         short_conv: int = 0,
         layer_idx: int = 0,
     ):
         """layer_idx: position of the layer in its model; layers with random features derive their seed from it.
+
+        qk_norm: normalise q and k per head: False; True or "rms" (RMSNorm, as in Transformer-VQ); or "l2" (unit
+        vectors, q times a learned per-head scale: :class:`L2Norm`).
 
         short_conv: kernel size of a causal depthwise convolution over time of the fused q/k/v projections
         (flash-linear-attention's ShortConvolution, as in H3, Based and Mamba); 0 = none. Each of q, k and v then
@@ -168,9 +189,14 @@ class Attention(nn.Module):
                 self.conv.weight[:, 0, -1] = 1.0
         self.proj = nn.Linear(dim, dim, bias=bias)
         self.resid_dropout = nn.Dropout(dropout)
+        if qk_norm not in QK_NORMS:
+            raise ValueError(f"qk_norm must be one of False, True, 'rms', 'l2'; got {qk_norm!r}")
         # Transformer-VQ RMS-normalises q and k per head; this bounds |q.k| and keeps codes comparable.
-        self.q_norm = nn.RMSNorm(self.head_dim) if qk_norm else nn.Identity()
-        self.k_norm = nn.RMSNorm(self.head_dim) if qk_norm else nn.Identity()
+        if qk_norm == "l2":
+            self.q_norm, self.k_norm = L2Norm(num_heads, scale=float(self.head_dim)), L2Norm()
+        else:
+            self.q_norm = nn.RMSNorm(self.head_dim) if qk_norm else nn.Identity()
+            self.k_norm = nn.RMSNorm(self.head_dim) if qk_norm else nn.Identity()
 
     def rotate(self, x: torch.Tensor, pos: int) -> torch.Tensor:
         """RoPE at positions pos.. when this layer uses it, else x unchanged."""

@@ -156,7 +156,11 @@ def _backward_loop(p, grad_num, sums, last, grad_last, updates, need_updates, lo
 
 
 def code_logits_of(q: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
-    """q·cᵀ for q (N, n, L, D) and c (N, S, D): (N, n, L, S), one bmm (a broadcast matmul would copy c per block)."""
+    """q·cᵀ for q (N, n, L, D) and c (N, S, D) shared by the blocks, or (N, n, S, D) one per block (the per-sequence
+    slot means of online codebook attention): (N, n, L, S). A shared c takes one bmm (a broadcast matmul would copy
+    c per block)."""
+    if codebook.dim() == 4:
+        return torch.matmul(q, codebook.transpose(-1, -2))
     N, n, L, D = q.shape
     return torch.bmm(q.reshape(N, n * L, D), codebook.transpose(-1, -2)).view(N, n, L, -1)
 
@@ -164,11 +168,12 @@ def code_logits_of(q: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
 class LogitGradients:
     """Takes a group's code-logit gradients ds (:func:`read_cache_backward`) block by block, adds the window's
     gathered-logit gradients (hard VQ: ``window_codes`` (N, n, L, W) and ``ds_window``), and turns them into the
-    gradients ``dq`` of the queries q (N, n, L, D) and ``dc`` of the codebook c (N, S, D) of the logits q·cᵀ, so
-    no (T, S) gradient is written."""
+    gradients ``dq`` of the queries q (N, n, L, D) and ``dc`` of the codebook c of the logits q·cᵀ (c (N, S, D)
+    shared by the blocks, or (N, n, S, D) one per block), so no (T, S) gradient is written."""
 
     def __init__(self, q, codebook, *, need_q: bool, need_codebook: bool, window_codes=None, ds_window=None):
         self.q, self.codebook, self.window_codes, self.ds_window = q, codebook, window_codes, ds_window
+        self.per_block = codebook.dim() == 4
         self.dq = torch.empty_like(q) if need_q else None
         self.dc = torch.zeros_like(codebook) if need_codebook else None
 
@@ -176,6 +181,12 @@ class LogitGradients:
         N, S = ds.shape[0], ds.shape[-1]
         if self.window_codes is not None:
             ds.scatter_add_(-1, self.window_codes[:, b], self.ds_window[:, b])
+        if self.per_block:  # ds (N, L, S) of block b, or (N, n, L, S) of every block
+            if self.dq is not None:
+                self.dq[:, b] = torch.matmul(ds, self.codebook[:, b])
+            if self.dc is not None:
+                self.dc[:, b] = torch.matmul(ds.transpose(-1, -2), self.q[:, b])
+            return
         flat = ds.reshape(N, -1, S)
         if self.dq is not None:
             self.dq[:, b] = torch.bmm(flat, self.codebook).view(self.dq[:, b].shape)

@@ -33,7 +33,8 @@ class WindowCodeInputs(NamedTuple):
         window_values (N, nb, 2L, Dv).
     Codes (all None for window-only attention): counts (N, nb, S) every block's cache counts; sums (N, S, Dv) the
         value sums of block 0's cache, and add_values (N, nb, L, Dv) with add_index (N, nb, L) or add_weights
-        (N, nb, L, S) what each block adds for the next (:class:`CacheUpdates`); codebook (N, S, D).
+        (N, nb, L, S) what each block adds for the next (:class:`CacheUpdates`); codebook (N, S, D), or
+        (N, nb, S, D) one per block.
     window_codes (N, nb, 2L): the code z_j of every window key (hard VQ): the window logits are then the code
         logits q·c_{z_j}, gathered instead of multiplied, with the straight-through gradient to window_keys.
     window_queries (N, nb, L, D): other queries for the window logits (RoPE: rotated queries and keys score the
@@ -178,12 +179,14 @@ def _sum_to_shape(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 
 def window_code_attention(inputs: WindowCodeInputs, loop: bool):
     """:class:`WindowCodeAttention` on (B, H, nb, ...) tensors, flattened to B·H for the kernel; codebook (H, S, D)
-    and window_bias (nb, L, 2L) are broadcast. Returns out (B, H, nb·L, Dv) and the cache after the last block
+    and window_bias (nb, L, 2L) are broadcast (a codebook (B, H, nb, S, D) gives every block its own codes). Returns out (B, H, nb·L, Dv) and the cache after the last block
     (B, H, S, Dv), or None without codes."""
     B, H, nb, W, Dv = inputs.window_values.shape
     flat = {f: None if x is None else x.reshape(B * H, *x.shape[2:])
             for f, x in inputs._asdict().items() if f not in ("window_bias", "codebook")}
-    codebook = None if inputs.codebook is None else inputs.codebook.expand(B, *inputs.codebook.shape).flatten(0, 1)
+    codebook = inputs.codebook
+    if codebook is not None:  # (H, S, D) shared by the batch, or (B, H, nb, S, D) per sequence and block
+        codebook = codebook.flatten(0, 1) if codebook.dim() == 5 else codebook.expand(B, *codebook.shape).flatten(0, 1)
     x = WindowCodeInputs(**flat, window_bias=inputs.window_bias, codebook=codebook)
     out, last = WindowCodeAttention.apply(loop, *x)
     return out.view(B, H, -1, Dv), None if last is None else last.view(B, H, *last.shape[1:])

@@ -1,0 +1,111 @@
+"""OnlineVQAttention: the layer is the op on its projected (and rotated) heads, in every option; L2 q/k
+normalisation; chunked decoding with every option; state size; bad arguments. The registry-wide tests
+(test_layers, test_model, test_generation, ...) cover the rest."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vqattn.layers import OnlineVQAttention, build_attention, rope_rotate
+from vqattn.ops.ovq import naive_ovq_attention
+
+DIM, HEADS, L, S = 16, 2, 4, 6
+OPTIONS = [
+    dict(rope=False),
+    dict(rope=True),
+    dict(rope=True, memory_rope=False),
+    dict(rope=True, assign="codebook"),
+    dict(rope=True, qk_norm="l2", threshold=0.2),
+]
+
+
+def make(**kwargs) -> OnlineVQAttention:
+    torch.manual_seed(0)
+    layer = build_attention("ovq", dim=DIM, num_heads=HEADS, num_slots=S, block_len=L, **kwargs)
+    return layer.double().eval()
+
+
+def heads(layer, x):
+    b, t, _ = x.shape
+    q, k, v = layer.qkv(x).view(b, t, 3, HEADS, DIM // HEADS).permute(2, 0, 3, 1, 4)
+    return layer.q_norm(q), layer.k_norm(k), v
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=str)
+def test_layer_is_the_naive_op_on_its_heads(options):
+    layer = make(**options)
+    x = torch.randn(2, 4 * L + 3, DIM, dtype=torch.float64)
+    q, k, v = heads(layer, x)
+    rotate = (lambda z: rope_rotate(z, 0, layer.rope_base)) if options["rope"] else (lambda z: z)  # noqa: E731
+    kwargs = dict(num_slots=S, block_len=L, scale=(DIM // HEADS) ** -0.5)
+    if options.get("assign") == "codebook":
+        kwargs["slots"] = ((k.unsqueeze(-2) - layer.codebook.codes.unsqueeze(1)) ** 2).sum(-1).argmin(-1)
+    else:
+        kwargs["threshold"] = options.get("threshold", 0.5)
+    if options.get("memory_rope") is False:
+        kwargs.update(q_mem=q, k_mem=k)
+    out = naive_ovq_attention(rotate(q), rotate(k), v, **kwargs)
+    expected = layer.proj(out.transpose(1, 2).reshape(x.shape))
+    torch.testing.assert_close(layer(x).output, expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=str)
+def test_chunked_decoding_matches_one_call(options):
+    layer = make(**options)
+    x = torch.randn(2, 5 * L + 1, DIM, dtype=torch.float64)
+    full = layer(x).output
+    outs, state = [], None
+    for a, b in ((0, 7), (7, 8), (8, 9), (9, 17), (17, 5 * L + 1)):
+        out, _, state = layer(x[:, a:b], state, return_state=True)
+        outs.append(out)
+    torch.testing.assert_close(torch.cat(outs, 1), full, rtol=0, atol=1e-12)
+
+
+def test_l2_qk_norm_gives_unit_keys_and_a_learned_query_scale():
+    layer = make(rope=True, qk_norm="l2")
+    x = torch.randn(2, 9, DIM, dtype=torch.float64)
+    q, k, _ = heads(layer, x)
+    torch.testing.assert_close(k.norm(dim=-1), torch.ones_like(k[..., 0]))
+    torch.testing.assert_close(q.norm(dim=-1), torch.full_like(q[..., 0], DIM // HEADS))  # the scale starts at Dh
+    out = layer.train()(x).output
+    (grad,) = torch.autograd.grad(out.square().sum(), layer.q_norm.scale)
+    assert grad.shape == (HEADS, 1, 1) and grad.abs().amin() > 0
+    with torch.no_grad():  # invariant to the scale of the projections, like RMS normalisation
+        layer.qkv.weight[: 2 * DIM] *= 7.0
+    torch.testing.assert_close(layer.eval()(x).output, out.detach(), rtol=0, atol=1e-9)
+
+
+def test_codebook_assignment_learns_the_codebook_and_returns_its_loss():
+    layer = make(rope=True, assign="codebook").train()
+    x = torch.randn(2, 3 * L, DIM, dtype=torch.float64)
+    _, aux_loss, _ = layer(x)
+    _, aux_loss, _ = layer(x)  # the first training step initialises the codes from its keys
+    assert aux_loss > 0 and aux_loss.requires_grad
+    stats = layer.usage_stats()
+    assert {"perplexity", "dead_codes", "quant_error", "occupied_slots"} <= set(stats)
+
+
+def test_state_floats_counts_every_option():
+    for options, raw in ((dict(rope=True), 2), (dict(rope=True, memory_rope=False), 3)):
+        layer = make(**options)
+        t = 11
+        _, _, state = layer(torch.randn(2, t, DIM, dtype=torch.float64), return_state=True)
+        inner = state.inner
+        memory = sum(z[0].numel() for z in (inner.counts, inner.key_sums, inner.value_sums))
+        assert layer.state_floats(t) == memory + raw * min(t, 2 * L) * DIM
+        assert (inner.memory_keys is None) == (raw == 2)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(num_slots=0), "num_slots"),
+    (dict(block_len=0), "block_len"),
+    (dict(assign="kmeans"), "assign"),
+    (dict(threshold=-0.1), "threshold"),
+    (dict(threshold="0.5"), "threshold"),
+    (dict(codebook={"decay": 0.9}), "codebook"),
+    (dict(qk_norm="layer"), "qk_norm"),
+])
+def test_bad_arguments_raise_value_error(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        build_attention("ovq", dim=DIM, num_heads=HEADS, **kwargs)

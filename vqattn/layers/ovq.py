@@ -1,0 +1,100 @@
+"""Online codebook attention layer: a raw window plus a per-sequence memory of slot means (``ovq_attention``)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..codebook import Codebook
+from ..ops._checks import check_choice, check_positive_int
+from ..ops.ovq import ovq_attention
+from .base import Attention
+
+ASSIGNS = ("online", "codebook")
+
+
+class OnlineVQAttention(Attention):
+    """Online codebook attention (:func:`~vqattn.ops.ovq.ovq_attention`): each query attends to the current and the
+    previous block of ``block_len`` raw keys and to ``num_slots`` memory slots, each scored by the mean of the keys
+    it absorbed in this sequence (σ q̃·k̄_s + log n_s) and read as their mean value.
+
+    ``assign``: how keys find their slot. ``"online"``: per sequence, with growth: a key farther than ``threshold``
+    (a squared distance relative to its squared norm) from every occupied slot's mean key opens a new slot while
+    slots remain, and joins the nearest slot otherwise. ``"codebook"``: the hard argmin of a learned per-head
+    :class:`~vqattn.codebook.Codebook` over the unrotated keys (``codebook``: its extra kwargs); its commitment loss
+    is the layer's ``aux_loss``.
+
+    With RoPE, the window uses rotated q and k. ``memory_rope=True`` (default) sums the rotated keys per slot, so the
+    fast-turning RoPE pairs of far keys average out and the slow ones keep coarse positions; ``False`` scores the
+    memory with the unrotated q and k (the state then keeps the window's unrotated keys too).
+
+    ``qk_norm="l2"`` (unit q and k, q times a learned scale) makes the relative threshold and the slot means
+    independent of the keys' norms. Decoding keeps the memory (S counts, S·(Dh + Dh) sums per head) and under
+    2·block_len raw keys and values: constant in the length.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        *,
+        num_slots: int = 64,
+        block_len: int = 64,
+        assign: str = "online",
+        threshold: float = 0.5,
+        memory_rope: bool = True,
+        codebook: dict | None = None,
+        **attention_kwargs,
+    ):
+        """``attention_kwargs`` go to :class:`Attention`."""
+        super().__init__(dim, num_heads, **attention_kwargs)
+        check_positive_int("num_slots", num_slots)
+        check_positive_int("block_len", block_len)
+        check_choice("assign", assign, ASSIGNS)
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or math.isnan(threshold) \
+                or threshold < 0:
+            raise ValueError(f"threshold must be a number >= 0, got {threshold!r}")
+        if codebook is not None and assign != "codebook":
+            raise ValueError("codebook kwargs configure the learned codebook of assign='codebook'; got "
+                             f"assign={assign!r}")
+        self.num_slots, self.block_len, self.assign = num_slots, block_len, assign
+        self.threshold, self.memory_rope = float(threshold), memory_rope
+        self.codebook = Codebook(num_heads, num_slots, self.head_dim, assign="hard", **(codebook or {})) \
+            if assign == "codebook" else None
+        # Mean occupied slots per sequence and head after the last forward (read by usage_stats, outside a step).
+        self.register_buffer("last_occupied", torch.zeros((), dtype=torch.float32), persistent=False)
+
+    def _attend(self, q, k, v, pos, state, return_state):
+        slots, aux_loss = None, None
+        if self.codebook is not None:
+            # A decoding step (eval, with a state) records no statistics, as in the vq layers.
+            _, assignment, aux_loss = self.codebook(k, record=self.training or state is None)
+            slots = assignment.index
+        separate = self.rope and not self.memory_rope
+        out, op_state = ovq_attention(
+            self.rotate(q, pos), self.rotate(k, pos), v,
+            num_slots=self.num_slots,
+            block_len=self.block_len,
+            scale=self.head_dim**-0.5,
+            threshold=self.threshold if slots is None else None,
+            slots=slots,
+            q_mem=q if separate else None,
+            k_mem=k if separate else None,
+            state=state,
+            return_state=True,  # its memory gives usage_stats; the few statistics it costs are O(T·Dh)
+        )
+        with torch.no_grad():
+            self.last_occupied.copy_(op_state.occupied.float().mean())
+        return out, aux_loss, op_state if return_state else None
+
+    def usage_stats(self) -> dict[str, float]:
+        """Mean occupied slots after the last forward, and the codebook's usage (assign="codebook"). Reads the
+        device (call it outside the training step)."""
+        stats = {} if self.codebook is None else self.codebook.usage_stats()
+        return {**stats, "occupied_slots": float(self.last_occupied)}
+
+    def _op_state_floats(self, seq_len: int) -> int:
+        window = min(seq_len, 2 * self.block_len)  # raw keys and values (and unrotated memory keys)
+        raw = (3 if self.rope and not self.memory_rope else 2) * window * self.dim
+        return self.num_heads * self.num_slots * (2 * self.head_dim + 1) + raw

@@ -1,0 +1,129 @@
+"""Online codebook attention (OVQ attention): a window of raw keys plus a per-sequence memory of slot means.
+
+Notation (per batch and head): queries q_i, keys k_j, values v_j, scale σ, blocks of L = ``block_len`` positions
+(block of position i: b(i) = ⌊i/L⌋), S = ``num_slots``. q̃, k̃ are the memory's query and key vectors: q, k
+themselves by default (with RoPE applied by the caller, keys are summed after rotation), or the caller's
+``q_mem``, ``k_mem`` (e.g. unrotated).
+
+**Memory.** M_j, the memory after block j, holds per slot s a count n_s, a key sum K_s = Σ k̃_j and a value sum
+V_s = Σ v_j over the keys of blocks ≤ j assigned to s (with given weights: n_s = Σ w_js, K_s = Σ w_js k̃_j,
+V_s = Σ w_js v_j). M_{−1} (and M_{−2}) is empty.
+
+**Attention.** Query i of block b attends, in one softmax, to
+
+* its raw window, keys j of blocks b−1 and b with j ≤ i, logit σ q_i·k_j, value v_j, and
+* the memory M_{b−2}: every slot with n_s > 0, logit σ q̃_i·k̄_s + log n_s, value v̄_s = V_s / n_s, where
+  k̄_s = K_s / n_s is the slot's mean key in this sequence, so keys get gradients through the memory.
+  Empty slots drop out (log 0 = −inf) with no NaN in the outputs or the gradients.
+
+So, with W(i) the window,
+
+    out_i = [Σ_{j ∈ W(i)} e^{σ q_i·k_j} v_j + Σ_s n_s e^{σ q̃_i·k̄_s} v̄_s]
+            / [Σ_{j ∈ W(i)} e^{σ q_i·k_j} + Σ_s n_s e^{σ q̃_i·k̄_s}]:
+
+a Gaussian-mixture regression over the slots next to exact softmax over the window.
+
+**Assignment.** The keys of block j are assigned using M_{j−1}, then absorbed: M_j = M_{j−1} + block j. Block j
+first reaches the queries of block j + 2, so every block is assigned in parallel within itself and causally.
+
+* Given (``slots`` (B, H, T) in [0, S), or ``slot_weights`` (B, H, T, S) ≥ 0): e.g. a learned global codebook's
+  hard argmin. The memory is then a prefix sum over blocks.
+* Online (neither given). With the m occupied slots of M_{j−1} (always slots 0..m−1), a key of block j is *novel*
+  when ‖k̃ − k̄_s‖² > ``threshold``·‖k̃‖² for every occupied s (every key is novel when m = 0): the
+  threshold is relative, so it means the same at any key scale. Novel keys open slots
+  m, m+1, ... in position order while slots remain (a new slot starts at its opening key). Every other key, novel
+  ones that found no free slot included, joins the nearest slot among the occupied slots of M_{j−1} (at their
+  mean keys k̄_s) and the slots opened in block j (at their opening keys); on a tie, the lowest slot index.
+  The assignment carries no gradient (it is discrete).
+
+Sequences shorter than 2L have an empty memory (window attention); T need not be a multiple of L.
+
+**Forms** (flash-linear-attention's trio; all agree to rounding, tested in float64):
+
+* :func:`naive_ovq_attention`: the definition, a loop over tokens.
+* :func:`chunk_ovq_attention`: all blocks at once, for training and prefill; O(T·(L + S)·D), no T×T tensor.
+* :func:`recurrent_ovq_attention`: decoding, O((2L + S)·D) per token with an :class:`OVQState`.
+
+:func:`ovq_attention` picks one (``impl``). All compute in float32 for half-precision inputs and under autocast
+(float64 stays float64) and return the input dtype. Nothing reads a tensor on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._checks import check_choice
+from ..blocks import RECURRENT_MAX_LEN
+from ..precision import autocast_off
+from .chunk import chunk_forward
+from .naive import naive_ovq_attention
+from .recurrent import recurrent_forward
+from .state import OVQState, prepare
+
+IMPLS = ("auto", "chunk", "recurrent", "naive")
+
+__all__ = ["ovq_attention", "chunk_ovq_attention", "recurrent_ovq_attention", "naive_ovq_attention", "OVQState",
+           "IMPLS"]
+
+
+@autocast_off
+def _run(q, k, v, form, state, return_state, **kwargs):
+    x = prepare(q, k, v, state=state, **kwargs)
+    out, new_state = form(x, None if state is None else state.to(x.q.dtype), return_state)
+    return (out.to(q.dtype), new_state) if return_state else out.to(q.dtype)
+
+
+def chunk_ovq_attention(q, k, v, *, num_slots: int, block_len: int | None = None, scale: float | None = None,
+                        threshold: float | None = None, slots=None, slot_weights=None, q_mem=None, k_mem=None,
+                        state: OVQState | None = None, return_state: bool = False, schedule="auto"):
+    """The block-parallel form; arguments as :func:`ovq_attention`. A ``state`` is continued by re-running its raw
+    window (under 2L tokens) in front of the new ones. ``schedule`` ("auto", "loop", "cumsum"): how the blocks
+    read the slots' value sums (:class:`~vqattn.ops.blocks.Schedule`); never what they compute."""
+    return _run(q, k, v, chunk_forward, state, return_state, num_slots=num_slots, block_len=block_len, scale=scale,
+                threshold=threshold, slots=slots, slot_weights=slot_weights, q_mem=q_mem, k_mem=k_mem,
+                schedule=schedule)
+
+
+def recurrent_ovq_attention(q, k, v, *, num_slots: int, block_len: int | None = None, scale: float | None = None,
+                            threshold: float | None = None, slots=None, slot_weights=None, q_mem=None, k_mem=None,
+                            state: OVQState | None = None, return_state: bool = False):
+    """The token-by-token form; arguments as :func:`ovq_attention` (no state: start from an empty memory)."""
+    return _run(q, k, v, recurrent_forward, state, return_state, num_slots=num_slots, block_len=block_len,
+                scale=scale, threshold=threshold, slots=slots, slot_weights=slot_weights, q_mem=q_mem, k_mem=k_mem)
+
+
+def ovq_attention(q, k, v, *, num_slots: int, block_len: int | None = None, scale: float | None = None,
+                  threshold: float | None = None, slots=None, slot_weights=None, q_mem=None, k_mem=None,
+                  impl: str = "auto", state: OVQState | None = None, return_state: bool = False):
+    """Causal online codebook attention (see the module docstring for the math).
+
+    Args:
+        q, k: (B, H, T, D) window queries and keys; v: (B, H, T, Dv).
+        num_slots: S, the memory's slots.
+        block_len: L (default 64, or the state's).
+        scale: σ, multiplies q·k and q̃·k̄; defaults to D**-0.5.
+        threshold: online assignment only: a key opens a slot (while slots remain) when its squared distance to
+            every slot's mean key exceeds ``threshold`` times its squared norm. Default 0: every key not exactly on
+            a slot's mean (so the first S keys fill the memory); inf: only the first block opens slots.
+        slots: (B, H, T) integer slot of every key (given assignment), or
+        slot_weights: (B, H, T, S) non-negative weights of every key (given soft assignment, with gradients).
+        q_mem, k_mem: (B, H, T, D) the memory's queries and keys, when not q and k (e.g. without RoPE).
+        impl: "chunk", "recurrent", "naive", or "auto": recurrent for a state and at most
+            ``RECURRENT_MAX_LEN`` new tokens, chunk otherwise.
+        state: an :class:`OVQState` from an earlier call; the inputs then continue that sequence.
+        return_state: also return the state after this call.
+
+    Returns:
+        out (B, H, T, Dv) in the input dtype, or (out, state) when ``return_state``.
+    """
+    check_choice("impl", impl, IMPLS)
+    kwargs = dict(num_slots=num_slots, block_len=block_len, scale=scale, threshold=threshold, slots=slots,
+                  slot_weights=slot_weights, q_mem=q_mem, k_mem=k_mem)
+    if impl == "naive":
+        if state is not None or return_state:
+            raise ValueError("impl='naive' takes no state and returns none; use impl='chunk' or 'recurrent'")
+        return naive_ovq_attention(q, k, v, **kwargs)
+    if impl == "auto":
+        impl = "recurrent" if state is not None and q.dim() == 4 and q.shape[2] <= RECURRENT_MAX_LEN else "chunk"
+    form = chunk_ovq_attention if impl == "chunk" else recurrent_ovq_attention
+    return form(q, k, v, state=state, return_state=return_state, **kwargs)

@@ -1,0 +1,85 @@
+"""Chunked (block-parallel) form of :func:`~vqattn.ops.ovq.ovq_attention`, for training and prefill.
+
+Every block's queries attend at once through the block kernel of codebook attention
+(:class:`~vqattn.ops.vq.window_codes.WindowCodeAttention`): one softmax over the window logits (nb, L, 2L) and the
+slot logits (nb, L, S), with the slots' value sums read from one running cache (in blocks on CPU, as for
+``vq_attention``). The slot logits σ q̃·k̄_s are the kernel's code logits with one codebook per block, the slot
+means k̄ = K / n of every block's memory (nb, S, D): one prefix sum over the blocks' statistics. Only the online assignment runs block after block, without gradient.
+Time O(T·(L + S)·D), memory O(T·(L + S) + (T/L)·S·D): no T×T tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..blocks import blocks, group_windows, loops, pad_to_blocks, previous_blocks, window_bias, window_start
+from ..vq.assign import Assignment, code_means, code_statistics
+from ..vq.cache import CacheUpdates
+from ..vq.window_codes import WindowCodeInputs, window_code_attention
+from .memory import online_slots, statistics
+from .state import Inputs, OVQState
+
+
+def _with_prefix(x: Inputs, state: OVQState) -> Inputs:
+    """The state's raw window (block-aligned) in front of the new tokens; its queries are zeros (outputs
+    dropped)."""
+    def cat(before, now):
+        return now if before is None else torch.cat([before, now], 2)
+
+    zeros = x.q.new_zeros(*x.q.shape[:2], state.keys.shape[2], x.q.shape[-1])
+    return x._replace(q=cat(zeros, x.q), q_mem=cat(zeros, x.q_mem), k=cat(state.keys, x.k), v=cat(state.values, x.v),
+                      k_mem=cat(state.memory_keys if x.separate_keys else state.keys, x.k_mem),
+                      slots=cat(state.slots, x.slots), slot_weights=cat(state.slot_weights, x.slot_weights))
+
+
+def _lagged(x: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+    """x0 + Σ_{b' ≤ b−2} x_b' for every block b: x (B, H, nb, ...) per-block statistics, x0 (B, H, ...) the
+    state's."""
+    total = x0.unsqueeze(2) + torch.cumsum(x, 2)
+    return torch.cat([x0.unsqueeze(2).expand(-1, -1, min(x.shape[2], 2), *x0.shape[2:]), total[:, :, :-2]], 2)
+
+
+def _previous(x: torch.Tensor | None, L: int) -> torch.Tensor | None:
+    """The block before each block (zeros before the first): (B, H, nb, L, ...)."""
+    return None if x is None else previous_blocks(x, x.new_zeros(*x.shape[:2], L, *x.shape[3:]), L)
+
+
+def chunk_forward(x: Inputs, state: OVQState | None, return_state: bool) -> tuple[torch.Tensor, OVQState | None]:
+    """out (B, H, T, Dv) of the inputs continuing ``state`` (None: a fresh sequence), and the state after them."""
+    B, H, T, D = x.q.shape
+    L, S, Dv = x.block_len, x.num_slots, x.v.shape[-1]
+    shared_queries = x.q_mem is x.q  # then one product serves the window and the slots (and their gradients)
+    start = 0
+    if state is None:
+        state = OVQState.empty(x.q, x.v, S, L, memory_keys=False, slots=False, slot_weights=False)
+    else:
+        start, x = state.length - state.keys.shape[2], _with_prefix(x, state)
+    length = start + x.k.shape[2]
+    # Padding comes after every real query, so the causal mask hides it; a block's statistics reach only blocks
+    # two or more later, so the padded last block's are never read, and only whole blocks enter a state.
+    pad = lambda t: None if t is None else pad_to_blocks(t, L)  # noqa: E731
+    q, k, v, q_mem, k_mem, weights, slots = map(pad, (x.q, x.k, x.v, x.q_mem, x.k_mem, x.slot_weights, x.slots))
+    nb = q.shape[2] // L
+    if slots is None and weights is None:
+        slots = online_slots(k_mem, state.counts, state.key_sums, L, x.threshold)
+    counts, key_sums = code_statistics(Assignment(weights, slots), k_mem, S, nb)  # (B, H, nb, S), (.., S, D)
+    # Block b reads the memory of blocks ≤ b − 2 on top of the state's: counts and key sums here, value sums in
+    # the kernel's running cache, which takes in block b − 1 after block b.
+    counts, key_sums = _lagged(counts, state.counts), _lagged(key_sums, state.key_sums)
+    inputs = WindowCodeInputs(
+        queries=blocks(q_mem * x.scale, L), window_keys=group_windows(k, k.new_zeros(B, H, L, D), L),
+        window_bias=window_bias(nb, L, q.device, q.dtype), window_values=group_windows(v, v.new_zeros(B, H, L, Dv), L),
+        counts=counts, sums=state.value_sums, add_values=_previous(v, L), add_index=_previous(slots, L),
+        add_weights=_previous(weights, L), codebook=code_means(counts, key_sums),
+        window_queries=None if shared_queries else blocks(q * x.scale, L))
+    out, _ = window_code_attention(inputs, loops(x.schedule, q.device))
+    out = out[:, :, x.k.shape[2] - T : x.k.shape[2]]
+    if not return_state:
+        return out, None
+    keep = window_start(length, L) - start  # whole blocks leave the raw window
+    head = lambda t: None if t is None else t[:, :, :keep]  # noqa: E731
+    n, keys, values = statistics(head(slots), head(weights), head(k_mem), head(v), S)
+    raw = lambda t: None if t is None else t[:, :, keep:]  # noqa: E731
+    return out, OVQState(state.counts + n, state.key_sums + keys, state.value_sums + values, raw(x.k),
+                         raw(x.v), raw(x.k_mem) if x.separate_keys else None, raw(x.slots), raw(x.slot_weights),
+                         length, L)

@@ -1,0 +1,84 @@
+"""The memory of :func:`~vqattn.ops.ovq.ovq_attention`, shared by its chunked and recurrent forms: the online
+assignment of one block of keys to slots, the per-block slot statistics, and the memory's logits and values."""
+
+from __future__ import annotations
+
+import torch
+
+from ..vq.assign import Assignment, code_means, code_statistics, log_counts
+
+
+def _scores(keys: torch.Tensor, centres: torch.Tensor, centre_sq: torch.Tensor) -> torch.Tensor:
+    """‖k_i − c_s‖² − ‖k_i‖² = ‖c_s‖² − 2 k_i·c_s, one batched product: keys (B, H, L, D), centres
+    (B, H, S, D) and their squared norms (B, H, S) (+inf for a centre that does not count) -> (B, H, L, S)."""
+    B, H, L, D = keys.shape
+    S = centres.shape[2]
+    return torch.baddbmm(centre_sq.reshape(B * H, 1, S), keys.reshape(B * H, L, D),
+                         centres.reshape(B * H, S, D).transpose(1, 2), alpha=-2).view(B, H, L, S)
+
+
+@torch.no_grad()
+def assign_block(keys: torch.Tensor, counts: torch.Tensor, key_sums: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Online assignment of one block's memory keys (B, H, L, D) to the slots of the memory before the block
+    (counts (B, H, S), key sums (B, H, S, D); its m occupied slots are 0..m−1): (B, H, L) slot indices.
+
+    A key is novel when its squared distance to every occupied slot's mean key exceeds ``threshold`` times its
+    squared norm (always when m = 0). The novel keys, in position order, open slots m, m+1, ... while slots remain;
+    every other key joins the nearest of the occupied slots (at their mean keys) and the slots opened in this block
+    (at their opening keys), the lowest slot index on a tie. Masks and a cumsum, no host sync; no gradient (the
+    choice is discrete). Cost: one (L, S) and one (L, L) score product.
+    """
+    keys = keys.detach()
+    S = counts.shape[-1]
+    occupied = counts > 0  # (B, H, S)
+    m = occupied.sum(-1, keepdim=True)  # (B, H, 1)
+    means = code_means(counts, key_sums)
+    old = _scores(keys, means, (means * means).sum(-1).masked_fill(~occupied, float("inf")))
+    old_score, old_slot = old.min(-1)  # (B, H, L); min's index is the first (lowest) on a tie
+    key_sq = (keys * keys).sum(-1)  # (B, H, L)
+    novel = (old_score + key_sq > threshold * key_sq) | (m == 0)
+    new_slot = m + novel.cumsum(-1) - novel.long()  # m + (novel keys before)
+    opens = novel & (new_slot < S)
+    # The slots opened in this block, at their opening keys: scores against the keys that open one.
+    new_score, opener = _scores(keys, keys, key_sq.masked_fill(~opens, float("inf"))).min(-1)
+    # Opened slots come after every occupied one and in their openers' order: a tie keeps the lower slot.
+    nearest = torch.where(new_score < old_score, new_slot.gather(-1, opener), old_slot)
+    return torch.where(opens, new_slot, nearest)
+
+
+@torch.no_grad()
+def online_slots(memory_keys: torch.Tensor, counts: torch.Tensor, key_sums: torch.Tensor, L: int,
+                 threshold: float) -> torch.Tensor:
+    """:func:`assign_block` block after block, absorbing each block before the next: memory keys
+    (B, H, nb·L, D) and the memory before them -> (B, H, nb·L) slot indices."""
+    B, H, S, D = key_sums.shape
+    counts, key_sums = counts.detach().clone(), key_sums.detach().clone()
+    offsets = torch.arange(B * H, device=counts.device).view(B, H, 1) * S  # rows of the flattened (B·H·S) slots
+    out = []
+    for block in memory_keys.detach().split(L, 2):
+        slots = assign_block(block, counts, key_sums, threshold)
+        rows = (slots + offsets).flatten()
+        counts.view(-1).index_add_(0, rows, torch.ones_like(rows, dtype=counts.dtype))
+        key_sums.view(-1, D).index_add_(0, rows, block.reshape(-1, D))
+        out.append(slots)
+    return torch.cat(out, 2)
+
+
+def statistics(slots: torch.Tensor | None, slot_weights: torch.Tensor | None, memory_keys: torch.Tensor,
+               values: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The slots' counts (B, H, S), memory-key sums (B, H, S, D) and value sums (B, H, S, Dv) of the keys
+    (B, H, T, ·) assigned by ``slots`` (B, H, T) or weighted by ``slot_weights`` (B, H, T, S). The keys (and the
+    weights) get gradients: one scatter-add (or product) of the keys and values side by side."""
+    D = memory_keys.shape[-1]
+    counts, sums = code_statistics(Assignment(slot_weights, slots), torch.cat([memory_keys, values], -1),
+                                   num_slots, 1)
+    return counts.squeeze(2), *sums.squeeze(2).split([D, values.shape[-1]], -1)
+
+
+def memory_logits(q_mem: torch.Tensor, counts: torch.Tensor, key_sums: torch.Tensor,
+                  value_sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits σ q̃·k̄_s + log n_s (..., L, S) of the (already scaled) memory queries q_mem (..., L, D) and the
+    slots' mean values v̄_s (..., S, Dv), from the memory's counts (..., S) and key and value sums (..., S, ·).
+    Empty slots get logit −inf and no NaN, also in the gradients."""
+    logits = q_mem @ code_means(counts, key_sums).transpose(-1, -2) + log_counts(counts).unsqueeze(-2)
+    return logits, code_means(counts, value_sums)

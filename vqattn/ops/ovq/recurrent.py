@@ -1,0 +1,57 @@
+"""Recurrent (decoding) form of :func:`~vqattn.ops.ovq.ovq_attention`: one token at a time, O((2L + S)·D) each.
+
+A token at position p attends to the state's raw window (positions from ``window_start(p, L)`` on) plus itself,
+and to the S memory slots. When a block leaves the window it is assigned (online: against the memory as it stands,
+which holds exactly the blocks before it) and absorbed, once: the chunked algorithm's math for one query.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..blocks import attend_one, window_start
+from .memory import assign_block, memory_logits, statistics
+from .state import Inputs, OVQState
+
+
+def _absorb(state: OVQState, L: int, threshold: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The state's memory plus its first L raw positions (the block leaving the window): counts, key and value sums."""
+    memory_keys = (state.keys if state.memory_keys is None else state.memory_keys)[:, :, :L]
+    weights = None if state.slot_weights is None else state.slot_weights[:, :, :L]
+    slots = None if state.slots is None else state.slots[:, :, :L]
+    if slots is None and weights is None:
+        slots = assign_block(memory_keys, state.counts, state.key_sums, threshold)
+    n, keys, values = statistics(slots, weights, memory_keys, state.values[:, :, :L], state.counts.shape[-1])
+    return state.counts + n, state.key_sums + keys, state.value_sums + values
+
+
+def _step(x: Inputs, t: int, state: OVQState) -> tuple[torch.Tensor, OVQState]:
+    """Token t of the inputs: out (B, H, 1, Dv) and the state after it."""
+    token = slice(t, t + 1)
+    cat = lambda old, new: None if old is None else torch.cat([old, new[:, :, token]], 2)  # noqa: E731
+    grown = OVQState(state.counts, state.key_sums, state.value_sums, cat(state.keys, x.k), cat(state.values, x.v),
+                     cat(state.memory_keys, x.k_mem), cat(state.slots, x.slots),
+                     cat(state.slot_weights, x.slot_weights), state.length + 1, state.block_len)
+    mem_logits, mem_values = memory_logits(x.q_mem[:, :, token] * x.scale, state.counts, state.key_sums,
+                                           state.value_sums)
+    out = attend_one((x.q[:, :, token] * x.scale) @ grown.keys.transpose(-1, -2), grown.values, mem_logits,
+                     mem_values)
+    L = state.block_len
+    if window_start(grown.length, L) == window_start(state.length, L):
+        return out, grown
+    counts, key_sums, value_sums = _absorb(grown, L, x.threshold)
+    drop = lambda t: None if t is None else t[:, :, L:]  # noqa: E731
+    return out, OVQState(counts, key_sums, value_sums, drop(grown.keys), drop(grown.values), drop(grown.memory_keys),
+                         drop(grown.slots), drop(grown.slot_weights), grown.length, L)
+
+
+def recurrent_forward(x: Inputs, state: OVQState | None, return_state: bool) -> tuple[torch.Tensor, OVQState | None]:
+    """Token by token from ``state`` (None: an empty memory at position 0): out (B, H, T, Dv) and the state."""
+    if state is None:
+        state = OVQState.empty(x.q, x.v, x.num_slots, x.block_len, memory_keys=x.separate_keys,
+                               slots=x.slots is not None, slot_weights=x.slot_weights is not None)
+    outs = []
+    for t in range(x.q.shape[2]):
+        out, state = _step(x, t, state)
+        outs.append(out)
+    return torch.cat(outs, 2), state if return_state else None

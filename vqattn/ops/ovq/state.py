@@ -1,0 +1,160 @@
+"""The decoding state of :func:`~vqattn.ops.ovq.ovq_attention`, and the argument checks and casts that its three
+forms share."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import NamedTuple
+
+import torch
+
+from .._checks import check_4d, check_positive_int, check_qkv, check_same_device_dtype, compute_dtype
+from ..blocks import DEFAULT_BLOCK_LEN, Schedule, as_schedule
+
+
+@dataclass
+class OVQState:
+    """State of causal :func:`ovq_attention` after ``length`` tokens.
+
+    Positions before ``window_start(length, block_len)`` are absorbed into the memory: per-slot ``counts`` (B, H, S),
+    memory-key sums ``key_sums`` (B, H, S, D) and value sums ``value_sums`` (B, H, S, Dv). Positions from there on
+    (W < 2·block_len) are kept raw: ``keys`` (B, H, W, D) and ``values`` (B, H, W, Dv) for the window, their memory
+    keys ``memory_keys`` (B, H, W, D) when the caller passes separate ones (else None: the memory keys are ``keys``),
+    and, for a given assignment, their ``slots`` (B, H, W) or ``slot_weights`` (B, H, W, S). Constant size in the
+    length. In online mode the occupied slots are 0..``occupied``−1.
+    """
+
+    counts: torch.Tensor
+    key_sums: torch.Tensor
+    value_sums: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    memory_keys: torch.Tensor | None
+    slots: torch.Tensor | None
+    slot_weights: torch.Tensor | None
+    length: int
+    block_len: int
+
+    @property
+    def occupied(self) -> torch.Tensor:
+        """(B, H) number of slots holding at least one key."""
+        return (self.counts > 0).sum(-1)
+
+    @staticmethod
+    def empty(q: torch.Tensor, v: torch.Tensor, num_slots: int, block_len: int, *, memory_keys: bool,
+              slots: bool, slot_weights: bool) -> "OVQState":
+        """The state before position 0, for q (B, H, ·, D), v (B, H, ·, Dv)."""
+        (B, H, _, D), Dv, S = q.shape, v.shape[-1], num_slots
+        return OVQState(q.new_zeros(B, H, S), q.new_zeros(B, H, S, D), q.new_zeros(B, H, S, Dv),
+                        q.new_zeros(B, H, 0, D), q.new_zeros(B, H, 0, Dv),
+                        q.new_zeros(B, H, 0, D) if memory_keys else None,
+                        q.new_zeros(B, H, 0, dtype=torch.long) if slots else None,
+                        q.new_zeros(B, H, 0, S) if slot_weights else None, 0, block_len)
+
+    def to(self, dtype: torch.dtype) -> "OVQState":
+        cast = lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
+        return OVQState(**{f.name: cast(getattr(self, f.name)) for f in fields(self)})
+
+
+class Inputs(NamedTuple):
+    """Validated inputs in the compute dtype. q, k: (B, H, T, D) window query/keys; q_mem, k_mem: (B, H, T, D)
+    memory query/keys; v: (B, H, T, Dv); slots (B, H, T) long or slot_weights (B, H, T, S) for a given
+    assignment, both None for the online one; S slots, block length L, scale σ, novelty threshold."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    q_mem: torch.Tensor
+    k_mem: torch.Tensor
+    slots: torch.Tensor | None
+    slot_weights: torch.Tensor | None
+    num_slots: int
+    block_len: int
+    scale: float
+    threshold: float
+    separate_keys: bool  # whether k_mem was given (then the state keeps it)
+    schedule: Schedule  # how the chunked form reads the slots' value sums (never what it computes)
+
+
+def _check_threshold(threshold, online: bool) -> float:
+    if threshold is None:
+        return 0.0
+    if not online:
+        raise ValueError("threshold applies to online assignment only; drop it when passing slots or slot_weights")
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or math.isnan(threshold) \
+            or threshold < 0:
+        raise ValueError(f"threshold must be a number >= 0 (a squared distance relative to the key's; inf: never open "
+                         f"a slot once one is occupied), got {threshold!r}")
+    return float(threshold)
+
+
+def _check_given(slots, slot_weights, shape, S: int, device) -> None:
+    """A given assignment: slots (B, H, T) integers in [0, S) or slot_weights (B, H, T, S) >= 0."""
+    if slots is not None and slot_weights is not None:
+        raise ValueError("pass slots or slot_weights, not both")
+    if slots is not None:
+        if not isinstance(slots, torch.Tensor) or slots.shape != shape or slots.is_floating_point() \
+                or slots.dtype == torch.bool:
+            got = tuple(slots.shape) if isinstance(slots, torch.Tensor) else type(slots).__name__
+            raise ValueError(f"slots must be an integer tensor of shape (B, H, T) = {shape}, got {got}")
+        if slots.device != device:
+            raise ValueError(f"slots is on {slots.device} but q is on {device}")
+        # Checked on the device: reading it on the host would synchronise a GPU every step.
+        torch._assert_async(((slots >= 0) & (slots < S)).all(), "slots must lie in [0, num_slots)")
+    if slot_weights is not None:
+        if not isinstance(slot_weights, torch.Tensor) or slot_weights.shape != (*shape, S):
+            got = tuple(slot_weights.shape) if isinstance(slot_weights, torch.Tensor) else type(slot_weights).__name__
+            raise ValueError(f"slot_weights must be a tensor of shape (B, H, T, S) = {(*shape, S)}, got {got}")
+        if not slot_weights.is_floating_point() or slot_weights.device != device:
+            raise ValueError(f"slot_weights must be a floating-point tensor on {device}, got {slot_weights.dtype} on "
+                             f"{slot_weights.device}")
+        torch._assert_async((slot_weights >= 0).all(), "slot_weights must be >= 0")
+
+
+def _check_state(state, inputs: dict, S: int, block_len) -> None:
+    if not isinstance(state, OVQState):
+        raise ValueError(f"state must be an OVQState returned by ovq_attention, got {type(state).__name__}")
+    if block_len is not None and block_len != state.block_len:
+        raise ValueError(f"block_len={block_len} differs from the state's block_len={state.block_len}")
+    k, v = inputs["k"], inputs["v"]
+    (B, H, _, D), Dv = k.shape, v.shape[-1]
+    if state.counts.shape != (B, H, S) or state.key_sums.shape != (B, H, S, D) or \
+            state.value_sums.shape != (B, H, S, Dv) or state.keys.shape[-1] != D:
+        raise ValueError(f"state does not match the inputs: counts {tuple(state.counts.shape)}, key_sums "
+                         f"{tuple(state.key_sums.shape)}, value_sums {tuple(state.value_sums.shape)} for B={B}, H={H}, "
+                         f"num_slots={S}, D={D}, Dv={Dv}")
+    for name, given in (("k_mem", "memory_keys"), ("slots", "slots"), ("slot_weights", "slot_weights")):
+        if (inputs[name] is None) != (getattr(state, given) is None):
+            raise ValueError(f"{name} must be passed in every call of a sequence or in none: the state was built "
+                             f"{'with' if getattr(state, given) is not None else 'without'} it")
+
+
+def prepare(q, k, v, *, num_slots, block_len, scale, threshold, slots, slot_weights, q_mem, k_mem,
+            state, schedule="auto") -> Inputs:
+    """Validate every argument (ValueError naming it) and cast the tensors to the compute dtype (float32 for half
+    precision, float64 stays float64). Call with autocast off."""
+    check_qkv(q, k, v, causal=True)
+    check_positive_int("num_slots", num_slots)
+    if block_len is not None:
+        check_positive_int("block_len", block_len)
+    for name, x, like in (("q_mem", q_mem, q), ("k_mem", k_mem, k)):
+        if x is not None:
+            check_4d(name, x)
+            if x.shape != like.shape:
+                raise ValueError(f"{name} must have the shape of {name[0]} {tuple(like.shape)}, got {tuple(x.shape)}")
+            check_same_device_dtype(q=q, **{name: x})
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
+        raise ValueError(f"scale must be a number > 0, got {scale!r}")
+    _check_given(slots, slot_weights, tuple(k.shape[:3]), num_slots, q.device)
+    threshold = _check_threshold(threshold, slots is None and slot_weights is None)
+    given = dict(k=k, v=v, k_mem=k_mem, slots=slots, slot_weights=slot_weights)
+    if state is not None:
+        _check_state(state, given, num_slots, block_len)
+    L = block_len or (state.block_len if state is not None else DEFAULT_BLOCK_LEN)
+    dtype = compute_dtype(q.dtype)
+    cast = (lambda x: None if x is None else x.to(dtype))  # noqa: E731
+    q, k, v = cast(q), cast(k), cast(v)
+    return Inputs(q, k, v, q if q_mem is None else cast(q_mem), k if k_mem is None else cast(k_mem), slots,
+                  cast(slot_weights), num_slots, L, q.shape[-1] ** -0.5 if scale is None else float(scale),
+                  threshold, k_mem is not None, as_schedule(schedule))
