@@ -1,7 +1,7 @@
 """Train a byte-level GPT with any vqattn attention: ``vqattn-train attention=vq_soft`` (or ``python train.py ...``).
 
-Hydra composes vqattn/train/conf/config.yaml on the schema vqattn.train.configs registers (see the README, "Training, comparing
-and sampling"); every run writes into its Hydra run dir: results.json, metrics.csv, hparams.yaml,
+Hydra composes vqattn/train/conf/config.yaml on the schema vqattn.train.configs registers (see docs/training.md
+and the README); every run writes into its Hydra run dir: results.json, metrics.csv, hparams.yaml,
 checkpoints/last.ckpt, train.log and .hydra/. Ctrl-C stops after the current step, saves the checkpoint and
 prints the command that resumes the run in the same run dir.
 

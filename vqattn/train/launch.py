@@ -18,7 +18,7 @@ def ddp_child_argv(argv: list[str], environ) -> list[str]:
     Lightning re-runs ``sys.argv``, which in a sweep still holds ``-m`` and the comma lists and whose run dir
     would be a new timestamp; rank 0 puts its resolved overrides and run dir in ``VQATTN_DDP_ARGV`` instead.
     Processes from an external launcher (torchrun, SLURM) have no VQATTN_DDP_ARGV and keep their arguments
-    (give every rank the same ``hydra.run.dir``: README, "Multi-GPU and multi-node"); only their rank 0
+    (give every rank the same ``hydra.run.dir``: docs/training.md, "Multi-GPU and multi-node"); only their rank 0
     writes .hydra/.
     """
     rank = environ.get("LOCAL_RANK", "0")

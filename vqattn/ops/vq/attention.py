@@ -122,7 +122,7 @@ def vq_attention(
         scale: multiplies q·k and q·c; defaults to D**-0.5 as in SDPA.
         exact_window: the window scores the raw keys σ q·k (exact softmax nearby, codes only for the far past),
             which RoPE needs; otherwise hard keys are scored by their code (straight-through) and soft keys by
-            their mixture, which is cheaper (docs/performance_notes.md).
+            their mixture, which is cheaper (docs/performance.md).
         state: a :class:`VQState` from an earlier call; the inputs then continue that sequence.
         return_state: also return the :class:`VQState` after this call (causal only).
         assignment: the keys' :class:`Assignment`, ``vq_assign(k, codebook, assign=assign, temperature=...)``,

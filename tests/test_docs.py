@@ -1,0 +1,242 @@
+"""The docs run as written.
+
+Every ```python block of README.md and docs/*.md runs in a fresh interpreter, and every command of the README's
+```bash blocks runs in short form (the tiny model for 2 steps, sweeps cut to their first two jobs, a short sample),
+each expected to exit with status 0. A block that is not meant to run is preceded by the line ``<!-- no-test -->``;
+keep those rare. A README command this file cannot shorten fails its test, so a new command gets a short form here.
+
+Most of each process is imports and start-up, so the independent ones start together and each test awaits its own.
+"""
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
+NO_TEST = "<!-- no-test -->"
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+# Commands that cannot run inside the suite: installing packages, and the test suite itself.
+NOT_RUN = (("pip", "install"), ("python", "-m", "pytest"), ("bash", ".ci/run"))
+SHORT_TRAIN = ["trainer.max_steps=2"]
+PLACEHOLDER = "DATE/TIME"  # README paths that name a run dir the user reads off their own run
+TIMEOUT = 600
+
+
+def fenced_blocks(path: Path, language: str) -> list[tuple[str, str]]:
+    """(``file:line``, code) of every block in ``language`` that is not marked NO_TEST."""
+    text = path.read_text()
+    blocks = []
+    for match in FENCE.finditer(text):
+        if match.group(1) != language or text[:match.start()].rstrip().endswith(NO_TEST):
+            continue
+        line = text.count("\n", 0, match.start()) + 1
+        name = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+        blocks.append((f"{name}:{line}", match.group(2)))
+    return blocks
+
+
+def shell_lines(code: str) -> list[list[str]]:
+    """The commands of a bash block as argument lists, comments dropped, ``\\`` continuations joined."""
+    commands = []
+    for line in code.replace("\\\n", " ").splitlines():
+        argv = shlex.split(line, comments=True)
+        if argv:
+            commands.append(argv)
+    return commands
+
+
+PYTHON_BLOCKS = [block for path in DOCS for block in fenced_blocks(path, "python")]
+README_COMMANDS = [argv for _, code in fenced_blocks(README, "bash") for argv in shell_lines(code)]
+COMMANDS = [argv for argv in README_COMMANDS if not any(tuple(argv[:len(skip)]) == skip for skip in NOT_RUN)]
+
+
+def environment() -> dict:
+    # One thread per process: many run side by side on few cores, where spinning intra-op threads stall each other.
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def start(argv: list[str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen(argv, cwd=cwd, env=environment(), text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+
+
+def finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    try:
+        stdout, stderr = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def report(result: subprocess.CompletedProcess) -> str:
+    command = shlex.join(map(str, result.args))
+    return f"exit {result.returncode}: {command}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+
+
+@dataclass
+class ShortForm:
+    """How a README command runs in the suite: its argv, the dir it writes, and whether it reads an earlier run's."""
+
+    argv: list[str] | None = None
+    out: Path | None = None  # a run dir (single run) or a sweep dir (-m)
+    sweep: bool = False
+    needs_earlier: bool = False
+    error: str | None = None
+
+
+def train_short_form(program: list[str], args: list[str], out: Path) -> ShortForm:
+    sweep = "-m" in args
+    if sweep:  # the first two jobs of every swept value list
+        args = [arg if "=" not in arg else arg.split("=", 1)[0] + "=" + ",".join(arg.split("=", 1)[1].split(",")[:2])
+                for arg in args]
+    extra = [] if any(arg.startswith("experiment=") for arg in args) else ["experiment=tiny"]
+    extra += [*SHORT_TRAIN, f"hydra.{'sweep' if sweep else 'run'}.dir={out}"]
+    return ShortForm([*program, *args, *extra], out, sweep)
+
+
+def short_form(argv: list[str], out: Path) -> ShortForm:
+    """The short form of README command ``argv``; ``out`` is the dir it may write."""
+    if argv[:2] == ["python", "train.py"]:
+        return train_short_form([sys.executable, str(ROOT / "train.py")], argv[2:], out)
+    if argv[0] == "vqattn-train":
+        script = shutil.which("vqattn-train")
+        if script is None:
+            return ShortForm(error="vqattn-train is not installed (pip install -e '.[train]')")
+        return train_short_form([script], argv[1:], out)
+    if argv[:3] == ["python", "-m", "vqattn.train.report"] and PLACEHOLDER in argv[3]:
+        return ShortForm([sys.executable, "-m", "vqattn.train.report", "{sweep}", *argv[4:]], needs_earlier=True)
+    if argv[:3] == ["python", "-m", "vqattn.train.sample"] and PLACEHOLDER in argv[3]:
+        rest = argv[4:]
+        if "--max-new-tokens" in rest:
+            rest[rest.index("--max-new-tokens") + 1] = "8"
+        return ShortForm([sys.executable, "-m", "vqattn.train.sample", "{checkpoint}", *rest], needs_earlier=True)
+    return ShortForm(error=f"no short form for this README command: {shlex.join(argv)}")
+
+
+def resolve(form: ShortForm, earlier: list[ShortForm]) -> list[str]:
+    """Fill a command's placeholder with the last earlier sweep dir, or the checkpoint of the first earlier run (the
+    README's default run)."""
+    sweeps = [f.out for f in earlier if f.sweep and f.argv]
+    runs = [f.out for f in earlier if not f.sweep and f.out is not None and f.argv]
+    fill = {"{sweep}": str(sweeps[-1]) if sweeps else "no-sweep-before-this-command",
+            "{checkpoint}": str(runs[0] / "checkpoints" / "last.ckpt") if runs else "no-run-before-this-command"}
+    return [fill.get(arg, arg) for arg in form.argv]
+
+
+class CommandRuns:
+    """The README commands in short form, all in one directory. The independent ones start at once; those that read
+    an earlier run start together once the independent ones are done."""
+
+    def __init__(self, cwd: Path):
+        self.cwd = cwd
+        self.forms = [short_form(argv, cwd / f"command_{i}") for i, argv in enumerate(COMMANDS)]
+        self.running = self._start(needs_earlier=False)
+        self.results = {}
+
+    def _start(self, needs_earlier: bool) -> dict[int, subprocess.Popen]:
+        return {i: start(resolve(form, self.forms[:i]), self.cwd) for i, form in enumerate(self.forms)
+                if form.argv and form.needs_earlier == needs_earlier}
+
+    def result(self, index: int) -> subprocess.CompletedProcess:
+        if index not in self.results and self.forms[index].needs_earlier:
+            self.results.update({i: finish(proc) for i, proc in self.running.items() if i not in self.results})
+            self.running = self._start(needs_earlier=True)
+        if index not in self.results:
+            self.results[index] = finish(self.running[index])
+        return self.results[index]
+
+    def kill(self):
+        for proc in self.running.values():
+            proc.kill()
+            proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def command_runs(tmp_path_factory):
+    runs = CommandRuns(tmp_path_factory.mktemp("readme_commands"))
+    yield runs
+    runs.kill()
+
+
+@pytest.fixture(scope="module")
+def python_block_runs(tmp_path_factory, command_runs):
+    """Every Python block, each in its own empty directory, started together with the README commands."""
+    runs = [start([sys.executable, "-c", code], tmp_path_factory.mktemp("python_block")) for _, code in PYTHON_BLOCKS]
+    yield runs
+    for proc in runs:
+        proc.kill()
+        proc.communicate()
+
+
+def test_the_docs_have_python_blocks_and_readme_commands():
+    assert len([name for name, _ in PYTHON_BLOCKS if name.startswith("README.md")]) >= 3
+    assert any(argv[:2] == ["python", "train.py"] and "-m" in argv for argv in COMMANDS)
+    assert any(argv[:3] == ["python", "-m", "vqattn.train.sample"] for argv in COMMANDS)
+
+
+def test_no_test_marker_skips_a_block(tmp_path):
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"text\n\n```python\nprint(1)\n```\n\n{NO_TEST}\n```python\nraise SystemExit(1)\n```\n")
+    assert fenced_blocks(doc, "python") == [("doc.md:3", "print(1)\n")]
+
+
+def heading_anchors(path: Path) -> set[str]:
+    """GitHub's anchors for the headings of a markdown file: lower case, punctuation dropped, spaces to hyphens."""
+    text = FENCE.sub("", path.read_text())
+    titles = re.findall(r"^#+ (.+)$", text, re.M)
+    return {re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-") for title in titles}
+
+
+@pytest.mark.parametrize("path", DOCS, ids=[str(path.relative_to(ROOT)) for path in DOCS])
+def test_relative_links_resolve(path):
+    for target in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", FENCE.sub("", path.read_text())):
+        file, anchor = target
+        if file.startswith(("http://", "https://")):
+            continue
+        linked = (path.parent / file).resolve() if file else path
+        assert linked.exists(), f"{path.name} links to missing {file}"
+        if anchor:
+            assert anchor in heading_anchors(linked), f"{path.name} links to missing #{anchor} in {linked.name}"
+
+
+def test_short_forms(tmp_path):
+    sweep = short_form(shlex.split("python train.py -m attention=softmax,vq_hard,vq_soft model.n_layer=2"), tmp_path)
+    assert sweep.argv[2:] == ["-m", "attention=softmax,vq_hard", "model.n_layer=2", "experiment=tiny",
+                              *SHORT_TRAIN, f"hydra.sweep.dir={tmp_path}"]
+    run = short_form(shlex.split("python train.py experiment=mqar"), tmp_path / "run")
+    assert "experiment=tiny" not in run.argv and f"hydra.run.dir={tmp_path / 'run'}" in run.argv
+    sample = short_form(shlex.split("python -m vqattn.train.sample DATE/TIME/last.ckpt --max-new-tokens 300"), tmp_path)
+    later = short_form(["python", "train.py"], tmp_path / "later")
+    checkpoint = str(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    assert resolve(sample, [sweep, run, later])[3:] == [checkpoint, "--max-new-tokens", "8"]
+    assert short_form(["make", "docs"], tmp_path).error.startswith("no short form")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(len(PYTHON_BLOCKS)), ids=[name for name, _ in PYTHON_BLOCKS])
+def test_python_block_runs(python_block_runs, index):
+    result = finish(python_block_runs[index])
+    assert result.returncode == 0, f"{PYTHON_BLOCKS[index][0]}\n{report(result)}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(len(COMMANDS)), ids=[shlex.join(argv)[:60] for argv in COMMANDS])
+def test_readme_command_runs(command_runs, index):
+    form = command_runs.forms[index]
+    assert form.error is None, form.error
+    result = command_runs.result(index)
+    assert result.returncode == 0, report(result)
+    if form.out is not None and form.sweep:
+        assert len(list(form.out.glob("*/results.json"))) == 2, report(result)
+    elif form.out is not None:
+        assert (form.out / "results.json").exists(), report(result)
