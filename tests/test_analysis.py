@@ -133,7 +133,7 @@ def test_approximation_error_curves():
 def test_plots_script_writes_figures(tmp_path):
     import json
 
-    from vqattn.plots import main
+    from vqattn.analysis.plots import main
 
     main([str(tmp_path)])
     for name in ("sparsity_beta.png", "sparsity_gamma.png", "approximation_error.png"):

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import train
-from vqattn.callbacks import RNGState, _ContinuingWriter
-from vqattn.lit import model_config, read_checkpoint
-from vqattn.report import markdown_table
+from vqattn.train import cli, launch
+from vqattn.train.callbacks import RNGState, _ContinuingWriter
+from vqattn.train.lit import model_config, read_checkpoint
+from vqattn.train.report import markdown_table
 
 
 def fake_trainer(rank, world):
@@ -76,10 +76,10 @@ def test_a_run_dir_holding_hydra_files_is_not_warned_about(tmp_path):
 
 def test_ddp_child_argv():
     argv = ["train.py", "-m", "attention=a,b"]
-    assert train.ddp_child_argv(argv, {}) == argv
-    child = {"LOCAL_RANK": "1", train.DDP_ARGV: '["attention=a", "hydra.run.dir=\\"/x\\""]'}
-    assert train.ddp_child_argv(argv, child) == ["train.py", "attention=a", 'hydra.run.dir="/x"', "hydra.job.name=rank1"]
-    assert train.ddp_child_argv(["train.py", "x=1"], {"RANK": "3"}) == ["train.py", "x=1", "hydra.output_subdir=null"]
+    assert launch.ddp_child_argv(argv, {}) == argv
+    child = {"LOCAL_RANK": "1", launch.DDP_ARGV: '["attention=a", "hydra.run.dir=\\"/x\\""]'}
+    assert launch.ddp_child_argv(argv, child) == ["train.py", "attention=a", 'hydra.run.dir="/x"', "hydra.job.name=rank1"]
+    assert launch.ddp_child_argv(["train.py", "x=1"], {"RANK": "3"}) == ["train.py", "x=1", "hydra.output_subdir=null"]
 
 
 def test_restore_environ_undoes_only_the_changes(monkeypatch):
@@ -89,7 +89,7 @@ def test_restore_environ_undoes_only_the_changes(monkeypatch):
     before = dict(os.environ)
     os.environ["VQATTN_CHANGED"] = "new"
     os.environ["VQATTN_ADDED"] = "x"
-    train._restore_environ(before)
+    cli._restore_environ(before)
     assert os.environ["VQATTN_CHANGED"] == "old" and "VQATTN_ADDED" not in os.environ
     assert os.environ["VQATTN_KEEP"] == "1"
 
@@ -117,8 +117,8 @@ def test_model_errors_name_the_model_key():
 
 
 def test_user_errors_are_one_line_and_bugs_are_not():
-    assert train._user_error(ValueError("data.x must be 1\nmore")) == "ValueError: data.x must be 1"
-    assert train._user_error(RuntimeError("a bug")) is None
+    assert cli._user_error(ValueError("data.x must be 1\nmore")) == "ValueError: data.x must be 1"
+    assert cli._user_error(RuntimeError("a bug")) is None
 
 
 def test_mqar_report_ranks_by_recall_accuracy():

@@ -1,4 +1,4 @@
-"""Carried state (vqattn.carry, LitLM carry_state): segments carried = one long sequence, checkpoint encoding,
+"""Carried state (vqattn.train.carry, LitLM carry_state): segments carried = one long sequence, checkpoint encoding,
 rank bookkeeping, validation carried vs independent, exact resume (slow), DDP (slow)."""
 
 import dataclasses
@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from model_helpers import scramble_short_conv, tiny_model
-from vqattn.carry import CarriedState, decode, encode
-from vqattn.data import TextDataModule
-from vqattn.lit import LitLM
+from vqattn.train.carry import CarriedState, decode, encode
+from vqattn.train.data import TextDataModule
+from vqattn.train.lit import LitLM
 
 
 def segments(model, x, t):

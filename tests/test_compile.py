@@ -60,7 +60,7 @@ def _compare(name: str, short_conv: int) -> None:
 
 
 def test_the_trainer_flag_compiles_the_model_in_place():
-    from vqattn.lit import LitLM
+    from vqattn.train.lit import LitLM
 
     model = {"vocab_size": 32, "seq_len": 16, "n_layer": 1, "n_head": 2, "n_embd": 16, "attention": "vq_hard"}
     eager, compiled = LitLM(model), LitLM(model, compile=True)

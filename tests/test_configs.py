@@ -11,13 +11,13 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import get_class, instantiate
 from omegaconf import OmegaConf
 
-from vqattn.configs import register, signature_defaults
-from vqattn.data import StdlibDataModule
+from vqattn.train.configs import register, signature_defaults
+from vqattn.train.data import StdlibDataModule
 from vqattn.layers import ATTENTIONS, Attention
-from vqattn.lit import LitLM, OptimConfig
+from vqattn.train.lit import LitLM, OptimConfig
 from vqattn.model import GPT, GPTConfig
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(__file__).resolve().parents[1] / "vqattn" / "train" / "conf"
 register()
 
 # (group, option) -> keys the option deliberately sets away from the Python default; each carries a comment
@@ -86,7 +86,7 @@ def test_the_checker_catches_a_silent_override():
 def test_root_values_are_the_python_defaults():
     cfg = compose_cfg()
     assert OmegaConf.to_container(cfg.optim) == {**dataclasses.asdict(OptimConfig()), "betas": [0.9, 0.95]}
-    for key in ("aux_weight", "compile", "carry_state", "carry_segments"):
+    for key in ("aux_weight", "compile", "carry_state", "carry_segments", "position_edges"):
         assert cfg[key] == inspect.signature(LitLM).parameters[key].default, key
     assert cfg.block_len == inspect.signature(ATTENTIONS["vq_hard"]).parameters["block_len"].default
     assert cfg.block_len == inspect.signature(ATTENTIONS["window"]).parameters["block_len"].default

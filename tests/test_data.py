@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from vqattn import data as D
-from vqattn.mqar import MQARDataModule, mqar_example
+from vqattn.train import data as D
+from vqattn.train.mqar import MQARDataModule, mqar_example
 
 
 def fake_trainer(global_step=0, max_steps=10, rank=0, world=1, accumulate=1):

@@ -10,8 +10,8 @@ import torch
 from hydra.utils import instantiate
 
 from test_train import FAST, cfg_for, finish_script, run_inprocess, start_script, val_rows
-from vqattn.data import IGNORE_INDEX
-from vqattn.report import markdown_table
+from vqattn.model import IGNORE_INDEX
+from vqattn.train.report import markdown_table
 
 LONG_ATTENTIONS = ["softmax", "vq_hard", "vq_soft", "performer", "linear"]
 
@@ -43,11 +43,13 @@ def test_compressed_share_counts_pairs():
     assert compressed_share(12, 4) == pytest.approx(4 * 4 / 78)  # queries 8..11 see keys 0..3 through codes
 
 
-def test_mqar_long_validation_queries_lie_beyond_what_two_windows_reach():
-    cfg = cfg_for("experiment=mqar_long", "attention=vq_hard")
+@pytest.mark.parametrize("experiment", ["mqar_long", "mqar_far"])
+def test_mqar_validation_queries_lie_beyond_what_the_windows_of_all_layers_reach(experiment):
+    cfg = cfg_for(f"experiment={experiment}", "attention=vq_hard")
     block_len, layers, conv = cfg.attention.kwargs.block_len, cfg.model.n_layer, cfg.model.short_conv
     reach = layers * (2 * block_len + conv - 1)  # raw window plus short convolution, layer after layer
-    assert cfg.model.seq_len >= 512 and cfg.data.val_min_query_gap > reach
+    assert cfg_for(f"experiment={experiment}", "attention=window").attention.kwargs.block_len == block_len
+    assert cfg.data.val_min_query_gap > reach
     dm = instantiate(cfg.data)
     dm.setup()
     x, y = dm.val_set.tensors
@@ -60,7 +62,7 @@ def test_mqar_long_validation_queries_lie_beyond_what_two_windows_reach():
     _, y_train = dm._train_batch(np.random.default_rng(0))
     assert ((y_train != IGNORE_INDEX).float().argmax(dim=1) < 2 * pairs + 2 * block_len).any()  # near queries train
     for attention in LONG_ATTENTIONS:
-        instantiate(cfg_for("experiment=mqar_long", f"attention={attention}").module, _convert_="all")
+        instantiate(cfg_for(f"experiment={experiment}", f"attention={attention}").module, _convert_="all")
 
 
 def test_state_size_sweep_overrides_change_state_floats():
@@ -143,12 +145,84 @@ def test_ddp_carried_run_resumes_exactly(tmp_path):
 
 @pytest.mark.slow
 def test_mqar_long_smoke_run(tmp_path):
-    import train
+    from vqattn.train import cli
 
     cfg = cfg_for("trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "experiment=mqar_long",
                   "attention=vq_hard", "model.n_embd=32", "model.n_head=2", "data.batch_size=2",
                   "data.num_val_examples=4", "trainer.max_steps=3", "trainer.val_check_interval=3")
-    results = train.train(cfg, tmp_path)
+    results = cli.train(cfg, tmp_path)
     assert results["steps"] == 3 and results["seq_len"] == 512 and 0.0 <= results["val_acc"] <= 1.0
     # state_floats: codes of every head, the raw window of 2 x 64 keys and values, 3 rows of q/k/v for the convolution
     assert results["state_floats"] == 2 * 64 * (16 + 1) + 2 * 128 * 32 + 3 * 3 * 32
+
+
+def fake_run_dir(root, name, attention, curve, by_position=None, **results):
+    """A run dir as train.py leaves it: results.json and the validation rows of metrics.csv."""
+    run_dir = root / name
+    run_dir.mkdir(parents=True)
+    step, bpb = curve[-1]
+    run = {**fake_run(name, attention, bpb, 0.5, 1000, "StdlibDataModule"), "steps": step, **results}
+    if by_position:
+        run["val_bpb_by_position"] = by_position
+    run.pop("name")
+    (run_dir / "results.json").write_text(json.dumps(run))
+    rows = "".join(f"0,{s},{b}\n" for s, b in curve)
+    (run_dir / "metrics.csv").write_text("epoch,step,val_bpb\n" + rows)
+    return run_dir
+
+
+def test_report_writes_the_pngs_of_fake_run_dirs(tmp_path):
+    from vqattn.train.report import main
+
+    positions = {"0_63": 3.0, "64_255": 2.5, "256_1023": 2.4}
+    fake_run_dir(tmp_path, "0_softmax", "softmax", [(20, 2.9)], positions)
+    fake_run_dir(tmp_path, "1_window", "window", [(20, 2.9)], {**positions, "256_1023": 2.6})
+    assert main([str(tmp_path)]) == 0
+    for name in ("val_bpb.png", "by_position.png"):
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG", name
+    assert "| 0_softmax | softmax |" in (tmp_path / "report.md").read_text()
+    assert not (tmp_path / "recall_vs_state.png").exists()  # language-model runs: no recall figure
+
+
+def drawn(draw, data):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    draw(ax, data)
+    fig.canvas.draw()
+    return fig, ax
+
+
+def test_one_validation_per_run_gives_integer_step_ticks_and_equal_curves_stay_apart(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from vqattn.train.report import draw_curves, load_runs
+
+    for i in range(3):  # three runs, each validated once at step 20 with the same bpb
+        fake_run_dir(tmp_path, f"{i}_vq", "vq_hard", [(20, 2.9)])
+    fig, ax = drawn(draw_curves, load_runs(tmp_path))
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["20"]  # not 19.00 ... 21.00
+    styles = {(line.get_linestyle(), line.get_marker()) for line in ax.get_lines()}
+    assert len(styles) == 3  # identical points drawn with different markers and line styles
+    plt.close(fig)
+    many = tmp_path / "many"
+    fake_run_dir(many, "a", "softmax", [(s, 3.0 - s / 1000) for s in range(0, 1001, 50)])
+    fig, ax = drawn(draw_curves, load_runs(many))
+    assert all(float(t).is_integer() for t in ax.get_xticks())
+    plt.close(fig)
+
+
+def test_position_figure_draws_bucket_midpoints_on_a_log_axis(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from vqattn.train.report import draw_positions, load_runs
+
+    fake_run_dir(tmp_path, "a", "softmax", [(5, 2.0)], {"64_255": 2.5, "0_63": 3.0})
+    fig, ax = drawn(draw_positions, load_runs(tmp_path))
+    (line,) = ax.get_lines()
+    assert list(line.get_xdata()) == [31.5, 159.5] and list(line.get_ydata()) == [3.0, 2.5]
+    assert ax.get_xscale() == "log"
+    plt.close(fig)

@@ -269,7 +269,7 @@ def test_checkpoint_restores_the_draw_it_was_trained_with():
 
 def test_trainer_hook_sets_the_global_step():
     # LitLM.on_train_batch_start is where the trainer hands its global step to the feature maps
-    lit_module = pytest.importorskip("vqattn.lit")
+    lit_module = pytest.importorskip("vqattn.train.lit")
     from types import SimpleNamespace
 
     lit = lit_module.LitLM({"vocab_size": 17, "seq_len": 16, "n_layer": 2, "n_head": 2, "n_embd": 16,

@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vqattn.data import IGNORE_INDEX
-from vqattn.mqar import MQARDataModule
+from vqattn.model import IGNORE_INDEX
+from vqattn.train.mqar import MQARDataModule
 from vqattn.layers import ATTENTIONS
-from vqattn.lit import LitLM, SummedNLL, warmup_cosine
+from vqattn.train.lit import LitLM, SummedNLL, warmup_cosine
 
 TINY = dict(vocab_size=256, seq_len=32, n_layer=2, n_head=2, n_embd=32)
 
@@ -56,6 +56,74 @@ def test_summed_nll_merged_over_uneven_ranks_equals_the_global_mean():
     assert not torch.isclose(naive, whole.compute()["loss"])  # why the states are sums, not means
 
 
+def test_position_buckets_match_a_per_bucket_reference_and_recombine_to_the_total():
+    gen = torch.Generator().manual_seed(2)
+    batches = [random_batch(gen, b, 11, ignore_every=4) for b in (2, 3)]
+    metric = SummedNLL(position_edges=[0, 3, 5, 8, 64])  # [0, 3), [3, 5), [5, 8), [8, 64) seen up to 10, [64, ...)
+    for logits, targets in batches:
+        metric.update(logits, targets)
+    out = metric.compute()
+    assert list(out["by_position"]) == ["0_2", "3_4", "5_7", "8_10"]  # the empty bucket [64, ...) is left out
+    logits = torch.cat([l for l, _ in batches])  # (B, T, V)
+    targets = torch.cat([t for _, t in batches])  # (B, T)
+    for name, bucket in out["by_position"].items():  # reference: positions lo..hi of every row, in float64
+        lo, hi = map(int, name.split("_"))
+        lg, tg = logits[:, lo:hi + 1].flatten(0, 1), targets[:, lo:hi + 1].flatten()
+        keep = tg != IGNORE_INDEX
+        assert bucket["tokens"] == keep.sum()
+        assert bucket["bpb"] == pytest.approx(F.cross_entropy(lg[keep], tg[keep]).item() / math.log(2), rel=1e-6)
+        assert bucket["acc"] == pytest.approx((lg[keep].argmax(-1) == tg[keep]).double().mean().item())
+    buckets = out["by_position"].values()
+    weighted = sum(b["bpb"] * b["tokens"] for b in buckets) / sum(b["tokens"] for b in buckets)
+    assert weighted == pytest.approx(out["bpb"].item(), rel=1e-12)
+    assert sum(b["tokens"] for b in buckets) == (targets != IGNORE_INDEX).sum()
+
+
+def test_position_buckets_merged_over_uneven_ranks_equal_one_process():
+    gen = torch.Generator().manual_seed(3)
+    long, short = random_batch(gen, 2, 9), random_batch(gen, 3, 4)  # rank 1 never reaches the later buckets
+    edges = [0, 2, 6]
+    whole, rank0, rank1 = SummedNLL(edges), SummedNLL(edges), SummedNLL(edges)
+    for batch in (long, short):
+        whole.update(*batch)
+    rank0.update(*long)
+    rank1.update(*short)
+    rank1.merge_state(rank0)  # the rank with the shorter windows must still name the buckets by the longest
+    merged, single = rank1.compute()["by_position"], whole.compute()["by_position"]
+    assert list(merged) == list(single) == ["0_1", "2_5", "6_8"]
+    for name in single:
+        assert merged[name] == pytest.approx(single[name], rel=1e-12)
+
+
+def test_position_metric_update_reads_no_tensor_on_the_host(monkeypatch):
+    gen = torch.Generator().manual_seed(4)
+    metric = SummedNLL([0, 4, 16])
+    for method in ("__bool__", "item", "tolist", "__int__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, method, lambda *a, **k: pytest.fail("host read in SummedNLL.update"))
+    metric.update(*random_batch(gen, 2, 20))
+
+
+@pytest.mark.parametrize("edges", [[], [1, 64], [0, 64, 64], [0, 256, 64], [0, 64.5], [0, True]])
+def test_bad_position_edges_name_the_argument(edges):
+    with pytest.raises(ValueError, match="position_edges must be strictly increasing ints starting at 0"):
+        LitLM(model=TINY, position_edges=edges)
+
+
+def test_validation_logs_bpb_per_position_bucket(mqar):
+    module = LitLM(model={**TINY, "attention": "softmax"}, position_edges=[0, 16, 24])
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.validate(module, datamodule=mqar, verbose=False)
+    val = module.last_validation
+    names = list(val["by_position"])
+    assert names and set(names) <= {"0_15", "16_23", "24_31"}  # MQAR answers lie after the 4 pairs only
+    for name, bucket in val["by_position"].items():
+        assert val[f"val_bpb_pos_{name}"] == bucket["bpb"] and val[f"val_acc_pos_{name}"] == bucket["acc"]
+    tokens = sum(b["tokens"] for b in val["by_position"].values())
+    assert tokens == mqar.num_val_examples * 4  # every answer once
+    assert sum(b["bpb"] * b["tokens"] for b in val["by_position"].values()) / tokens == pytest.approx(val["val_bpb"])
+    assert not any("_pos_" in key for key in trainer.callback_metrics)  # not on the progress bar
+
+
 def test_warmup_then_cosine():
     f = lambda s: warmup_cosine(s, warmup_steps=10, total_steps=110, min_lr_ratio=0.1)  # noqa: E731
     assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
@@ -97,8 +165,8 @@ def test_checkpoint_round_trip(mqar, tmp_path):
 
 
 def test_sample_honours_its_seed_whatever_the_checkpoint_holds(mqar, tmp_path):
-    from vqattn.callbacks import RNGState
-    from vqattn.sample import sample
+    from vqattn.train.callbacks import RNGState
+    from vqattn.train.sample import sample
 
     module = LitLM(model={**TINY, "attention": "softmax"}, optim={"warmup_steps": 1})
     trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False,
@@ -112,7 +180,7 @@ def test_sample_honours_its_seed_whatever_the_checkpoint_holds(mqar, tmp_path):
 
 
 def test_sample_cli_reports_an_invalid_checkpoint_in_one_line(tmp_path, capsys):
-    from vqattn.sample import main
+    from vqattn.train.sample import main
 
     (tmp_path / "bad.ckpt").write_bytes(b"garbage")
     with pytest.raises(SystemExit) as info:

@@ -1,5 +1,7 @@
-"""Packaging: the library is torch-only; the trainer stack is the ``train`` extra."""
+"""Packaging: the library is torch-only; the trainer stack is the ``train`` extra, used only by vqattn.train and
+vqattn.analysis; the trainer's configs ship inside the package."""
 
+import ast
 import subprocess
 import sys
 import tomllib
@@ -8,8 +10,35 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "vqattn"
 TRAINER_STACK = ("lightning", "lightning_fabric", "pytorch_lightning", "hydra", "omegaconf", "datasets", "matplotlib",
                  "torchmetrics")
+TRAINER_PACKAGES = ("train", "analysis")  # the subpackages of vqattn allowed to import TRAINER_STACK
+
+
+def imported_top_level(path: Path) -> set[str]:
+    """Top-level names of the absolute imports anywhere in a module (function-level imports included)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def core_modules() -> list[Path]:
+    return [p for p in sorted(PACKAGE.rglob("*.py"))
+            if p.relative_to(PACKAGE).parts[0] not in TRAINER_PACKAGES]
+
+
+def test_the_core_is_found():
+    assert {"model.py", "functional.py", "codebook.py"} <= {p.name for p in core_modules()}
+
+
+@pytest.mark.parametrize("path", core_modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_core_modules_do_not_import_the_trainer_stack(path):
+    assert imported_top_level(path).isdisjoint(TRAINER_STACK)
 
 
 @pytest.mark.parametrize("module", ["vqattn.functional", "vqattn.layers", "vqattn.model", "vqattn.codebook",
@@ -28,3 +57,12 @@ def test_core_depends_on_torch_alone_and_extras_hold_the_trainer():
     train = {req.split(">")[0].split("<")[0].split("=")[0] for req in project["optional-dependencies"]["train"]}
     assert {"lightning", "torchmetrics", "datasets", "hydra-core", "matplotlib", "numpy"} <= train
     assert set(project["optional-dependencies"]["dev"]) >= {"vqattn[train]"}
+    assert project["scripts"]["vqattn-train"] == "vqattn.train.cli:main"
+
+
+def test_every_config_file_ships_as_package_data():
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["vqattn.train.conf"]
+    conf = PACKAGE / "train" / "conf"
+    shipped = {p for pattern in patterns for p in conf.glob(pattern)}
+    assert set(conf.rglob("*.yaml")) == shipped

@@ -1,4 +1,4 @@
-"""Consecutive-segment data (vqattn.streams): row continuity, wrap-around, resume, DDP sharding, the carried
+"""Consecutive-segment data (vqattn.train.streams): row continuity, wrap-around, resume, DDP sharding, the carried
 validation pass; MQAR with a minimum query gap (experiment=mqar_long)."""
 
 from types import SimpleNamespace
@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from vqattn import data as D
-from vqattn.mqar import MQARDataModule, mqar_example
-from vqattn.streams import CarriedValBatches, StreamBatches
+from vqattn.model import IGNORE_INDEX
+from vqattn.train import data as D
+from vqattn.train.mqar import MQARDataModule, mqar_example
+from vqattn.train.streams import CarriedValBatches, StreamBatches
 
 
 def fake_trainer(global_step=0, max_steps=10, rank=0, world=1, accumulate=1):
@@ -104,12 +105,12 @@ def test_carried_validation_predicts_every_window_once_in_consecutive_rows(n, ba
         steps.add(len(carried))
         batches = [carried[s] for s in range(len(carried))]
         for r in range(batch):
-            xs = [x[r] for x, y in batches if (y[r] != D.IGNORE_INDEX).all()]
-            pads = [y[r] for x, y in batches if (y[r] == D.IGNORE_INDEX).all()]
+            xs = [x[r] for x, y in batches if (y[r] != IGNORE_INDEX).all()]
+            pads = [y[r] for x, y in batches if (y[r] == IGNORE_INDEX).all()]
             assert len(xs) + len(pads) == len(batches)  # a step feeds a row a whole window or padding
             for a, b in zip(xs, xs[1:]):
                 assert b[0] == a[-1] + 1  # the row's next window continues the text
-            labelled += [y[r] for x, y in batches if (y[r] != D.IGNORE_INDEX).all()]
+            labelled += [y[r] for x, y in batches if (y[r] != IGNORE_INDEX).all()]
     assert steps == {-(-n // (batch * world))}  # every rank runs the same number of steps
     expected = sorted(tuple(windows[j][1].tolist()) for j in range(n))
     assert sorted(tuple(y.tolist()) for y in labelled) == expected  # each window's targets exactly once
@@ -121,7 +122,7 @@ def test_val_carried_adds_a_second_loader_over_the_first_val_windows(tmp_path):
     dm.trainer = fake_trainer()
     independent, carried = dm.val_dataloader()
     x_ind = torch.cat([x for x, _ in independent])
-    x_car = [row for x, y in carried for row, labels in zip(x, y) if (labels != D.IGNORE_INDEX).all()]
+    x_car = [row for x, y in carried for row, labels in zip(x, y) if (labels != IGNORE_INDEX).all()]
     assert sorted(map(tuple, x_ind.tolist())) == sorted(tuple(row.tolist()) for row in x_car)
     spread = text_module(tmp_path, val_windows=5)
     assert spread.val_set.offsets[-1] > 4 * 16 and not isinstance(spread.val_dataloader(), list)
@@ -140,12 +141,12 @@ def test_mqar_queries_sit_outside_the_raw_window(seq_len, pairs, gap, block_len)
     assert x.shape == y.shape == (64, seq_len)
     for xs, ys in zip(x.tolist(), y.tolist()):
         where = {xs[2 * j]: 2 * j for j in range(pairs)}  # key -> its position (its value follows it)
-        answers = [i for i, t in enumerate(ys) if t != D.IGNORE_INDEX]
+        answers = [i for i, t in enumerate(ys) if t != IGNORE_INDEX]
         assert len(answers) == pairs and sorted(xs[i] for i in answers) == sorted(where)
         for i in answers:
             assert ys[i] == xs[where[xs[i]] + 1]  # the answer is the value bound to the queried key
             assert i - (where[xs[i]] + 1) > gap >= 2 * block_len  # query far from its key and value
-    first_answer = lambda labels: int((labels != D.IGNORE_INDEX).float().argmax(dim=1).min())  # noqa: E731
+    first_answer = lambda labels: int((labels != IGNORE_INDEX).float().argmax(dim=1).min())  # noqa: E731
     assert first_answer(y) >= 2 * pairs + gap  # the gap holds no query ...
     _, y_default = mqar_example(np.random.default_rng(3), 64, seq_len, pairs)
     assert first_answer(y_default) < 2 * pairs + gap  # ... where the default layout puts some
@@ -164,7 +165,7 @@ def test_mqar_gap_too_long_for_the_sequence_is_explained():
 
 def test_mqar_validation_gap_applies_to_validation_only():
     def first_query(y):  # earliest answer position over the batch
-        return int((y != D.IGNORE_INDEX).float().argmax(dim=1).min())
+        return int((y != IGNORE_INDEX).float().argmax(dim=1).min())
 
     dm = MQARDataModule(num_kv_pairs=8, seq_len=256, min_query_gap=0, val_min_query_gap=100, num_val_examples=64)
     dm.setup()

@@ -19,11 +19,11 @@ from hydra.utils import instantiate
 
 from hydra.core.config_store import ConfigStore
 
-from vqattn.configs import register
+from vqattn.train.configs import register
 from vqattn.layers import ATTENTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
-CONF = str(ROOT / "conf")
+CONF = str(ROOT / "vqattn" / "train" / "conf")
 register()
 ATTENTION_OPTIONS = sorted(name.removesuffix(".yaml") for name in ConfigStore.instance().list("attention"))
 FAST = ["experiment=tiny", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
@@ -59,7 +59,7 @@ def test_defaults_and_groups():
     mqar = cfg_for("experiment=mqar")
     assert mqar.data.num_kv_pairs == 16 and mqar.data.seq_len == 128
     for data in ("default", "text", "enwik8", "wikitext103", "mqar"):
-        assert cfg_for(f"data={data}").data._target_.startswith(("vqattn.data.", "vqattn.mqar."))
+        assert cfg_for(f"data={data}").data._target_.startswith(("vqattn.train.data.", "vqattn.train.mqar."))
 
 
 def test_unknown_attention_lists_the_valid_ones():
@@ -69,12 +69,12 @@ def test_unknown_attention_lists_the_valid_ones():
 
 
 def run_inprocess(tmp_path, name, *overrides):
-    import train
+    from vqattn.train import cli
 
     cfg = cfg_for(*FAST, *overrides)
     run_dir = tmp_path / name
     run_dir.mkdir(exist_ok=True)
-    return train.train(cfg, run_dir), run_dir
+    return cli.train(cfg, run_dir), run_dir
 
 
 def val_rows(run_dir):
@@ -128,6 +128,10 @@ def read_results(run_dir):
                 "wall_seconds"):
         assert key in results, key
     assert results["val_bpb"] == results["val_bpb"] and 0 < results["val_bpb"] < 9  # finite
+    by_position, tokens = results["val_bpb_by_position"], results["val_tokens_by_position"]
+    assert list(by_position) == list(tokens) == list(results["val_acc_by_position"]) and by_position
+    recombined = sum(by_position[k] * tokens[k] for k in tokens) / sum(tokens.values())  # over all ranks' windows
+    assert recombined == pytest.approx(results["val_bpb"], rel=1e-9)
     return results
 
 
@@ -150,6 +154,8 @@ def test_train_script_writes_results_with_a_clean_console(tmp_path):
     assert "done: vq_soft, 20 steps" in console and f"run dir {out}" in console
     # one validation row per validation, at the optimizer step it followed: 10 and 20 (the final one, once)
     assert [int(r["step"]) for r in val_rows(out)] == [10, 20]
+    assert list(results["val_bpb_by_position"]) == ["0_63"]  # experiment=tiny: 64-byte windows
+    assert all(float(r["val_bpb_pos_0_63"]) == pytest.approx(float(r["val_bpb"]), rel=1e-9) for r in val_rows(out))
 
 
 def wait_for(path, proc, timeout=240):
@@ -214,7 +220,7 @@ def test_sweep_then_report(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = sorted(p.parent.name for p in out.rglob("results.json"))
     assert runs == ["0_softmax", "1_vq_hard"]
-    rep = subprocess.run([sys.executable, "-m", "vqattn.report", str(out)], cwd=ROOT, capture_output=True, text=True)
+    rep = subprocess.run([sys.executable, "-m", "vqattn.train.report", str(out)], cwd=ROOT, capture_output=True, text=True)
     assert rep.returncode == 0, rep.stderr
     table = (out / "report.md").read_text()
     assert "| softmax |" in table and "| vq_hard |" in table and "tokens/s" in table
@@ -270,12 +276,12 @@ def test_config_errors_are_one_line_exit_2_and_leave_no_run_dir(config_error_run
 
 
 def test_mqar_results_lead_with_recall_accuracy(tmp_path):
-    import train
+    from vqattn.train import cli
 
     cfg = cfg_for("model=tiny", "data=mqar", "data.num_kv_pairs=4", "data.batch_size=4", "data.num_val_examples=8",
                   "trainer.max_steps=2", "trainer.val_check_interval=2", *FAST[1:])
     run_dir = tmp_path / "mqar"
     run_dir.mkdir()
-    results = train.train(cfg, run_dir)
+    results = cli.train(cfg, run_dir)
     assert results["headline"] == "recall_acc" and results["recall_acc"] == results["val_acc"]
     assert (run_dir / "checkpoints" / "last.ckpt").exists()

@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from .layers import ATTENTIONS, AttentionState, build_attention
 from .ops._checks import check_choice, check_positive_int, compute_dtype
 
+IGNORE_INDEX = -1  # the target value the loss and every metric skip (unlabelled positions)
+
 POS_EMBS = ("rope", "learned", "none")
 
 
@@ -206,7 +208,8 @@ class GPT(nn.Module):
         logits = self.head(h)  # (B, T, V)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.flatten(0, 1).to(compute_dtype(logits.dtype)), targets.flatten(), ignore_index=-1)
+            loss = F.cross_entropy(logits.flatten(0, 1).to(compute_dtype(logits.dtype)), targets.flatten(),
+                                   ignore_index=IGNORE_INDEX)
         new_state = GPTState(start + idx.shape[1], layer_states) if return_state else None
         return GPTOutput(logits, loss, aux_loss, new_state)
 

@@ -23,6 +23,7 @@ name to its class.
 from __future__ import annotations
 
 from .base import Attention, AttentionOutput, AttentionState, CachedAttention, KVCache, rope_rotate
+from .vq import VQAttention, VQHardAttention, VQSoftAttention
 from .kernel import EluLinearAttention, KernelAttention, PerformerAttention, TaylorAttention
 from .ovq import OnlineVQAttention
 from .quadratic import (
@@ -33,7 +34,6 @@ from .quadratic import (
     SoftmaxAttention,
     WindowAttention,
 )
-from .vq import VQAttention, VQHardAttention, VQSoftAttention
 
 ATTENTIONS: dict[str, type[Attention]] = {
     "softmax": SoftmaxAttention,

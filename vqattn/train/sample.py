@@ -1,4 +1,4 @@
-"""Sample text from a checkpoint: ``python -m vqattn.sample CKPT --prompt "def " --max-new-tokens 200``.
+"""Sample text from a checkpoint: ``python -m vqattn.train.sample CKPT --prompt "def " --max-new-tokens 200``.
 
 CKPT is a checkpoint written by train.py (e.g. OUT/checkpoints/last.ckpt). The prompt is UTF-8 encoded to
 bytes (the models are byte-level), continued with ``GPT.generate`` (stateful decoding: constant memory per
@@ -33,7 +33,7 @@ def sample(ckpt: str | Path, prompt: str, max_new_tokens: int, *, temperature: f
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m vqattn.sample", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m vqattn.train.sample", description=__doc__.splitlines()[0])
     p.add_argument("ckpt", help="checkpoint path (OUT/checkpoints/last.ckpt)")
     p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
     p.add_argument("--max-new-tokens", type=int, default=200, help="bytes to generate")

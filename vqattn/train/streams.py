@@ -1,4 +1,4 @@
-"""Consecutive segments of byte streams: the batches of carried-state training and validation (``vqattn.carry``).
+"""Consecutive segments of byte streams: the batches of carried-state training and validation (``vqattn.train.carry``).
 
 Training (``data.stream=true``). The training bytes are cut into R = batch_size · world_size equal streams of
 L = len // R bytes (the last len mod R bytes are not used). Global row g = rank · batch_size + r reads stream g
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .data import IGNORE_INDEX
+from ..model import IGNORE_INDEX
 
 
 class StreamBatches(Dataset):

@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .data import IGNORE_INDEX, _LMDataModule
+from ..model import IGNORE_INDEX
+from .data import _LMDataModule
 
 
 def mqar_example(rng: np.random.Generator, n: int, seq_len: int, num_kv_pairs: int, vocab_size: int = 256,

@@ -6,10 +6,12 @@ decay to ``min_lr_ratio * lr``; gradient clipping is the Trainer's ``gradient_cl
 
 Logged: train_loss, train_nll, train_aux, train_bpb, and after each validation (one row at step =
 global_step) val_loss, val_bpb, val_acc (next-byte accuracy; recall accuracy for MQAR, whose labels are the
-answers only) and the codebook usage stats (codebook_perplexity, codebook_dead_codes, codebook_quant_error).
-train.py adds Lightning's LearningRateMonitor and ThroughputMonitor (vqattn.callbacks) for the learning rate
+answers only), per bucket of positions A..B of the validation windows val_bpb_pos_A_B and val_acc_pos_A_B
+(``position_edges``; does the model use its context?) and the codebook usage stats (codebook_perplexity,
+codebook_dead_codes, codebook_quant_error).
+train.py adds Lightning's LearningRateMonitor and ThroughputMonitor (vqattn.train.callbacks) for the learning rate
 and tokens per second.
-With ``carry_state`` each training step continues the previous step's rows from their detached state (vqattn.carry;
+With ``carry_state`` each training step continues the previous step's rows from their detached state (vqattn.train.carry;
 the data must then be consecutive segments, ``data.stream``). A datamodule with a second validation loader (the
 carried pass, ``data.val_carried``) adds val_loss_carried, val_bpb_carried and val_acc_carried.
 At the end of training ``buffer_divergence`` records how far the ranks' model buffers drifted apart (0 when
@@ -28,42 +30,79 @@ import torch.nn.functional as F
 from torchmetrics import Metric
 
 from .carry import CarriedState
-from .data import IGNORE_INDEX
-from .feature_maps import set_feature_step
-from .model import GPT, GPTConfig
+from ..feature_maps import set_feature_step
+from ..model import GPT, IGNORE_INDEX, GPTConfig
 
 LN2 = math.log(2.0)
 
 
-class SummedNLL(Metric):
-    """Sum of per-token NLL (nats), token count and correct argmax predictions over labelled positions.
+DEFAULT_POSITION_EDGES = (0, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 
-    The states are sums reduced with ``dist_reduce_fx="sum"``, so under DDP ``compute`` returns the exact
-    mean over all ranks' tokens, however unevenly the ranks' batches are sized:
-        loss = sum NLL / count,  bpb = loss / ln 2 (one token is one byte),  acc = correct / count.
+
+def check_position_edges(edges) -> tuple[int, ...]:
+    """``edges`` as a tuple, or ValueError: ints, strictly increasing, starting at 0."""
+    edges = tuple(edges)
+    if (not edges or edges[0] != 0 or any(isinstance(e, bool) or not isinstance(e, int) for e in edges)
+            or any(a >= b for a, b in zip(edges, edges[1:]))):
+        raise ValueError(f"position_edges must be strictly increasing ints starting at 0, e.g. [0, 64, 256, 1024], "
+                         f"got {list(edges)!r}")
+    return edges
+
+
+class SummedNLL(Metric):
+    """Sum of per-token NLL (nats), token count and correct argmax predictions over labelled positions, in total
+    and per position bucket.
+
+    Bucket k holds the targets at positions t (0-based, within the validation window; the target at t follows
+    t + 1 tokens of context) with edges[k] <= t < edges[k + 1]; the last bucket is open-ended. The states are
+    per-bucket sums reduced with ``dist_reduce_fx="sum"``, so under DDP ``compute`` returns the exact means over
+    all ranks' tokens, however unevenly the ranks' batches are sized:
+        loss = sum NLL / count,  bpb = loss / ln 2 (one token is one byte),  acc = correct / count,
+    and the token-weighted mean of the buckets' bpb is the total bpb. ``update`` reads nothing on the host.
     """
 
     full_state_update = False
 
-    def __init__(self, **kwargs):
+    def __init__(self, position_edges=DEFAULT_POSITION_EDGES, **kwargs):
         super().__init__(**kwargs)
-        self.add_state("nll_sum", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("count", torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
-        self.add_state("correct", torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
+        edges = check_position_edges(position_edges)
+        self.register_buffer("edges", torch.tensor(edges[1:]), persistent=False)  # upper edges, for bucketize
+        self.lower_edges = edges
+        k = len(edges)
+        self.add_state("nll_sum", torch.zeros(k, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", torch.zeros(k, dtype=torch.long), dist_reduce_fx="sum")
+        self.add_state("correct", torch.zeros(k, dtype=torch.long), dist_reduce_fx="sum")
+        self.add_state("last_position", torch.tensor(0), dist_reduce_fx="max")  # names the open-ended bucket
 
     def update(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
         """logits (B, T, V), targets (B, T) with IGNORE_INDEX at unlabelled positions."""
         mask = targets != IGNORE_INDEX  # (B, T)
-        logits, targets = logits[mask].float(), targets[mask]  # (N, V), (N,)
-        self.nll_sum += F.cross_entropy(logits, targets, reduction="sum").double()
-        self.count += targets.numel()
-        self.correct += (logits.argmax(dim=-1) == targets).sum()
+        nll = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
+                              reduction="none")  # (B T,), 0 where unlabelled
+        correct = (logits.argmax(dim=-1) == targets) & mask  # (B, T)
+        positions = torch.arange(targets.shape[1], device=targets.device)  # (T,)
+        bucket = torch.bucketize(positions, self.edges.to(targets.device), right=True)  # (T,)
+        bucket = bucket.expand_as(targets).flatten()  # (B T,)
+        self.nll_sum.index_add_(0, bucket, nll.double())
+        self.count.index_add_(0, bucket, mask.flatten().long())
+        self.correct.index_add_(0, bucket, correct.flatten().long())
+        self.last_position.clamp_(min=targets.shape[1] - 1)
 
-    def compute(self) -> dict[str, torch.Tensor]:
-        if self.count == 0:
+    def compute(self) -> dict:
+        """{"loss", "bpb", "acc"} (0-dim tensors) over all tokens and ``"by_position"``: {"A_B": {"bpb", "acc",
+        "tokens"}} for each bucket of positions A..B that holds labelled tokens (B: its upper edge - 1, or the
+        last position seen if smaller)."""
+        count = self.count.sum()
+        if count == 0:
             raise ValueError("SummedNLL.compute: no labelled tokens were seen (empty validation set?)")
-        loss = self.nll_sum / self.count
-        return {"loss": loss, "bpb": loss / LN2, "acc": self.correct.double() / self.count}
+        loss = self.nll_sum.sum() / count
+        end = int(self.last_position) + 1
+        uppers = [min(edge, end) for edge in (*self.lower_edges[1:], end)]
+        by_position = {
+            f"{lo}_{hi - 1}": {"bpb": float(nll / n / LN2), "acc": float(c / n), "tokens": int(n)}
+            for lo, hi, nll, n, c in zip(self.lower_edges, uppers, self.nll_sum, self.count, self.correct) if n > 0
+        }
+        return {"loss": loss, "bpb": loss / LN2, "acc": self.correct.sum().double() / count, "by_position": by_position}
 
 
 def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
@@ -130,10 +169,14 @@ class LitLM(L.LightningModule):
             steps (None: never), so a training sequence is carry_segments × seq_len tokens (Transformer-VQ's
             sequence length, made of update-length segments). Without a reset the vq caches' counts grow over the
             whole run (millions of keys per code) and the model learns cache biases that no evaluation context has.
+        position_edges: lower edges of the position buckets of the validation metrics (val_bpb_pos_A_B,
+            val_acc_pos_A_B for positions A..B of the window); None: DEFAULT_POSITION_EDGES (0, 64, 256, 1024,
+            then doubling), the buckets the windows reach.
     """
 
     def __init__(self, model: dict, optim: dict | None = None, aux_weight: float = 1.0, compile: bool = False,
-                 carry_state: bool = False, carry_segments: int | None = 16):
+                 carry_state: bool = False, carry_segments: int | None = 16,
+                 position_edges: list[int] | None = None):
         super().__init__()
         if carry_segments is not None and (isinstance(carry_segments, bool) or not isinstance(carry_segments, int)
                                            or carry_segments < 1):
@@ -147,7 +190,7 @@ class LitLM(L.LightningModule):
             self.model.compile()
         self.optim = asdict(OptimConfig(**(optim or {})))
         self.aux_weight = aux_weight
-        self.val_nll = SummedNLL()
+        self.val_nll = SummedNLL(DEFAULT_POSITION_EDGES if position_edges is None else position_edges)
         self.val_nll_carried = SummedNLL()
         self.carry = CarriedState() if carry_state else None  # the training rows' state
         self.carry_segments = carry_segments
@@ -218,16 +261,19 @@ class LitLM(L.LightningModule):
         for metric, suffix in passes:
             vals = metric.compute()  # already summed over ranks: identical everywhere
             metric.reset()
-            metrics.update({f"val_{k}{suffix}": float(v) for k, v in vals.items()})
+            if not suffix:  # positions of the independent windows (a carried segment continues earlier ones)
+                by_position = vals["by_position"]
+            metrics.update({f"val_{k}{suffix}": float(v) for k, v in vals.items() if k != "by_position"})
         self.val_carry.reset()
         metrics.update({f"codebook_{k}": float(v) for k, v in self.model.codebook_stats().items()})
         for key, value in metrics.items():  # progress bar and callback_metrics; the logger row is written below
             self.log(key, value, prog_bar=key.startswith("val_") and "_carried" not in key, logger=False, sync_dist=True)
+        metrics.update({f"val_{k}_pos_{name}": bucket[k] for name, bucket in by_position.items() for k in ("bpb", "acc")})
         # Written at global_step, the number of optimizer steps done (Lightning's own step for epoch-end logging
         # is the last batch index, 199 for the validation after 200 steps).
         if self.logger is not None and not self.trainer.sanity_checking:
             self.logger.log_metrics(metrics, step=self.global_step)
-        self.last_validation = {"step": self.global_step, **metrics}
+        self.last_validation = {"step": self.global_step, **metrics, "by_position": by_position}
 
     def configure_optimizers(self):
         o = self.optim
@@ -248,7 +294,7 @@ class LitLM(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # The carried state travels with the checkpoint, every rank's (saving is a collective under DDP: see
-    # vqattn.carry), so that a resumed run continues its rows from the state it stopped with.
+    # vqattn.train.carry), so that a resumed run continues its rows from the state it stopped with.
     def on_save_checkpoint(self, checkpoint):
         if self.carry is not None:
             checkpoint["carry_state"] = self.carry.gathered(self.trainer.world_size)

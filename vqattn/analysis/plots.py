@@ -1,4 +1,4 @@
-"""Figures for the kernel-family theory: ``python -m vqattn.plots OUT_DIR``.
+"""Figures for the kernel-family theory: ``python -m vqattn.analysis.plots OUT_DIR``.
 
 Writes to OUT_DIR:
   sparsity_beta.png          S over β for relu² and identity scores (closed forms, Monte Carlo dots)
@@ -21,7 +21,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from .analysis import (  # noqa: E402
+from . import (  # noqa: E402
     approximation_error_curves,
     kernel_soft_factors,
     sparsity,
@@ -30,9 +30,9 @@ from .analysis import (  # noqa: E402
     sparsity_linear_decay,
     sparsity_relu2,
 )
-from .feature_maps import draw_random_features  # noqa: E402
-from .ops.softmax import softmax_attention  # noqa: E402
-from .ops.vq import vq_attention  # noqa: E402
+from ..feature_maps import draw_random_features  # noqa: E402
+from ..ops.softmax import softmax_attention  # noqa: E402
+from ..ops.vq import vq_attention  # noqa: E402
 
 F64 = torch.float64
 
@@ -165,7 +165,7 @@ def kernel_vs_soft(D: int = 64, T: int = 256, heads: int = 4, features=(64, 256,
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        raise SystemExit("usage: python -m vqattn.plots OUT_DIR")
+        raise SystemExit("usage: python -m vqattn.analysis.plots OUT_DIR")
     out = Path(argv[0])
     out.mkdir(parents=True, exist_ok=True)
     figures = {**sparsity_figures(out), **approximation_figure(out), **kernel_vs_soft()}

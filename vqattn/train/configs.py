@@ -66,9 +66,9 @@ def register() -> None:
     """Store the schema nodes and the attention options (idempotent: a second call stores the same nodes)."""
     import lightning
 
-    from .layers import ATTENTIONS, Attention
+    from ..layers import ATTENTIONS, Attention
     from .lit import OptimConfig
-    from .model import GPTConfig
+    from ..model import GPTConfig
 
     cs = ConfigStore.instance()
     cs.store(group="schema", name="model", node=_dataclass_defaults(GPTConfig))

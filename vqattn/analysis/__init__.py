@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torchmetrics import Metric
 
-from .feature_maps import ExpDefinitionFeatures, FeatureMap, TaylorFeatures, draw_random_features, favor_logits
-from .ops._checks import check_positive_int
+from ..feature_maps import ExpDefinitionFeatures, FeatureMap, TaylorFeatures, draw_random_features, favor_logits
+from ..ops._checks import check_positive_int
 
 # ---------------------------------------------------------------------------------------------- sparsity
 

@@ -1,6 +1,6 @@
 """Carried recurrent state for training and validating on consecutive segments (Transformer-XL / Transformer-VQ).
 
-Segment i + 1 of a batch row continues segment i (see :mod:`vqattn.streams`), so each forward starts from the
+Segment i + 1 of a batch row continues segment i (see :mod:`vqattn.train.streams`), so each forward starts from the
 state the previous one ended with, detached from its autograd graph:
 
     out_i = GPT(x_i, state=s_{i-1}),   s_i = out_i.state.detached(max_cache=T)
@@ -23,7 +23,7 @@ import importlib
 import torch
 import torch.distributed as dist
 
-from .model import GPT, GPTOutput, GPTState
+from ..model import GPT, GPTOutput, GPTState
 
 _TYPE = "__type__"
 

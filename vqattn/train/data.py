@@ -1,4 +1,4 @@
-"""Byte-level LightningDataModules (vocab 256); the synthetic MQAR task is in :mod:`vqattn.mqar`.
+"""Byte-level LightningDataModules (vocab 256); the synthetic MQAR task is in :mod:`vqattn.train.mqar`.
 
 Every module yields batches ``(x, y)`` of shape (B, T) long: ``y`` is ``x`` shifted by one token, and
 positions that carry no training signal hold ``IGNORE_INDEX`` (only MQAR uses that).
@@ -14,7 +14,7 @@ Corpora (all byte-level, text is never decoded):
 * ``StdlibDataModule`` (``data=default``): the ``.py`` files of the running Python's standard library.
 * ``TextDataModule`` (``data=text``): local files, a path or a glob.
 * ``HubTextDataModule`` (``data=enwik8`` / ``data=wikitext103``): Hugging Face Hub datasets via ``datasets``.
-* ``vqattn.mqar.MQARDataModule`` (``data=mqar``): multi-query associative recall (Zoology).
+* ``vqattn.train.mqar.MQARDataModule`` (``data=mqar``): multi-query associative recall (Zoology).
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-IGNORE_INDEX = -1  # the label GPT.forward's cross-entropy ignores
+from .streams import CarriedValBatches, StreamBatches
+
 
 # The loaders below resume from trainer.global_step (see module docstring), which Lightning cannot see.
 warnings.filterwarnings("ignore", message=".*resuming from a checkpoint that ended before the epoch ended.*")
@@ -77,7 +78,7 @@ class _LMDataModule(L.LightningDataModule):
         seed: seeds the training batches (not the model).
         num_workers: DataLoader workers.
         stream: training batches are consecutive segments, row r of batch i + 1 continuing row r of batch i
-            (carried-state training, see vqattn.streams); byte corpora only.
+            (carried-state training, see vqattn.train.streams); byte corpora only.
         val_carried: validation also runs its windows as consecutive segments with the state carried (a second
             validation loader, reported as val_bpb_carried); byte corpora only.
 
@@ -120,13 +121,12 @@ class _LMDataModule(L.LightningDataModule):
         return _Batches(self._train_batch, length, self.seed, self._rank_world()[0])
 
     def val_dataloader(self) -> DataLoader | list[DataLoader]:
-        """This rank's share of the validation windows; with val_carried also the carried pass (vqattn.streams)."""
+        """This rank's share of the validation windows; with val_carried also the carried pass (vqattn.train.streams)."""
         rank, world = self._rank_world()
         shard = torch.utils.data.Subset(self.val_set, range(rank, len(self.val_set), world))
         loader = DataLoader(shard, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
         if not self.val_carried:
             return loader
-        from .streams import CarriedValBatches
 
         carried = CarriedValBatches(self.val_set, batch_size=self.batch_size, rank=rank, world_size=world)
         return [loader, DataLoader(carried, batch_size=None, num_workers=self.num_workers)]
@@ -195,7 +195,6 @@ class ByteDataModule(_LMDataModule):
     def _train_dataset(self, length: int) -> Dataset:
         if not self.stream:
             return super()._train_dataset(length)
-        from .streams import StreamBatches
 
         rank, world = self._rank_world()
         return StreamBatches(self.train_data, seq_len=self.seq_len, batch_size=self.batch_size, rank=rank,

@@ -26,7 +26,7 @@ class RNGState(Callback):
     What runs between two steps (a validation, a resumed run's new data-loader iterator) then changes no random
     draw (dropout, codebook restarts), and a resumed run draws what an uninterrupted one would, on every rank. As a
     callback state it is restored only when a Trainer resumes (``fit(ckpt_path=...)``), never by
-    ``LitLM.load_from_checkpoint``, so ``vqattn.sample --seed`` keeps its seed.
+    ``LitLM.load_from_checkpoint``, so ``vqattn.train.sample --seed`` keeps its seed.
     """
 
     def __init__(self):

@@ -1,0 +1,295 @@
+"""Train a byte-level GPT with any vqattn attention: ``vqattn-train attention=vq_soft`` (or ``python train.py ...``).
+
+Hydra composes vqattn/train/conf/config.yaml on the schema vqattn.train.configs registers (see the README, "Training, comparing
+and sampling"); every run writes into its Hydra run dir: results.json, metrics.csv, hparams.yaml,
+checkpoints/last.ckpt, train.log and .hydra/. Ctrl-C stops after the current step, saves the checkpoint and
+prints the command that resumes the run in the same run dir.
+
+Multi-GPU (``trainer=ddp trainer.devices=N``): Lightning re-launches the command once per extra local rank;
+:mod:`vqattn.train.launch` makes those processes compose rank 0's config and write into rank 0's run dir.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import resource
+import shlex
+import shutil
+import signal
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
+from omegaconf import DictConfig
+
+from .configs import register
+from .launch import DDP_ARGV, ddp_child_argv
+
+log = logging.getLogger("train")
+register()
+HYDRA_FILES = {".hydra", "train.log"}
+
+
+class Interrupted(Exception):
+    """Training stopped on Ctrl-C after saving its checkpoint; ``step`` is the global step it holds."""
+
+    def __init__(self, step: int):
+        super().__init__(f"interrupted at step {step}")
+        self.step = step
+
+
+def _positive_int(key: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{key} must be a positive int, got {value!r}")
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Explain settings that cannot work before anything is built."""
+    _positive_int("trainer.max_steps", cfg.trainer.max_steps)
+    _positive_int("checkpoint_every", cfg.checkpoint_every)
+    m, d = cfg.model, cfg.data
+    if m.pos_emb == "learned" and isinstance(d.seq_len, int) and d.seq_len > m.seq_len:
+        raise ValueError(
+            f"data.seq_len={d.seq_len} exceeds model.seq_len={m.seq_len}, the longest sequence learned absolute "
+            f"positions can encode; set data.seq_len <= model.seq_len or model.pos_emb=rope"
+        )
+
+
+def peak_memory_mb(device: torch.device) -> tuple[float, str]:
+    """Peak memory of this process: CUDA max allocated on a GPU, otherwise the peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20, "cuda_max_allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "cpu_max_rss"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def trainer_log_every(cfg: DictConfig) -> int:
+    return cfg.trainer.log_every_n_steps or 50  # Lightning's default when unset
+
+
+def build(cfg: DictConfig, run_dir: Path):
+    """Module, data (loaded now, so data errors come before any training output) and a Trainer with its callbacks."""
+    from lightning.pytorch.callbacks import LearningRateMonitor
+
+    from .callbacks import (GracefulInterrupt, LastCheckpoint, RNGState, RunCSVLogger, StepProgressBar,
+                                  TrainThroughput)
+    from .lit import read_checkpoint
+
+    check_config(cfg)
+    resume_step = int(read_checkpoint(cfg.ckpt_path)["global_step"]) if cfg.ckpt_path else 0
+    module = hydra.utils.instantiate(cfg.module, _convert_="all")  # model errors first: model.seq_len, not data's
+    datamodule = hydra.utils.instantiate(cfg.data)
+    datamodule.setup("fit")
+    callbacks = [LastCheckpoint(run_dir / "checkpoints", cfg.checkpoint_every), LearningRateMonitor("step"),
+                 TrainThroughput(window_size=max(2, trainer_log_every(cfg))), RNGState(), GracefulInterrupt()]
+    if cfg.trainer.enable_progress_bar is not False:
+        callbacks.append(StepProgressBar())
+    trainer = hydra.utils.instantiate(cfg.trainer, logger=RunCSVLogger(run_dir, resume_step), callbacks=callbacks)
+    return module, datamodule, trainer
+
+
+def train(cfg: DictConfig, run_dir: Path) -> dict:
+    """Train, validate once at the end (reusing the last in-fit validation when it was at the final step), write
+    results.json; returns the results (raises Interrupted after Ctrl-C, with the checkpoint saved)."""
+    import lightning as L
+
+    from .callbacks import GracefulInterrupt, TrainThroughput
+    from ..utils import tune_cpu_allocator
+
+    start = time.perf_counter()
+    tune_cpu_allocator()  # CPU steps reuse freed memory instead of page-faulting every temporary again
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    torch.set_float32_matmul_precision("high")  # TF32 matmuls on GPUs that have them
+    module, datamodule, trainer = build(cfg, run_dir)
+    if trainer.world_size > 1 and trainer.local_rank == 0 and HydraConfig.initialized():
+        hc = HydraConfig.get()
+        os.environ[DDP_ARGV] = json.dumps(
+            [*hc.overrides.task, f'hydra.run.dir="{hc.runtime.output_dir}"', "hydra.output_subdir=null"])
+    if trainer.strategy.root_device.type == "cuda" and torch.cuda.is_initialized():
+        # an earlier run in this process (a sweep, a notebook) must not count; before CUDA's first use the
+        # peak is zero already, and resetting it then raises "Invalid device argument"
+        torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
+    interrupt = next(c for c in trainer.callbacks if isinstance(c, GracefulInterrupt))
+    if interrupt.interrupted_at is not None:
+        raise Interrupted(interrupt.interrupted_at)
+    if module.last_validation is None or module.last_validation["step"] != trainer.global_step:
+        trainer.validate(module, datamodule=datamodule, verbose=False)
+    throughput = next(c for c in trainer.callbacks if isinstance(c, TrainThroughput))
+    results = summarize(cfg, module, datamodule, trainer, run_dir)
+    tokens, seconds = throughput.totals(trainer.world_size)
+    results["tokens_per_sec"], results["train_tokens"] = tokens / max(seconds, 1e-9), tokens
+    results["wall_seconds"] = time.perf_counter() - start
+    if trainer.global_rank == 0:
+        (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+        log.info("%s", summary_text(results, run_dir))
+    return results
+
+
+def summarize(cfg: DictConfig, module, datamodule, trainer, run_dir: Path) -> dict:
+    val = module.last_validation
+    memory, memory_kind = peak_memory_mb(trainer.strategy.root_device)
+    results = {
+        "attention": cfg.model.attention,
+        "params": module.model.num_params(),
+        "steps": trainer.global_step,
+        "headline": "val_bpb",
+        "val_loss": val["val_loss"],
+        "val_bpb": val["val_bpb"],
+        "val_acc": val["val_acc"],
+        **{k: val[k] for k in ("val_bpb_carried", "val_loss_carried", "val_acc_carried") if k in val},
+        # per bucket "A_B" of positions A..B in the validation windows (LitLM's position_edges)
+        **{f"val_{k}_by_position": {name: bucket[k] for name, bucket in val["by_position"].items()}
+           for k in ("bpb", "acc", "tokens")},
+        "state_floats": module.model.state_floats(cfg.data.seq_len),
+        "carry_state": cfg.carry_state,
+        "seed": cfg.seed,
+        "lr": cfg.optim.lr,
+        "tokens_per_sec": None,
+        "peak_memory_mb": memory,
+        "peak_memory_kind": memory_kind,
+        "wall_seconds": None,
+        "train_tokens": None,
+        "data": type(datamodule).__name__,
+        "seq_len": cfg.data.seq_len,
+        "batch_size": cfg.data.batch_size,
+        "world_size": trainer.world_size,
+        "device": device_name(trainer.strategy.root_device),
+        "checkpoint": str(run_dir / "checkpoints" / "last.ckpt"),
+        "codebook": module.model.codebook_stats(),
+        "ddp_buffer_divergence": module.buffer_divergence,
+    }
+    if results["data"] == "MQARDataModule":  # labels only at the answers: recall accuracy is the measure
+        results["headline"], results["recall_acc"] = "recall_acc", val["val_acc"]
+    return results
+
+
+def summary_text(r: dict, run_dir: Path) -> str:
+    """The readable end of a run: the headline metric, speed, and where the files are."""
+    head = (f"recall accuracy {r['recall_acc']:.4f} (val bpb {r['val_bpb']:.4f})" if r["headline"] == "recall_acc"
+            else f"val bpb {r['val_bpb']:.4f} (val acc {r['val_acc']:.4f})")
+    return (f"done: {r['attention']}, {r['steps']} steps in {r['wall_seconds'] / 60:.1f} min: {head}, "
+            f"{r['tokens_per_sec']:,.0f} tokens/s\nrun dir {run_dir}: results.json, metrics.csv, hparams.yaml, "
+            f"checkpoints/last.ckpt, train.log")
+
+
+def resume_command(run_dir: Path) -> str:
+    """The command that resumes this job from its last checkpoint, in the same run dir."""
+    keep = [o for o in HydraConfig.get().overrides.task if not o.startswith(("ckpt_path=", "hydra.run.dir="))]
+    args = [*keep, f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}", f"hydra.run.dir={run_dir}"]
+    return shlex.join(["python", sys.argv[0], *args])
+
+
+def _user_error(err: BaseException) -> str | None:
+    """The one-line message for a configuration, data or checkpoint problem, else None (a bug: show the traceback)."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    from .data import DataUnavailableError
+
+    if isinstance(err, InstantiationException):
+        err = err.__cause__ or err
+        if isinstance(err, TypeError):  # e.g. +data.foo=1: an argument the target does not take
+            return f"{type(err).__name__}: {err}"
+    if isinstance(err, (ValueError, FileNotFoundError, DataUnavailableError, MisconfigurationException)):
+        return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    return None
+
+
+def quiet_console() -> None:
+    """One copy of each Lightning INFO line (through Hydra's handlers, so train.log has them too), no adverts,
+    and no deprecation warnings from inside Lightning that a user cannot act on."""
+    import lightning  # noqa: F401  (it adds its own console handlers on import; remove them after)
+
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            logger.removeHandler(handler)
+        logger.propagate = True
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda r: "litlogger" not in r.getMessage())
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+    # A resumed run's epoch is its remaining steps; train rows are still logged every log_every_n_steps global steps.
+    warnings.filterwarnings("ignore", message=r".*is smaller than the logging interval.*")
+
+
+def _restore_environ(before: dict[str, str]) -> None:
+    """Undo this job's environment changes (Lightning's MASTER_PORT, LOCAL_RANK, ..., VQATTN_DDP_ARGV), so that the
+    next job of a sweep launches fresh ranks."""
+    for key in set(os.environ) - set(before):
+        del os.environ[key]
+    for key, value in before.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
+
+
+def _discard_if_empty(run_dir: Path) -> None:
+    """Remove a run dir that holds nothing but Hydra's files (a failed start), and its parents left empty
+    (outputs/DATE/) up to the working directory."""
+    if not run_dir.is_dir() or {p.name for p in run_dir.iterdir()} - HYDRA_FILES:
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cwd = Path.cwd().resolve()
+    for parent in run_dir.resolve().parents:
+        if parent == cwd or cwd not in parent.parents:
+            break
+        try:
+            parent.rmdir()  # only when empty
+        except OSError:
+            break
+
+
+def _log_to_file(message: str) -> None:
+    """Record message in train.log only (the console gets it once, on stderr)."""
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, message, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def hydra_main(cfg: DictConfig) -> float:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    env = dict(os.environ)
+    quiet_console()
+    try:
+        results = train(cfg, run_dir)
+        return results.get("recall_acc", results["val_bpb"])
+    except Interrupted as stop:
+        if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0":  # one message, from rank 0
+            print(f"\ninterrupted at step {stop.step}: saved {run_dir / 'checkpoints' / 'last.ckpt'}\n"
+                  f"resume with:\n  {resume_command(run_dir)}", file=sys.stderr)
+        raise SystemExit(128 + signal.SIGINT) from None
+    except Exception as err:
+        message = _user_error(err)
+        if message is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        _log_to_file(f"error: {message}")
+        _discard_if_empty(run_dir)
+        print(f"error: {message}\n(set HYDRA_FULL_ERROR=1 for the full traceback)", file=sys.stderr)
+        raise SystemExit(2) from None
+    finally:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        _restore_environ(env)
+
+
+def main() -> None:
+    """The ``vqattn-train`` console script and ``python train.py``: Hydra's command line."""
+    sys.argv = ddp_child_argv(sys.argv, os.environ)
+    hydra_main()
+
+
+if __name__ == "__main__":
+    main()
