@@ -349,9 +349,16 @@ def main() -> None:
     """The ``vqattn-train`` console script and ``python train.py``: Hydra's command line.
 
     Hydra reports a command line it cannot compose (attention=foo, an unknown key) itself with exit status 1;
-    that is a configuration error like those train() finds, so it exits 2 as they do.
+    that is a configuration error like those train() finds, so it exits 2 as they do. Ctrl-C at any point
+    exits 130.
     """
     sys.argv = ddp_child_argv(sys.argv, os.environ)
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        # A shell without job control starts background jobs (`python train.py &` in a script) with SIGINT
+        # ignored, and Python then installs no KeyboardInterrupt handler. Training installs its own handler
+        # anyway, so a Ctrl-C (or `kill -INT`) would stop a run only once start-up is over: make it mean
+        # "stop" from the first line on.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         hydra_main()
     except SystemExit as exit:
