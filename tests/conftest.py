@@ -1,6 +1,17 @@
+import os
+
 import pytest
+import torch
 
 from vqattn.ops.blocks import Schedule
+
+
+def pytest_configure(config):
+    """Under pytest-xdist every worker is one core: one intra-op thread, also for the processes its tests start
+    (train.py, DDP ranks). Workers that each spin as many OpenMP threads as there are cores run many times slower."""
+    if hasattr(config, "workerinput"):
+        torch.set_num_threads(1)
+        os.environ["OMP_NUM_THREADS"] = "1"
 
 
 @pytest.fixture(params=[(None, "loop"), (1, "loop"), (3, "loop"), (None, "cumsum"), (3, "cumsum")],

@@ -74,13 +74,14 @@ def test_compiled_decoding_matches_eager(name):
     """A compiled model decodes prompts of several lengths, in chunks of every size (the recurrent form, folding a
     block into the cache, the block algorithm re-running a state's window) and by ``generate``, as eager does.
     New lengths make dynamo recompile with symbolic sizes; min() of those once failed in inductor ("Failed to realize
-    expression to int"). Falling back to eager at the recompile limit would hide a failure, so hitting it fails."""
+    expression to int"). Falling back to eager at the recompile limit would hide a failure, so hitting it fails.
+    Decoding runs without gradients, as ``generate`` does, so the chunks and ``generate`` share compiled graphs."""
     eager = _model(name).eval()
     compiled = copy.deepcopy(eager)
     compiled.compile()
     generator = torch.Generator().manual_seed(2)
     idx = torch.randint(0, 32, (1, 30), generator=generator)
-    with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True):
+    with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True), torch.no_grad():
         for sizes in ([5, 1, 1, 3, 9], [11, 2, 6]):  # chunks on both sides of RECURRENT_MAX_LEN, folds inside them
             expected, _ = decode_in_chunks(eager, idx[:, : sum(sizes)], sizes)
             got, _ = decode_in_chunks(compiled, idx[:, : sum(sizes)], sizes)

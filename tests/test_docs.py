@@ -19,6 +19,9 @@ from pathlib import Path
 
 import pytest
 
+# One xdist worker runs this module: its fixtures start every command at once, and must do so once.
+pytestmark = pytest.mark.xdist_group("docs")
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]

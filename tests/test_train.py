@@ -317,6 +317,7 @@ def ddp_runs(tmp_path_factory):
         proc.communicate()
 
 
+@pytest.mark.xdist_group("ddp_runs")  # the module fixture starts all of its runs once, on one worker
 @pytest.mark.slow
 @pytest.mark.parametrize("attention", DDP_ATTENTIONS)
 def test_ddp_two_cpu_processes_share_one_run_dir_and_stay_in_sync(ddp_runs, attention):
@@ -409,6 +410,7 @@ def finish_config_error(runs, overrides) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.mark.xdist_group("config_error_runs")  # the module fixture starts all of its runs once, on one worker
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides,message", CONFIG_ERRORS, ids=[message for _, message in CONFIG_ERRORS])
 def test_config_errors_are_one_line_exit_2_and_leave_no_run_dir(config_error_runs, overrides, message):
@@ -417,6 +419,7 @@ def test_config_errors_are_one_line_exit_2_and_leave_no_run_dir(config_error_run
     assert len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
 
 
+@pytest.mark.xdist_group("config_error_runs")  # the module fixture starts all of its runs once, on one worker
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides,message", COMPOSE_ERRORS, ids=[message for _, message in COMPOSE_ERRORS])
 def test_a_config_hydra_cannot_compose_exits_2_too(config_error_runs, overrides, message):
