@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from model_helpers import SMALL_KWARGS
-from vqattn.functional import softmax_attention, vq_assign, vq_attention
+from vqattn.functional import softmax_attention, vq_assign, vq_attention, window_attention
 from vqattn.layers import build_attention
 
 F64 = torch.float64
@@ -24,10 +24,11 @@ def _inputs(bad=float("nan")):
     return q, k, k_bad, v, c
 
 
-def _check_poisoned(out, clean, *, causal):
-    """NaN exactly where the bad key (batch 1, head 2, position J) is visible; everything else equals ``clean``."""
+def _check_poisoned(out, clean, *, causal, seen_until=None):
+    """NaN exactly where the bad key (batch 1, head 2, position J) is visible (up to query ``seen_until``, excluded,
+    for a window); everything else equals ``clean``."""
     seen = torch.zeros(out.shape[:3], dtype=torch.bool)
-    seen[1, 2, J if causal else 0 :] = True
+    seen[1, 2, J if causal else 0 : seen_until] = True
     assert torch.equal(out.isnan().any(-1), seen)
     assert out.isnan().all(-1)[seen].all()
     torch.testing.assert_close(out[~seen], clean[~seen], rtol=0, atol=1e-12)
@@ -72,17 +73,41 @@ def test_decoding_state_carries_the_poison(assign, exact_window, sizes):
     _check_poisoned(torch.cat(outs, 2), vq_attention(q, k, v, c, **kw), causal=True)
 
 
+WINDOW_SEES_J_UNTIL = 16  # block_len 4: J = 9 lies in block 2, in the window of blocks 2 and 3 (queries 9..15)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_window_attention_propagates_a_nonfinite_key_within_its_window_only(bad, block_grouping):
+    q, k, k_bad, v, _ = _inputs(bad)
+    out = window_attention(q, k_bad, v, block_len=4, schedule=block_grouping)
+    _check_poisoned(out, window_attention(q, k, v, block_len=4), causal=True, seen_until=WINDOW_SEES_J_UNTIL)
+
+
+@pytest.mark.parametrize("sizes", [[5, 1, 1, 1, 2, 11], [12, 9], [9, 12], [10, 2, 9]])
+def test_window_decoding_drops_the_poison_with_the_key(sizes):
+    q, k, k_bad, v, _ = _inputs()
+    outs, state, start = [], None, 0
+    for size in sizes:
+        part = slice(start, start + size)
+        out, state = window_attention(q[:, :, part], k_bad[:, :, part], v[:, :, part], block_len=4, state=state,
+                                      return_state=True)
+        outs.append(out)
+        start += size
+    _check_poisoned(torch.cat(outs, 2), window_attention(q, k, v, block_len=4), causal=True,
+                    seen_until=WINDOW_SEES_J_UNTIL)
+
+
 def test_vq_assign_weights_of_a_nan_key_are_nan():
     _, _, k_bad, _, c = _inputs()
     weights = vq_assign(k_bad, c, assign="soft").weights
     assert weights[1, 2, J].isnan().all() and weights.isnan().sum() == weights.shape[-1]
 
 
-@pytest.mark.parametrize("name", ["softmax", "vq_hard", "vq_soft"])
+@pytest.mark.parametrize("name", ["softmax", "vq_hard", "vq_soft", "window"])
 @pytest.mark.parametrize("training", [True, False])
 def test_layers_propagate_a_nan_key_causally(name, training):
     torch.manual_seed(0)
-    kwargs = dict(SMALL_KWARGS[name], exact_window=True) if name != "softmax" else {}
+    kwargs = dict(SMALL_KWARGS[name], exact_window=True) if name.startswith("vq_") else {}
     layer = build_attention(name, dim=16, num_heads=2, rope=True, **kwargs).double().train(training)
     x = torch.randn(1, 13, 16, dtype=F64)
 

@@ -12,7 +12,9 @@ kernels and adds to every output the poison
     p_i = Σ_{j ≤ i} 0 · [k_j not finite]  (NaN · 0 = NaN)      (all j when not causal)
 
 which is 0, or NaN once a non-finite key is visible. A state carries it in its counts, so decoding after such a key
-stays NaN. Everything is masked tensor arithmetic: no host synchronisation in a training step.
+stays NaN. :func:`~vqattn.ops.window.window_attention` does the same over each query's raw window only
+(:func:`window_poison`): a bad key stops mattering once it has left the window. Everything is masked tensor
+arithmetic: no host synchronisation in a training step.
 """
 
 from __future__ import annotations
@@ -48,3 +50,14 @@ def visible_poison(poison: torch.Tensor, *, causal: bool, state_counts: torch.Te
     if state_counts is not None:
         poison = poison + state_counts.sum(-1, keepdim=True) * 0
     return poison.unsqueeze(-1)
+
+
+def window_poison(bad: torch.Tensor, block_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """bad (B, H, T) -> (B, H, T, 1): NaN for the queries i whose raw window, positions (i // L − 1)·L .. i (from a
+    block boundary), holds a bad key, else 0."""
+    T = bad.shape[-1]
+    before = torch.nn.functional.pad(bad.cumsum(-1), (1, 0))  # (B, H, T + 1): bad keys before each position
+    i = torch.arange(T, device=bad.device)
+    first = ((i // block_len - 1) * block_len).clamp_min(0)
+    seen = before[..., i + 1] - before[..., first]  # bad keys in each query's window
+    return torch.zeros(seen.shape, device=bad.device, dtype=dtype).masked_fill_(seen > 0, float("nan")).unsqueeze(-1)

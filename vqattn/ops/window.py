@@ -31,6 +31,7 @@ from .blocks import (
     split_groups,
     window_start,
 )
+from .nonfinite import nonfinite_keys, window_poison, zero_rows
 from .precision import autocast_off
 from .vq.window_codes import WindowCodeInputs, window_code_attention
 
@@ -111,7 +112,8 @@ def window_attention(
 
     Returns:
         out (B, H, T, Dv) in the input dtype (computed in float32 for half precision and under autocast), or
-        (out, state) when ``return_state``.
+        (out, state) when ``return_state``. As in softmax attention, a key with a NaN or infinite entry makes NaN
+        exactly the outputs of the queries whose window holds it.
     """
     _validate(q, k, v, block_len, state)
     schedule = as_schedule(schedule)
@@ -129,7 +131,12 @@ def window_attention(
         start = state.length - state.keys.shape[2]
         q, k, v = prepend_window(q, k, v, state.keys, state.values)
     L_run = L if state is not None or return_state else size_min(L, T)  # one block: same result, less padding
-    out = _chunked(q, k, v, L_run, scale, schedule)[:, :, -T:].to(in_dtype)
+    # Inside the block kernel a non-finite key would also reach the earlier queries of its block (through their
+    # masked entries): it is zeroed there and reaches exactly the queries that see it as NaN (vqattn.ops.nonfinite).
+    # The state keeps the key itself. The recurrent form has no masked entries.
+    bad, _ = nonfinite_keys(k)
+    out = _chunked(q, zero_rows(k, bad), v, L_run, scale, schedule) + window_poison(bad, L, dtype)
+    out = out[:, :, -T:].to(in_dtype)
     if not return_state:
         return out
     length = start + k.shape[2]
