@@ -82,9 +82,10 @@ def test_compiled_decoding_matches_eager(name):
     generator = torch.Generator().manual_seed(2)
     idx = torch.randint(0, 32, (1, 30), generator=generator)
     with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True), torch.no_grad():
-        for sizes in ([5, 1, 1, 3, 9], [11, 2, 6]):  # chunks on both sides of RECURRENT_MAX_LEN, folds inside them
-            expected, _ = decode_in_chunks(eager, idx[:, : sum(sizes)], sizes)
-            got, _ = decode_in_chunks(compiled, idx[:, : sum(sizes)], sizes)
-            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4, msg=lambda m: f"chunks {sizes}: {m}")
+        sizes = [5, 1, 1, 3, 9]  # chunks on both sides of RECURRENT_MAX_LEN, folds inside them
+        expected, _ = decode_in_chunks(eager, idx[:, : sum(sizes)], sizes)
+        got, _ = decode_in_chunks(compiled, idx[:, : sum(sizes)], sizes)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        # then another prompt length: the prefill and the steps run the graphs compiled with symbolic sizes
         expected = eager.generate(idx[:, :6], 6, temperature=0)
         torch.testing.assert_close(compiled.generate(idx[:, :6], 6, temperature=0), expected)
