@@ -377,6 +377,9 @@ CONFIG_ERRORS = [
 ]
 # Errors Hydra reports itself, composing the config: its own message (the valid options), exit status 2 as well
 COMPOSE_ERRORS = [(["attention=foo"], "Could not find 'attention/foo'")]
+# The whole path as a user meets it, in a subprocess: one line, exit 2, no run dir (one case per kind of check: the
+# config, a checkpoint, what Lightning would launch); the other messages are checked in-process below.
+SUBPROCESS_ERRORS = [CONFIG_ERRORS[i] for i in (6, 7, 8)]
 
 
 def write_softmax_checkpoint(path: Path) -> None:
@@ -385,15 +388,32 @@ def write_softmax_checkpoint(path: Path) -> None:
     torch.save({"state_dict": module.state_dict(), "global_step": 5, "hyper_parameters": dict(module.hparams)}, path)
 
 
+def write_bad_checkpoints(cwd: Path) -> None:
+    (cwd / "corrupt.ckpt").write_bytes(b"PK\x03\x04 not really")
+    write_softmax_checkpoint(cwd / "softmax.ckpt")
+
+
+@pytest.mark.parametrize("overrides,message", CONFIG_ERRORS, ids=[message for _, message in CONFIG_ERRORS])
+def test_config_errors_are_one_line_messages(tmp_path, monkeypatch, overrides, message):
+    from vqattn.train import cli
+
+    write_bad_checkpoints(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(Exception) as info:
+        cli.train(cfg_for(*FAST, *overrides), tmp_path / "run")
+    line = cli._user_error(info.value)  # what the command line prints after "error: ", else the traceback
+    assert line is not None and message in line and "\n" not in line, repr(info.value)
+    assert not (tmp_path / "run").exists()  # nothing was written before the check
+
+
 @pytest.fixture(scope="module")
 def config_error_runs(tmp_path_factory):
-    """Every CONFIG_ERRORS and COMPOSE_ERRORS run, started together, each in its own directory:
+    """Every SUBPROCESS_ERRORS and COMPOSE_ERRORS run, started together, each in its own directory:
     {overrides: (cwd, process)}."""
     runs = {}
-    for case, (overrides, _) in enumerate(CONFIG_ERRORS + COMPOSE_ERRORS):
+    for case, (overrides, _) in enumerate(SUBPROCESS_ERRORS + COMPOSE_ERRORS):
         cwd = tmp_path_factory.mktemp(f"config_error_{case}")
-        (cwd / "corrupt.ckpt").write_bytes(b"PK\x03\x04 not really")
-        write_softmax_checkpoint(cwd / "softmax.ckpt")
+        write_bad_checkpoints(cwd)
         runs[tuple(overrides)] = (cwd, start_script([*FAST, *overrides], cwd))
     yield runs
     for _, proc in runs.values():
@@ -412,7 +432,7 @@ def finish_config_error(runs, overrides) -> subprocess.CompletedProcess:
 
 @pytest.mark.xdist_group("config_error_runs")  # the module fixture starts all of its runs once, on one worker
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides,message", CONFIG_ERRORS, ids=[message for _, message in CONFIG_ERRORS])
+@pytest.mark.parametrize("overrides,message", SUBPROCESS_ERRORS, ids=[message for _, message in SUBPROCESS_ERRORS])
 def test_config_errors_are_one_line_exit_2_and_leave_no_run_dir(config_error_runs, overrides, message):
     proc = finish_config_error(config_error_runs, overrides)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
