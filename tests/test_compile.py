@@ -11,7 +11,9 @@ import torch
 from model_helpers import decode_in_chunks, layer_kwargs, scramble_short_conv
 from vqattn.model import GPT, GPTConfig
 
-COMPILED = ["vq_hard", "vq_soft", "window", "performer", "ovq"]
+# The layers with module state updated in the step (codebook statistics, online memory); the window and performer ops
+# compile in one graph and match eager in tests/test_ops_compile.py and tests/test_feature_maps.py.
+COMPILED = ["vq_hard", "vq_soft", "ovq"]
 
 
 def _model(name: str, short_conv: int = 0) -> GPT:
