@@ -142,6 +142,12 @@ def window_start(length: int, block_len: int) -> int:
     return max(0, (length // block_len - 1) * block_len)
 
 
+def window_tail(x: torch.Tensor | None, start: int) -> torch.Tensor | None:
+    """x[:, :, start:] as a tensor of its own, for a decoding state's raw window (None stays None). A view's strides
+    would depend on the tensor it was sliced from, and a compiled decoding step recompiles for every new layout."""
+    return None if x is None else x[:, :, start:].contiguous()
+
+
 def prepend_window(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
     """Re-run a state's raw window: its keys (B, H, W, D) and values go in front of the new k and v, and W zero
     queries in front of q, whose outputs the caller drops. The window starts at a block boundary, so the new

@@ -30,6 +30,7 @@ from .blocks import (
     prepend_window,
     split_groups,
     window_start,
+    window_tail,
 )
 from .nonfinite import nonfinite_keys, window_poison, zero_rows
 from .precision import autocast_off
@@ -68,7 +69,7 @@ def _recurrent(q, k, v, state: WindowState, scale: float) -> tuple[torch.Tensor,
         keys, values = torch.cat([keys, k[:, :, t : t + 1]], 2), torch.cat([values, v[:, :, t : t + 1]], 2)
         outs.append(attend_one((q[:, :, t : t + 1] * scale) @ keys.transpose(-1, -2), values))
         drop = window_start(length + 1, L) - window_start(length, L)
-        keys, values, length = keys[:, :, drop:], values[:, :, drop:], length + 1
+        keys, values, length = window_tail(keys, drop), window_tail(values, drop), length + 1
     return torch.cat(outs, 2), WindowState(keys, values, length, L)
 
 
@@ -141,4 +142,4 @@ def window_attention(
         return out
     length = start + k.shape[2]
     keep = window_start(length, L) - start
-    return out, WindowState(k[:, :, keep:], v[:, :, keep:], length, L)
+    return out, WindowState(window_tail(k, keep), window_tail(v, keep), length, L)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ..blocks import blocks, group_windows, loops, pad_to_blocks, previous_blocks, window_bias, window_start
+from ..blocks import blocks, group_windows, loops, pad_to_blocks, previous_blocks, window_bias, window_start, \
+    window_tail
 from ..vq.assign import Assignment, code_means, code_statistics
 from ..vq.cache import CacheUpdates
 from ..vq.window_codes import WindowCodeInputs, window_code_attention
@@ -79,7 +80,7 @@ def chunk_forward(x: Inputs, state: OVQState | None, return_state: bool) -> tupl
     keep = window_start(length, L) - start  # whole blocks leave the raw window
     head = lambda t: None if t is None else t[:, :, :keep]  # noqa: E731
     n, keys, values = statistics(head(slots), head(weights), head(k_mem), head(v), S)
-    raw = lambda t: None if t is None else t[:, :, keep:]  # noqa: E731
+    raw = lambda t: window_tail(t, keep)  # noqa: E731
     return out, OVQState(state.counts + n, state.key_sums + keys, state.value_sums + values, raw(x.k),
                          raw(x.v), raw(x.k_mem) if x.separate_keys else None, raw(x.slots), raw(x.slot_weights),
                          length, L)

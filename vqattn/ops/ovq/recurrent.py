@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..blocks import attend_one, window_start
+from ..blocks import attend_one, window_start, window_tail
 from .memory import assign_block, memory_logits, statistics
 from .state import Inputs, OVQState
 
@@ -40,7 +40,7 @@ def _step(x: Inputs, t: int, state: OVQState) -> tuple[torch.Tensor, OVQState]:
     if window_start(grown.length, L) == window_start(state.length, L):
         return out, grown
     counts, key_sums, value_sums = _absorb(grown, L, x.threshold)
-    drop = lambda t: None if t is None else t[:, :, L:]  # noqa: E731
+    drop = lambda t: window_tail(t, L)  # noqa: E731
     return out, OVQState(counts, key_sums, value_sums, drop(grown.keys), drop(grown.values), drop(grown.memory_keys),
                          drop(grown.slots), drop(grown.slot_weights), grown.length, L)
 

@@ -33,6 +33,7 @@ from ..blocks import (
     previous_blocks,
     split_groups,
     window_start,
+    window_tail,
 )
 from .assign import Assignment, cat_time, code_counts, code_statistics, map_time
 from .cache import CacheUpdates
@@ -177,5 +178,5 @@ def chunk_vq_attention(q, k, v, c, a: Assignment | None, *, assign: str, state: 
     out = out[:, :, out.shape[2] - T :]
     if not return_state:
         return out, None
-    window = assign_keys(k[:, :, keep:]) if a is None else map_time(lambda x: x[:, :, keep:], a)
-    return out, VQState(counts, sums, window_k[:, :, keep:], v[:, :, keep:], length, L, window)
+    window = assign_keys(k[:, :, keep:]) if a is None else map_time(lambda x: window_tail(x, keep), a)
+    return out, VQState(counts, sums, window_tail(window_k, keep), window_tail(v, keep), length, L, window)

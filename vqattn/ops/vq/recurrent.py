@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ..blocks import attend_one, window_start
+from ..blocks import attend_one, window_start, window_tail
 from .assign import Assignment, cat_time, code_means, code_statistics, log_counts, map_time, mixture_logits
 
 
@@ -77,8 +77,8 @@ def _step(q, k, v, c, a: Assignment, state: VQState, *, scale, exact_window, q_w
     if drop:
         n, s = code_statistics(map_time(lambda x: x[:, :, :drop], window), values[:, :, :drop], counts.shape[-1])
         counts, sums = counts + n.squeeze(2), sums + s.squeeze(2)
-    return out, VQState(counts, sums, keys[:, :, drop:], values[:, :, drop:], length, L,
-                        map_time(lambda x: x[:, :, drop:], window))
+    return out, VQState(counts, sums, window_tail(keys, drop), window_tail(values, drop), length, L,
+                        map_time(lambda x: window_tail(x, drop), window))
 
 
 def recurrent_vq_attention(q, k, v, c, a: Assignment, *, state: VQState, scale, exact_window, q_rot=None,
