@@ -8,9 +8,13 @@ from vqattn.ops.blocks import Schedule
 
 def pytest_configure(config):
     """Under pytest-xdist every worker is one core: one intra-op thread, also for the processes its tests start
-    (train.py, DDP ranks). Workers that each spin as many OpenMP threads as there are cores run many times slower."""
+    (train.py, DDP ranks), and inductor compiles in the worker instead of a pool of its own. Workers that each spin
+    as many OpenMP threads as there are cores run many times slower."""
     if hasattr(config, "workerinput"):
+        import torch._inductor.config
+
         torch.set_num_threads(1)
+        torch._inductor.config.compile_threads = 1
         os.environ["OMP_NUM_THREADS"] = "1"
 
 
