@@ -73,7 +73,9 @@ def test_the_trainer_flag_compiles_the_model_in_place():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["vq_hard", "vq_soft", "window"])
+# vq_soft decodes through the same recurrent and block forms as vq_hard (its assignment holds weights instead of an
+# index, which its compiled training covers); each name here costs about seven cold compilations
+@pytest.mark.parametrize("name", ["vq_hard", "window"])
 def test_compiled_decoding_matches_eager(name):
     """A compiled model decodes prompts of several lengths, in chunks of every size (the recurrent form, folding a
     block into the cache, the block algorithm re-running a state's window) and by ``generate``, as eager does.
