@@ -1,5 +1,5 @@
 """Forward+backward time and peak memory: causal SDPA against causal vq_attention (hard and soft),
-window_attention and ovq_attention (online assignment, S slots, relative threshold 0.5).
+window_attention and ovq_attention (online assignment, S slots, relative threshold 0.1).
 
 ``vq_hard`` and ``vq_soft`` time the op's defaults (the window scores keys by their codes); ``vq_hard_rope`` and
 ``vq_soft_rope`` the configuration the default vq layers run: ``exact_window=True`` with the window scored by
@@ -54,7 +54,7 @@ def attention(method: str, q, k, v, codebook, block_len, q_rot=None, k_rot=None)
     if method == "window":
         return window_attention(q, k, v, block_len=block_len)
     if method == "ovq":
-        return ovq_attention(q, k, v, num_slots=codebook.shape[1], block_len=block_len, threshold=0.5)
+        return ovq_attention(q, k, v, num_slots=codebook.shape[1], block_len=block_len, threshold=0.1)
     rope = dict(exact_window=True, q_rot=q_rot, k_rot=k_rot) if method.endswith("_rope") else {}
     assign = method.removeprefix("vq_").removesuffix("_rope")
     return vq_attention(q, k, v, codebook, causal=True, assign=assign, block_len=block_len, **rope)

@@ -42,7 +42,7 @@ def test_layer_is_the_naive_op_on_its_heads(options):
     if options.get("assign") == "codebook":
         kwargs["slots"] = ((k.unsqueeze(-2) - layer.codebook.codes.unsqueeze(1)) ** 2).sum(-1).argmin(-1)
     else:
-        kwargs["threshold"] = options.get("threshold", 0.5)
+        kwargs["threshold"] = layer.threshold
     if options.get("memory_rope") is False:
         kwargs.update(q_mem=q, k_mem=k)
     out = naive_ovq_attention(rotate(q), rotate(k), v, **kwargs)

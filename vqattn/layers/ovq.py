@@ -42,7 +42,7 @@ class OnlineVQAttention(Attention):
         num_slots: int = 64,
         block_len: int = 64,
         assign: str = "online",
-        threshold: float = 0.5,
+        threshold: float = 0.1,
         memory_rope: bool = True,
         codebook: dict | None = None,
         **attention_kwargs,
