@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from vqattn.train import cli, launch
-from vqattn.train.callbacks import GracefulInterrupt, ParamSummary, RNGState, StepProgressBar
+from vqattn.train.callbacks import GracefulInterrupt, ParamSummary, RNGState, StepProgressBar, TokenThroughput
 from vqattn.train.loggers import RunCSVLogger, extra_loggers
 from vqattn.train.lit import model_config, read_checkpoint
 from vqattn.train.report import markdown_table
@@ -176,3 +176,34 @@ def test_the_model_summary_has_no_flops_column(caplog):
     with caplog.at_level("INFO"):
         ParamSummary.summarize(data, 1000, 1000, 0.004, {"train": 1, "eval": 0}, total_flops=0)
     assert "GPT" in caplog.text and "1.0 K" in caplog.text and "FLOP" not in caplog.text.upper()
+
+
+def test_token_throughput_counts_training_time_after_validations_and_not_the_validations():
+    import time
+
+    import lightning as L
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    step_s, val_s = 0.01, 0.05
+
+    class Timed(BoringModel):
+        def training_step(self, batch, batch_idx):
+            time.sleep(step_s)
+            return super().training_step(batch, batch_idx)
+
+        def validation_step(self, batch, batch_idx):
+            time.sleep(val_s)
+            return super().validation_step(batch, batch_idx)
+
+    throughput = TokenThroughput()
+    trainer = L.Trainer(max_steps=30, val_check_interval=10, limit_val_batches=2, num_sanity_val_steps=0,
+                        callbacks=[throughput], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    model = Timed()
+    trainer.fit(model)
+    tokens, seconds = throughput.totals(1)
+    assert tokens == 30 * 32  # items per step: batch[0], which for a BoringModel batch (2, 32) is one row of 32
+    # All 30 steps count (the clock runs again after each validation) and the 3 validations (0.3 s) do not.
+    assert 30 * step_s <= seconds < 30 * step_s + 3 * 2 * val_s
+    trainer.validate(model, verbose=False)  # a validation after fit leaves the clock stopped
+    assert throughput.totals(1)[1] == seconds

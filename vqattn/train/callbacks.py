@@ -15,6 +15,7 @@ import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import Checkpoint, ModelSummary, TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_summary import get_human_readable_count
 
 log = logging.getLogger("lightning.pytorch.callbacks.model_summary")  # where Lightning's summary goes
@@ -226,7 +227,9 @@ class TokenThroughput(Callback):
         self._pause()
 
     def on_validation_end(self, trainer, pl_module):
-        if trainer.training:  # a validation inside fit, not the final trainer.validate
+        # A validation inside fit resumes the clock; the final trainer.validate does not. (trainer.training is
+        # False in this hook, also inside fit: the loop switches back to training only after it.)
+        if trainer.state.fn == TrainerFn.FITTING:
             self._since = time.perf_counter()
 
     def on_train_end(self, trainer, pl_module):
