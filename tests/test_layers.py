@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
 import torch
 
 from model_helpers import NAMES, VQ_NAMES, layer_kwargs, scramble_short_conv
+from vqattn.functional import vq_attention
 from vqattn.layers import ATTENTIONS, Attention, build_attention, rope_rotate
 
 DIM, HEADS = 16, 2
@@ -273,7 +275,7 @@ def test_cache_scores_slow_scores_codes_on_the_slow_rope_pairs_only(name):
     """head_dim 8: RoPE pairs turn by 1, 0.1, 0.01, 0.001 rad per token; over the 8-token window (block_len 4) only
     the first turns by a radian or more. "slow" drops its dims from the code score and nothing else."""
     slow = make(name, rope=True, block_len=4, cache_scores="slow")
-    assert slow._slow_dims(torch.ones(1)).tolist() == [0, 1, 1, 1] * 2
+    assert slow.slow_start == 1  # pairs 1, 2, 3 of 4: dims [1:4] and [5:8] score the codes
     x = torch.randn(2, 19, DIM, dtype=torch.float64)
     every = make(name, rope=True, block_len=4, cache_scores="all")
     assert not torch.allclose(run(slow, x), run(every, x))
@@ -293,6 +295,67 @@ def test_cache_scores_default_is_slow_and_needs_rope_to_differ(name):
                                rtol=0, atol=0)
     torch.testing.assert_close(run(make(name, cache_scores="slow"), x), run(make(name, cache_scores="all"), x),
                                rtol=0, atol=0)
+
+
+def _masked_attend(layer):
+    """The vq layer's attention as cache_scores="slow" was first written: the full-width op, with a codebook whose
+    dims of the fast RoPE pairs (turning by ≥ 1 radian over the 2·block_len window) are zeroed."""
+    half = layer.head_dim // 2
+    turns = [layer.rope_base ** (-2 * m / layer.head_dim) * 2 * layer.block_len for m in range(half)]
+    mask = torch.tensor([float(t < 1) for t in turns] * 2, dtype=torch.float64)
+
+    def attend(q, k, v, pos, state, return_state):
+        codebook, assignment, aux_loss = layer.codebook(k, record=layer.training or state is None)
+        result = vq_attention(q, k, v, codebook * mask, causal=True, assign=layer.codebook.assign,
+                              temperature=layer.codebook.temperature, block_len=layer.block_len,
+                              scale=layer.head_dim**-0.5, exact_window=True, state=state, return_state=return_state,
+                              assignment=assignment, q_rot=layer.rotate(q, pos), k_rot=layer.rotate(k, pos))
+        out, op_state = result if return_state else (result, None)
+        return out, aux_loss, op_state
+
+    return attend
+
+
+def _chunked_outputs_and_grads(layer, x, sizes):
+    """The layer's output over x fed in chunks of the given sizes (carrying the state), and the gradients of a
+    loss on it with respect to x and every parameter (None where a parameter gets none)."""
+    x = x.clone().requires_grad_(True)
+    outs, state, t = [], None, 0
+    for n in sizes:
+        out, _, state = layer(x[:, t : t + n], state, return_state=True)
+        outs.append(out)
+        t += n
+    out = torch.cat(outs, 1)
+    params = [p for _, p in sorted(layer.named_parameters())]
+    return out, torch.autograd.grad(out.square().sum(), [x, *params], allow_unused=True)
+
+
+@pytest.mark.parametrize("name", VQ_NAMES)
+@pytest.mark.parametrize("rope_base,code_dims", [(1e4, 6), (2.0, 0)])  # 3 of 4 RoPE pairs slow, or none
+@pytest.mark.parametrize("sizes", [[19], [10, 1, 8]])  # one call; prefill, one decoded token, a chunk
+def test_cache_scores_slow_equals_the_masked_full_width_codebook(name, rope_base, code_dims, sizes, monkeypatch):
+    """"slow" hands the op q and the codebook on the slow pairs' dims only (head_dim 8, block_len 4): outputs and
+    gradients (x and every parameter, the codes learned by gradient) equal those of the full-width op with the
+    fast dims of the codebook zeroed, for 19 tokens (not a multiple of block_len), also decoded with a state."""
+    layer = make(name, rope=True, block_len=4, rope_base=rope_base, codebook=dict(learning="grad"))
+    masked = copy.deepcopy(layer)
+    masked._attend = _masked_attend(masked)
+    widths = []
+
+    def spy(q, k, v, codebook, **kw):  # the code-score widths the layer hands the op
+        widths.append((q.shape[-1], codebook.shape[-1]))
+        return vq_attention(q, k, v, codebook, **kw)
+
+    monkeypatch.setattr("vqattn.layers.vq.vq_attention", spy)
+    x = torch.randn(2, 19, DIM, dtype=torch.float64)
+    out, grads = _chunked_outputs_and_grads(layer, x, sizes)
+    ref, ref_grads = _chunked_outputs_and_grads(masked, x, sizes)
+    assert widths == [(code_dims, code_dims)] * len(sizes)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    assert [g is None for g in grads] == [g is None for g in ref_grads]
+    for g, g_ref in zip(grads, ref_grads):
+        if g is not None:
+            torch.testing.assert_close(g, g_ref, rtol=0, atol=1e-11)
 
 
 # ---------------------------------------------------------------- short convolution over q/k/v

@@ -7,6 +7,7 @@ import torch
 
 from vqattn.functional import naive_vq_attention, vq_assign, vq_attention
 from vqattn.layers.base import rope_rotate
+from vqattn.ops.vq.assign import map_time
 
 from test_vq_attention import ASSIGNS, grads, make_inputs
 
@@ -23,6 +24,25 @@ def _scored(c, slow: bool):
         return c
     mask = torch.tensor([0.0, 1.0, 1.0, 0.0], dtype=c.dtype).repeat(2)  # pairs (m, m + 4) of D = 8
     return c * mask
+
+
+def _narrow(x):
+    """The dims of the pairs that _scored keeps, alone: (..., 8) -> (..., 4)."""
+    return torch.cat((x[..., 1:3], x[..., 5:7]), -1)
+
+
+def _in_chunks(q, k, v, c, sizes, *, q_rot, k_rot, assignment, **kw):
+    """vq_attention over consecutive chunks of the given sizes, threading the state: every per-position input is
+    cut, the codebook is not."""
+    outs, state, t = [], None, 0
+    for n in sizes:
+        cut = slice(t, t + n)
+        q_n, k_n, v_n, qr_n, kr_n = (x[:, :, cut] for x in (q, k, v, q_rot, k_rot))
+        out, state = vq_attention(q_n, k_n, v_n, c, q_rot=qr_n, k_rot=kr_n, state=state, return_state=True,
+                                  assignment=map_time(lambda x: x[:, :, cut], assignment), **kw)  # noqa: B023
+        outs.append(out)
+        t += n
+    return torch.cat(outs, 2)
 
 
 def _doubled(q, k, v, c, *, assign, slow, **kw):
@@ -84,16 +104,8 @@ def test_rotated_window_state_continues_one_call(assign, sizes):
     a = vq_assign(k, c, assign=assign, temperature=0.7)
     kw = dict(causal=True, assign=assign, exact_window=True, block_len=L)
     full = vq_attention(q, k, v, c, q_rot=qr, k_rot=kr, assignment=a, **kw)
-    outs, state, t = [], None, 0
-    for n in sizes:
-        cut = slice(t, t + n)
-        part = [x[:, :, cut] for x in (q, k, v)]
-        out, state = vq_attention(*part, c, q_rot=qr[:, :, cut], k_rot=kr[:, :, cut], state=state,
-                                  return_state=True, assignment=type(a)(*(None if x is None else x[:, :, cut]
-                                                                          for x in a)), **kw)
-        outs.append(out)
-        t += n
-    torch.testing.assert_close(torch.cat(outs, 2), full, atol=1e-12, rtol=0)
+    chunked = _in_chunks(q, k, v, c, sizes, q_rot=qr, k_rot=kr, assignment=a, **kw)
+    torch.testing.assert_close(chunked, full, atol=1e-12, rtol=0)
 
 
 def test_rotated_inputs_are_checked():
@@ -107,3 +119,52 @@ def test_rotated_inputs_are_checked():
         vq_attention(q, k, v, c, q_rot=q, k_rot=k[:, :, :5], **kw)
     with pytest.raises(ValueError, match="dtype"):
         vq_attention(q, k, v, c, q_rot=q.float(), k_rot=k, **kw)
+
+
+@pytest.mark.parametrize("assign", ASSIGNS)
+@pytest.mark.parametrize("impl", ["chunk", "recurrent", "decode"])
+def test_narrow_code_scores_match_the_naive_definition(assign, impl, block_grouping):
+    """q and the codebook on Dc = 4 of the D = 8 dims of k, q_rot and k_rot, the keys assigned at D (as the
+    layers' cache_scores="slow" calls the op): outputs and gradients of q, k, v, c match the naive definition, in
+    one call of either impl and decoded in chunks carrying a state ("decode")."""
+    q, k, v, c = make_inputs(B=1, H=2, T=37, D=8, S=16, Dv=5)
+    kw = dict(causal=True, assign=assign, block_len=L, exact_window=True)
+
+    def narrowed(q, k, c):
+        qr, kr = _rotated(q, k)
+        return _narrow(q), _narrow(c), dict(q_rot=qr, k_rot=kr,
+                                            assignment=vq_assign(k, c, assign=assign, temperature=0.7))
+
+    def fast(q, k, v, c):
+        q_c, c_c, rest = narrowed(q, k, c)
+        if impl == "decode":
+            return _in_chunks(q_c, k, v, c_c, [13, 1, 2, 1, 20], schedule=block_grouping, **rest, **kw)
+        return vq_attention(q_c, k, v, c_c, impl=impl, schedule=block_grouping, **rest, **kw)
+
+    def naive(q, k, v, c):
+        q_c, c_c, rest = narrowed(q, k, c)
+        return naive_vq_attention(q_c, k, v, c_c, **rest, **kw)
+
+    out, g = grads(fast, q, k, v, c)
+    ref, g_ref = grads(naive, q, k, v, c)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
+    for name, a, b in zip("qkvc", g, g_ref):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9, msg=f"grad of {name}")
+
+
+def test_narrow_code_scores_are_checked():
+    """q and the codebook may have fewer dims than k only when k is neither scored (the window scores q_rot·k_rot)
+    nor assigned here (the assignment is given)."""
+    q, k, v, c = make_inputs(T=10)
+    qr, kr = _rotated(q, k)
+    a = vq_assign(k, c, assign="hard")
+    kw = dict(causal=True, exact_window=True, block_len=4)
+    narrow = r"q and k must share the feature dim D, got q D=4 and k D=8: .* q_rot and k_rot .* assignment"
+    with pytest.raises(ValueError, match=narrow):  # the window would score q·k
+        vq_attention(_narrow(q), k, v, _narrow(c), assignment=a, **kw)
+    with pytest.raises(ValueError, match=narrow):  # k would be assigned to codes of another width
+        vq_attention(_narrow(q), k, v, _narrow(c), q_rot=qr, k_rot=kr, **kw)
+    with pytest.raises(ValueError, match="codebook D=8 differs from the query D=4"):
+        vq_attention(_narrow(q), k, v, c, q_rot=qr, k_rot=kr, assignment=a, **kw)
+    with pytest.raises(ValueError, match=r"q_rot must have the shape of q with k's D, \(2, 3, 10, 8\)"):
+        vq_attention(_narrow(q), k, v, _narrow(c), q_rot=_narrow(qr), k_rot=kr, assignment=a, **kw)

@@ -15,6 +15,19 @@ from .base import Attention, rope_frequencies
 CACHE_SCORES = ("all", "slow")
 
 
+def slow_pair_start(head_dim: int, rope_base: float, window: int) -> int:
+    """m0: the first RoPE pair (m, m + Dh/2) that turns by less than one radian over ``window`` tokens,
+    θ_m·window < 1. θ_m = base^(−2m/Dh) falls with m, so the slow pairs are m0 .. Dh/2 − 1 (on the host, float64)."""
+    return int((rope_frequencies(head_dim, rope_base) * window >= 1).sum())
+
+
+def slow_dims(x: torch.Tensor, start: int) -> torch.Tensor:
+    """x (..., Dh) -> (..., Dh − 2·start): the dims [start, Dh/2) and [Dh/2 + start, Dh) of the slow RoPE pairs.
+    A static slice: no host read, so it compiles into one graph and never synchronises a GPU."""
+    half = x.shape[-1] // 2
+    return torch.cat((x[..., start:half], x[..., half + start :]), -1)
+
+
 class VQAttention(Attention):
     """Codebook attention (``vq_attention``) with a learned per-head :class:`~vqattn.codebook.Codebook`.
 
@@ -68,6 +81,8 @@ class VQAttention(Attention):
         check_positive_int("num_codes", num_codes)
         self.cache_scores = cache_scores
         self.block_len, self.exact_window = block_len, exact_window
+        # a Python int, so that slicing by it is static under torch.compile
+        self.slow_start = slow_pair_start(self.head_dim, self.rope_base, 2 * (block_len or DEFAULT_BLOCK_LEN))
         self.codebook = Codebook(num_heads, num_codes, self.head_dim, assign=self.assign, **(codebook or {}))
 
     def _attend(self, q, k, v, pos, state, return_state):
@@ -76,8 +91,8 @@ class VQAttention(Attention):
         rotated = {}
         if self.rope:  # the window scores rotated q and k; the codes are scored by the unrotated q (position-free)
             rotated = dict(q_rot=self.rotate(q, pos), k_rot=self.rotate(k, pos))
-            if self.cache_scores == "slow":
-                codebook = codebook * self._slow_dims(codebook)
+            if self.cache_scores == "slow":  # only the slow pairs' dims score the codes: the op gets those alone
+                q, codebook = slow_dims(q, self.slow_start), slow_dims(codebook, self.slow_start)
         result = vq_attention(
             q, k, v, codebook,
             causal=True,
@@ -93,12 +108,6 @@ class VQAttention(Attention):
         )
         out, op_state = result if return_state else (result, None)
         return out, aux_loss, op_state
-
-    def _slow_dims(self, like: torch.Tensor) -> torch.Tensor:
-        """(Dh,) 0/1 mask of the RoPE pairs (m, m + Dh/2) whose angle grows by < 1 radian over 2·block_len tokens."""
-        inv_freq = rope_frequencies(self.head_dim, self.rope_base, like.device)  # on the device: no host copy
-        slow = (inv_freq * 2 * (self.block_len or DEFAULT_BLOCK_LEN) < 1).to(like.dtype)
-        return torch.cat((slow, slow))
 
     def usage_stats(self) -> dict[str, float]:
         return self.codebook.usage_stats()

@@ -24,8 +24,9 @@ def check_same_device_dtype(**tensors: torch.Tensor) -> None:
             raise ValueError(f"{name} has dtype {t.dtype} but {first_name} has {first.dtype}; all inputs must share a dtype")
 
 
-def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> None:
-    """q, k: (B, H, Tq/Tk, D); v: (B, H, Tk, Dv). Causal attention needs Tq == Tk."""
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, same_dim: bool = True) -> None:
+    """q, k: (B, H, Tq/Tk, D); v: (B, H, Tk, Dv). Causal attention needs Tq == Tk. ``same_dim=False``: the caller
+    checks the feature dims of q and k itself (codebook attention may score codes on fewer dims than k has)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_4d(name, x)
     check_same_device_dtype(q=q, k=k, v=v)
@@ -33,7 +34,7 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         raise ValueError(
             f"q, k and v must share batch and head dims (B, H), got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
-    if q.shape[-1] != k.shape[-1]:
+    if same_dim and q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q and k must share the feature dim D, got q D={q.shape[-1]} and k D={k.shape[-1]}")
     if k.shape[2] != v.shape[2]:
         raise ValueError(f"k and v must have the same length T, got k T={k.shape[2]} and v T={v.shape[2]}")

@@ -25,13 +25,13 @@ def _non_causal(q, k, v, c, a: Assignment, scale) -> torch.Tensor:
     return torch.softmax(logits, dim=-1) @ code_means(counts, sums)
 
 
-def _check_codebook(codebook, k) -> None:
+def _check_codebook(codebook, q, k) -> None:
     if not isinstance(codebook, torch.Tensor) or codebook.dim() not in (2, 3):
         shape = tuple(codebook.shape) if isinstance(codebook, torch.Tensor) else type(codebook).__name__
-        raise ValueError(f"codebook must be a tensor of shape (H, S, D) or (S, D), got {shape}")
+        raise ValueError(f"codebook must be a tensor of shape (H, S, Dc) or (S, Dc), got {shape}")
     check_same_device_dtype(k=k, codebook=codebook)
-    if codebook.shape[-1] != k.shape[-1]:
-        raise ValueError(f"codebook D={codebook.shape[-1]} differs from the key D={k.shape[-1]}")
+    if codebook.shape[-1] != q.shape[-1]:
+        raise ValueError(f"codebook D={codebook.shape[-1]} differs from the query D={q.shape[-1]} (q scores the codes)")
     if codebook.dim() == 3 and codebook.shape[0] != k.shape[1]:
         raise ValueError(f"codebook has {codebook.shape[0]} heads but k has H={k.shape[1]}")
     if codebook.shape[-2] == 0:
@@ -62,18 +62,31 @@ def _check_rotated(q, k, q_rot, k_rot, *, causal, exact_window) -> None:
         return
     if not (causal and exact_window):
         raise ValueError("q_rot and k_rot score the raw-key window: they need causal=True and exact_window=True")
-    for name, x, like in (("q_rot", q_rot, q), ("k_rot", k_rot, k)):
+    for name, x, shape in (("q_rot", q_rot, (*q.shape[:3], k.shape[-1])), ("k_rot", k_rot, tuple(k.shape))):
         check_4d(name, x)
-        if x.shape != like.shape:
-            raise ValueError(f"{name} must have the shape of {name[0]} {tuple(like.shape)}, got {tuple(x.shape)}")
+        if x.shape != shape:
+            raise ValueError(f"{name} must have the shape of {name[0]} with k's D, {shape}, got {tuple(x.shape)}")
     check_same_device_dtype(q=q, q_rot=q_rot, k_rot=k_rot)
 
 
+def _check_code_width(q, k, q_rot, assignment) -> None:
+    """q and the codebook score the codes on Dc dims, k (and q_rot, k_rot) has D. Dc ≠ D (e.g. the slow RoPE dims
+    only) is well defined only when nothing multiplies q by k or k by a code: the window is scored by
+    q_rot·k_rot and the keys come assigned."""
+    if q.shape[-1] != k.shape[-1] and (q_rot is None or assignment is None):
+        raise ValueError(
+            f"q and k must share the feature dim D, got q D={q.shape[-1]} and k D={k.shape[-1]}: q and the codebook "
+            "may score the codes on other dims than k's only with q_rot and k_rot (the window's queries and keys, "
+            "of k's D) and a precomputed assignment of k"
+        )
+
+
 def _validate(q, k, v, codebook, *, causal, assign, block_len, exact_window, state, return_state, impl, q_rot,
-              k_rot) -> None:
-    check_qkv(q, k, v, causal=causal)
+              k_rot, assignment) -> None:
+    check_qkv(q, k, v, causal=causal, same_dim=False)  # q's D is the codes' width: _check_code_width
     _check_rotated(q, k, q_rot, k_rot, causal=causal, exact_window=exact_window)
-    _check_codebook(codebook, k)
+    _check_codebook(codebook, q, k)
+    _check_code_width(q, k, q_rot, assignment)
     if assign == "kernel":
         raise ValueError("assign must be 'hard' or 'soft'; the kernel assignment makes codebook attention linear "
                          "attention: use linear_attention with vqattn.analysis.codebook_kernel_features")
@@ -112,14 +125,15 @@ def vq_attention(
     """Codebook attention (see :mod:`vqattn.ops.vq` for the math, :func:`naive_vq_attention` for the definition).
 
     Args:
-        q, k: (B, H, T, D); v: (B, H, T, Dv). Non-causal calls may give k and v another length than q.
-        codebook: (H, S, D), one codebook per head, or (S, D) shared by all heads.
+        q, k: (B, H, T, D); v: (B, H, T, Dv). Non-causal calls may give k and v another length than q. With
+            ``q_rot``, ``k_rot`` and ``assignment``, q may have another width Dc (it only scores the codes).
+        codebook: (H, S, Dc), one codebook per head, or (S, Dc) shared by all heads; Dc = q's D.
         causal: block-wise linear-time causal attention; else exp(QCᵀ)(ΔᵀV) over all keys.
         assign: "hard" (Transformer-VQ) or "soft" (GMM posterior).
         temperature: τ > 0 of soft assignments: a number, or a tensor with 1 or H elements (learnable).
         block_len: causal block length L (default 64, or T when T < 64). The window is the current and the
             previous block; older blocks are compressed.
-        scale: multiplies q·k and q·c; defaults to D**-0.5 as in SDPA.
+        scale: multiplies q·k and q·c; defaults to D**-0.5 as in SDPA (k's D).
         exact_window: the window scores the raw keys σ q·k (exact softmax nearby, codes only for the far past),
             which RoPE needs; otherwise hard keys are scored by their code (straight-through) and soft keys by
             their mixture, which is cheaper (docs/performance.md).
@@ -131,6 +145,8 @@ def vq_attention(
         q_rot, k_rot: (B, H, T, D), the window's own queries and keys (with ``exact_window``): the window logits
             are then σ q_rot·k_rot while the codes are scored by σ q·c and k is assigned. RoPE passes the rotated
             q and k here, so the window is RoPE attention and the codes stay position-free (a state keeps k_rot).
+            With an ``assignment`` too, q and the codebook may have another width Dc, e.g. Dc < D of the dims: the
+            codes are then scored on those alone, as by a codebook zero on the others, at Dc/D of the T·S·D work.
         impl: the form that computes it, as flash-linear-attention's ``mode``: "chunk" (the block algorithm),
             "recurrent" (token by token, O(1) per token: decoding), or "auto": recurrent for a ``state`` and at
             most ``RECURRENT_MAX_LEN`` new tokens, chunk otherwise. All give the same result to rounding.
@@ -143,7 +159,7 @@ def vq_attention(
         or infinite entry makes NaN exactly the outputs of the queries that see it (and a state's later ones).
     """
     _validate(q, k, v, codebook, causal=causal, assign=assign, block_len=block_len, exact_window=exact_window,
-              state=state, return_state=return_state, impl=impl, q_rot=q_rot, k_rot=k_rot)
+              state=state, return_state=return_state, impl=impl, q_rot=q_rot, k_rot=k_rot, assignment=assignment)
     schedule = as_schedule(schedule)
     if assignment is not None:
         check_assignment(assignment, assign=assign, shape=tuple(k.shape[:3]), num_codes=codebook.shape[-2],
@@ -152,8 +168,8 @@ def vq_attention(
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     q_rot, k_rot = (None if x is None else x.to(dtype) for x in (q_rot, k_rot))
     c = codebook.to(dtype)
-    c = c.unsqueeze(0).expand(q.shape[1], -1, -1) if c.dim() == 2 else c  # (H, S, D)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    c = c.unsqueeze(0).expand(q.shape[1], -1, -1) if c.dim() == 2 else c  # (H, S, Dc)
+    scale = k.shape[-1] ** -0.5 if scale is None else scale  # k's D: q's may be the codes' narrower width
     # Non-finite keys reach the outputs as NaN only through the poison: inside the kernels they would also reach
     # queries that cannot see them (vqattn.ops.nonfinite).
     bad, poison = nonfinite_keys(k if k_rot is None else torch.cat([k, k_rot], -1))

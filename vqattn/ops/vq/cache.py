@@ -191,4 +191,4 @@ class LogitGradients:
         if self.dq is not None:
             self.dq[:, b] = torch.bmm(flat, self.codebook).view(self.dq[:, b].shape)
         if self.dc is not None:
-            self.dc.baddbmm_(flat.transpose(-1, -2), self.q[:, b].reshape(N, -1, self.q.shape[-1]))
+            self.dc.baddbmm_(flat.transpose(-1, -2), self.q[:, b].flatten(1, -2))  # no -1: D may be 0

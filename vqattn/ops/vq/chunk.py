@@ -102,10 +102,10 @@ def _mixture_group(g: Group, carry: Carry, *, c, L: int, loop: bool):
 
 def _causal(q, k, v, c, a: Assignment | None, *, assign: str, L: int, scale: float, exact_window: bool, counts0,
             sums0, assign_keys, fold_blocks: int, schedule: Schedule, window_k, window_q=None):
-    """The block algorithm, group by group. q: (B, H, T, D), c: (H, S, D); window_k (B, H, T, D) the window's
-    keys and window_q its queries when they are not q (RoPE); ``a`` the keys' Assignment, or None to assign each
-    group's keys k with ``assign_keys`` (so no (T, S) tensor exists at once); counts0/sums0: the cache before
-    position 0.
+    """The block algorithm, group by group. q: (B, H, T, Dc), c: (H, S, Dc); window_k (B, H, T, D) the window's
+    keys and window_q its queries when they are not q (RoPE; Dc may then differ from D); ``a`` the keys'
+    Assignment, or None to assign each group's keys k with ``assign_keys`` (so no (T, S) tensor exists at once);
+    counts0/sums0: the cache before position 0.
     Returns out (B, H, T, Dv) and the cache after the first ``fold_blocks`` blocks."""
     B, H, T, D = q.shape
     S = c.shape[1]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..blocks import DEFAULT_BLOCK_LEN
+from .assign import Assignment
 
 
 def naive_assignment(k: torch.Tensor, codebook: torch.Tensor, assign: str, temperature=1.0) -> torch.Tensor:
@@ -22,19 +23,26 @@ def naive_assignment(k: torch.Tensor, codebook: torch.Tensor, assign: str, tempe
 
 def naive_vq_attention(q, k, v, codebook, *, causal: bool, assign: str = "hard", temperature=1.0,
                        block_len: int = DEFAULT_BLOCK_LEN, scale: float | None = None, exact_window: bool = False,
-                       q_rot=None, k_rot=None):
+                       q_rot=None, k_rot=None, assignment: Assignment | None = None):
     """Codebook attention (see :mod:`vqattn.ops.vq`) as one softmax over the keys.
 
     Query i scores key j by log Σ_s e^{σ q_i·c_s} Δ_js (the key read through the codes). Causal: j ≤ i, and keys
     of the window (the blocks of L keys from block(i) − 1 on) are scored instead by σ q_i·k_j (``exact_window``),
     by σ q_i·k̂_j with the straight-through code key k̂_j = c_{z_j} + (k_j − sg(k_j)) (hard), or by the same
     mixture (soft). With ``q_rot``, ``k_rot`` (RoPE-rotated q and k) the exact window scores σ q_rot_i·k_rot_j.
+    ``assignment``: the keys' Assignment, Δ given instead of computed from k; with it and q_rot, k_rot, q and the
+    codebook may have another width Dc than k (the codes scored on Dc dims).
     q, k: (B, H, T, D), v: (B, H, T, Dv), codebook (H, S, D) or (S, D) -> (B, H, T, Dv).
     """
-    B, H, T, D = q.shape
+    B, H, T, _ = q.shape
     c = codebook if codebook.dim() == 3 else codebook.expand(H, -1, -1)
-    scale = D**-0.5 if scale is None else scale
-    delta = naive_assignment(k, c, assign, temperature)  # (B, H, Tk, S)
+    scale = k.shape[-1] ** -0.5 if scale is None else scale
+    if assignment is None:
+        delta = naive_assignment(k, c, assign, temperature)  # (B, H, Tk, S)
+    elif assignment.index is not None:  # hard: the one-hot matrix of the code index
+        delta = torch.nn.functional.one_hot(assignment.index, c.shape[1]).to(q.dtype)
+    else:
+        delta = assignment.weights
     code_logits = scale * q @ c.transpose(-1, -2)  # (B, H, Tq, S)
     m = code_logits.detach().amax(-1, keepdim=True)
     through_codes = torch.log(torch.exp(code_logits - m) @ delta.transpose(-1, -2)) + m  # (B, H, Tq, Tk)

@@ -84,8 +84,8 @@ def _step(q, k, v, c, a: Assignment, state: VQState, *, scale, exact_window, q_w
 def recurrent_vq_attention(q, k, v, c, a: Assignment, *, state: VQState, scale, exact_window, q_rot=None,
                            k_rot=None):
     """Token-by-token vq_attention continuing ``state``: q, k (B, H, T, D), v (B, H, T, Dv), c (H, S, D), ``a``
-    the new keys' Assignment; q_rot, k_rot the window's queries and keys (RoPE). Returns out (B, H, T, Dv) and the
-    state after the last token."""
+    the new keys' Assignment; q_rot, k_rot the window's queries and keys (RoPE), with which q and c may have
+    another width Dc (they score only the codes). Returns out (B, H, T, Dv) and the state after the last token."""
     outs, window_k = [], k if k_rot is None else k_rot
     for t in range(q.shape[2]):
         token = slice(t, t + 1)

@@ -28,13 +28,13 @@ def floored_exp_(x: torch.Tensor) -> torch.Tensor:
 class WindowCodeInputs(NamedTuple):
     """The inputs of :class:`WindowCodeAttention`, on (N, nb, ...) tensors (N = batch·heads, nb blocks of L).
 
-    queries: (N, nb, L, D) scaled queries of the code logits q·cᵀ (and of the window logits unless
+    queries: (N, nb, L, Dc) scaled queries of the code logits q·cᵀ (and of the window logits, Dc = D, unless
         ``window_queries`` is given); window_keys (N, nb, 2L, D), window_bias broadcastable to (N, nb, L, 2L),
         window_values (N, nb, 2L, Dv).
     Codes (all None for window-only attention): counts (N, nb, S) every block's cache counts; sums (N, S, Dv) the
         value sums of block 0's cache, and add_values (N, nb, L, Dv) with add_index (N, nb, L) or add_weights
-        (N, nb, L, S) what each block adds for the next (:class:`CacheUpdates`); codebook (N, S, D), or
-        (N, nb, S, D) one per block.
+        (N, nb, L, S) what each block adds for the next (:class:`CacheUpdates`); codebook (N, S, Dc), or
+        (N, nb, S, Dc) one per block.
     window_codes (N, nb, 2L): the code z_j of every window key (hard VQ): the window logits are then the code
         logits q·c_{z_j}, gathered instead of multiplied, with the straight-through gradient to window_keys.
     window_queries (N, nb, L, D): other queries for the window logits (RoPE: rotated queries and keys score the
