@@ -95,6 +95,18 @@ def draw_curves(ax, runs: list[dict]) -> None:
     ax.set_ylabel("validation bits per byte")
 
 
+def plain_log_x(ax) -> None:
+    """A log x axis labelled in plain numbers at 1, 2 and 5 per decade (20,000 rather than 2×10⁴): matplotlib's
+    default labels every minor tick in scientific notation when the data span less than a decade, and they overlap."""
+    from matplotlib.ticker import FuncFormatter, LogLocator
+
+    ax.set_xscale("log")
+    plain = FuncFormatter(lambda x, _: f"{x:,.0f}")
+    ax.xaxis.set_major_formatter(plain)
+    ax.xaxis.set_minor_locator(LogLocator(subs=(2, 5)))
+    ax.xaxis.set_minor_formatter(plain)
+
+
 def position_midpoint(name: str) -> float:
     """The middle of the bucket "A_B" (positions A..B)."""
     lo, hi = map(int, name.split("_"))
@@ -111,7 +123,7 @@ def draw_positions(ax, runs: list[dict]) -> None:
         points = sorted((position_midpoint(name), value) for name, value in buckets.items())
         if points:
             ax.plot(*zip(*points), label=f"{r['attention']} ({r['name']})", **run_style(i))
-    ax.set_xscale("log")
+    plain_log_x(ax)
     ax.set_xlabel("position in the validation window (bucket midpoint)")
     ax.set_ylabel("recall accuracy" if recall else "validation bits per byte")
 
@@ -152,7 +164,7 @@ def draw_recall_vs_state(ax, cells: list[dict]) -> None:
         x, y = [c["state_floats"] for c in mine], [c["recall"] for c in mine]
         spread = [[c["recall"] - c["min"] for c in mine], [c["max"] - c["recall"] for c in mine]]
         ax.errorbar(x, y, yerr=spread, label=attention, capsize=3, **run_style(i))
-    ax.set_xscale("log")
+    plain_log_x(ax)
     ax.set_xlabel("state floats per layer")
     ax.set_ylabel("recall accuracy (best lr, mean over seeds)")
 
