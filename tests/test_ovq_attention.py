@@ -282,3 +282,23 @@ def test_bad_state_raises_value_error():
         ovq_attention(**tensors, **fixed, k_mem=tensors["k"], state=state)
     with pytest.raises(ValueError, match="q must"):
         ovq_attention(tensors["q"][0], tensors["k"], tensors["v"], **fixed)
+
+
+@pytest.mark.parametrize("nb", [0, 1, 2, 3, 7])
+@pytest.mark.parametrize("loop", [True, False], ids=["loop", "cumsum"])
+def test_lagged_sum_matches_its_definition_with_gradients(nb, loop):
+    from vqattn.ops.blocks import lagged_sum
+
+    g = torch.Generator().manual_seed(nb)
+    x = torch.randn(2, 3, nb, 4, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    x0 = torch.randn(2, 3, 4, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    got = lagged_sum(x, x0, 2, loop)
+    # the memory block b reads: the state's plus every block at least two before it
+    expected = torch.stack([x0 + x[:, :, : max(b - 1, 0)].sum(2) for b in range(nb)], 2) if nb else x[:, :, :0]
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    if nb:
+        weights = torch.randn(got.shape, dtype=torch.float64, generator=g)
+        grads = torch.autograd.grad((got * weights).sum(), (x, x0))
+        expected_grads = torch.autograd.grad((expected * weights).sum(), (x, x0))
+        for a, b in zip(grads, expected_grads):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ..blocks import blocks, group_windows, loops, pad_to_blocks, previous_blocks, window_bias, window_start, \
-    window_tail
+from ..blocks import blocks, group_windows, loops, pad_to_blocks, previous_blocks, lagged_sum, window_bias, \
+    window_start, window_tail
 from ..vq.assign import Assignment, code_means, code_statistics
 from ..vq.cache import CacheUpdates
 from ..vq.window_codes import WindowCodeInputs, window_code_attention
@@ -31,13 +31,6 @@ def _with_prefix(x: Inputs, state: OVQState) -> Inputs:
     return x._replace(q=cat(zeros, x.q), q_mem=cat(zeros, x.q_mem), k=cat(state.keys, x.k), v=cat(state.values, x.v),
                       k_mem=cat(state.memory_keys if x.separate_keys else state.keys, x.k_mem),
                       slots=cat(state.slots, x.slots), slot_weights=cat(state.slot_weights, x.slot_weights))
-
-
-def _lagged(x: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
-    """x0 + Σ_{b' ≤ b−2} x_b' for every block b: x (B, H, nb, ...) per-block statistics, x0 (B, H, ...) the
-    state's."""
-    total = x0.unsqueeze(2) + torch.cumsum(x, 2)
-    return torch.cat([x0.unsqueeze(2).expand(-1, -1, min(x.shape[2], 2), *x0.shape[2:]), total[:, :, :-2]], 2)
 
 
 def _previous(x: torch.Tensor | None, L: int) -> torch.Tensor | None:
@@ -66,14 +59,15 @@ def chunk_forward(x: Inputs, state: OVQState | None, return_state: bool) -> tupl
     counts, key_sums = code_statistics(Assignment(weights, slots), k_mem, S, nb)  # (B, H, nb, S), (.., S, D)
     # Block b reads the memory of blocks ≤ b − 2 on top of the state's: counts and key sums here, value sums in
     # the kernel's running cache, which takes in block b − 1 after block b.
-    counts, key_sums = _lagged(counts, state.counts), _lagged(key_sums, state.key_sums)
+    loop = loops(x.schedule, q.device)
+    counts, key_sums = (lagged_sum(x_, x0, 2, loop) for x_, x0 in ((counts, state.counts), (key_sums, state.key_sums)))
     inputs = WindowCodeInputs(
         queries=blocks(q_mem * x.scale, L), window_keys=group_windows(k, k.new_zeros(B, H, L, D), L),
         window_bias=window_bias(nb, L, q.device, q.dtype), window_values=group_windows(v, v.new_zeros(B, H, L, Dv), L),
         counts=counts, sums=state.value_sums, add_values=_previous(v, L), add_index=_previous(slots, L),
         add_weights=_previous(weights, L), codebook=code_means(counts, key_sums),
         window_queries=None if shared_queries else blocks(q * x.scale, L))
-    out, _ = window_code_attention(inputs, loops(x.schedule, q.device))
+    out, _ = window_code_attention(inputs, loop)
     out = out[:, :, x.k.shape[2] - T : x.k.shape[2]]
     if not return_state:
         return out, None
