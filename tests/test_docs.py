@@ -116,6 +116,8 @@ def short_form(argv: list[str], out: Path) -> ShortForm:
         if script is None:
             return ShortForm(error="vqattn-train is not installed (pip install -e '.[train]')")
         return train_short_form([script], argv[1:], out)
+    if argv[:2] == ["python", "benchmarks/far_recall.py"]:  # hours of training: check the plan it would run
+        return ShortForm([sys.executable, str(ROOT / "benchmarks" / "far_recall.py"), str(out), *argv[3:], "--dry-run"])
     if argv[:3] == ["python", "-m", "vqattn.train.report"] and PLACEHOLDER in argv[3]:
         return ShortForm([sys.executable, "-m", "vqattn.train.report", "{sweep}", *argv[4:]], needs_earlier=True)
     if argv[:3] == ["python", "-m", "vqattn.train.sample"] and PLACEHOLDER in argv[3]:
@@ -222,6 +224,9 @@ def test_short_forms(tmp_path):
     later = short_form(["python", "train.py"], tmp_path / "later")
     checkpoint = str(tmp_path / "run" / "checkpoints" / "last.ckpt")
     assert resolve(sample, [sweep, run, later])[3:] == [checkpoint, "--max-new-tokens", "8"]
+    far = short_form(shlex.split("python benchmarks/far_recall.py sweeps/far --attentions ovq --seeds 0"), tmp_path)
+    assert far.argv[1:] == [str(ROOT / "benchmarks" / "far_recall.py"), str(tmp_path), "--attentions", "ovq",
+                            "--seeds", "0", "--dry-run"]
     assert short_form(["make", "docs"], tmp_path).error.startswith("no short form")
 
 
