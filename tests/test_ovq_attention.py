@@ -284,21 +284,32 @@ def test_bad_state_raises_value_error():
         ovq_attention(tensors["q"][0], tensors["k"], tensors["v"], **fixed)
 
 
+@pytest.mark.parametrize("means", [False, True], ids=["sums", "means"])
 @pytest.mark.parametrize("nb", [0, 1, 2, 3, 7])
 @pytest.mark.parametrize("loop", [True, False], ids=["loop", "cumsum"])
-def test_lagged_sum_matches_its_definition_with_gradients(nb, loop):
+def test_lagged_sum_matches_its_definition_with_gradients(nb, loop, means):
     from vqattn.ops.blocks import lagged_sum
 
     g = torch.Generator().manual_seed(nb)
-    x = torch.randn(2, 3, nb, 4, 5, dtype=torch.float64, generator=g, requires_grad=True)
-    x0 = torch.randn(2, 3, 4, 5, dtype=torch.float64, generator=g, requires_grad=True)
-    got = lagged_sum(x, x0, 2, loop)
-    # the memory block b reads: the state's plus every block at least two before it
-    expected = torch.stack([x0 + x[:, :, : max(b - 1, 0)].sum(2) for b in range(nb)], 2) if nb else x[:, :, :0]
-    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    occupied = torch.tensor([0.0, 1, 1, 1], dtype=torch.float64)  # slot 0 stays empty: no keys, count 0
+    x = (torch.randn(2, 3, nb, 4, 5, dtype=torch.float64, generator=g) * occupied[:, None]).requires_grad_()
+    x0 = (torch.randn(2, 3, 4, 5, dtype=torch.float64, generator=g) * occupied[:, None]).requires_grad_()
+    counts = (torch.rand(2, 3, nb, 4, generator=g, dtype=torch.float64) + 0.5) * occupied
+    counts = counts.requires_grad_() if means else None
+    got = lagged_sum(x, x0, 2, loop, counts=counts)
+    # the memory block b reads: the state's plus every block at least two before it, over its counts
+    sums = [x0 + x[:, :, : max(b - 1, 0)].sum(2) for b in range(nb)]
+    if means:  # an empty slot's mean is 0, with no gradient and no NaN
+        sums = [torch.where(counts[:, :, b, :, None] > 0, s / counts[:, :, b, :, None].clamp_min(1e-300), 0)
+                for b, s in enumerate(sums)]
+    expected = torch.stack(sums, 2) if nb else x[:, :, :0]
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
     if nb:
-        weights = torch.randn(got.shape, dtype=torch.float64, generator=g)
-        grads = torch.autograd.grad((got * weights).sum(), (x, x0))
-        expected_grads = torch.autograd.grad((expected * weights).sum(), (x, x0))
+        inputs = (x, x0, *([counts] if means else []))
+        # the kernel gives empty slots logit −inf, so their means get no gradient
+        weights = torch.randn(got.shape, dtype=torch.float64, generator=g) * occupied[:, None]
+        grads = torch.autograd.grad((got * weights).sum(), inputs)
+        expected_grads = torch.autograd.grad((expected * weights).sum(), inputs)
         for a, b in zip(grads, expected_grads):
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+            assert torch.isfinite(a).all()
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

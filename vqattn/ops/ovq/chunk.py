@@ -14,7 +14,7 @@ import torch
 
 from ..blocks import blocks, group_windows, loops, pad_to_blocks, previous_blocks, lagged_sum, window_bias, \
     window_start, window_tail
-from ..vq.assign import Assignment, code_means, code_statistics
+from ..vq.assign import Assignment, code_statistics
 from ..vq.cache import CacheUpdates
 from ..vq.window_codes import WindowCodeInputs, window_code_attention
 from .memory import online_slots, statistics
@@ -60,12 +60,13 @@ def chunk_forward(x: Inputs, state: OVQState | None, return_state: bool) -> tupl
     # Block b reads the memory of blocks ≤ b − 2 on top of the state's: counts and key sums here, value sums in
     # the kernel's running cache, which takes in block b − 1 after block b.
     loop = loops(x.schedule, q.device)
-    counts, key_sums = (lagged_sum(x_, x0, 2, loop) for x_, x0 in ((counts, state.counts), (key_sums, state.key_sums)))
+    counts = lagged_sum(counts, state.counts, 2, loop)
+    key_means = lagged_sum(key_sums, state.key_sums, 2, loop, counts=counts)  # the slots' mean keys k̄
     inputs = WindowCodeInputs(
         queries=blocks(q_mem * x.scale, L), window_keys=group_windows(k, k.new_zeros(B, H, L, D), L),
         window_bias=window_bias(nb, L, q.device, q.dtype), window_values=group_windows(v, v.new_zeros(B, H, L, Dv), L),
         counts=counts, sums=state.value_sums, add_values=_previous(v, L), add_index=_previous(slots, L),
-        add_weights=_previous(weights, L), codebook=code_means(counts, key_sums),
+        add_weights=_previous(weights, L), codebook=key_means,
         window_queries=None if shared_queries else blocks(q * x.scale, L))
     out, _ = window_code_attention(inputs, loop)
     out = out[:, :, x.k.shape[2] - T : x.k.shape[2]]
