@@ -288,7 +288,7 @@ def test_bad_state_raises_value_error():
 @pytest.mark.parametrize("nb", [0, 1, 2, 3, 7])
 @pytest.mark.parametrize("loop", [True, False], ids=["loop", "cumsum"])
 def test_lagged_sum_matches_its_definition_with_gradients(nb, loop, means):
-    from vqattn.ops.blocks import lagged_sum
+    from vqattn.ops.ovq.memory import lagged_sum
 
     g = torch.Generator().manual_seed(nb)
     occupied = torch.tensor([0.0, 1, 1, 1], dtype=torch.float64)  # slot 0 stays empty: no keys, count 0

@@ -63,60 +63,6 @@ def loops(schedule: Schedule, device: torch.device) -> bool:
     return schedule.cache == "loop"
 
 
-class _LaggedSum(torch.autograd.Function):
-    """out_b = (x0 + Σ_{b' ≤ b − lag} x_b') · r_b over dim 2, with r_b = 1 / max(n_b, tiny) (means) or 1 (sums).
-
-    On a CPU, ``torch.cumsum`` over a dim that is not the last walks memory with a stride of a whole block (e.g.
-    S·D floats), about 5× slower than adding contiguous blocks at (128, 512, 64); its backward adds two flips,
-    and the offset, the lag and the division three more passes. Here a running sum of one block stays in cache
-    and each output block is written once. The gradient of x_b' is Σ_{b ≥ b' + lag} r_b·g_b, a suffix sum."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, x0: torch.Tensor, counts: torch.Tensor | None, lag: int) -> torch.Tensor:
-        inverse = None if counts is None else 1 / counts.clamp_min(torch.finfo(counts.dtype).tiny).unsqueeze(-1)
-        running, out = x0.clone(), x.new_empty(x.shape)
-        for b in range(x.shape[2]):
-            if b >= lag:
-                running += x[:, :, b - lag]
-            if inverse is None:
-                out[:, :, b] = running
-            else:
-                torch.mul(running, inverse[:, :, b], out=out[:, :, b])
-        ctx.lag = lag
-        ctx.save_for_backward(counts, inverse, out)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        counts, inverse, out = ctx.saved_tensors
-        lag, nb = ctx.lag, grad.shape[2]
-        suffix = grad.new_zeros(grad[:, :, 0].shape)  # Σ_{b'' ≥ b} r_b''·g_b'', one block, kept in cache
-        grad_x = grad.new_empty(grad.shape)
-        for b in range(nb - 1, -1, -1):
-            if inverse is None:
-                suffix += grad[:, :, b]
-            else:
-                suffix.addcmul_(grad[:, :, b], inverse[:, :, b])
-            if b >= lag:
-                grad_x[:, :, b - lag].copy_(suffix)
-        grad_x[:, :, max(nb - lag, 0) :].zero_()  # the last blocks reach no block lag later
-        grad_counts = None
-        if ctx.needs_input_grad[2]:  # out = sum / n where n ≥ tiny: ∂out/∂n = −out / n
-            grad_counts = -(grad * out).sum(-1) * inverse.squeeze(-1) * (counts >= torch.finfo(counts.dtype).tiny)
-        return grad_x, suffix, grad_counts, None
-
-
-def lagged_sum(x: torch.Tensor, x0: torch.Tensor, lag: int, loop: bool, counts: torch.Tensor | None = None):
-    """x0 + Σ_{b' ≤ b − lag} x_b' for every block b of x (B, H, nb, ...), x0 (B, H, ...); divided by
-    max(counts, tiny) (B, H, nb, S) when given (means, as :func:`~vqattn.ops.vq.assign.code_means`). Block after
-    block when ``loop`` (:func:`loops`), else one cumsum."""
-    if loop:
-        return _LaggedSum.apply(x, x0, counts, lag)
-    total = x0.unsqueeze(2) + torch.cumsum(x, 2)
-    total = torch.cat([x0.unsqueeze(2).expand(-1, -1, min(x.shape[2], lag), *x0.shape[2:]), total[:, :, :-lag]], 2)
-    return total if counts is None else total / counts.clamp_min(torch.finfo(counts.dtype).tiny).unsqueeze(-1)
-
-
 def blocks(x: torch.Tensor, L: int) -> torch.Tensor:
     """(B, H, nb·L, ...) -> (B, H, nb, L, ...)."""
     return x.view(*x.shape[:2], x.shape[2] // L, L, *x.shape[3:])

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from ..blocks import blocks, group_windows, loops, pad_to_blocks, previous_blocks, lagged_sum, window_bias, \
-    window_start, window_tail
+from ..blocks import blocks, group_windows, loops, pad_to_blocks, previous_blocks, window_bias, window_start, \
+    window_tail
 from ..vq.assign import Assignment, code_statistics
 from ..vq.cache import CacheUpdates
 from ..vq.window_codes import WindowCodeInputs, window_code_attention
-from .memory import online_slots, statistics
+from .memory import lagged_sum, online_slots, statistics
 from .state import Inputs, OVQState
 
 
