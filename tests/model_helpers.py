@@ -59,6 +59,18 @@ def tiny_model(name: str, pos_emb: str = "rope", **overrides) -> GPT:
     return GPT(config).double().eval()
 
 
+def layer_in_chunks(layer, x, sizes):
+    """A layer's output over x (B, T, C) fed in consecutive chunks of the given sizes, carrying its state, and
+    the final state."""
+    outs, state, start = [], None, 0
+    for size in sizes:
+        out, _, state = layer(x[:, start : start + size], state, return_state=True)
+        outs.append(out)
+        start += size
+    assert start == x.shape[1]
+    return torch.cat(outs, dim=1), state
+
+
 def decode_in_chunks(model, idx, sizes):
     """Logits from forward_step over consecutive chunks of the given sizes, and the final state."""
     logits, state, start = [], None, 0

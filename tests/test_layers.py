@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from model_helpers import NAMES, VQ_NAMES, layer_kwargs, scramble_short_conv
+from model_helpers import NAMES, VQ_NAMES, layer_in_chunks, layer_kwargs, scramble_short_conv
 from vqattn.functional import vq_attention
 from vqattn.layers import ATTENTIONS, Attention, build_attention, rope_rotate
 
@@ -320,12 +320,7 @@ def _chunked_outputs_and_grads(layer, x, sizes):
     """The layer's output over x fed in chunks of the given sizes (carrying the state), and the gradients of a
     loss on it with respect to x and every parameter (None where a parameter gets none)."""
     x = x.clone().requires_grad_(True)
-    outs, state, t = [], None, 0
-    for n in sizes:
-        out, _, state = layer(x[:, t : t + n], state, return_state=True)
-        outs.append(out)
-        t += n
-    out = torch.cat(outs, 1)
+    out, _ = layer_in_chunks(layer, x, sizes)
     params = [p for _, p in sorted(layer.named_parameters())]
     return out, torch.autograd.grad(out.square().sum(), [x, *params], allow_unused=True)
 
@@ -406,12 +401,9 @@ def test_short_conv_is_causal_and_chunked_decoding_matches_full(name):
     layer = scramble_short_conv(make(name, rope=True, short_conv=3))
     x = torch.randn(2, 11, DIM, dtype=torch.float64)
     full = run(layer, x)
-    outs, state = [], None
-    for start, stop in [(0, 1), (1, 2), (2, 7), (7, 8), (8, 11)]:
-        out, _, state = layer(x[:, start:stop], state, return_state=True)
-        outs.append(out)
+    chunked, state = layer_in_chunks(layer, x, [1, 1, 5, 1, 3])
     assert state.pos == 11 and state.conv.shape == (2, 2, 3 * DIM)
-    torch.testing.assert_close(torch.cat(outs, dim=1), full, rtol=0, atol=1e-12)
+    torch.testing.assert_close(chunked, full, rtol=0, atol=1e-12)
     y = x.clone()
     y[:, 6:] = torch.randn_like(y[:, 6:])
     torch.testing.assert_close(run(layer, y)[:, :6], full[:, :6], rtol=0, atol=1e-12)

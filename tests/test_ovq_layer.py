@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from model_helpers import layer_in_chunks
 from vqattn.layers import OnlineVQAttention, build_attention, rope_rotate
 from vqattn.ops.ovq import naive_ovq_attention
 
@@ -55,11 +56,8 @@ def test_chunked_decoding_matches_one_call(options):
     layer = make(**options)
     x = torch.randn(2, 5 * L + 1, DIM, dtype=torch.float64)
     full = layer(x).output
-    outs, state = [], None
-    for a, b in ((0, 7), (7, 8), (8, 9), (9, 17), (17, 5 * L + 1)):
-        out, _, state = layer(x[:, a:b], state, return_state=True)
-        outs.append(out)
-    torch.testing.assert_close(torch.cat(outs, 1), full, rtol=0, atol=1e-12)
+    chunked, _ = layer_in_chunks(layer, x, [7, 1, 1, 8, 5 * L + 1 - 17])
+    torch.testing.assert_close(chunked, full, rtol=0, atol=1e-12)
 
 
 def test_l2_qk_norm_gives_unit_keys_and_a_learned_query_scale():
