@@ -166,7 +166,8 @@ def _codes_backward(ctx, need, grad_out, grad_last, delta, ds_window, p_codes, c
     if need.counts:
         # The output depends on n only through the row sums Σ_s e^{q·c_s} n_s (the numerators e^{q·c_s} C_s hold
         # no n): d/dn_s = −Σ_i δ_i e^{q_i·c_s} / z_i, where δ_i = dO_i·out_i.
-        grads["counts"] = torch.matmul(p_codes.transpose(-1, -2), delta).squeeze(-1).neg_()
+        # (δᵀ p) rather than (pᵀ δ): a row vector times p reads p row by row; pᵀ times a column strided it, 8× slower
+        grads["counts"] = torch.matmul(delta.transpose(-1, -2), p_codes).squeeze(-2).neg_()
     return grads
 
 
