@@ -58,16 +58,20 @@ def test_softmax_attention_is_what_the_codebook_ops_match():
 
 
 @pytest.mark.parametrize("assign,exact_window", ASSIGN_WINDOW)
-@pytest.mark.parametrize("sizes", [[5, 1, 1, 1, 2, 11], [12, 9], [9, 12]])
-def test_decoding_state_carries_the_poison(assign, exact_window, sizes):
-    """The poison outlives the bad key's window: chunks after it (recurrent or block form) stay NaN."""
+@pytest.mark.parametrize("sizes", [[5, 1, 1, 1, 2, 11], [12, 9], [9, 12], [6, 15]])
+@pytest.mark.parametrize("given", [False, True], ids=["assigned_by_op", "assignment_given"])
+def test_decoding_state_carries_the_poison(assign, exact_window, sizes, given):
+    """The poison outlives the bad key's window: chunks after it (recurrent or block form) stay NaN, also when the
+    caller hands over the (NaN) assignment of the bad key."""
     q, k, k_bad, v, c = _inputs()
     kw = dict(causal=True, assign=assign, block_len=4, exact_window=exact_window)
+    a = vq_assign(k_bad, c, assign=assign)
     outs, state, start = [], None, 0
     for size in sizes:
         part = slice(start, start + size)
+        assignment = type(a)(*(None if x is None else x[:, :, part] for x in a)) if given else None
         out, state = vq_attention(q[:, :, part], k_bad[:, :, part], v[:, :, part], c, state=state, return_state=True,
-                                  **kw)
+                                  assignment=assignment, **kw)
         outs.append(out)
         start += size
     _check_poisoned(torch.cat(outs, 2), vq_attention(q, k, v, c, **kw), causal=True)

@@ -99,29 +99,48 @@ def _validate(q, k, v, codebook, *, causal, assign, block_len, exact_window, sta
                          "(non-causal attention has no window)")
     if state is not None:
         _check_state(state, k, v, codebook, assign=assign, block_len=block_len)
+    if assignment is not None:
+        check_assignment(assignment, assign=assign, shape=tuple(k.shape[:3]), num_codes=codebook.shape[-2],
+                         device=q.device)
+
+
+def _without_nonfinite_keys(k, k_rot, *, causal: bool, state):
+    """k and k_rot with the rows of non-finite keys zeroed, those rows ``bad`` (B, H, T), and the poison (B, H, T, 1)
+    that makes NaN the outputs that see them. Inside the kernels a bad key would also reach queries that cannot see
+    it, so it reaches the outputs only through the poison (:mod:`vqattn.ops.nonfinite`)."""
+    bad, poison = nonfinite_keys(k) if k_rot is None else nonfinite_keys(k, k_rot)
+    k, k_rot = zero_rows(k, bad), None if k_rot is None else zero_rows(k_rot, bad)
+    return k, k_rot, bad, visible_poison(poison, causal=causal, state_counts=None if state is None else state.counts)
+
+
+def _keys_assignment(assignment: Assignment | None, k, assign_keys, *, whole: bool) -> Assignment | None:
+    """The given assignment in k's dtype; else k assigned here when ``whole``, or None (the chunk form then assigns
+    group by group, so that no (T, S) tensor exists at once)."""
+    if assignment is not None:
+        return map_time(lambda x: x.to(k.dtype) if x.is_floating_point() else x, assignment)
+    return assign_keys(k) if whole else None
+
+
+def _causal_form(q, k, v, c, a, bad, *, recurrent: bool, assign, state, block_len, scale, exact_window, assign_keys,
+                 return_state, schedule, q_rot, k_rot):
+    """The recurrent or the chunk form of causal attention: (out, the state after the new tokens or None). The
+    chunk form zeroes the ``bad`` rows of a given assignment ``a`` itself, group by group."""
+    L = block_len or (state.block_len if state is not None else DEFAULT_BLOCK_LEN)
+    if recurrent:
+        state = VQState.empty(k, v, c.shape[1], L, assign) if state is None else state
+        return recurrent_vq_attention(q, k, v, c, zero_assignment_rows(a, bad), state=state, scale=scale,
+                                      exact_window=exact_window, q_rot=q_rot, k_rot=k_rot)
+    return chunk_vq_attention(q, k, v, c, a, assign=assign, state=state, block_len=L, scale=scale,
+                              exact_window=exact_window, assign_keys=assign_keys, return_state=return_state,
+                              schedule=schedule, q_rot=q_rot, k_rot=k_rot, bad=bad)
 
 
 @autocast_off
-def vq_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    codebook: torch.Tensor,
-    *,
-    causal: bool,
-    assign: str = "hard",
-    temperature: float | torch.Tensor = 1.0,
-    block_len: int | None = None,
-    scale: float | None = None,
-    exact_window: bool = False,
-    state: VQState | None = None,
-    return_state: bool = False,
-    assignment: Assignment | None = None,
-    q_rot: torch.Tensor | None = None,
-    k_rot: torch.Tensor | None = None,
-    impl: str = "auto",
-    schedule: str | Schedule = "auto",
-):
+def vq_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, codebook: torch.Tensor, *, causal: bool,
+                 assign: str = "hard", temperature: float | torch.Tensor = 1.0, block_len: int | None = None,
+                 scale: float | None = None, exact_window: bool = False, state: VQState | None = None,
+                 return_state: bool = False, assignment: Assignment | None = None, q_rot: torch.Tensor | None = None,
+                 k_rot: torch.Tensor | None = None, impl: str = "auto", schedule: str | Schedule = "auto"):
     """Codebook attention (see :mod:`vqattn.ops.vq` for the math, :func:`naive_vq_attention` for the definition).
 
     Args:
@@ -142,11 +161,10 @@ def vq_attention(
         assignment: the keys' :class:`Assignment`, ``vq_assign(k, codebook, assign=assign, temperature=...)``,
             when the caller already has it (e.g. from its codebook module); computed here otherwise. With it,
             ``temperature`` is not used (it is in the assignment, with its gradient for soft).
-        q_rot, k_rot: (B, H, T, D), the window's own queries and keys (with ``exact_window``): the window logits
-            are then σ q_rot·k_rot while the codes are scored by σ q·c and k is assigned. RoPE passes the rotated
-            q and k here, so the window is RoPE attention and the codes stay position-free (a state keeps k_rot).
-            With an ``assignment`` too, q and the codebook may have another width Dc, e.g. Dc < D of the dims: the
-            codes are then scored on those alone, as by a codebook zero on the others, at Dc/D of the T·S·D work.
+        q_rot, k_rot: (B, H, T, D), the window's own queries and keys (``exact_window``): its logits are then
+            σ q_rot·k_rot, the codes' σ q·c, and k is assigned. RoPE passes the rotated q and k, so the window is RoPE
+            attention and the codes stay position-free (a state keeps k_rot). With an ``assignment`` too, q and the
+            codebook may be narrower (Dc < D): the codes are scored on those dims alone, at Dc/D of the work.
         impl: the form that computes it, as flash-linear-attention's ``mode``: "chunk" (the block algorithm),
             "recurrent" (token by token, O(1) per token: decoding), or "auto": recurrent for a ``state`` and at
             most ``RECURRENT_MAX_LEN`` new tokens, chunk otherwise. All give the same result to rounding.
@@ -160,42 +178,20 @@ def vq_attention(
     """
     _validate(q, k, v, codebook, causal=causal, assign=assign, block_len=block_len, exact_window=exact_window,
               state=state, return_state=return_state, impl=impl, q_rot=q_rot, k_rot=k_rot, assignment=assignment)
-    schedule = as_schedule(schedule)
-    if assignment is not None:
-        check_assignment(assignment, assign=assign, shape=tuple(k.shape[:3]), num_codes=codebook.shape[-2],
-                         device=q.device)
-    in_dtype, dtype = q.dtype, compute_dtype(q.dtype)
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    q_rot, k_rot = (None if x is None else x.to(dtype) for x in (q_rot, k_rot))
-    c = codebook.to(dtype)
+    schedule, (in_dtype, dtype) = as_schedule(schedule), (q.dtype, compute_dtype(q.dtype))
+    q, k, v, q_rot, k_rot, c = (None if x is None else x.to(dtype) for x in (q, k, v, q_rot, k_rot, codebook))
     c = c.unsqueeze(0).expand(q.shape[1], -1, -1) if c.dim() == 2 else c  # (H, S, Dc)
     scale = k.shape[-1] ** -0.5 if scale is None else scale  # k's D: q's may be the codes' narrower width
-    # Non-finite keys reach the outputs as NaN only through the poison: inside the kernels they would also reach
-    # queries that cannot see them (vqattn.ops.nonfinite).
-    bad, poison = nonfinite_keys(k if k_rot is None else torch.cat([k, k_rot], -1))
-    k, k_rot = zero_rows(k, bad), None if k_rot is None else zero_rows(k_rot, bad)
-    poison = visible_poison(poison, causal=causal, state_counts=None if state is None else state.counts)
+    k, k_rot, bad, poison = _without_nonfinite_keys(k, k_rot, causal=causal, state=state)
     assign_keys = lambda keys: vq_assign(keys, c, assign=assign, temperature=temperature)  # noqa: E731
     state = None if state is None else state.to(dtype)
     recurrent = impl == "recurrent" or (impl == "auto" and state is not None and q.shape[2] <= RECURRENT_MAX_LEN)
-    if assignment is not None:
-        a = zero_assignment_rows(map_time(lambda x: x.to(dtype) if x.is_floating_point() else x, assignment), bad)
-    elif not causal or state is not None or recurrent:
-        a = assign_keys(k)
-    else:
-        a = None  # the block algorithm assigns group by group
+    a = _keys_assignment(assignment, k, assign_keys, whole=not causal or state is not None or recurrent)
     if not causal:
-        return (_non_causal(q, k, v, c, a, scale) + poison).to(in_dtype)
-    L = block_len or (state.block_len if state is not None else DEFAULT_BLOCK_LEN)
-    if recurrent:
-        state = VQState.empty(k, v, c.shape[1], L, assign) if state is None else state
-        out, new_state = recurrent_vq_attention(q, k, v, c, a, state=state, scale=scale, exact_window=exact_window,
-                                                q_rot=q_rot, k_rot=k_rot)
-    else:
-        out, new_state = chunk_vq_attention(q, k, v, c, a, assign=assign, state=state, block_len=L, scale=scale,
-                                            exact_window=exact_window, assign_keys=assign_keys,
-                                            return_state=return_state, schedule=schedule, q_rot=q_rot, k_rot=k_rot)
+        return (_non_causal(q, k, v, c, zero_assignment_rows(a, bad), scale) + poison).to(in_dtype)
+    out, new_state = _causal_form(q, k, v, c, a, bad, recurrent=recurrent, assign=assign, state=state, block_len=block_len,
+                                  scale=scale, exact_window=exact_window, assign_keys=assign_keys,
+                                  return_state=return_state, schedule=schedule, q_rot=q_rot, k_rot=k_rot)
     out = (out + poison).to(in_dtype)
-    if not return_state:
-        return out
-    return out, dataclasses.replace(new_state, counts=new_state.counts + poison[:, :, -1])  # the state carries it
+    # the state carries the poison in its counts
+    return (out, dataclasses.replace(new_state, counts=new_state.counts + poison[:, :, -1])) if return_state else out

@@ -35,6 +35,7 @@ from ..blocks import (
     window_start,
     window_tail,
 )
+from ..nonfinite import zero_assignment_rows
 from .assign import Assignment, cat_time, code_counts, code_statistics, map_time
 from .cache import CacheUpdates
 from .mixture import mixture_attention
@@ -101,11 +102,12 @@ def _mixture_group(g: Group, carry: Carry, *, c, L: int, loop: bool):
 
 
 def _causal(q, k, v, c, a: Assignment | None, *, assign: str, L: int, scale: float, exact_window: bool, counts0,
-            sums0, assign_keys, fold_blocks: int, schedule: Schedule, window_k, window_q=None):
+            sums0, assign_keys, fold_blocks: int, schedule: Schedule, window_k, window_q=None, bad=None):
     """The block algorithm, group by group. q: (B, H, T, Dc), c: (H, S, Dc); window_k (B, H, T, D) the window's
     keys and window_q its queries when they are not q (RoPE; Dc may then differ from D); ``a`` the keys'
     Assignment, or None to assign each group's keys k with ``assign_keys`` (so no (T, S) tensor exists at once);
-    counts0/sums0: the cache before position 0.
+    counts0/sums0: the cache before position 0; ``bad`` (B, H, T): the rows of ``a`` to zero (non-finite keys),
+    zeroed group by group, so that a soft assignment's (T, S) weights are never copied whole to mask them.
     Returns out (B, H, T, Dv) and the cache after the first ``fold_blocks`` blocks."""
     B, H, T, D = q.shape
     S = c.shape[1]
@@ -119,7 +121,7 @@ def _causal(q, k, v, c, a: Assignment | None, *, assign: str, L: int, scale: flo
     split = lambda x: None if x is None else split_groups(pad_to_blocks(x, L), groups, L)  # noqa: E731
     qs, vs, window_ks, window_qs = split(q), split(v), split(window_k), split(window_q)
     assign_ks = None if a is not None else window_ks if k is window_k else split(k)
-    a_splits = None if a is None else [split(x) for x in a]
+    a_splits, bads = None if a is None else [split(x) for x in a], split(bad)
     carry = Carry(counts0, q.new_zeros(B, H, lag, S), sums0)
     outs, fold_counts, fold_sums = [], counts0, sums0
     loop = loops(schedule, q.device)
@@ -130,6 +132,8 @@ def _causal(q, k, v, c, a: Assignment | None, *, assign: str, L: int, scale: flo
         else:
             a_g, a_before = (Assignment(*parts) for parts in zip(*((None, None) if x is None else x[i]
                                                                     for x in a_splits)))
+            if bads is not None:
+                a_g, a_before = (zero_assignment_rows(x, rows) for x, rows in zip((a_g, a_before), bads[i]))
         # queries are scaled per group (cheaper than scaling the logits, and no full-size temporary)
         g = Group(q_g * scale, k_g, v_g, a_g, k_before, v_before, a_before, b0 == 0,
                   None if window_qs is None else window_qs[i][0] * scale)
@@ -152,10 +156,11 @@ def block_bytes(B: int, H: int, L: int, S: int, element_size: int) -> int:
 
 def chunk_vq_attention(q, k, v, c, a: Assignment | None, *, assign: str, state: VQState | None, block_len: int,
                        scale: float, exact_window: bool, assign_keys, return_state: bool, schedule: Schedule,
-                       q_rot=None, k_rot=None):
+                       q_rot=None, k_rot=None, bad=None):
     """Causal block algorithm over new tokens that may continue ``state``, whose raw window is re-run in front.
     ``a``: the keys' Assignment, or None (no state) to assign group by group; q_rot, k_rot: the window's queries
-    and keys (RoPE), whose keys the state keeps. Returns (out, state or None)."""
+    and keys (RoPE), whose keys the state keeps; ``bad`` (B, H, T): the rows of ``a`` to zero (non-finite keys).
+    Returns (out, state or None)."""
     B, H, T, _ = q.shape
     S, Dv, L = c.shape[1], v.shape[-1], block_len
     window_k = k if k_rot is None else k_rot
@@ -166,7 +171,8 @@ def chunk_vq_attention(q, k, v, c, a: Assignment | None, *, assign: str, state: 
         if q_rot is not None:
             q_rot = prepend_window(q_rot, k_rot, v, state.keys, state.values)[0]
         q, window_k, v = prepend_window(q, window_k, v, state.keys, state.values)
-        k, a = None, cat_time(state.assignment, a)  # the keys come assigned: only the window's keys are read
+        # the keys come assigned: only the window's keys are read
+        k, a, bad = None, cat_time(state.assignment, zero_assignment_rows(a, bad)), None
     # Short sequences fit in one block; a shorter block gives the same result with less padding.
     L_run = L if state is not None or return_state else size_min(L, v.shape[2])
     length = start + v.shape[2]
@@ -174,7 +180,7 @@ def chunk_vq_attention(q, k, v, c, a: Assignment | None, *, assign: str, state: 
     out, counts, sums = _causal(q, k, v, c, a, assign=assign, L=L_run, scale=scale, exact_window=exact_window,
                                 counts0=counts0, sums0=sums0, assign_keys=assign_keys,
                                 fold_blocks=keep // L if return_state else 0, schedule=schedule, window_q=q_rot,
-                                window_k=window_k)
+                                window_k=window_k, bad=bad)
     out = out[:, :, out.shape[2] - T :]
     if not return_state:
         return out, None
