@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_choice, check_positive_int, check_qkv, compute_dtype
-from .linear import NORMALIZERS, _normalize
+from .linear import NORMALIZERS, _check_eps, _normalize
 from .precision import autocast_off
 
 KERNELS = ("exp", "rbf", "poly", "linear")
@@ -43,23 +43,14 @@ def kernel_attention(
     weights become the product kernel κ(q_t, k_s)·P[t, s] (Tsai et al.'s content × position kernel).
 
     normalizer: as in ``linear_attention`` ("kernel": the row sum, scale-free, an all-zero row gives 0; with
-    ``eps`` given the row sum clamped at eps; "count": number of keys attended, "none"). Default: "kernel" for the non-negative kernels (exp, rbf, even-degree poly) and
-    "count" for signed ones (linear, odd-degree poly), whose row sums can be ≤ 0.
+    ``eps`` given the row sum clamped at eps; "count": number of keys attended, "none"). Default: "kernel" for
+    the non-negative kernels (exp, rbf, even-degree poly) and "count" for signed ones (linear, odd-degree poly),
+    whose row sums can be ≤ 0.
     Half precision is computed in float32, also under ``torch.autocast`` (disabled inside); the output has v's dtype.
     """
-    check_qkv(q, k, v, causal=False)
-    if causal and q.shape[2] > k.shape[2]:
-        raise ValueError(f"causal attention needs q no longer than k, got q T={q.shape[2]} and k T={k.shape[2]}")
-    check_choice("kernel", kernel, KERNELS)
-    check_positive_int("degree", degree)
-    if scale is not None and not scale > 0:
-        raise ValueError(f"scale must be > 0 or None, got {scale!r}")
-    if eps is not None and not eps > 0:
-        raise ValueError(f"eps must be > 0 or None, got {eps!r}")
-    signed = kernel == "linear" or (kernel == "poly" and degree % 2 == 1)
-    if normalizer is None:
-        normalizer = "count" if signed else "kernel"
-    check_choice("normalizer", normalizer, NORMALIZERS)
+    normalizer = _check_args(
+        q, k, v, kernel=kernel, causal=causal, scale=scale, degree=degree, normalizer=normalizer, eps=eps
+    )
     out_dtype = v.dtype
     dt = compute_dtype(q.dtype)
     q, k, v = q.to(dt), k.to(dt), v.to(dt)
@@ -69,10 +60,36 @@ def kernel_attention(
     if position_kernel is not None:
         position_kernel = _check_position_kernel(position_kernel, q, Tq, Tk).to(dt)
 
-    dots = torch.einsum("bhtd,bhsd->bhts", q, k)  # (B, H, Tq, Tk)
     keep = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device)
     if causal:
         keep = keep.tril(Tk - Tq)
+    weights = _kernel_weights(q, k, keep, kernel, s, degree, position_kernel, normalizer)
+    num = weights @ v  # (B, H, Tq, Dv)
+    count = keep.sum(-1).to(dt).expand(B, H, Tq)
+    return _normalize(num, weights.sum(-1), count, normalizer, eps).to(out_dtype)
+
+
+def _check_args(q, k, v, *, kernel, causal, scale, degree, normalizer, eps) -> str:
+    """Check ``kernel_attention``'s arguments; return the normalizer, by default chosen by the kernel's sign."""
+    check_qkv(q, k, v, causal=False)
+    if causal and q.shape[2] > k.shape[2]:
+        raise ValueError(f"causal attention needs q no longer than k, got q T={q.shape[2]} and k T={k.shape[2]}")
+    check_choice("kernel", kernel, KERNELS)
+    check_positive_int("degree", degree)
+    if scale is not None and not scale > 0:
+        raise ValueError(f"scale must be > 0 or None, got {scale!r}")
+    _check_eps(eps)
+    if normalizer is None:
+        # signed kernels' row sums can be ≤ 0, and dividing by them would flip signs
+        signed = kernel == "linear" or (kernel == "poly" and degree % 2 == 1)
+        normalizer = "count" if signed else "kernel"
+    check_choice("normalizer", normalizer, NORMALIZERS)
+    return normalizer
+
+
+def _kernel_weights(q, k, keep, kernel, s, degree, position_kernel, normalizer) -> torch.Tensor:
+    """The (B, H, Tq, Tk) weights κ(q_t, k_s)·P[t, s] of ``kernel_attention``, zero where ``keep`` is False."""
+    dots = torch.einsum("bhtd,bhsd->bhts", q, k)  # (B, H, Tq, Tk)
     if kernel in ("exp", "rbf"):
         if kernel == "exp":
             logits = s * dots
@@ -91,10 +108,7 @@ def kernel_attention(
         if position_kernel is not None:
             weights = weights * position_kernel
         weights = weights.masked_fill(~keep, 0.0)
-
-    num = weights @ v  # (B, H, Tq, Dv)
-    count = keep.sum(-1).to(dt).expand(B, H, Tq)
-    return _normalize(num, weights.sum(-1), count, normalizer, eps).to(out_dtype)
+    return weights
 
 
 def _check_position_kernel(p: torch.Tensor, q: torch.Tensor, Tq: int, Tk: int) -> torch.Tensor:
@@ -103,7 +117,9 @@ def _check_position_kernel(p: torch.Tensor, q: torch.Tensor, Tq: int, Tk: int) -
     if p.device != q.device:
         raise ValueError(f"position_kernel is on {p.device} but q is on {q.device}")
     if p.dim() < 2 or p.dim() > 4 or tuple(p.shape[-2:]) != (Tq, Tk):
-        raise ValueError(f"position_kernel must end in (Tq, Tk) = ({Tq}, {Tk}) with at most 4 dims, got {tuple(p.shape)}")
+        raise ValueError(
+            f"position_kernel must end in (Tq, Tk) = ({Tq}, {Tk}) with at most 4 dims, got {tuple(p.shape)}"
+        )
     try:
         torch.broadcast_shapes(p.shape, (q.shape[0], q.shape[1], Tq, Tk))
     except RuntimeError:

@@ -53,6 +53,12 @@ def _normalize(
     return num
 
 
+def _check_eps(eps: float | None) -> None:
+    """Raise unless ``eps``, the normalisers' row-sum floor, is None or > 0 (``kernel_attention`` checks it too)."""
+    if eps is not None and not eps > 0:
+        raise ValueError(f"eps must be > 0 or None, got {eps!r}")
+
+
 @autocast_off
 def linear_attention(
     phi_q: torch.Tensor,
@@ -98,6 +104,19 @@ def linear_attention(
     state stays float32. Under ``torch.autocast`` the op still computes in float32 (autocast is disabled
     inside) and returns v's dtype.
     """
+    phi_q, phi_k, v, k_log_scale, out_dtype = _checked_inputs(
+        phi_q, phi_k, v, k_log_scale, causal=causal, eps=eps, normalizer=normalizer, chunk_len=chunk_len,
+        state=state, return_state=return_state,
+    )
+    if not causal:
+        out = _noncausal(phi_q, phi_k, v, k_log_scale, normalizer, eps)
+        return out.to(out_dtype)
+    out, new_state = _causal(phi_q, phi_k, v, k_log_scale, state, chunk_len or 64, normalizer, eps)
+    return (out.to(out_dtype), new_state) if return_state else out.to(out_dtype)
+
+
+def _checked_inputs(phi_q, phi_k, v, k_log_scale, *, causal, eps, normalizer, chunk_len, state, return_state):
+    """Check ``linear_attention``'s arguments; give phi_q, phi_k, v, k_log_scale in the compute dtype, and v's dtype."""
     for name, x in (("phi_q", phi_q), ("phi_k", phi_k), ("v", v)):
         check_4d(name, x)
     check_same_device_dtype(phi_q=phi_q, phi_k=phi_k)
@@ -107,8 +126,7 @@ def linear_attention(
     phi_q, phi_k, v = phi_q.to(dt), phi_k.to(dt), v.to(dt)
     check_qkv(phi_q, phi_k, v, causal=causal)
     check_choice("normalizer", normalizer, NORMALIZERS)
-    if eps is not None and not eps > 0:
-        raise ValueError(f"eps must be > 0 or None, got {eps!r}")
+    _check_eps(eps)
     if chunk_len is not None:
         check_positive_int("chunk_len", chunk_len)
     if not causal and (state is not None or return_state):
@@ -117,11 +135,7 @@ def linear_attention(
         k_log_scale = _check_log_scale(k_log_scale, phi_k).to(dt)
     if state is not None:
         _check_state(state, phi_k, v)
-    if not causal:
-        out = _noncausal(phi_q, phi_k, v, k_log_scale, normalizer, eps)
-        return out.to(out_dtype)
-    out, new_state = _causal(phi_q, phi_k, v, k_log_scale, state, chunk_len or 64, normalizer, eps)
-    return (out.to(out_dtype), new_state) if return_state else out.to(out_dtype)
+    return phi_q, phi_k, v, k_log_scale, out_dtype
 
 
 def _noncausal(phi_q, phi_k, v, ls, normalizer, eps):
