@@ -159,11 +159,15 @@ def chunk_vq_attention(q, k, v, c, a: Assignment | None, *, assign: str, state: 
                        q_rot=None, k_rot=None, bad=None):
     """Causal block algorithm over new tokens that may continue ``state``, whose raw window is re-run in front.
     ``a``: the keys' Assignment, or None (no state) to assign group by group; q_rot, k_rot: the window's queries
-    and keys (RoPE), whose keys the state keeps; ``bad`` (B, H, T): the rows of ``a`` to zero (non-finite keys).
-    Returns (out, state or None)."""
+    and keys (RoPE), whose keys the state keeps; ``bad`` (B, H, T): the rows of ``a`` to zero (non-finite keys), where
+    the kernel would otherwise leak them to earlier queries. Returns (out, state or None)."""
     B, H, T, _ = q.shape
     S, Dv, L = c.shape[1], v.shape[-1], block_len
     window_k = k if k_rot is None else k_rot
+    if assign != "soft" or exact_window:
+        # Only the mixture's window logits read a key's weights directly. Everywhere else they reach the cache
+        # alone, which only the queries that see the key read, and the poison makes those NaN anyway.
+        bad = None
     if state is None:
         start, counts0, sums0 = 0, q.new_zeros(B, H, S), q.new_zeros(B, H, S, Dv)
     else:
