@@ -137,6 +137,12 @@ def group_windows(piece: torch.Tensor, before: torch.Tensor, L: int) -> torch.Te
     return torch.cat([previous_blocks(piece, before, L), blocks(piece, L)], dim=3)
 
 
+def time_range(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """x[:, :, start:stop], or x itself when that is all of it: the backward pass of a slice zero-fills a gradient
+    of x's full size and copies into it, even for a slice that keeps everything."""
+    return x if (start, stop) == (0, x.shape[2]) else x[:, :, start:stop]
+
+
 def window_start(length: int, block_len: int) -> int:
     """First position still uncompressed for the next query at ``length`` (start of its previous block)."""
     return max(0, (length // block_len - 1) * block_len)

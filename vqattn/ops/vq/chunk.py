@@ -32,6 +32,7 @@ from ..blocks import (
     prepend_window,
     previous_blocks,
     split_groups,
+    time_range,
     window_start,
     window_tail,
 )
@@ -146,7 +147,7 @@ def _causal(q, k, v, c, a: Assignment | None, *, assign: str, L: int, scale: flo
         if fold:
             n, s = code_statistics(map_time(lambda x: x[:, :, :fold], a_g), v_g[:, :, :fold], S)
             fold_counts, fold_sums = fold_counts + n.squeeze(2), fold_sums + s.squeeze(2)
-    return torch.cat(outs, 2)[:, :, :T], fold_counts, fold_sums
+    return time_range(torch.cat(outs, 2), 0, T), fold_counts, fold_sums
 
 
 def block_bytes(B: int, H: int, L: int, S: int, element_size: int) -> int:
@@ -185,7 +186,7 @@ def chunk_vq_attention(q, k, v, c, a: Assignment | None, *, assign: str, state: 
                                 counts0=counts0, sums0=sums0, assign_keys=assign_keys,
                                 fold_blocks=keep // L if return_state else 0, schedule=schedule, window_q=q_rot,
                                 window_k=window_k, bad=bad)
-    out = out[:, :, out.shape[2] - T :]
+    out = time_range(out, out.shape[2] - T, out.shape[2])
     if not return_state:
         return out, None
     window = assign_keys(k[:, :, keep:]) if a is None else map_time(lambda x: window_tail(x, keep), a)
