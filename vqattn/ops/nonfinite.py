@@ -6,17 +6,18 @@ Softmax attention turns a key k_j with a NaN (or infinite) entry into NaN output
 would instead reach the earlier queries of its block too, through their masked entries (−inf + NaN and 0·NaN are
 NaN).
 
-So :func:`~vqattn.ops.vq.vq_attention` zeroes the rows of non-finite keys (and of their assignment) before the
-kernels and adds to every output the poison
+So :func:`~vqattn.ops.vq.vq_attention` zeroes the rows of non-finite keys before the kernels and adds to every
+output the poison
 
     p_i = Σ_{j ≤ i} 0 · [k_j not finite]  (NaN · 0 = NaN)      (all j when not causal)
 
 which is 0, or NaN once a non-finite key is visible. A state carries it in its counts, so decoding after such a key
-stays NaN. :func:`~vqattn.ops.window.window_attention` does the same over each query's raw window only
-(:func:`window_poison`): a bad key stops mattering once it has left the window. Everything is masked tensor
-arithmetic: no host synchronisation in a training step. The block form masks a given assignment group by group
-(:func:`~vqattn.ops.vq.chunk.chunk_vq_attention`): a soft assignment's (T, S) weights are the op's largest input,
-and masking a whole copy of them took a tenth of the soft layer's step on CPU.
+stays NaN. A given soft assignment's weights of a bad key are NaN too; they are zeroed where a kernel reads them for
+queries that cannot see the key: the soft mixture's window (group by group, never a copy of the whole (T, S)
+weights, the op's largest input) and the recurrent and non-causal forms. Elsewhere they only enter the cache,
+which only the queries that see the key read. :func:`~vqattn.ops.window.window_attention` does the same over each
+query's raw window only (:func:`window_poison`): a bad key stops mattering once it has left the window. Everything
+is masked tensor arithmetic: no host synchronisation in a training step.
 """
 
 from __future__ import annotations
