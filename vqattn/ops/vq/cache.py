@@ -59,29 +59,27 @@ def _block_caches(sums: torch.Tensor, updates: CacheUpdates) -> tuple[torch.Tens
     return torch.cat([sums.unsqueeze(1), ends[:, :-1]], 1), ends[:, -1]
 
 
-def read_cache(logits: torch.Tensor, sums: torch.Tensor, updates: CacheUpdates, probabilities, loop: bool):
-    """num_b = p_b · C_b for every block b of a group, with p_b = ``probabilities(b, logits_b, out)`` block b's
-    code weights from its code logits, written into ``out``. Returns p (N, n, L, S), num (N, n, L, Dv) and C_n
-    (N, S, Dv). ``probabilities`` takes a block index b and logits_b (N, L, S), or b = ``slice(None)`` and every
-    block's logits (N, n, L, S).
+def read_cache(p: torch.Tensor, sums: torch.Tensor, updates: CacheUpdates, loop: bool):
+    """num_b = p_b · C_b for every block b of a group, with p (N, n, L, S) the blocks' code weights. Returns num
+    (N, n, L, Dv) and C_n (N, S, Dv).
 
     ``loop``: the blocks run one after another while their (L, S) tiles and one running (S, Dv) cache per
     batch·head stay in cache (CPU): every pass over the (T, S) weights is a pass over memory otherwise, and a
-    cache per block is 8× a block's keys at S = 512, L = 64.
+    cache per block is 8× a block's keys at S = 512, L = 64. The weights p are formed for the whole group
+    beforehand by the caller: they do not depend on the cache, and a dozen elementwise passes per block
+    (tens of microseconds each) cost more in dispatch than in arithmetic.
     """
-    p = torch.empty_like(logits)
     if not loop:
         caches, last = _block_caches(sums, updates)
-        probabilities(slice(None), logits, p)
-        return p, p @ caches, last
-    N, n, L, _ = logits.shape
+        return p @ caches, last
+    N, n, L, _ = p.shape
     cache = sums.clone()
     slots = None if updates.index is None else _flat_slots(updates.index, sums.shape[1])
-    num = logits.new_empty(n, N, L, sums.shape[-1])
+    num = p.new_empty(n, N, L, sums.shape[-1])
     for b in range(n):
-        torch.bmm(probabilities(b, logits[:, b], p[:, b]), cache, out=num[b])
+        torch.bmm(p[:, b], cache, out=num[b])
         _add_block(cache, updates, slots, b, 1.0)
-    return p, num.transpose(0, 1), cache
+    return num.transpose(0, 1), cache
 
 
 class CacheGradients(NamedTuple):

@@ -51,13 +51,9 @@ class MixtureAttention(torch.autograd.Function):
     @autocast_off
     def forward(ctx, loop: bool, *args):
         x = MixtureInputs(*args)
-
-        def probabilities(b, logits, out):
-            torch.sub(logits, logits.amax(-1, keepdim=True), out=out)
-            return out.clamp_min_(MIXTURE_FLOOR).exp_()
-
-        code_logits = code_logits_of(x.queries, x.codebook)
-        p, num, last = read_cache(code_logits, x.sums, CacheUpdates(x.values, None, x.weights), probabilities, loop)
+        p = code_logits_of(x.queries, x.codebook)  # the logits, then in place their exp (N, nb, L, S)
+        p.sub_(p.amax(-1, keepdim=True)).clamp_min_(MIXTURE_FLOOR).exp_()
+        num, last = read_cache(p, x.sums, CacheUpdates(x.values, None, x.weights), loop)
         a = torch.matmul(p, x.weights.transpose(-1, -2)).mul_(x.window_mask)  # (N, nb, L, L)
         total = torch.matmul(a, x.values).add_(num)  # (N, nb, L, Dv + 1)
         den = total[..., -1:]

@@ -133,21 +133,17 @@ class WindowCodeAttention(torch.autograd.Function):
 
 def _read_codes(x: WindowCodeInputs, code_logits, m, loop: bool):
     """The codes' unnormalised probabilities e^{q·c + log n − m} / n = e^{q·c − m} (m raised to the codes' max,
-    in place; 0 for empty codes), the numerators p_b·C_b, the last cache and the codes' share of the row sums."""
-    z_codes = torch.empty_like(m)
+    in place; 0 for empty codes), formed in place of ``code_logits`` for every block at once, the numerators
+    p_b·C_b, the last cache and the codes' share of the row sums."""
     tiny = torch.finfo(x.counts.dtype).tiny
     log_n = torch.where(x.counts > 0, x.counts.clamp_min(tiny).log(), float("-inf"))  # log 0 = −inf
-
-    def probabilities(b, logits, out):  # exp(logit + log n − m) / n, and its row sums
-        torch.add(logits, log_n[:, b].unsqueeze(-2), out=out)
-        m[:, b] = torch.maximum(m[:, b], out.amax(-1, keepdim=True))
-        floored_exp_(out.sub_(m[:, b]))
-        z_codes[:, b] = out.sum(-1, keepdim=True)
-        return out.div_(x.counts[:, b].clamp_min(tiny).unsqueeze(-2))  # empty codes: 0 / tiny
-
-    updates = CacheUpdates(x.add_values, x.add_index, x.add_weights)
-    p_codes, num, last = read_cache(code_logits, x.sums, updates, probabilities, loop)
-    return p_codes, num, last, z_codes
+    p = code_logits.add_(log_n.unsqueeze(-2))  # (N, nb, L, S)
+    torch.maximum(m, p.amax(-1, keepdim=True), out=m)
+    floored_exp_(p.sub_(m))
+    z_codes = p.sum(-1, keepdim=True)
+    p.div_(x.counts.clamp_min(tiny).unsqueeze(-2))  # empty codes: 0 / tiny
+    num, last = read_cache(p, x.sums, CacheUpdates(x.add_values, x.add_index, x.add_weights), loop)
+    return p, num, last, z_codes
 
 
 def _codes_backward(ctx, need, grad_out, grad_last, delta, ds_window, p_codes, counts, queries, codebook, sums, last,
