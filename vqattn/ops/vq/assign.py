@@ -169,7 +169,8 @@ def code_counts(a: Assignment, num_codes: int, num_groups: int, *, dtype: torch.
         return a.weights.view(*a.weights.shape[:2], num_groups, -1, num_codes).sum(3)
     B, H, T = a.index.shape
     ones = torch.ones((), device=a.index.device, dtype=dtype).expand(B, H, T)
-    counts = ones.new_zeros(B, H, num_groups * num_codes).scatter_add_(2, _group_slots(a.index, num_codes, num_groups), ones)
+    slots = _group_slots(a.index, num_codes, num_groups)
+    counts = ones.new_zeros(B, H, num_groups * num_codes).scatter_add_(2, slots, ones)
     return counts.view(B, H, num_groups, num_codes)
 
 

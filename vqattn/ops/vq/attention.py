@@ -124,7 +124,7 @@ def _keys_assignment(assignment: Assignment | None, k, assign_keys, *, whole: bo
 def _causal_form(q, k, v, c, a, bad, *, recurrent: bool, assign, state, block_len, scale, exact_window, assign_keys,
                  return_state, schedule, q_rot, k_rot):
     """The recurrent or the chunk form of causal attention: (out, the state after the new tokens or None). The
-    chunk form zeroes the ``bad`` rows of a given assignment ``a`` itself, group by group."""
+    chunk form zeroes the ``bad`` rows of a given assignment ``a`` itself, only where its kernels would leak them."""
     L = block_len or (state.block_len if state is not None else DEFAULT_BLOCK_LEN)
     if recurrent:
         state = VQState.empty(k, v, c.shape[1], L, assign) if state is None else state
@@ -189,9 +189,10 @@ def vq_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, codebook: to
     a = _keys_assignment(assignment, k, assign_keys, whole=not causal or state is not None or recurrent)
     if not causal:
         return (_non_causal(q, k, v, c, zero_assignment_rows(a, bad), scale) + poison).to(in_dtype)
-    out, new_state = _causal_form(q, k, v, c, a, bad, recurrent=recurrent, assign=assign, state=state, block_len=block_len,
-                                  scale=scale, exact_window=exact_window, assign_keys=assign_keys,
-                                  return_state=return_state, schedule=schedule, q_rot=q_rot, k_rot=k_rot)
+    out, new_state = _causal_form(q, k, v, c, a, bad, recurrent=recurrent, assign=assign, state=state,
+                                  block_len=block_len, scale=scale, exact_window=exact_window,
+                                  assign_keys=assign_keys, return_state=return_state, schedule=schedule,
+                                  q_rot=q_rot, k_rot=k_rot)
     out = (out + poison).to(in_dtype)
     # the state carries the poison in its counts
     return (out, dataclasses.replace(new_state, counts=new_state.counts + poison[:, :, -1])) if return_state else out

@@ -176,8 +176,8 @@ def _sum_to_shape(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 
 def window_code_attention(inputs: WindowCodeInputs, loop: bool):
     """:class:`WindowCodeAttention` on (B, H, nb, ...) tensors, flattened to B·H for the kernel; codebook (H, S, D)
-    and window_bias (nb, L, 2L) are broadcast (a codebook (B, H, nb, S, D) gives every block its own codes). Returns out (B, H, nb·L, Dv) and the cache after the last block
-    (B, H, S, Dv), or None without codes."""
+    and window_bias (nb, L, 2L) are broadcast (a codebook (B, H, nb, S, D) gives every block its own codes).
+    Returns out (B, H, nb·L, Dv) and the cache after the last block (B, H, S, Dv), or None without codes."""
     B, H, nb, W, Dv = inputs.window_values.shape
     flat = {f: None if x is None else x.reshape(B * H, *x.shape[2:])
             for f, x in inputs._asdict().items() if f not in ("window_bias", "codebook")}
