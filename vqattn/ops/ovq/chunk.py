@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ..blocks import blocks, group_windows, loops, pad_to_blocks, previous_blocks, window_bias, window_start, \
-    window_tail
+from ..blocks import blocks, group_windows, loops, pad_to_blocks, window_bias, window_start, window_tail
 from ..vq.assign import Assignment, code_statistics
-from ..vq.cache import CacheUpdates
 from ..vq.window_codes import WindowCodeInputs, window_code_attention
 from .memory import lagged_sum, online_slots, statistics
 from .state import Inputs, OVQState
@@ -31,11 +29,6 @@ def _with_prefix(x: Inputs, state: OVQState) -> Inputs:
     return x._replace(q=cat(zeros, x.q), q_mem=cat(zeros, x.q_mem), k=cat(state.keys, x.k), v=cat(state.values, x.v),
                       k_mem=cat(state.memory_keys if x.separate_keys else state.keys, x.k_mem),
                       slots=cat(state.slots, x.slots), slot_weights=cat(state.slot_weights, x.slot_weights))
-
-
-def _previous(x: torch.Tensor | None, L: int) -> torch.Tensor | None:
-    """The block before each block (zeros before the first): (B, H, nb, L, ...)."""
-    return None if x is None else previous_blocks(x, x.new_zeros(*x.shape[:2], L, *x.shape[3:]), L)
 
 
 def chunk_forward(x: Inputs, state: OVQState | None, return_state: bool) -> tuple[torch.Tensor, OVQState | None]:
@@ -65,10 +58,12 @@ def chunk_forward(x: Inputs, state: OVQState | None, return_state: bool) -> tupl
     inputs = WindowCodeInputs(
         queries=blocks(q_mem * x.scale, L), window_keys=group_windows(k, k.new_zeros(B, H, L, D), L),
         window_bias=window_bias(nb, L, q.device, q.dtype), window_values=group_windows(v, v.new_zeros(B, H, L, Dv), L),
-        counts=counts, sums=state.value_sums, add_values=_previous(v, L), add_index=_previous(slots, L),
-        add_weights=_previous(weights, L), codebook=key_means,
+        counts=counts, sums=state.value_sums, add_values=blocks(v, L),
+        add_index=None if slots is None else blocks(slots, L),
+        add_weights=None if weights is None else blocks(weights, L), pending=torch.zeros_like(state.value_sums),
+        codebook=key_means,
         window_queries=None if shared_queries else blocks(q * x.scale, L))
-    out, _ = window_code_attention(inputs, loop)
+    out = window_code_attention(inputs, loop)[0]
     out = out[:, :, x.k.shape[2] - T : x.k.shape[2]]
     if not return_state:
         return out, None

@@ -30,7 +30,6 @@ from ..blocks import (
     loops,
     pad_to_blocks,
     prepend_window,
-    previous_blocks,
     split_groups,
     time_range,
     window_start,
@@ -38,7 +37,6 @@ from ..blocks import (
 )
 from ..nonfinite import zero_assignment_rows
 from .assign import Assignment, cat_time, code_counts, code_statistics, map_time
-from .cache import CacheUpdates
 from .mixture import mixture_attention
 from .recurrent import VQState
 from .window_codes import WindowCodeInputs, window_code_attention
@@ -63,11 +61,14 @@ class Group(NamedTuple):
 class Carry(NamedTuple):
     """What a group hands the next: ``run`` (B, H, S), the counts of the next group's first block's cache without
     ``tail`` (B, H, lag, S), the counts of the last ``lag`` blocks, which enter the caches of the next group's
-    blocks one by one; ``sums`` (B, H, S, Dv), the value sums of the next group's first block's cache."""
+    blocks one by one; ``sums`` (B, H, S, Dv), the value sums of the next group's first block's cache, and (lag 2)
+    ``pending`` (B, H, S, Dv), the value sums of the group's last block, which enter after the next group's first.
+    """
 
     run: torch.Tensor
     tail: torch.Tensor
     sums: torch.Tensor
+    pending: torch.Tensor | None = None
 
 
 def _window_group(g: Group, carry: Carry, *, c, L: int, loop: bool, gathered: bool):
@@ -80,17 +81,18 @@ def _window_group(g: Group, carry: Carry, *, c, L: int, loop: bool, gathered: bo
     counts = torch.cat([carry.tail, code_counts(g.a, S, n, dtype=g.q.dtype)], 2)  # (B, H, 2 + n, S)
     entering, tail = counts.split([n, 2], 2)
     cache_counts = carry.run.unsqueeze(2) + entering.cumsum(2)  # (B, H, n, S), block b's cache
-    leaving = [None if x is None else previous_blocks(x, y, L) for x, y in zip(g.a, g.a_before)]
-    updates = CacheUpdates(previous_blocks(g.v, g.v_before, L), leaving[1], leaving[0])
+    # The value sums enter from the group's own blocks (and the carried pending ones), so the (n·L, S) weights are
+    # never copied shifted by a block, nor their gradient shifted back.
+    index, weights = (None if x is None else blocks(x, L) for x in (g.a.index, g.a.weights))
     inputs = WindowCodeInputs(
         queries=blocks(g.q, L), window_keys=group_windows(g.k, g.k_before, L),
         window_bias=group_window_bias(g.first, n, L, g.q.device, g.q.dtype),
         window_values=group_windows(g.v, g.v_before, L), counts=cache_counts, sums=carry.sums,
-        add_values=updates.values, add_index=updates.index, add_weights=updates.weights, codebook=c,
+        add_values=blocks(g.v, L), add_index=index, add_weights=weights, pending=carry.pending, codebook=c,
         window_codes=group_windows(g.a.index, g.a_before.index, L) if gathered else None,
         window_queries=None if g.window_q is None else blocks(g.window_q, L))
-    out, sums = window_code_attention(inputs, loop)
-    return out, Carry(cache_counts[:, :, -1], tail, sums)
+    out, sums, pending = window_code_attention(inputs, loop)
+    return out, Carry(cache_counts[:, :, -1], tail, sums, pending)
 
 
 def _mixture_group(g: Group, carry: Carry, *, c, L: int, loop: bool):
@@ -118,18 +120,19 @@ def _causal(q, k, v, c, a: Assignment | None, *, assign: str, L: int, scale: flo
     nb = -(-T // L)
     mixture = assign == "soft" and not exact_window
     lag = 1 if mixture else 2
+    gathered = not mixture and not exact_window  # window logits gathered at the window keys' codes (hard VQ)
     groups = block_groups(nb, block_bytes(B, H, L, S, q.element_size()), q.device, schedule.group_blocks)
     split = lambda x: None if x is None else split_groups(pad_to_blocks(x, L), groups, L)  # noqa: E731
     qs, vs, window_ks, window_qs = split(q), split(v), split(window_k), split(window_q)
     assign_ks = None if a is not None else window_ks if k is window_k else split(k)
     a_splits, bads = None if a is None else [split(x) for x in a], split(bad)
-    carry = Carry(counts0, q.new_zeros(B, H, lag, S), sums0)
+    carry = Carry(counts0, q.new_zeros(B, H, lag, S), sums0, None if mixture else torch.zeros_like(sums0))
     outs, fold_counts, fold_sums = [], counts0, sums0
     loop = loops(schedule, q.device)
     for i, (b0, b1) in enumerate(groups):
         (q_g, _), (k_g, k_before), (v_g, v_before) = qs[i], window_ks[i], vs[i]
         if a is None:
-            a_g, a_before = assign_keys(assign_ks[i][0]), (assign_keys(assign_ks[i][1]) if lag == 2 else None)
+            a_g, a_before = assign_keys(assign_ks[i][0]), (assign_keys(assign_ks[i][1]) if gathered else None)
         else:
             a_g, a_before = (Assignment(*parts) for parts in zip(*((None, None) if x is None else x[i]
                                                                     for x in a_splits)))
@@ -141,7 +144,7 @@ def _causal(q, k, v, c, a: Assignment | None, *, assign: str, L: int, scale: flo
         if mixture:
             out, carry = _mixture_group(g, carry, c=c, L=L, loop=loop)
         else:
-            out, carry = _window_group(g, carry, c=c, L=L, loop=loop, gathered=not exact_window)
+            out, carry = _window_group(g, carry, c=c, L=L, loop=loop, gathered=gathered)
         outs.append(out)
         fold = size_min(size_max(fold_blocks - b0, 0), b1 - b0) * L
         if fold:

@@ -53,7 +53,7 @@ class MixtureAttention(torch.autograd.Function):
         x = MixtureInputs(*args)
         p = code_logits_of(x.queries, x.codebook)  # the logits, then in place their exp (N, nb, L, S)
         p.sub_(p.amax(-1, keepdim=True)).clamp_min_(MIXTURE_FLOOR).exp_()
-        num, last = read_cache(p, x.sums, CacheUpdates(x.values, None, x.weights), loop)
+        num, last, _ = read_cache(p, x.sums, CacheUpdates(x.values, None, x.weights), loop)
         a = torch.matmul(p, x.weights.transpose(-1, -2)).mul_(x.window_mask)  # (N, nb, L, L)
         total = torch.matmul(a, x.values).add_(num)  # (N, nb, L, Dv + 1)
         den = total[..., -1:]

@@ -32,9 +32,10 @@ class WindowCodeInputs(NamedTuple):
         ``window_queries`` is given); window_keys (N, nb, 2L, D), window_bias broadcastable to (N, nb, L, 2L),
         window_values (N, nb, 2L, Dv).
     Codes (all None for window-only attention): counts (N, nb, S) every block's cache counts; sums (N, S, Dv) the
-        value sums of block 0's cache, and add_values (N, nb, L, Dv) with add_index (N, nb, L) or add_weights
-        (N, nb, L, S) what each block adds for the next (:class:`CacheUpdates`); codebook (N, S, Dc), or
-        (N, nb, S, Dc) one per block.
+        value sums of block 0's cache; add_values (N, nb, L, Dv) with add_index (N, nb, L) or add_weights
+        (N, nb, L, S) every block's statistics, which enter the cache after the block that follows it
+        (:class:`CacheUpdates`), and pending (N, S, Dv) the statistics of the block before block 0, which enter
+        after block 0; codebook (N, S, Dc), or (N, nb, S, Dc) one per block.
     window_codes (N, nb, 2L): the code z_j of every window key (hard VQ): the window logits are then the code
         logits q·c_{z_j}, gathered instead of multiplied, with the straight-through gradient to window_keys.
     window_queries (N, nb, L, D): other queries for the window logits (RoPE: rotated queries and keys score the
@@ -50,6 +51,7 @@ class WindowCodeInputs(NamedTuple):
     add_values: torch.Tensor | None = None
     add_index: torch.Tensor | None = None
     add_weights: torch.Tensor | None = None
+    pending: torch.Tensor | None = None
     codebook: torch.Tensor | None = None
     window_codes: torch.Tensor | None = None
     window_queries: torch.Tensor | None = None
@@ -64,8 +66,9 @@ class WindowCodeAttention(torch.autograd.Function):
     (:class:`WindowCodeInputs`; qw = window_queries or queries). Hand-written forward and backward
     (flash-attention style: dS = P ⊙ (dP − rowsum(dO ⊙ O))): the two groups are never concatenated and only the
     probabilities are kept for the backward pass. The code means are never formed: the code probabilities are
-    divided by the counts instead. Returns out (N, nb, L, Dv) and the cache after the last block (N, S, Dv), None
-    without codes. ``loop``: the :class:`~vqattn.ops.blocks.Schedule` of the cache reads.
+    divided by the counts instead. Returns out (N, nb, L, Dv), the cache after the last block and the last block's
+    statistics (the next group's ``pending``), both (N, S, Dv), or None without codes. ``loop``: the
+    :class:`~vqattn.ops.blocks.Schedule` of the cache reads.
     """
 
     @staticmethod
@@ -83,9 +86,9 @@ class WindowCodeAttention(torch.autograd.Function):
         else:
             p_window = torch.matmul(window_queries, x.window_keys.transpose(-1, -2)).add_(x.window_bias)
         m = p_window.amax(-1, keepdim=True)  # finite: the diagonal is always visible
-        p_codes = last = None
+        p_codes = last = pending = None
         if code_logits is not None:
-            p_codes, num, last, z_codes = _read_codes(x, code_logits, m, loop)
+            p_codes, num, last, pending, z_codes = _read_codes(x, code_logits, m, loop)
         floored_exp_(p_window.sub_(m))
         z = p_window.sum(-1, keepdim=True)  # (N, nb, L, 1)
         # p_* stay unnormalised: dividing the (L, Dv) output is cheaper than the (L, 2L + S) probabilities.
@@ -97,15 +100,16 @@ class WindowCodeAttention(torch.autograd.Function):
         # With window codes the keys are not needed: their gradient ds_windowᵀ·qb does not read them.
         keys = x.window_keys if window_codes is None else None
         ctx.save_for_backward(x.queries, keys, x.window_values, x.counts, p_window, p_codes, out, z, window_codes,
-                              x.codebook, x.sums, last, x.add_values, x.add_index, x.add_weights, x.window_queries)
+                              x.codebook, x.sums, last, x.add_values, x.add_index, x.add_weights, x.pending,
+                              x.window_queries)
         ctx.window_bias_shape, ctx.loop = x.window_bias.shape, loop
-        return out, last
+        return out, last, pending
 
     @staticmethod
     @autocast_off
-    def backward(ctx, grad_out, grad_last):
+    def backward(ctx, grad_out, grad_last, grad_pending):
         (queries, keys, values, counts, p_window, p_codes, out, z, window_codes, codebook, sums, last, add_values,
-         add_index, add_weights, window_queries) = ctx.saved_tensors
+         add_index, add_weights, pending, window_queries) = ctx.saved_tensors
         need = WindowCodeInputs(*ctx.needs_input_grad[1:])
         grads = {}
         grad_out = grad_out / z  # with P = p / z, every P-term below becomes a p-term of this scaled gradient
@@ -119,9 +123,9 @@ class WindowCodeAttention(torch.autograd.Function):
         if need.window_values:
             grads["window_values"] = torch.matmul(p_window.transpose(-1, -2), grad_out)
         if p_codes is not None:
-            grads.update(_codes_backward(ctx, need, grad_out, grad_last, delta, ds_window, p_codes, counts, queries,
-                                         codebook, sums, last, CacheUpdates(add_values, add_index, add_weights),
-                                         window_codes))
+            grads.update(_codes_backward(ctx, need, grad_out, (grad_last, grad_pending), delta, ds_window, p_codes,
+                                         counts, queries, codebook, (sums, last, pending),
+                                         CacheUpdates(add_values, add_index, add_weights), window_codes))
         if window_codes is None and (need.window_queries or need.queries):
             dq_window = torch.matmul(ds_window, keys)
             if window_queries is not None:
@@ -134,7 +138,7 @@ class WindowCodeAttention(torch.autograd.Function):
 def _read_codes(x: WindowCodeInputs, code_logits, m, loop: bool):
     """The codes' unnormalised probabilities e^{q·c + log n − m} / n = e^{q·c − m} (m raised to the codes' max,
     in place; 0 for empty codes), formed in place of ``code_logits`` for every block at once, the numerators
-    p_b·C_b, the last cache and the codes' share of the row sums."""
+    p_b·C_b, the last cache, the last block's statistics and the codes' share of the row sums."""
     tiny = torch.finfo(x.counts.dtype).tiny
     log_n = torch.where(x.counts > 0, x.counts.clamp_min(tiny).log(), float("-inf"))  # log 0 = −inf
     p = code_logits.add_(log_n.unsqueeze(-2))  # (N, nb, L, S)
@@ -142,23 +146,28 @@ def _read_codes(x: WindowCodeInputs, code_logits, m, loop: bool):
     floored_exp_(p.sub_(m))
     z_codes = p.sum(-1, keepdim=True)
     p.div_(x.counts.clamp_min(tiny).unsqueeze(-2))  # empty codes: 0 / tiny
-    num, last = read_cache(p, x.sums, CacheUpdates(x.add_values, x.add_index, x.add_weights), loop)
-    return p, num, last, z_codes
+    updates = CacheUpdates(x.add_values, x.add_index, x.add_weights)
+    num, last, pending = read_cache(p, x.sums, updates, loop, x.pending)
+    return p, num, last, pending, z_codes
 
 
-def _codes_backward(ctx, need, grad_out, grad_last, delta, ds_window, p_codes, counts, queries, codebook, sums, last,
+def _codes_backward(ctx, need, grad_out, grad_caches, delta, ds_window, p_codes, counts, queries, codebook, caches,
                     updates: CacheUpdates, window_codes) -> dict:
     """Gradients through the codes: of the queries and the codebook (through the code logits, and the gathered
-    window logits), the counts, the first cache and the updates."""
+    window logits), the counts, the first cache, the updates and the pending statistics. ``caches``: the first and
+    last caches and the pending statistics; ``grad_caches``: the gradients of the last cache and of the last
+    block's statistics."""
+    (sums, last, pending), (grad_last, grad_pending) = caches, grad_caches
     # With window codes, q's window gradient goes through the code logits (scattered at z_j).
     logit_grads = LogitGradients(queries, codebook, need_q=need.queries, need_codebook=need.codebook,
                                  window_codes=window_codes, ds_window=ds_window)
     # (dO·mean_s − δ) p_s = (dO·C_s − δ n_s) p_s / n_s (p_codes is divided by the counts)
     cache = read_cache_backward(
         p_codes, grad_out, sums, last, grad_last, updates, need.add_values or need.add_weights,
-        lambda b, dp: dp.addcmul_(delta[:, b], counts[:, b].unsqueeze(-2), value=-1), logit_grads, ctx.loop)
+        lambda b, dp: dp.addcmul_(delta[:, b], counts[:, b].unsqueeze(-2), value=-1), logit_grads, ctx.loop,
+        pending=pending, grad_pending=grad_pending)
     grads = dict(queries=logit_grads.dq, codebook=logit_grads.dc, sums=cache.sums, add_values=cache.values,
-                 add_weights=cache.weights)
+                 add_weights=cache.weights, pending=cache.pending)
     if need.counts:
         # The output depends on n only through the row sums Σ_s e^{q·c_s} n_s (the numerators e^{q·c_s} C_s hold
         # no n): d/dn_s = −Σ_i δ_i e^{q_i·c_s} / z_i, where δ_i = dO_i·out_i.
@@ -177,7 +186,8 @@ def _sum_to_shape(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 def window_code_attention(inputs: WindowCodeInputs, loop: bool):
     """:class:`WindowCodeAttention` on (B, H, nb, ...) tensors, flattened to B·H for the kernel; codebook (H, S, D)
     and window_bias (nb, L, 2L) are broadcast (a codebook (B, H, nb, S, D) gives every block its own codes).
-    Returns out (B, H, nb·L, Dv) and the cache after the last block (B, H, S, Dv), or None without codes."""
+    Returns out (B, H, nb·L, Dv), the cache after the last block and the last block's statistics (B, H, S, Dv), or
+    None and None without codes."""
     B, H, nb, W, Dv = inputs.window_values.shape
     flat = {f: None if x is None else x.reshape(B * H, *x.shape[2:])
             for f, x in inputs._asdict().items() if f not in ("window_bias", "codebook")}
@@ -185,5 +195,6 @@ def window_code_attention(inputs: WindowCodeInputs, loop: bool):
     if codebook is not None:  # (H, S, D) shared by the batch, or (B, H, nb, S, D) per sequence and block
         codebook = codebook.flatten(0, 1) if codebook.dim() == 5 else codebook.expand(B, *codebook.shape).flatten(0, 1)
     x = WindowCodeInputs(**flat, window_bias=inputs.window_bias, codebook=codebook)
-    out, last = WindowCodeAttention.apply(loop, *x)
-    return out.view(B, H, -1, Dv), None if last is None else last.view(B, H, *last.shape[1:])
+    out, last, pending = WindowCodeAttention.apply(loop, *x)
+    unflat = lambda t: None if t is None else t.view(B, H, *t.shape[1:])  # noqa: E731
+    return out.view(B, H, -1, Dv), unflat(last), unflat(pending)
