@@ -164,7 +164,8 @@ def _group_slots(index: torch.Tensor, num_codes: int, num_groups: int) -> torch.
 
 
 def code_counts(a: Assignment, num_codes: int, num_groups: int, *, dtype: torch.dtype) -> torch.Tensor:
-    """Per-group code counts n_s = Σ_j Δ_js over consecutive groups of keys: (B, H, G, S)."""
+    """Per-group code counts n_s = Σ_j Δ_js over consecutive groups of keys: (B, H, G, S). Soft weights may come
+    as (B, H, T, S) or already grouped, (B, H, G, T/G, S)."""
     if a.index is None:
         return a.weights.view(*a.weights.shape[:2], num_groups, -1, num_codes).sum(3)
     B, H, T = a.index.shape

@@ -75,15 +75,17 @@ def _window_group(g: Group, carry: Carry, *, c, L: int, loop: bool, gathered: bo
     """Window (raw keys, or gathered code logits when ``gathered``) plus codes; the block b−1 leaving block b's
     window enters the cache after block b (lag 2)."""
     n, S = g.q.shape[2] // L, c.shape[1]
-    # The caches' counts add, in order, the tail and the group's own blocks but its last two, which are the next
-    # group's tail. One reduction of the whole assignment, split afterwards: the backward pass hands the (n·L, S)
-    # weights one expanded gradient, not a cat of two.
-    counts = torch.cat([carry.tail, code_counts(g.a, S, n, dtype=g.q.dtype)], 2)  # (B, H, 2 + n, S)
-    entering, tail = counts.split([n, 2], 2)
-    cache_counts = carry.run.unsqueeze(2) + entering.cumsum(2)  # (B, H, n, S), block b's cache
     # The value sums enter from the group's own blocks (and the carried pending ones), so the (n·L, S) weights are
     # never copied shifted by a block, nor their gradient shifted back.
     index, weights = (None if x is None else blocks(x, L) for x in (g.a.index, g.a.weights))
+    # The caches' counts add, in order, the tail and the group's own blocks but its last two, which are the next
+    # group's tail. One reduction of the whole assignment, split afterwards: the backward pass hands the weights
+    # one expanded gradient, not a cat of two; reduced from the same (n, L) view the kernel reads, so that the
+    # expanded gradient is added to the kernel's, never copied to be reshaped.
+    counts = code_counts(Assignment(weights, g.a.index), S, n, dtype=g.q.dtype)
+    counts = torch.cat([carry.tail, counts], 2)  # (B, H, 2 + n, S)
+    entering, tail = counts.split([n, 2], 2)
+    cache_counts = carry.run.unsqueeze(2) + entering.cumsum(2)  # (B, H, n, S), block b's cache
     inputs = WindowCodeInputs(
         queries=blocks(g.q, L), window_keys=group_windows(g.k, g.k_before, L),
         window_bias=group_window_bias(g.first, n, L, g.q.device, g.q.dtype),
