@@ -71,13 +71,33 @@ def test_chunked_state_matches_full(name, rope):
     torch.testing.assert_close(torch.cat((first, second), dim=1), full, rtol=0, atol=1e-12)
 
 
-def test_rope_matches_complex_rotation():
-    """Reference: pair (x_m, x_{m+D/2}) as the complex number x_m + i x_{m+D/2}, times e^{i pos θ_m}."""
-    x = torch.randn(1, 2, 5, 8, dtype=torch.float64)
-    theta = 100.0 ** (-torch.arange(4, dtype=torch.float64) / 4)
-    pos = torch.arange(3, 8, dtype=torch.float64)[:, None]
-    z = torch.complex(x[..., :4], x[..., 4:]) * torch.polar(torch.ones(5, 4, dtype=torch.float64), pos * theta)
-    torch.testing.assert_close(rope_rotate(x, 3, 100.0), torch.cat((z.real, z.imag), dim=-1), rtol=0, atol=1e-12)
+def complex_rope(x: torch.Tensor, start: int, base: float) -> torch.Tensor:
+    """Reference: pair (x_m, x_{m+D/2}) as the complex number x_m + i x_{m+D/2}, times e^{i pos θ_m}, float64."""
+    half = x.shape[-1] // 2
+    theta = base ** (-torch.arange(half, dtype=torch.float64) * 2 / x.shape[-1])
+    angle = torch.arange(start, start + x.shape[-2], dtype=torch.float64)[:, None] * theta
+    x = x.double()
+    z = torch.complex(x[..., :half], x[..., half:]) * torch.polar(torch.ones_like(angle), angle)
+    return torch.cat((z.real, z.imag), dim=-1)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("layout", ["contiguous", "heads_of_a_projection"])
+def test_rope_matches_complex_rotation_outputs_and_grads(dtype, tol, layout):
+    x = torch.randn(2, 7, 3, 8, dtype=torch.float64)  # (B, T, H, D), as a projection's output
+    x = x.transpose(1, 2)  # (B, H, T, D), a strided view as the layers rotate it
+    if layout == "contiguous":
+        x = x.contiguous()
+    x = x.to(dtype).requires_grad_()
+    grad = torch.randn(2, 3, 7, 8, dtype=torch.float64)
+    out = rope_rotate(x, 3, 100.0)
+    (out.double() * grad).sum().backward()
+    x_ref = x.detach().double().requires_grad_()
+    expected = complex_rope(x_ref, 3, 100.0)
+    (expected * grad).sum().backward()
+    assert out.dtype == dtype and x.grad.dtype == dtype
+    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
+    torch.testing.assert_close(x.grad.double(), x_ref.grad, rtol=tol, atol=tol)
 
 
 def test_rope_scores_depend_on_relative_position():
