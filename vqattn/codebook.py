@@ -33,6 +33,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 
 from .ops._checks import check_4d, check_choice, check_positive_int
 from .ops.precision import autocast_off
@@ -159,15 +160,18 @@ class Codebook(nn.Module):
         index = assignment.index if assignment.index is not None else assignment.weights.detach().max(-1).indices
         nearest = torch.gather(codes.unsqueeze(0).expand(k.shape[0], -1, -1, -1), 2,
                                index.unsqueeze(-1).expand(-1, -1, -1, self.dim))  # (B, H, T, D)
+        # mean (k − c_z)² over keys and dims: the commitment loss (hard), and, times D, the quantisation error
+        # recorded. One fused loss: a (B, H, T, D) difference and its square each cost a pass over memory.
+        error = F.mse_loss(keys if self.assign == "hard" else keys.detach(), nearest.detach())
         aux = keys.new_zeros(())
         if self.assign == "hard":
-            aux = self.commitment * (keys - nearest.detach()).pow(2).mean()
+            aux = self.commitment * error
             if self.learning == "grad":
-                aux = aux + (keys.detach() - nearest).pow(2).mean()
+                aux = aux + F.mse_loss(keys.detach(), nearest)
         counts = self._batch_counts(assignment)  # (H, S)
         if self.training:
             self._training_update(counts, assignment, keys.detach())
-        self._record_stats(counts, (keys.detach() - nearest.detach()).pow(2).sum(-1).mean())
+        self._record_stats(counts, error.detach() * self.dim)
         return CodebookOutput(codes.to(k.dtype), assignment, aux)  # aux stays float32 (a loss term)
 
     def _slots(self, index: torch.Tensor) -> torch.Tensor:
