@@ -5,6 +5,7 @@ kwargs (vq layers: exact window, codebook in training mode, ``--num-codes`` code
     python benchmarks/layer_speed.py                                   # T = 1k … 32k, every layer, fp32
     python benchmarks/layer_speed.py --lengths 8192 32768 --layers softmax vq_hard vq_soft window
     python benchmarks/layer_speed.py --device cuda --autocast bf16     # GPU: softmax runs SDPA's flash kernel
+    python benchmarks/layer_speed.py --device cuda --autocast bf16 --compile   # torch.compile(layer), as users train
 
 The loss is the sum of the outputs plus the layer's auxiliary loss; gradients reach x and every parameter. On the
 GPU, ``--autocast bf16`` runs the step as mixed-precision training does (parameters fp32, matmuls in bf16), where
@@ -35,9 +36,11 @@ def build(name: str, dim: int, num_heads: int, num_codes: int, device: str, dtyp
 
 
 def child(name: str, T: int, device: str, reps: int, dtype: str, autocast: str, dim: int, num_heads: int,
-          num_codes: int) -> dict:
+          num_codes: int, compiled: bool = False) -> dict:
     torch.manual_seed(0)
     layer = build(name, dim, num_heads, num_codes, device, DTYPES[dtype])
+    if compiled:
+        layer = torch.compile(layer)  # compiled by the warm-up step, which is not timed
     x = torch.randn(1, T, dim, device=device, dtype=DTYPES[dtype], requires_grad=True)
     mixed = torch.autocast(device, dtype=torch.bfloat16) if autocast == "bf16" else contextlib.nullcontext()
 
@@ -58,6 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES))
     parser.add_argument("--autocast", default="none", choices=AUTOCASTS)
+    parser.add_argument("--compile", action="store_true", help="time torch.compile(layer), as users train")
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--num-codes", type=int, default=512, help="codes per head of the vq layers")
@@ -72,13 +76,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 def measure(args: argparse.Namespace, name: str, T: int) -> dict:
     return run_child(__file__, [json.dumps({
         "name": name, "T": T, "device": args.device, "reps": args.reps, "dtype": args.dtype, "autocast": args.autocast,
-        "dim": args.dim, "num_heads": args.heads, "num_codes": args.num_codes})])
+        "dim": args.dim, "num_heads": args.heads, "num_codes": args.num_codes, "compiled": args.compile})])
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     print(f"# layer fwd+bwd, B=1 dim={args.dim} heads={args.heads} S={args.num_codes} {args.dtype} autocast "
-          f"{args.autocast}, training mode, {args.device}: {machine()}, torch {torch.__version__}; median of "
+          f"{args.autocast}{', compiled' if args.compile else ''}, training mode, {args.device}: {machine()}, torch {torch.__version__}; median of "
           f"{args.reps} reps in each of {args.rounds} interleaved rounds")
     if args.device == "cpu":
         print(f"# fresh memory costs {fresh_page_ms_per_mb():.2f} ms per MB beyond warm writes on this machine now")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+import json
 import math
 from pathlib import Path
 
@@ -23,6 +25,7 @@ def test_options_and_the_softmax_baseline(layer_speed):
     assert args.layers == ["softmax", "vq_hard"]  # the baseline of the ratios is always measured
     defaults = layer_speed.parse_args([])
     assert set(defaults.layers) == set(layer_speed.ATTENTIONS) and defaults.dim == 256 and defaults.heads == 4
+    assert not defaults.compile and layer_speed.parse_args(["--compile"]).compile
     with pytest.raises(SystemExit):
         layer_speed.parse_args(["--layers", "no_such_layer"])
 
@@ -32,6 +35,17 @@ def test_one_tiny_step_is_measured(layer_speed, name, autocast):
     result = layer_speed.child(name, T=40, device="cpu", reps=1, dtype="float32", autocast=autocast, dim=32,
                                num_heads=2, num_codes=8)
     assert result["ms"] > 0 and math.isfinite(result["peak_mb"])
+
+
+@pytest.mark.parametrize("flags", [[], ["--compile", "--autocast", "bf16"]])
+def test_every_option_reaches_the_child(layer_speed, monkeypatch, flags):
+    sent = []
+    monkeypatch.setattr(layer_speed, "run_child", lambda script, argv: sent.append(json.loads(argv[0])) or {})
+    args = layer_speed.parse_args(["--device", "cpu", *flags])
+    layer_speed.measure(args, "vq_soft", 64)
+    bound = inspect.signature(layer_speed.child).bind(**sent[0])  # every key is one of the child's arguments
+    bound.apply_defaults()
+    assert bound.arguments["compiled"] == ("--compile" in flags) and bound.arguments["autocast"] == args.autocast
 
 
 def test_ratios_are_medians_of_per_round_ratios(layer_speed):
