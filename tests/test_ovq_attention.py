@@ -14,6 +14,8 @@ from vqattn.ops.ovq import (
     ovq_attention,
     recurrent_ovq_attention,
 )
+from vqattn.ops import graphs
+from vqattn.ops.ovq import memory
 from vqattn.ops.ovq.memory import assign_block
 from vqattn.ops.ovq.naive import _assign_online
 from vqattn.ops.vq import RECURRENT_MAX_LEN
@@ -51,8 +53,8 @@ def outputs_and_grads(fn, tensors, fixed):
     leaves = {name: t.detach().clone().requires_grad_(True) for name, t in tensors.items()}
     out = fn(**leaves, **fixed)
     seed = torch.Generator().manual_seed(7)
-    grads = torch.autograd.grad(out, list(leaves.values()), torch.randn(out.shape, generator=seed, dtype=out.dtype),
-                                materialize_grads=True)  # the memory keys are unused while the memory is empty
+    grad_out = torch.randn(out.shape, generator=seed, dtype=out.dtype).to(out.device)
+    grads = torch.autograd.grad(out, list(leaves.values()), grad_out, materialize_grads=True)  # the memory keys are unused while the memory is empty
     return out.detach(), dict(zip(leaves, grads))
 
 
@@ -94,6 +96,22 @@ def test_chunked_calls_with_carried_state_match_naive(sizes, mode):
     tensors, fixed = make_inputs(5 * L + 1, mode)
     naive = outputs_and_grads(naive_ovq_attention, tensors, fixed)
     assert_same(outputs_and_grads(in_chunks(sizes), tensors, fixed), naive)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["online", "online-separate"])
+@pytest.mark.parametrize("sizes", [[], [9, 5]], ids=["one_call", "carried_state"])
+def test_cuda_graphed_online_assignment_matches_naive(sizes, mode):
+    """On a GPU the online assignment's block loop replays a captured CUDA graph: float64 on CUDA against the
+    naive loop on the CPU, three inputs through the same graphs (replays on new data), carried state included."""
+    graphs._GRAPHS.clear()
+    for seed in range(3):
+        tensors, fixed = make_inputs(5 * L + 1, mode, seed=seed)
+        naive = outputs_and_grads(naive_ovq_attention, tensors, fixed)
+        fn = in_chunks(sizes) if sizes else chunk_ovq_attention
+        out, grads = outputs_and_grads(fn, {name: t.cuda() for name, t in tensors.items()}, fixed)
+        assert_same((out.cpu(), {name: g.cpu() for name, g in grads.items()}), naive)
+    assert any(key[0] is memory._online_slots_loop for key in graphs._GRAPHS)  # the graph ran, not the eager loop
 
 
 def test_slots_open_over_several_blocks_and_fill_up():

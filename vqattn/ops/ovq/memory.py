@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ..graphs import can_graph, replay_graphed
 from ..vq.assign import Assignment, code_means, code_statistics, log_counts
 
 
@@ -105,12 +106,21 @@ def assign_block(keys: torch.Tensor, counts: torch.Tensor, key_sums: torch.Tenso
 def online_slots(memory_keys: torch.Tensor, counts: torch.Tensor, key_sums: torch.Tensor, L: int,
                  threshold: float) -> torch.Tensor:
     """:func:`assign_block` block after block, absorbing each block before the next: memory keys
-    (B, H, nb·L, D) and the memory before them -> (B, H, nb·L) slot indices."""
+    (B, H, nb·L, D) and the memory before them -> (B, H, nb·L) slot indices. On a GPU in eager mode the block
+    loop is one CUDA graph (:mod:`~vqattn.ops.graphs`): it is a few dozen tiny kernels per block."""
+    inputs = (memory_keys.detach(), counts.detach(), key_sums.detach())
+    if can_graph(*inputs):
+        return replay_graphed(_online_slots_loop, inputs, L, float(threshold))
+    return _online_slots_loop(*inputs, L, threshold)
+
+
+def _online_slots_loop(memory_keys: torch.Tensor, counts: torch.Tensor, key_sums: torch.Tensor, L: int,
+                       threshold: float) -> torch.Tensor:
     B, H, S, D = key_sums.shape
-    counts, key_sums = counts.detach().clone(), key_sums.detach().clone()
+    counts, key_sums = counts.clone(), key_sums.clone()
     offsets = torch.arange(B * H, device=counts.device).view(B, H, 1) * S  # rows of the flattened (B·H·S) slots
     out = []
-    for block in memory_keys.detach().split(L, 2):
+    for block in memory_keys.split(L, 2):
         slots = assign_block(block, counts, key_sums, threshold)
         rows = (slots + offsets).flatten()
         counts.view(-1).index_add_(0, rows, torch.ones_like(rows, dtype=counts.dtype))
