@@ -1,5 +1,5 @@
 """CUDA-graph replay of sequential kernel chains (vqattn.ops.graphs): replays equal eager on new data, results
-survive later replays, signatures are cached up to a limit. CPU tensors and compiled code take the eager path."""
+survive later replays, signatures are cached up to a limit. CPU tensors take the eager path."""
 
 import pytest
 import torch

@@ -255,6 +255,26 @@ def test_torch_compile_matches_eager(mode):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+def test_compile_keeps_the_online_assignment_one_operator():
+    """torch.compile sees the block loop of the online assignment as one operator, not unrolled per block: the
+    captured graph has the same nodes at any number of blocks."""
+    def graph_nodes(T):
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append([node.target for node in gm.graph.nodes])
+            return gm.forward
+
+        tensors, fixed = make_inputs(T, "online", dtype=torch.float32)
+        torch._dynamo.reset()
+        torch.compile(functools.partial(chunk_ovq_attention, **fixed), backend=backend, fullgraph=True)(**tensors)
+        return graphs[0]
+
+    short, long = graph_nodes(3 * L + 2), graph_nodes(12 * L + 1)
+    assert torch.ops.vqattn.ovq_online_slots.default in short
+    assert len(long) == len(short)
+
+
 def test_auto_picks_recurrent_for_short_continuations():
     tensors, fixed = make_inputs(2 * L + 1, "online")
     _, state = ovq_attention(**{n: x[:, :, :-1] for n, x in tensors.items()}, **fixed, return_state=True)

@@ -42,10 +42,9 @@ _GRAPHS: OrderedDict[tuple, _Captured] = OrderedDict()
 
 
 def can_graph(*tensors: torch.Tensor) -> bool:
-    """Whether :func:`replay_graphed` applies: CUDA tensors, eager mode (inductor compiles the chain itself), and
-    no graph being captured around us (the caller's capture then takes the chain in, kernel by kernel)."""
-    return (all(t.is_cuda for t in tensors) and not torch.compiler.is_compiling()
-            and not torch.cuda.is_current_stream_capturing())
+    """Whether :func:`replay_graphed` applies: CUDA tensors, and no graph being captured around us (the caller's
+    capture, e.g. torch.compile's ``mode="reduce-overhead"``, then takes the chain in kernel by kernel)."""
+    return all(t.is_cuda for t in tensors) and not torch.cuda.is_current_stream_capturing()
 
 
 @torch.no_grad()

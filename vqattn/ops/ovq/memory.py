@@ -106,12 +106,25 @@ def assign_block(keys: torch.Tensor, counts: torch.Tensor, key_sums: torch.Tenso
 def online_slots(memory_keys: torch.Tensor, counts: torch.Tensor, key_sums: torch.Tensor, L: int,
                  threshold: float) -> torch.Tensor:
     """:func:`assign_block` block after block, absorbing each block before the next: memory keys
-    (B, H, nb·L, D) and the memory before them -> (B, H, nb·L) slot indices. On a GPU in eager mode the block
-    loop is one CUDA graph (:mod:`~vqattn.ops.graphs`): it is a few dozen tiny kernels per block."""
-    inputs = (memory_keys.detach(), counts.detach(), key_sums.detach())
+    (B, H, nb·L, D) and the memory before them -> (B, H, nb·L) slot indices.
+
+    One opaque operator to ``torch.compile``, which would otherwise unroll the loop over every block into its
+    graph. On a GPU the loop is one CUDA graph (:mod:`~vqattn.ops.graphs`): a few dozen tiny kernels per block."""
+    return _online_slots_op(memory_keys.detach(), counts.detach(), key_sums.detach(), L, threshold)
+
+
+@torch.library.custom_op("vqattn::ovq_online_slots", mutates_args=())
+def _online_slots_op(memory_keys: torch.Tensor, counts: torch.Tensor, key_sums: torch.Tensor, L: int,
+                     threshold: float) -> torch.Tensor:
+    inputs = (memory_keys, counts, key_sums)
     if can_graph(*inputs):
-        return replay_graphed(_online_slots_loop, inputs, L, float(threshold))
+        return replay_graphed(_online_slots_loop, inputs, L, threshold)
     return _online_slots_loop(*inputs, L, threshold)
+
+
+@_online_slots_op.register_fake
+def _(memory_keys, counts, key_sums, L, threshold):
+    return memory_keys.new_empty(memory_keys.shape[:3], dtype=torch.long)
 
 
 def _online_slots_loop(memory_keys: torch.Tensor, counts: torch.Tensor, key_sums: torch.Tensor, L: int,
