@@ -255,24 +255,37 @@ def test_torch_compile_matches_eager(mode):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+def _compiled_graph(T: int, mode: str = "online") -> list:
+    """The nodes of the graph torch.compile captures (fullgraph) for chunk_ovq_attention at length T."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(list(gm.graph.nodes))
+        return gm.forward
+
+    tensors, fixed = make_inputs(T, mode, dtype=torch.float32)
+    torch._dynamo.reset()
+    torch.compile(functools.partial(chunk_ovq_attention, **fixed), backend=backend, fullgraph=True)(**tensors)
+    return graphs[0]
+
+
 def test_compile_keeps_the_online_assignment_one_operator():
     """torch.compile sees the block loop of the online assignment as one operator, not unrolled per block: the
     captured graph has the same nodes at any number of blocks."""
-    def graph_nodes(T):
-        graphs = []
-
-        def backend(gm, example_inputs):
-            graphs.append([node.target for node in gm.graph.nodes])
-            return gm.forward
-
-        tensors, fixed = make_inputs(T, "online", dtype=torch.float32)
-        torch._dynamo.reset()
-        torch.compile(functools.partial(chunk_ovq_attention, **fixed), backend=backend, fullgraph=True)(**tensors)
-        return graphs[0]
-
-    short, long = graph_nodes(3 * L + 2), graph_nodes(12 * L + 1)
-    assert torch.ops.vqattn.ovq_online_slots.default in short
+    short, long = _compiled_graph(3 * L + 2), _compiled_graph(12 * L + 1)
+    assert torch.ops.vqattn.ovq_online_slots.default in [node.target for node in short]
     assert len(long) == len(short)
+
+
+@pytest.mark.parametrize("mode", ["online", "slots"])
+def test_compiled_graph_is_linear_in_length(mode):
+    """No intermediate of the compiled op grows faster than T (per-block statistics were once a (T, nb·S)
+    one-hot matrix under compile): 4× the length, at most 4× the largest tensor."""
+    def largest(T):
+        values = [node.meta.get("example_value") for node in _compiled_graph(T, mode)]
+        return max(v.numel() for v in values if isinstance(v, torch.Tensor))
+
+    assert largest(64 * L) <= 4 * largest(16 * L)
 
 
 def test_auto_picks_recurrent_for_short_continuations():

@@ -185,10 +185,8 @@ def code_statistics(a: Assignment, v: torch.Tensor, num_codes: int, num_groups: 
     S = num_codes
     if a.index is not None and torch.compiler.is_compiling():
         # Inductor (torch 2.13, CPU) ran a kernel reading these scatter-adds' results before the scatters: compiled
-        # decoding folded zeros into the value sums. Under compile the one-hot product, (B, H, T, G·S), instead.
-        one_hot = torch.nn.functional.one_hot(_group_slots(a.index, S, num_groups), num_groups * S).to(v.dtype)
-        return (one_hot.sum(2).view(B, H, num_groups, S),
-                (one_hot.transpose(-1, -2) @ v).view(B, H, num_groups, S, Dv))
+        # decoding folded zeros into the value sums. Under compile the one-hot weights (B, H, T, S) instead, as soft.
+        a = Assignment(torch.nn.functional.one_hot(a.index, S).to(v.dtype), None)
     counts = code_counts(a, S, num_groups, dtype=v.dtype)
     if a.index is None:
         w = a.weights.view(B, H, num_groups, T // num_groups, S)
