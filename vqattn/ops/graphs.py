@@ -54,7 +54,8 @@ def replay_graphed(fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, 
 
     ``fn`` must be a pure function of its inputs whose kernels read no host value (no ``.item()``, no
     data-dependent shapes): the graph replays the same kernels on new data. The first call per signature runs
-    ``fn`` twice and synchronises the device (capture does); later ones copy the inputs in and launch once."""
+    ``fn`` twice and synchronises the device (capture does); later ones copy the inputs in and launch once. Each
+    kept signature holds device memory: a copy of its inputs, its output and the graph's pool of intermediates."""
     key = (fn, tuple((t.shape, t.dtype, t.device) for t in inputs), args)
     captured = _GRAPHS.get(key)
     if captured is None:
