@@ -81,9 +81,10 @@ def measure(args: argparse.Namespace, name: str, T: int) -> dict:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    compiled = ", compiled" if args.compile else ""
     print(f"# layer fwd+bwd, B=1 dim={args.dim} heads={args.heads} S={args.num_codes} {args.dtype} autocast "
-          f"{args.autocast}{', compiled' if args.compile else ''}, training mode, {args.device}: {machine()}, torch {torch.__version__}; median of "
-          f"{args.reps} reps in each of {args.rounds} interleaved rounds")
+          f"{args.autocast}{compiled}, training mode, {args.device}: {machine()}, torch {torch.__version__}; "
+          f"median of {args.reps} reps in each of {args.rounds} interleaved rounds")
     if args.device == "cpu":
         print(f"# fresh memory costs {fresh_page_ms_per_mb():.2f} ms per MB beyond warm writes on this machine now")
     print("| T | layer | ms | softmax/x | peak MB |")

@@ -54,7 +54,8 @@ def outputs_and_grads(fn, tensors, fixed):
     out = fn(**leaves, **fixed)
     seed = torch.Generator().manual_seed(7)
     grad_out = torch.randn(out.shape, generator=seed, dtype=out.dtype).to(out.device)
-    grads = torch.autograd.grad(out, list(leaves.values()), grad_out, materialize_grads=True)  # the memory keys are unused while the memory is empty
+    # materialize_grads: the memory keys are unused while the memory is empty
+    grads = torch.autograd.grad(out, list(leaves.values()), grad_out, materialize_grads=True)
     return out.detach(), dict(zip(leaves, grads))
 
 

@@ -249,7 +249,10 @@ class Attention(nn.Module):
         qkv, conv = self.qkv(x), None  # (B, T, 3C)
         if self.conv is not None:
             qkv, conv = self._convolve(qkv, None if state is None else state.conv)
-        q, k, v = qkv.view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, Dh)
+        # Unbind before transposing: the backward pass then stacks the three gradients straight into qkv's layout,
+        # where permuting first left a stacked gradient that the view back had to copy once more.
+        heads = qkv.view(b, t, 3, self.num_heads, self.head_dim).unbind(2)  # 3 x (B, T, H, Dh)
+        q, k, v = (h.transpose(1, 2) for h in heads)  # (B, H, T, Dh)
         q, k = self.q_norm(q), self.k_norm(k)
         pos = 0 if state is None else state.pos
         out, aux_loss, inner = self._attend(q, k, v, pos, None if state is None else state.inner, return_state)
