@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from vqattn.ops import graphs
 from vqattn.ops.ovq import (
     OVQState,
     chunk_ovq_attention,
@@ -14,7 +15,6 @@ from vqattn.ops.ovq import (
     ovq_attention,
     recurrent_ovq_attention,
 )
-from vqattn.ops import graphs
 from vqattn.ops.ovq import memory
 from vqattn.ops.ovq.memory import assign_block
 from vqattn.ops.ovq.naive import _assign_online
