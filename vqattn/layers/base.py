@@ -106,16 +106,17 @@ def rope_rotate(x: torch.Tensor, start: int, base: float) -> torch.Tensor:
     """
     dtype = torch.promote_types(x.dtype, torch.float32)
     cos, sin = rope_cos_sin(start, x.shape[-2], x.shape[-1], base, x.device, dtype)
-    if torch.compiler.is_compiling():  # the formula, which inductor fuses into one kernel, and its gradient
-        x1, x2 = x.to(dtype).chunk(2, -1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    if torch.compiler.is_compiling():  # autograd of the formula, which inductor fuses into one kernel
+        return _rotate(x, cos, sin, 1.0).to(x.dtype)
     return _Rotation.apply(x, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
     """[x1·cos − sign·x2·sin, x2·cos + sign·x1·sin] for the halves x1, x2 of x (..., D), in cos's dtype: the rotation
-    (sign 1) or its inverse (−1), written half by half into one output."""
+    (sign 1) or its inverse (−1), written half by half into one output in eager mode."""
     x1, x2 = x.to(cos.dtype).chunk(2, -1)
+    if torch.compiler.is_compiling():  # out= writes have no autograd; the formula's cat fuses away
+        return torch.cat((x1 * cos - sign * x2 * sin, x2 * cos + sign * x1 * sin), dim=-1)
     out = torch.empty(x.shape, device=x.device, dtype=cos.dtype)
     first, second = out.chunk(2, -1)
     torch.mul(x1, cos, out=first).addcmul_(x2, sin, value=-sign)
