@@ -273,6 +273,36 @@ def test_ctrl_c_during_start_up_exits_130_and_leaves_no_run_dir(tmp_path):
     assert "nothing was saved" in finished.stderr and not starting.exists()
 
 
+CTRL_C_AS_HYDRA_SETS_THE_JOB_UP = """
+import os, signal, sys
+import hydra.core.utils
+from vqattn.train.cli import main
+
+save_config = hydra.core.utils._save_config
+
+
+def save_then_ctrl_c(cfg, filename, output_dir):
+    save_config(cfg, filename, output_dir)
+    if filename == "overrides.yaml":  # the last file Hydra writes to .hydra/ before it calls the job
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+hydra.core.utils._save_config = save_then_ctrl_c
+main()
+"""
+
+
+def test_ctrl_c_after_hydra_made_the_run_dir_and_before_the_job_ran_leaves_no_run_dir(tmp_path):
+    """Hydra makes the run dir and writes .hydra/ before it calls the job, which alone knows that dir: a Ctrl-C
+    in between once left the dir behind. The Ctrl-C comes there, every time."""
+    starting = tmp_path / "starting"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    finished = subprocess.run([sys.executable, "-c", CTRL_C_AS_HYDRA_SETS_THE_JOB_UP, *FAST, f"hydra.run.dir={starting}"],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    _stopped_by_ctrl_c(finished)
+    assert "nothing was saved" in finished.stderr and not starting.exists()
+
+
 @pytest.mark.slow
 def test_a_second_ctrl_c_exits_130_at_once_and_keeps_the_checkpoint(tmp_path):
     training = tmp_path / "training"

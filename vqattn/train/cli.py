@@ -41,6 +41,7 @@ register()
 # only these is removed.
 RUN_FILES = {".hydra", "train.log", "hparams.yaml", "metrics.csv", "checkpoints", "tensorboard", "wandb"}
 _task_started = False  # whether Hydra got as far as running the job (so its errors are the job's, not the config's)
+_held_interrupt = False  # a Ctrl-C that came while Hydra was setting a job up (see _hold_interrupt)
 
 
 class Interrupted(Exception):
@@ -308,13 +309,24 @@ def _is_rank_zero() -> bool:
     return os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0"
 
 
+def _hold_interrupt(signum, frame) -> None:
+    """SIGINT handler while Hydra composes the config and makes a job's run dir: a KeyboardInterrupt raised there
+    would leave that dir behind, since only the job knows it. The Ctrl-C is held and raised as the job starts."""
+    global _held_interrupt
+    _held_interrupt = True
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def hydra_main(cfg: DictConfig) -> float:
-    global _task_started
+    global _task_started, _held_interrupt
     _task_started = True
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     env = dict(os.environ)
+    held = signal.signal(signal.SIGINT, signal.default_int_handler)  # the run dir is known: Ctrl-C raises
     try:
+        if _held_interrupt:
+            _held_interrupt = False
+            raise KeyboardInterrupt
         quiet_console()
         results = train(cfg, run_dir)
         return results.get("recall_acc", results["val_bpb"])
@@ -343,6 +355,7 @@ def hydra_main(cfg: DictConfig) -> float:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         _restore_environ(env)
+        signal.signal(signal.SIGINT, held)  # a multirun's next job is set up under the same handler
 
 
 def main() -> None:
@@ -353,21 +366,20 @@ def main() -> None:
     exits 130.
     """
     sys.argv = ddp_child_argv(sys.argv, os.environ)
-    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
-        # A shell without job control starts background jobs (`python train.py &` in a script) with SIGINT
-        # ignored, and Python then installs no KeyboardInterrupt handler. Training installs its own handler
-        # anyway, so a Ctrl-C (or `kill -INT`) would stop a run only once start-up is over: make it mean
-        # "stop" from the first line on.
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    # Also when SIGINT was ignored: a shell without job control starts background jobs (`python train.py &` in a
+    # script) that way, and Ctrl-C (or `kill -INT`) should still mean "stop", from the first line on.
+    previous = signal.signal(signal.SIGINT, _hold_interrupt)
     try:
         hydra_main()
     except SystemExit as exit:
         if exit.code == 1 and not _task_started:
             raise SystemExit(2) from None
         raise
-    except KeyboardInterrupt:  # Ctrl-C while Hydra composes the config
-        print("\ninterrupted: nothing was saved", file=sys.stderr)
-        raise SystemExit(128 + signal.SIGINT) from None
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if _held_interrupt:  # Ctrl-C while Hydra composed the config, or after the last job of a multirun
+        print("\ninterrupted" + ("" if _task_started else ": nothing was saved"), file=sys.stderr)
+        raise SystemExit(128 + signal.SIGINT)
 
 
 if __name__ == "__main__":
