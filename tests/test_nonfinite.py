@@ -124,3 +124,41 @@ def test_layers_propagate_a_nan_key_causally(name, training):
     out, aux_loss, _ = layer(x)
     nan_rows = out.isnan().any(-1)[0]  # the output projection mixes the heads
     assert nan_rows.tolist() == [False] * 6 + [True] * 7
+
+
+def test_the_mask_is_skipped_only_where_reading_the_flag_is_free():
+    from vqattn.ops.nonfinite import may_be_nonfinite
+
+    clean, bad = torch.zeros(2, 3, 5, dtype=torch.bool), torch.zeros(2, 3, 5, dtype=torch.bool)
+    bad[1, 2, 4] = True
+    assert not may_be_nonfinite(clean) and may_be_nonfinite(bad)
+    assert may_be_nonfinite(clean.to("meta"))  # not a CPU tensor: never read, the mask always runs
+    assert torch.compile(lambda x: torch.tensor(may_be_nonfinite(x)), fullgraph=True)(clean)  # nor in a graph
+
+
+@pytest.mark.parametrize("op", ["vq_hard", "vq_soft_exact", "vq_non_causal", "window"])
+def test_clean_keys_give_the_same_output_and_gradients_with_the_mask_skipped(op, monkeypatch):
+    """The CPU path that skips the mask for clean keys against the path every other device runs (the same to float64
+    rounding: the gradients accumulate in another order)."""
+    from vqattn.ops import nonfinite
+
+    q, k, _, v, c = _inputs()
+    calls = {
+        "vq_hard": lambda q, k, v: vq_attention(q, k, v, c, causal=True, assign="hard", block_len=4),
+        "vq_soft_exact": lambda q, k, v: vq_attention(q, k, v, c, causal=True, assign="soft", block_len=4,
+                                                      exact_window=True, return_state=True)[0],
+        "vq_non_causal": lambda q, k, v: vq_attention(q, k, v, c, causal=False, assign="soft"),
+        "window": lambda q, k, v: window_attention(q, k, v, block_len=4),
+    }
+
+    def run():
+        x = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = calls[op](*x)
+        out.backward(torch.ones_like(out))
+        return out, *(t.grad for t in x)
+
+    skipped = run()
+    monkeypatch.setattr(nonfinite, "host_read_is_free", lambda x: False)  # as on a GPU
+    masked = run()
+    for a, b in zip(skipped, masked):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)

@@ -33,7 +33,7 @@ from .blocks import (
     window_start,
     window_tail,
 )
-from .nonfinite import nonfinite_keys, window_poison, zero_rows
+from .nonfinite import may_be_nonfinite, nonfinite_keys, window_poison, zero_rows
 from .precision import autocast_off
 from .vq.window_codes import WindowCodeInputs, window_code_attention
 
@@ -137,7 +137,10 @@ def window_attention(
     # masked entries): it is zeroed there and reaches exactly the queries that see it as NaN (vqattn.ops.nonfinite).
     # The state keeps the key itself. The recurrent form has no masked entries.
     bad, _ = nonfinite_keys(k)
-    out = _chunked(q, zero_rows(k, bad), v, L_run, scale, schedule) + window_poison(bad, L, dtype)
+    if may_be_nonfinite(bad):
+        out = _chunked(q, zero_rows(k, bad), v, L_run, scale, schedule) + window_poison(bad, L, dtype)
+    else:
+        out = _chunked(q, k, v, L_run, scale, schedule)
     out = out[:, :, -T:].to(in_dtype)
     if not return_state:
         return out

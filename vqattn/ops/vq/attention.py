@@ -8,7 +8,7 @@ import torch
 
 from .._checks import check_4d, check_choice, check_positive_int, check_qkv, check_same_device_dtype, compute_dtype
 from ..blocks import DEFAULT_BLOCK_LEN, RECURRENT_MAX_LEN, Schedule, as_schedule
-from ..nonfinite import nonfinite_keys, visible_poison, zero_assignment_rows, zero_rows
+from ..nonfinite import may_be_nonfinite, nonfinite_keys, visible_poison, zero_assignment_rows, zero_rows
 from ..precision import autocast_off
 from .assign import ASSIGNMENTS, Assignment, check_assignment, code_means, code_statistics, log_counts, map_time, \
     vq_assign
@@ -107,10 +107,17 @@ def _validate(q, k, v, codebook, *, causal, assign, block_len, exact_window, sta
 def _without_nonfinite_keys(k, k_rot, *, causal: bool, state):
     """k and k_rot with the rows of non-finite keys zeroed, those rows ``bad`` (B, H, T), and the poison (B, H, T, 1)
     that makes NaN the outputs that see them. Inside the kernels a bad key would also reach queries that cannot see
-    it, so it reaches the outputs only through the poison (:mod:`vqattn.ops.nonfinite`)."""
+    it, so it reaches the outputs only through the poison (:mod:`vqattn.ops.nonfinite`). ``bad`` and the poison are
+    None when no key is bad and that is known for free (:func:`~vqattn.ops.nonfinite.may_be_nonfinite`)."""
     bad, poison = nonfinite_keys(k) if k_rot is None else nonfinite_keys(k, k_rot)
+    if not may_be_nonfinite(bad):
+        return k, k_rot, None, None
     k, k_rot = zero_rows(k, bad), None if k_rot is None else zero_rows(k_rot, bad)
     return k, k_rot, bad, visible_poison(poison, causal=causal, state_counts=None if state is None else state.counts)
+
+
+def _poisoned(out: torch.Tensor, poison: torch.Tensor | None) -> torch.Tensor:
+    return out if poison is None else out + poison
 
 
 def _keys_assignment(assignment: Assignment | None, k, assign_keys, *, whole: bool) -> Assignment | None:
@@ -188,11 +195,12 @@ def vq_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, codebook: to
     recurrent = impl == "recurrent" or (impl == "auto" and state is not None and q.shape[2] <= RECURRENT_MAX_LEN)
     a = _keys_assignment(assignment, k, assign_keys, whole=not causal or state is not None or recurrent)
     if not causal:
-        return (_non_causal(q, k, v, c, zero_assignment_rows(a, bad), scale) + poison).to(in_dtype)
+        return _poisoned(_non_causal(q, k, v, c, zero_assignment_rows(a, bad), scale), poison).to(in_dtype)
     out, new_state = _causal_form(q, k, v, c, a, bad, recurrent=recurrent, assign=assign, state=state,
                                   block_len=block_len, scale=scale, exact_window=exact_window,
                                   assign_keys=assign_keys, return_state=return_state, schedule=schedule,
                                   q_rot=q_rot, k_rot=k_rot)
-    out = (out + poison).to(in_dtype)
-    # the state carries the poison in its counts
-    return (out, dataclasses.replace(new_state, counts=new_state.counts + poison[:, :, -1])) if return_state else out
+    out = _poisoned(out, poison).to(in_dtype)
+    if return_state and poison is not None:  # the state carries the poison in its counts
+        new_state = dataclasses.replace(new_state, counts=new_state.counts + poison[:, :, -1])
+    return (out, new_state) if return_state else out
