@@ -51,6 +51,31 @@ def test_library_imports_no_trainer_package(module):
     assert proc.stdout.strip() == "[]", f"{module} imports {proc.stdout.strip()}"
 
 
+IMPORT_EACH_FIRST = """
+import importlib, sys
+import torch
+failed = []
+for module in sys.argv[1:]:
+    for name in [m for m in sys.modules if m == "vqattn" or m.startswith("vqattn.")]:
+        del sys.modules[name]
+    try:
+        importlib.import_module(module)
+    except ImportError as err:
+        failed.append(f"{module}: {err}")
+print("\\n".join(failed))
+"""
+
+
+def test_every_core_module_imports_first_on_its_own():
+    """``from vqattn.ops.window import window_attention`` in a fresh interpreter: no circular import, whichever
+    module comes first (each one imported into a process that holds no vqattn module yet)."""
+    modules = [".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__") for p in core_modules()]
+    proc = subprocess.run([sys.executable, "-c", IMPORT_EACH_FIRST, *modules], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "", proc.stdout
+
+
 def test_core_depends_on_torch_alone_and_extras_hold_the_trainer():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["dependencies"] == ["torch>=2.4"]  # 2.4: nn.RMSNorm

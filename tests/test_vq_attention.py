@@ -331,3 +331,25 @@ def test_no_host_read_of_a_tensor_with_a_precomputed_assignment(assign, monkeypa
     out.sum().backward()
     monkeypatch.undo()
     assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
+
+
+@pytest.mark.parametrize("op", ["vq", "window"])
+def test_a_multi_group_output_is_laid_out_time_major_so_merging_heads_is_a_view(op):
+    """The groups' outputs are concatenated into (B, T, H, Dv) memory: a layer's merge of the heads is a view, and
+    the values and gradients are those of one group (a plain concatenation)."""
+    from vqattn.functional import window_attention
+    from vqattn.ops.blocks import Schedule
+
+    q, k, v, c = (t.requires_grad_(True) for t in make_inputs(B=2, H=3, T=45, D=8))
+    run = {"vq": lambda schedule, *x: vq_attention(*x, c, causal=True, block_len=4, schedule=schedule),
+           "window": lambda schedule, *x: window_attention(*x, block_len=4, schedule=schedule)}[op]
+    out = run(Schedule("loop", group_blocks=3), q, k, v)  # 12 blocks in 4 groups
+    merged = out.transpose(1, 2).reshape(2, 45, -1)
+    assert merged.data_ptr() == out.data_ptr() and merged._base is not None  # a view, no copy
+    grad = torch.randn_like(merged)
+    got = torch.autograd.grad(merged, (q, k, v), grad)
+    one = run(Schedule("loop", group_blocks=12), q, k, v)
+    torch.testing.assert_close(out, one, rtol=1e-12, atol=1e-12)
+    expected = torch.autograd.grad(one.transpose(1, 2).reshape(2, 45, -1), (q, k, v), grad)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

@@ -137,6 +137,31 @@ def group_windows(piece: torch.Tensor, before: torch.Tensor, L: int) -> torch.Te
     return torch.cat([previous_blocks(piece, before, L), blocks(piece, L)], dim=3)
 
 
+class _CatHeadsInner(torch.autograd.Function):
+    """torch.cat(pieces, 2) of (B, H, t_i, Dv) pieces into memory laid out as (B, T, H, Dv); the backward pass
+    hands every piece its slice of the gradient (views, no copy)."""
+
+    @staticmethod
+    def forward(ctx, *pieces):
+        B, H, _, Dv = pieces[0].shape
+        ctx.sizes = [p.shape[2] for p in pieces]
+        out = pieces[0].new_empty(B, sum(ctx.sizes), H, Dv).transpose(1, 2)  # (B, H, T, Dv) view
+        return torch.cat(pieces, 2, out=out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.split(ctx.sizes, 2)
+
+
+def cat_groups(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """The groups' outputs (B, H, t_i, Dv) along time, as (B, H, T, Dv) laid out in memory as (B, T, H, Dv): a
+    layer's merge of the heads, out.transpose(1, 2).reshape(B, T, H·Dv), is then a view instead of another copy of
+    the output (at T = 32768, 32 MB of fresh memory). Compiled graphs choose their own layouts: a plain cat."""
+    if len(pieces) == 1:
+        return pieces[0]
+    return torch.cat(pieces, 2) if torch.compiler.is_compiling() else _CatHeadsInner.apply(*pieces)
+
+
 def time_range(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     """x[:, :, start:stop], or x itself when that is all of it: the backward pass of a slice zero-fills a gradient
     of x's full size and copies into it, even for a slice that keeps everything."""

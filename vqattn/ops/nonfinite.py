@@ -23,9 +23,12 @@ a flag costs nothing, are the masking and the poison skipped when no key is bad 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from .vq.assign import Assignment
+if TYPE_CHECKING:  # vqattn.ops.vq imports this module: a runtime import would be circular
+    from .vq.assign import Assignment
 
 
 def _nonfinite_rows(x: torch.Tensor) -> torch.Tensor:
@@ -70,7 +73,7 @@ def zero_assignment_rows(a: Assignment | None, bad: torch.Tensor | None) -> Assi
     to the queries that see it, whose outputs are NaN); None for either leaves ``a`` as it is."""
     if a is None or bad is None:
         return a
-    return Assignment(*(zero_rows(x, bad) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in a))
+    return a._make(zero_rows(x, bad) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in a)
 
 
 def visible_poison(poison: torch.Tensor, *, causal: bool, state_counts: torch.Tensor | None) -> torch.Tensor:

@@ -24,6 +24,7 @@ from .blocks import (
     attend_one,
     block_groups,
     blocks,
+    cat_groups,
     group_window_bias,
     group_windows,
     pad_to_blocks,
@@ -60,7 +61,7 @@ def _chunked(q, k, v, L: int, scale: float, schedule: Schedule) -> torch.Tensor:
         # q is scaled per group: no full-size copy
         inputs = WindowCodeInputs(blocks(q_g * scale, L), group_windows(*k_g, L), bias, group_windows(*v_g, L))
         outs.append(window_code_attention(inputs, loop=False)[0])  # no codes: no cache to read
-    return time_range(torch.cat(outs, 2), 0, T)
+    return time_range(cat_groups(outs), 0, T)
 
 
 def _recurrent(q, k, v, state: WindowState, scale: float) -> tuple[torch.Tensor, WindowState]:

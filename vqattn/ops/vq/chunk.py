@@ -25,6 +25,7 @@ from ..blocks import (
     Schedule,
     block_groups,
     blocks,
+    cat_groups,
     group_window_bias,
     group_windows,
     loops,
@@ -152,7 +153,7 @@ def _causal(q, k, v, c, a: Assignment | None, *, assign: str, L: int, scale: flo
         if fold:
             n, s = code_statistics(map_time(lambda x: x[:, :, :fold], a_g), v_g[:, :, :fold], S)
             fold_counts, fold_sums = fold_counts + n.squeeze(2), fold_sums + s.squeeze(2)
-    return time_range(torch.cat(outs, 2), 0, T), fold_counts, fold_sums
+    return time_range(cat_groups(outs), 0, T), fold_counts, fold_sums
 
 
 def block_bytes(B: int, H: int, L: int, S: int, element_size: int) -> int:
