@@ -97,6 +97,41 @@ def test_soft_codebook_learns_codes_and_temperature_through_attention():
     torch.testing.assert_close(codebook.temperature, torch.full((2,), 0.5))
 
 
+@pytest.mark.parametrize("needs", ["keys", "codes", "both"])
+def test_quantisation_error_matches_the_mean_squared_distance_to_the_code_with_gradients(needs):
+    from vqattn.codebook import quantisation_error
+
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(2, 3, 13, 5, generator=g, dtype=torch.float64)
+    codes = torch.randn(3, 6, 5, generator=g, dtype=torch.float64)
+    index = torch.randint(0, 6, (2, 3, 13), generator=g)
+    index[0, 0, :4] = 2  # a code chosen by several keys: its gradient and statistics add them all
+    index[:, 1] = 0  # a head with every code but one empty
+    keys.requires_grad_(needs in ("keys", "both"))
+    codes.requires_grad_(needs in ("codes", "both"))
+    inputs = [x for x in (keys, codes) if x.requires_grad]
+    error, counts, sums = quantisation_error(keys, codes, index)
+    nearest = codes[torch.arange(3).view(1, 3, 1), index]  # (B, H, T, D), the naive gather
+    expected = ((keys - nearest) ** 2).mean()
+    torch.testing.assert_close(error, expected, rtol=1e-12, atol=0)
+    one_hot = torch.nn.functional.one_hot(index, 6).to(keys.dtype)  # (B, H, T, S)
+    torch.testing.assert_close(counts, one_hot.sum((0, 2)), rtol=0, atol=0)
+    torch.testing.assert_close(sums, torch.einsum("bhts,bhtd->hsd", one_hot, keys.detach()), rtol=1e-13, atol=1e-13)
+    grad = torch.tensor(0.37, dtype=torch.float64)
+    for got, want in zip(torch.autograd.grad(error, inputs, grad), torch.autograd.grad(expected, inputs, grad)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+
+
+def test_quantisation_error_of_keys_on_their_codes_is_zero_not_negative():
+    from vqattn.codebook import quantisation_error
+
+    codes = torch.randn(2, 4, 8) * 100  # large norms: the expanded form cancels to rounding error
+    index = torch.randint(0, 4, (3, 2, 9))
+    keys = codes[torch.arange(2).view(1, 2, 1), index]
+    error = quantisation_error(keys, codes, index)[0]
+    assert 0 <= error <= 1e-3 * codes.square().mean()
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="num_codes"):
         Codebook(2, 0, 4)
