@@ -11,6 +11,7 @@ import torch
 from model_helpers import NAMES, VQ_NAMES, layer_in_chunks, layer_kwargs, scramble_short_conv
 from vqattn.functional import vq_attention
 from vqattn.layers import ATTENTIONS, Attention, build_attention, rope_rotate
+from vqattn.layers.base import rope_rotate_keeping
 
 DIM, HEADS = 16, 2
 
@@ -98,6 +99,27 @@ def test_rope_matches_complex_rotation_outputs_and_grads(dtype, tol, layout):
     assert out.dtype == dtype and x.grad.dtype == dtype
     torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
     torch.testing.assert_close(x.grad.double(), x_ref.grad, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("first_pair", [0, 1, 3])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_rope_rotate_keeping_is_the_rotation_and_the_raw_pairs(first_pair, compiled):
+    """Against the complex rotation and the raw dims of the pairs m ≥ first_pair written out, in float64: outputs and
+    the one gradient of x that both outputs' gradients make (eager: by hand; compiled: autograd of the formula)."""
+    x = torch.randn(2, 7, 3, 8, dtype=torch.float64).transpose(1, 2).requires_grad_()  # (B, H, T, D) of a projection
+    grad_rot, grad_raw = torch.randn(2, 3, 7, 8, dtype=torch.float64), torch.randn(2, 3, 7, 8 - 2 * first_pair,
+                                                                                   dtype=torch.float64)
+    fn = torch.compile(rope_rotate_keeping, backend="aot_eager", fullgraph=True) if compiled else rope_rotate_keeping
+    rotated, raw = fn(x, 3, 100.0, first_pair)
+    ((rotated * grad_rot).sum() + (raw * grad_raw).sum()).backward()
+    x_ref = x.detach().clone().requires_grad_()
+    kept = [m for m in range(4) if m >= first_pair]
+    expected_raw = x_ref[..., kept + [m + 4 for m in kept]]
+    expected = complex_rope(x_ref, 3, 100.0)
+    ((expected * grad_rot).sum() + (expected_raw * grad_raw).sum()).backward()
+    torch.testing.assert_close(rotated, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(raw, expected_raw, rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-12, atol=1e-12)
 
 
 def test_rope_scores_depend_on_relative_position():

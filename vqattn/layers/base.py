@@ -104,11 +104,32 @@ def rope_rotate(x: torch.Tensor, start: int, base: float) -> torch.Tensor:
     <rope(q, i), rope(k, j)> depends on i and j only through i - j. Angles are computed in float64
     and the rotation in at least float32, so fp64 decoding matches the full pass to rounding.
     """
+    return _rope(x, start, base, None)
+
+
+def rope_rotate_keeping(x: torch.Tensor, start: int, base: float, first_pair: int = 0
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(:func:`rope_rotate` of x, the unrotated ``pair_dims(x, first_pair)``): for layers that score some things
+    with rotated and others with raw vectors. One autograd node, so the backward pass adds the raw part's gradient
+    into the rotation's in place; separate uses of x would each write an x-sized gradient (and a slice's backward
+    zero-fills one) for autograd to add up: at T = 32768, three fresh 32 MB tensors per layer step."""
+    return _rope(x, start, base, first_pair)
+
+
+def pair_dims(x: torch.Tensor, first_pair: int) -> torch.Tensor:
+    """x (..., D) -> (..., D − 2·first_pair): the dims [first_pair, D/2) and [D/2 + first_pair, D) of the RoPE pairs
+    (m, m + D/2) with m ≥ first_pair; x itself for 0. A static slice: no host read, so it compiles into one graph
+    and never synchronises a GPU; one slice of the (..., 2, D/2) view, not a cat of two."""
+    return x if first_pair == 0 else x.unflatten(-1, (2, x.shape[-1] // 2))[..., first_pair:].flatten(-2)
+
+
+def _rope(x: torch.Tensor, start: int, base: float, first_pair: int | None):
     dtype = torch.promote_types(x.dtype, torch.float32)
     cos, sin = rope_cos_sin(start, x.shape[-2], x.shape[-1], base, x.device, dtype)
     if torch.compiler.is_compiling():  # autograd of the formula, which inductor fuses into one kernel
-        return _rotate(x, cos, sin, 1.0).to(x.dtype)
-    return _Rotation.apply(x, cos, sin)
+        rotated = _rotate(x, cos, sin, 1.0).to(x.dtype)
+        return rotated if first_pair is None else (rotated, pair_dims(x, first_pair))
+    return _Rotation.apply(x, cos, sin, first_pair)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
@@ -125,22 +146,28 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) 
 
 
 class _Rotation(torch.autograd.Function):
-    """RoPE's rotation of x (B, H, T, D) by the angles with cos and sin (T, D/2) in eager mode; its gradient is the
-    inverse rotation of the output's. By hand: eager autograd of the sliced formula zero-fills an (x-sized) gradient
+    """RoPE's rotation of x (B, H, T, D) by the angles with cos and sin (T, D/2) in eager mode, and with
+    ``first_pair`` not None also x's raw ``pair_dims``; the gradient is the inverse rotation of the rotated output's,
+    plus the raw part's added in place. By hand: eager autograd of the sliced formula zero-fills an (x-sized) gradient
     for each half and adds them, and keeps four products and a cat (at T = 32768, 53 ms of products and 17 ms of
     zero fills per layer step on a 2-core CPU, against 37 ms in all here)."""
 
     @staticmethod
-    def forward(ctx, x, cos, sin):
+    def forward(ctx, x, cos, sin, first_pair):
         ctx.save_for_backward(cos, sin)
-        ctx.dtype = x.dtype
-        return _rotate(x, cos, sin, 1.0).to(x.dtype)
+        ctx.dtype, ctx.first_pair = x.dtype, first_pair
+        rotated = _rotate(x, cos, sin, 1.0).to(x.dtype)
+        return rotated if first_pair is None else (rotated, pair_dims(x, first_pair))
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad):
+    def backward(ctx, grad, grad_raw=None):
         cos, sin = ctx.saved_tensors
-        return _rotate(grad, cos, sin, -1.0).to(ctx.dtype), None, None
+        out = _rotate(grad, cos, sin, -1.0)
+        if grad_raw is not None:
+            raw = out if ctx.first_pair == 0 else out.unflatten(-1, (2, out.shape[-1] // 2))[..., ctx.first_pair:]
+            raw.add_(grad_raw.view(raw.shape))
+        return out.to(ctx.dtype), None, None, None
 
 
 QK_NORMS = (False, True, "rms", "l2")

@@ -9,7 +9,7 @@ import torch
 from ..codebook import Codebook
 from ..ops._checks import check_choice, check_positive_int
 from ..ops.ovq import ovq_attention
-from .base import Attention
+from .base import Attention, rope_rotate_keeping
 
 ASSIGNS = ("online", "codebook")
 
@@ -66,21 +66,25 @@ class OnlineVQAttention(Attention):
         self.register_buffer("last_occupied", torch.zeros((), dtype=torch.float32), persistent=False)
 
     def _attend(self, q, k, v, pos, state, return_state):
-        slots, aux_loss = None, None
-        if self.codebook is not None:
+        slots, aux_loss, raw_k, q_mem, k_mem = None, None, k, None, None
+        if self.rope and not self.memory_rope:  # the memory is scored with the unrotated q and k
+            (q, q_mem), (k, k_mem) = (rope_rotate_keeping(x, pos, self.rope_base) for x in (q, k))
+            raw_k = k_mem
+        else:
+            q, k = self.rotate(q, pos), self.rotate(k, pos)
+        if self.codebook is not None:  # over the unrotated keys
             # A decoding step (eval, with a state) records no statistics, as in the vq layers.
-            _, assignment, aux_loss = self.codebook(k, record=self.training or state is None)
+            _, assignment, aux_loss = self.codebook(raw_k, record=self.training or state is None)
             slots = assignment.index
-        separate = self.rope and not self.memory_rope
         out, op_state = ovq_attention(
-            self.rotate(q, pos), self.rotate(k, pos), v,
+            q, k, v,
             num_slots=self.num_slots,
             block_len=self.block_len,
             scale=self.head_dim**-0.5,
             threshold=self.threshold if slots is None else None,
             slots=slots,
-            q_mem=q if separate else None,
-            k_mem=k if separate else None,
+            q_mem=q_mem,
+            k_mem=k_mem,
             state=state,
             return_state=True,  # its memory gives usage_stats; the few statistics it costs are O(T·Dh)
         )

@@ -10,7 +10,7 @@ from ..codebook import Codebook
 from ..functional import vq_attention
 from ..ops._checks import check_choice, check_positive_int
 from ..ops.vq import DEFAULT_BLOCK_LEN
-from .base import Attention, rope_frequencies
+from .base import Attention, pair_dims, rope_frequencies, rope_rotate_keeping
 
 CACHE_SCORES = ("all", "slow")
 
@@ -19,13 +19,6 @@ def slow_pair_start(head_dim: int, rope_base: float, window: int) -> int:
     """m0: the first RoPE pair (m, m + Dh/2) that turns by less than one radian over ``window`` tokens,
     θ_m·window < 1. θ_m = base^(−2m/Dh) falls with m, so the slow pairs are m0 .. Dh/2 − 1 (on the host, float64)."""
     return int((rope_frequencies(head_dim, rope_base) * window >= 1).sum())
-
-
-def slow_dims(x: torch.Tensor, start: int) -> torch.Tensor:
-    """x (..., Dh) -> (..., Dh − 2·start): the dims [start, Dh/2) and [Dh/2 + start, Dh) of the slow RoPE pairs.
-    A static slice: no host read, so it compiles into one graph and never synchronises a GPU. One slice of the
-    (..., 2, Dh/2) view, not a cat of two: each slice's backward pass zero-fills a gradient of x's full size."""
-    return x.unflatten(-1, (2, x.shape[-1] // 2))[..., start:].flatten(-2)
 
 
 class VQAttention(Attention):
@@ -86,13 +79,17 @@ class VQAttention(Attention):
         self.codebook = Codebook(num_heads, num_codes, self.head_dim, assign=self.assign, **(codebook or {}))
 
     def _attend(self, q, k, v, pos, state, return_state):
-        # (H, S, Dh); codes are learned on unrotated keys. A decoding step (eval, with a state) records no statistics.
-        codebook, assignment, aux_loss = self.codebook(k, record=self.training or state is None)
         rotated = {}
         if self.rope:  # the window scores rotated q and k; the codes are scored by the unrotated q (position-free)
-            rotated = dict(q_rot=self.rotate(q, pos), k_rot=self.rotate(k, pos))
-            if self.cache_scores == "slow":  # only the slow pairs' dims score the codes: the op gets those alone
-                q, codebook = slow_dims(q, self.slow_start), slow_dims(codebook, self.slow_start)
+            # only the slow pairs' dims score the codes ("slow"): the op gets those alone
+            first_pair = self.slow_start if self.cache_scores == "slow" else 0
+            (q_rot, q), (k_rot, k) = (rope_rotate_keeping(x, pos, self.rope_base, p)
+                                      for x, p in ((q, first_pair), (k, 0)))
+            rotated = dict(q_rot=q_rot, k_rot=k_rot)
+        # (H, S, Dh); codes are learned on unrotated keys. A decoding step (eval, with a state) records no statistics.
+        codebook, assignment, aux_loss = self.codebook(k, record=self.training or state is None)
+        if self.rope and self.cache_scores == "slow":
+            codebook = pair_dims(codebook, self.slow_start)
         result = vq_attention(
             q, k, v, codebook,
             causal=True,
