@@ -34,7 +34,6 @@ from .quadratic import (
     SoftmaxAttention,
     WindowAttention,
 )
-from .vq import VQAttention, VQHardAttention, VQSoftAttention
 
 ATTENTIONS: dict[str, type[Attention]] = {
     "softmax": SoftmaxAttention,
