@@ -6,10 +6,13 @@ kwargs (vq layers: exact window, codebook in training mode, ``--num-codes`` code
     python benchmarks/layer_speed.py --lengths 8192 32768 --layers softmax vq_hard vq_soft window
     python benchmarks/layer_speed.py --device cuda --autocast bf16     # GPU: softmax runs SDPA's flash kernel
     python benchmarks/layer_speed.py --device cuda --autocast bf16 --compile   # torch.compile(layer), as users train
+    python benchmarks/layer_speed.py --lengths 32768 --tuned-allocator  # CPU: without glibc's fresh pages
 
 The loss is the sum of the outputs plus the layer's auxiliary loss; gradients reach x and every parameter. On the
 GPU, ``--autocast bf16`` runs the step as mixed-precision training does (parameters fp32, matmuls in bf16), where
 the softmax layer's causal SDPA picks the flash kernel; ``--dtype`` casts parameters and input instead.
+``--tuned-allocator`` calls ``vqattn.utils.tune_cpu_allocator()`` in every measured process (glibc then keeps freed
+memory instead of page-faulting every large temporary afresh): what a CPU step costs without fresh pages.
 The measurement machinery is :mod:`attention_speed`'s: every (layer, T) in its own process, so its peak memory is its
 own; ``--rounds`` interleaved rounds, and the ratio softmax ms / layer ms is the median of the per-round ratios.
 """
@@ -25,6 +28,7 @@ import torch
 
 from attention_speed import fresh_page_ms_per_mb, machine, run_child, summarise, time_fwd_bwd
 from vqattn.layers import ATTENTIONS, build_attention
+from vqattn.utils import tune_cpu_allocator
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 AUTOCASTS = ("none", "bf16")
@@ -36,7 +40,9 @@ def build(name: str, dim: int, num_heads: int, num_codes: int, device: str, dtyp
 
 
 def child(name: str, T: int, device: str, reps: int, dtype: str, autocast: str, dim: int, num_heads: int,
-          num_codes: int, compiled: bool = False) -> dict:
+          num_codes: int, compiled: bool = False, tuned_allocator: bool = False) -> dict:
+    if tuned_allocator:
+        tune_cpu_allocator()
     torch.manual_seed(0)
     layer = build(name, dim, num_heads, num_codes, device, DTYPES[dtype])
     if compiled:
@@ -62,6 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES))
     parser.add_argument("--autocast", default="none", choices=AUTOCASTS)
     parser.add_argument("--compile", action="store_true", help="time torch.compile(layer), as users train")
+    parser.add_argument("--tuned-allocator", action="store_true",
+                        help="call vqattn.utils.tune_cpu_allocator() first in every measured process (CPU)")
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--num-codes", type=int, default=512, help="codes per head of the vq layers")
@@ -76,12 +84,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 def measure(args: argparse.Namespace, name: str, T: int) -> dict:
     return run_child(__file__, [json.dumps({
         "name": name, "T": T, "device": args.device, "reps": args.reps, "dtype": args.dtype, "autocast": args.autocast,
-        "dim": args.dim, "num_heads": args.heads, "num_codes": args.num_codes, "compiled": args.compile})])
+        "dim": args.dim, "num_heads": args.heads, "num_codes": args.num_codes, "compiled": args.compile,
+        "tuned_allocator": args.tuned_allocator})])
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    compiled = ", compiled" if args.compile else ""
+    compiled = (", compiled" if args.compile else "") + (", tuned allocator" if args.tuned_allocator else "")
     print(f"# layer fwd+bwd, B=1 dim={args.dim} heads={args.heads} S={args.num_codes} {args.dtype} autocast "
           f"{args.autocast}{compiled}, training mode, {args.device}: {machine()}, torch {torch.__version__}; "
           f"median of {args.reps} reps in each of {args.rounds} interleaved rounds")

@@ -37,7 +37,7 @@ def test_one_tiny_step_is_measured(layer_speed, name, autocast):
     assert result["ms"] > 0 and math.isfinite(result["peak_mb"])
 
 
-@pytest.mark.parametrize("flags", [[], ["--compile", "--autocast", "bf16"]])
+@pytest.mark.parametrize("flags", [[], ["--compile", "--autocast", "bf16"], ["--tuned-allocator"]])
 def test_every_option_reaches_the_child(layer_speed, monkeypatch, flags):
     sent = []
     monkeypatch.setattr(layer_speed, "run_child", lambda script, argv: sent.append(json.loads(argv[0])) or {})
@@ -46,6 +46,7 @@ def test_every_option_reaches_the_child(layer_speed, monkeypatch, flags):
     bound = inspect.signature(layer_speed.child).bind(**sent[0])  # every key is one of the child's arguments
     bound.apply_defaults()
     assert bound.arguments["compiled"] == ("--compile" in flags) and bound.arguments["autocast"] == args.autocast
+    assert bound.arguments["tuned_allocator"] == ("--tuned-allocator" in flags)
 
 
 def test_ratios_are_medians_of_per_round_ratios(layer_speed):
