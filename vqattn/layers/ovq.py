@@ -66,16 +66,15 @@ class OnlineVQAttention(Attention):
         self.register_buffer("last_occupied", torch.zeros((), dtype=torch.float32), persistent=False)
 
     def _attend(self, q, k, v, pos, state, return_state):
-        slots, aux_loss, raw_k, q_mem, k_mem = None, None, k, None, None
+        slots, aux_loss, q_mem, k_mem = None, None, None, None
+        if self.codebook is not None:
+            # A decoding step (eval, with a state) records no statistics, as in the vq layers.
+            _, assignment, aux_loss = self.codebook(k, record=self.training or state is None)
+            slots = assignment.index
         if self.rope and not self.memory_rope:  # the memory is scored with the unrotated q and k
             (q, q_mem), (k, k_mem) = (rope_rotate_keeping(x, pos, self.rope_base) for x in (q, k))
-            raw_k = k_mem
         else:
             q, k = self.rotate(q, pos), self.rotate(k, pos)
-        if self.codebook is not None:  # over the unrotated keys
-            # A decoding step (eval, with a state) records no statistics, as in the vq layers.
-            _, assignment, aux_loss = self.codebook(raw_k, record=self.training or state is None)
-            slots = assignment.index
         out, op_state = ovq_attention(
             q, k, v,
             num_slots=self.num_slots,

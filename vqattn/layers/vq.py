@@ -79,17 +79,16 @@ class VQAttention(Attention):
         self.codebook = Codebook(num_heads, num_codes, self.head_dim, assign=self.assign, **(codebook or {}))
 
     def _attend(self, q, k, v, pos, state, return_state):
+        # only the slow pairs' dims score the codes ("slow", under RoPE): the op gets those alone
+        first_pair = self.slow_start if self.rope and self.cache_scores == "slow" else 0
         rotated = {}
         if self.rope:  # the window scores rotated q and k; the codes are scored by the unrotated q (position-free)
-            # only the slow pairs' dims score the codes ("slow"): the op gets those alone
-            first_pair = self.slow_start if self.cache_scores == "slow" else 0
             (q_rot, q), (k_rot, k) = (rope_rotate_keeping(x, pos, self.rope_base, p)
                                       for x, p in ((q, first_pair), (k, 0)))
             rotated = dict(q_rot=q_rot, k_rot=k_rot)
         # (H, S, Dh); codes are learned on unrotated keys. A decoding step (eval, with a state) records no statistics.
         codebook, assignment, aux_loss = self.codebook(k, record=self.training or state is None)
-        if self.rope and self.cache_scores == "slow":
-            codebook = pair_dims(codebook, self.slow_start)
+        codebook = pair_dims(codebook, first_pair)
         result = vq_attention(
             q, k, v, codebook,
             causal=True,
