@@ -37,7 +37,7 @@ import torch.nn as nn
 from .ops._checks import check_4d, check_choice, check_positive_int
 from .ops.precision import autocast_off
 from .ops.vq import Assignment, vq_assign
-from .ops.vq.assign import TILE_BYTES, code_slots
+from .ops.vq.assign import code_slots, row_tiles
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -58,11 +58,11 @@ class _QuantisationError(torch.autograd.Function):
         S = codes.shape[1]
         slots = code_slots(index, S, 1)  # (B, H, T) rows of the flat (H·S) statistics
         counts = keys.new_zeros(H * S).index_add_(0, slots.flatten(), keys.new_ones(()).expand(slots.numel()))
-        # Tiles of about TILE_BYTES, as the assignment's scores: k is often a strided view (of a layer's
-        # projections) that one flattening would copy whole.
-        sums, rows = keys.new_zeros(H * S, D), max(1, TILE_BYTES // (B * H * D * keys.element_size()))
-        for t in range(0, T, rows):
-            sums.index_add_(0, slots[:, :, t : t + rows].flatten(), keys[:, :, t : t + rows].reshape(-1, D))
+        # In tiles of keys, as the assignment's scores: k is often a strided view (of a layer's projections) that one
+        # flattening would copy whole.
+        sums = keys.new_zeros(H * S, D)
+        for rows in row_tiles(T, B * H * D * keys.element_size(), keys.device):
+            sums.index_add_(0, slots[:, :, rows].flatten(), keys[:, :, rows].reshape(-1, D))
         counts, sums = counts.view(H, S), sums.view(H, S, D)
         total = (torch.linalg.vector_norm(keys).square() - 2 * (codes * sums).sum()
                  + (counts * codes.square().sum(-1)).sum())

@@ -41,11 +41,11 @@ def temperature_tensor(temperature, num_heads: int, like: torch.Tensor) -> torch
     return like.new_full((1, 1, 1), float(temperature))
 
 
-# Score tiles of about this size on CPU in eager mode (see :func:`_row_tiles`).
+# Score tiles of about this size on CPU in eager mode (see :func:`row_tiles`).
 TILE_BYTES = 4 * 2**20
 
 
-def _row_tiles(num_rows: int, row_bytes: int, device: torch.device, tile_rows: int | None) -> list[slice]:
+def row_tiles(num_rows: int, row_bytes: int, device: torch.device, tile_rows: int | None = None) -> list[slice]:
     """Consecutive ranges of keys whose (rows, S) scores are formed at once. On CPU in eager mode, tiles of about
     :data:`TILE_BYTES` (or ``tile_rows`` keys): a fresh (T, S) temporary costs more in zero-filled pages than the
     softmax over it (:func:`~vqattn.ops.blocks.block_groups`), while a tile stays in cache and reuses freed memory.
@@ -111,7 +111,7 @@ def vq_assign(k: torch.Tensor, codebook: torch.Tensor, *, assign: str, temperatu
     """Assignment Δ of keys k (B, H, T, D) to the codes of codebook (H, S, D), computed in float32 (float64
     stays float64) whatever the autocast state. Soft weights carry the autograd graph to k, the codebook and the
     temperature, so an Assignment computed once per layer can be handed to ``vq_attention``. ``tile_rows``: keys
-    whose scores are formed at once (default: :func:`_row_tiles`); never changes the result.
+    whose scores are formed at once (default: :func:`row_tiles`); never changes the result.
     """
     check_choice("assign", assign, ASSIGNMENTS)
     if tile_rows is not None:
@@ -120,7 +120,7 @@ def vq_assign(k: torch.Tensor, codebook: torch.Tensor, *, assign: str, temperatu
     k, c = k.to(dtype), codebook.to(dtype)  # c: (H, S, D)
     B, H, T, _ = k.shape
     c_sq = (c * c).sum(-1)[:, None, :]  # (H, 1, S)
-    tiles = _row_tiles(T, B * H * c.shape[1] * k.element_size(), k.device, tile_rows)
+    tiles = row_tiles(T, B * H * c.shape[1] * k.element_size(), k.device, tile_rows)
     if assign == "hard":
         # ‖k‖² is the same for every code, so it does not change the argmin: the nearest code maximises
         # k·c_s − ‖c_s‖²/2.
