@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from vqattn.functional import WindowState, window_attention
-from vqattn.ops.blocks import DEFAULT_BLOCK_LEN, RECURRENT_MAX_LEN
+from vqattn.ops.blocks import DEFAULT_BLOCK_LEN, RECURRENT_MAX_LEN, group_windows
 
 from references import ref_softmax_attention, ref_window_attention
 
@@ -32,6 +32,24 @@ def test_matches_band_reference_outputs_and_grads(T, block_len, block_grouping):
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
     for name, a, b in zip("qkv", g, g_ref):
         torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-11, msg=f"grad of {name}")
+
+
+@pytest.mark.parametrize("n,scale", [(1, 1.0), (3, 1.0), (4, 0.3)])
+def test_group_windows_are_the_scaled_previous_and_current_blocks(n, scale):
+    """Every block's window [block b − 1, block b] (block −1: ``before``), times scale, written out block by block;
+    outputs and gradients of the piece and the block before it, float64."""
+    L = 4
+    piece, before = torch.randn(2, 3, n * L, 5, dtype=F64), torch.randn(2, 3, L, 5, dtype=F64)
+
+    def reference(piece, before):
+        blocks = [before] + list(piece.split(L, 2))
+        return scale * torch.stack([torch.cat(blocks[b : b + 2], 2) for b in range(n)], 2)
+
+    out, g = grads(lambda p, b: group_windows(p, b, L, scale), piece, before)
+    ref, g_ref = grads(reference, piece, before)
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b, atol=1e-14, rtol=1e-14)
 
 
 def test_is_softmax_while_the_sequence_fits_in_two_blocks():

@@ -127,14 +127,41 @@ def split_groups(x: torch.Tensor, groups: list[tuple[int, int]], L: int) -> list
     return list(zip(pieces, before))
 
 
-def previous_blocks(piece: torch.Tensor, before: torch.Tensor, L: int) -> torch.Tensor:
-    """The block before each of a group's blocks, from :func:`split_groups`: (B, H, n, L, ...)."""
-    return blocks(torch.cat([before, piece[:, :, :-L]], dim=2), L)
+def _write(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
+    """dst = scale · src, in place."""
+    if scale == 1:
+        dst.copy_(src)
+    else:
+        torch.mul(src, scale, out=dst)
 
 
-def group_windows(piece: torch.Tensor, before: torch.Tensor, L: int) -> torch.Tensor:
-    """Windows (previous block + current block) of a group's blocks, from :func:`split_groups`: (B, H, n, 2L, ...)."""
-    return torch.cat([previous_blocks(piece, before, L), blocks(piece, L)], dim=3)
+class _GroupWindows(torch.autograd.Function):
+    """scale · [previous block, block] of every block of a group. Written into one tensor: two cats would copy the
+    previous blocks twice, and their backward zero-fills two group-sized gradients (a slice's backward) before
+    adding them; here the backward is one scaled copy and one shifted add."""
+
+    @staticmethod
+    def forward(ctx, piece, before, L: int, scale: float):
+        ctx.L, ctx.scale = L, scale
+        current = blocks(piece, L)  # (B, H, n, L, ...)
+        windows = piece.new_empty(*current.shape[:3], 2 * L, *current.shape[4:])
+        _write(windows[:, :, :, L:], current, scale)
+        _write(windows[:, :, 1:, :L], current[:, :, :-1], scale)
+        _write(windows[:, :, 0, :L], before, scale)
+        return windows
+
+    @staticmethod
+    def backward(ctx, grad):
+        L, scale = ctx.L, ctx.scale
+        grad_piece = grad[:, :, :, L:] * scale
+        grad_piece[:, :, :-1].add_(grad[:, :, 1:, :L], alpha=scale)
+        return grad_piece.flatten(2, 3), grad[:, :, 0, :L] * scale, None, None
+
+
+def group_windows(piece: torch.Tensor, before: torch.Tensor, L: int, scale: float = 1.0) -> torch.Tensor:
+    """Windows (previous block + current block) of a group's blocks, from :func:`split_groups`, times ``scale`` (the
+    keys carry the logits' scale, so no query-sized product is formed): (B, H, n, 2L, ...)."""
+    return _GroupWindows.apply(piece, before, L, scale)
 
 
 class _CatHeadsInner(torch.autograd.Function):

@@ -58,8 +58,7 @@ def _chunked(q, k, v, L: int, scale: float, schedule: Schedule) -> torch.Tensor:
     outs = []
     for (b0, b1), (q_g, _), k_g, v_g in zip(groups, *(split_groups(x, groups, L) for x in (q, k, v))):
         bias = group_window_bias(b0 == 0, b1 - b0, L, q.device, q.dtype)
-        # q is scaled per group: no full-size copy
-        inputs = WindowCodeInputs(blocks(q_g * scale, L), group_windows(*k_g, L), bias, group_windows(*v_g, L))
+        inputs = WindowCodeInputs(blocks(q_g, L), group_windows(*k_g, L, scale), bias, group_windows(*v_g, L))
         outs.append(window_code_attention(inputs, loop=False)[0])  # no codes: no cache to read
     return time_range(cat_groups(outs), 0, T)
 

@@ -44,9 +44,10 @@ from .window_codes import WindowCodeInputs, window_code_attention
 
 
 class Group(NamedTuple):
-    """One group of n blocks: q (scaled), the window keys k (B, H, n·L, D), v (B, H, n·L, Dv) and the keys'
+    """One group of n blocks: q, the window keys k (B, H, n·L, D), v (B, H, n·L, Dv) and the keys'
     Assignment ``a``; the block before the group k_before, v_before, a_before (B, H, L, ·) (zeros before block 0,
-    masked); window_q (scaled) the queries of the window logits when they are not q (RoPE), else None."""
+    masked); window_q the queries of the window logits when they are not q (RoPE), else None. The logits' scale is
+    carried by the window keys and the codebook, never by the queries."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -72,9 +73,9 @@ class Carry(NamedTuple):
     pending: torch.Tensor | None = None
 
 
-def _window_group(g: Group, carry: Carry, *, c, L: int, loop: bool, gathered: bool):
-    """Window (raw keys, or gathered code logits when ``gathered``) plus codes; the block b−1 leaving block b's
-    window enters the cache after block b (lag 2)."""
+def _window_group(g: Group, carry: Carry, *, c, L: int, loop: bool, gathered: bool, scale: float):
+    """Window (raw keys, or gathered code logits when ``gathered``) plus codes (c scaled); the block b−1 leaving
+    block b's window enters the cache after block b (lag 2)."""
     n, S = g.q.shape[2] // L, c.shape[1]
     # The value sums enter from the group's own blocks (and the carried pending ones), so the (n·L, S) weights are
     # never copied shifted by a block, nor their gradient shifted back.
@@ -88,7 +89,7 @@ def _window_group(g: Group, carry: Carry, *, c, L: int, loop: bool, gathered: bo
     entering, tail = counts.split([n, 2], 2)
     cache_counts = carry.run.unsqueeze(2) + entering.cumsum(2)  # (B, H, n, S), block b's cache
     inputs = WindowCodeInputs(
-        queries=blocks(g.q, L), window_keys=group_windows(g.k, g.k_before, L),
+        queries=blocks(g.q, L), window_keys=group_windows(g.k, g.k_before, L, scale),
         window_bias=group_window_bias(g.first, n, L, g.q.device, g.q.dtype),
         window_values=group_windows(g.v, g.v_before, L), counts=cache_counts, sums=carry.sums,
         add_values=blocks(g.v, L), add_index=index, add_weights=weights, pending=carry.pending, codebook=c,
@@ -99,7 +100,8 @@ def _window_group(g: Group, carry: Carry, *, c, L: int, loop: bool, gathered: bo
 
 
 def _mixture_group(g: Group, carry: Carry, *, c, L: int, loop: bool):
-    """Soft VQ in linear form; the block leaves the window right after it (lag 1), so ``run`` holds every count."""
+    """Soft VQ in linear form (c scaled); the block leaves the window right after it (lag 1), so ``run`` holds
+    every count."""
     # The values get a column of ones, so the cache's last column is the counts.
     values = torch.cat([g.v, g.v.new_ones(*g.v.shape[:-1], 1)], -1)
     out, run, sums = mixture_attention(blocks(g.q, L), c, blocks(g.a.weights, L), blocks(values, L), carry.run,
@@ -132,6 +134,9 @@ def _causal(q, k, v, c, a: Assignment | None, *, assign: str, L: int, scale: flo
     carry = Carry(counts0, q.new_zeros(B, H, lag, S), sums0, None if mixture else torch.zeros_like(sums0))
     outs, fold_counts, fold_sums = [], counts0, sums0
     loop = loops(schedule, q.device)
+    # The scale goes into the codes (S rows) and the copied window keys: scaling the queries would cost one more
+    # query-sized product forward and backward.
+    scaled_c = c * scale
     for i, (b0, b1) in enumerate(groups):
         (q_g, _), (k_g, k_before), (v_g, v_before) = qs[i], window_ks[i], vs[i]
         if a is None:
@@ -141,13 +146,12 @@ def _causal(q, k, v, c, a: Assignment | None, *, assign: str, L: int, scale: flo
                                                                     for x in a_splits)))
             if bads is not None:
                 a_g, a_before = (zero_assignment_rows(x, rows) for x, rows in zip((a_g, a_before), bads[i]))
-        # queries are scaled per group (cheaper than scaling the logits, and no full-size temporary)
-        g = Group(q_g * scale, k_g, v_g, a_g, k_before, v_before, a_before, b0 == 0,
-                  None if window_qs is None else window_qs[i][0] * scale)
+        g = Group(q_g, k_g, v_g, a_g, k_before, v_before, a_before, b0 == 0,
+                  None if window_qs is None else window_qs[i][0])
         if mixture:
-            out, carry = _mixture_group(g, carry, c=c, L=L, loop=loop)
+            out, carry = _mixture_group(g, carry, c=scaled_c, L=L, loop=loop)
         else:
-            out, carry = _window_group(g, carry, c=c, L=L, loop=loop, gathered=gathered)
+            out, carry = _window_group(g, carry, c=scaled_c, L=L, loop=loop, gathered=gathered, scale=scale)
         outs.append(out)
         fold = size_min(size_max(fold_blocks - b0, 0), b1 - b0) * L
         if fold:
