@@ -127,14 +127,6 @@ def split_groups(x: torch.Tensor, groups: list[tuple[int, int]], L: int) -> list
     return list(zip(pieces, before))
 
 
-def _write(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
-    """dst = scale · src, in place."""
-    if scale == 1:
-        dst.copy_(src)
-    else:
-        torch.mul(src, scale, out=dst)
-
-
 class _GroupWindows(torch.autograd.Function):
     """scale · [previous block, block] of every block of a group. Written into one tensor: two cats would copy the
     previous blocks twice, and their backward zero-fills two group-sized gradients (a slice's backward) before
@@ -145,10 +137,10 @@ class _GroupWindows(torch.autograd.Function):
         ctx.L, ctx.scale = L, scale
         current = blocks(piece, L)  # (B, H, n, L, ...)
         windows = piece.new_empty(*current.shape[:3], 2 * L, *current.shape[4:])
-        _write(windows[:, :, :, L:], current, scale)
-        _write(windows[:, :, 1:, :L], current[:, :, :-1], scale)
-        _write(windows[:, :, 0, :L], before, scale)
-        return windows
+        windows[:, :, :, L:] = current
+        windows[:, :, 1:, :L] = current[:, :, :-1]
+        windows[:, :, 0, :L] = before
+        return windows if scale == 1 else windows.mul_(scale)
 
     @staticmethod
     def backward(ctx, grad):
