@@ -78,10 +78,19 @@ def test_commitment_loss_and_gradient_learning():
     torch.testing.assert_close(k.grad, 0.5 * 2 * (k.detach() - nearest) / k.numel())
     assert not codes.requires_grad  # EMA codes learn without gradients
 
-    learned = Codebook(2, 8, 4, learning="grad")
-    codes, _, aux = learned(k)
+    # gradient learning: the commitment loss moves the keys, the codebook loss E(sg k, c) the codes
+    k.grad = None
+    learned = Codebook(2, 8, 4, learning="grad", commitment=0.5)
+    codes, assignment, aux = learned(k)
+    nearest = codes.expand(2, -1, -1, -1).gather(2, assignment.index[..., None].expand(-1, -1, -1, 4))
+    expected = 0.5 * (k - nearest.detach()).pow(2).mean() + (k.detach() - nearest).pow(2).mean()
+    torch.testing.assert_close(aux, expected)
     aux.backward()
-    assert learned.codes.grad is not None and learned.codes.grad.abs().sum() > 0
+    k_ref, codes_ref = k.detach().clone().requires_grad_(), learned.codes.detach().clone().requires_grad_()
+    nearest_ref = codes_ref.expand(2, -1, -1, -1).gather(2, assignment.index[..., None].expand(-1, -1, -1, 4))
+    (0.5 * (k_ref - nearest_ref.detach()).pow(2).mean() + (k_ref.detach() - nearest_ref).pow(2).mean()).backward()
+    torch.testing.assert_close(k.grad, k_ref.grad)
+    torch.testing.assert_close(learned.codes.grad, codes_ref.grad)
 
 
 def test_soft_codebook_learns_codes_and_temperature_through_attention():
@@ -98,8 +107,10 @@ def test_soft_codebook_learns_codes_and_temperature_through_attention():
 
 
 @pytest.mark.parametrize("needs", ["keys", "codes", "both"])
-def test_quantisation_error_matches_the_mean_squared_distance_to_the_code_with_gradients(needs):
-    from vqattn.codebook import quantisation_error
+@pytest.mark.parametrize("key_weight,code_weight", [(1.0, 1.0), (0.25, 1.0), (0.5, 0.0)])
+def test_quantisation_loss_matches_the_mean_squared_distance_to_the_code_with_gradients(needs, key_weight,
+                                                                                        code_weight):
+    from vqattn.codebook import quantisation_loss
 
     g = torch.Generator().manual_seed(0)
     keys = torch.randn(2, 3, 13, 5, generator=g, dtype=torch.float64)
@@ -110,25 +121,28 @@ def test_quantisation_error_matches_the_mean_squared_distance_to_the_code_with_g
     keys.requires_grad_(needs in ("keys", "both"))
     codes.requires_grad_(needs in ("codes", "both"))
     inputs = [x for x in (keys, codes) if x.requires_grad]
-    error, counts, sums = quantisation_error(keys, codes, index)
+    loss, error, counts, sums = quantisation_loss(keys, codes, index, key_weight=key_weight, code_weight=code_weight)
     nearest = codes[torch.arange(3).view(1, 3, 1), index]  # (B, H, T, D), the naive gather
-    expected = ((keys - nearest) ** 2).mean()
-    torch.testing.assert_close(error, expected, rtol=1e-12, atol=0)
+    expected_error = ((keys - nearest) ** 2).mean()
+    expected = (key_weight * ((keys - nearest.detach()) ** 2).mean()
+                + code_weight * ((keys.detach() - nearest) ** 2).mean())
+    torch.testing.assert_close(error, expected_error.detach(), rtol=1e-12, atol=0)
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=0)
     one_hot = torch.nn.functional.one_hot(index, 6).to(keys.dtype)  # (B, H, T, S)
     torch.testing.assert_close(counts, one_hot.sum((0, 2)), rtol=0, atol=0)
     torch.testing.assert_close(sums, torch.einsum("bhts,bhtd->hsd", one_hot, keys.detach()), rtol=1e-13, atol=1e-13)
     grad = torch.tensor(0.37, dtype=torch.float64)
-    for got, want in zip(torch.autograd.grad(error, inputs, grad), torch.autograd.grad(expected, inputs, grad)):
+    for got, want in zip(torch.autograd.grad(loss, inputs, grad), torch.autograd.grad(expected, inputs, grad)):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
 
 
 def test_quantisation_error_of_keys_on_their_codes_is_zero_not_negative():
-    from vqattn.codebook import quantisation_error
+    from vqattn.codebook import quantisation_loss
 
     codes = torch.randn(2, 4, 8) * 100  # large norms: the expanded form cancels to rounding error
     index = torch.randint(0, 4, (3, 2, 9))
     keys = codes[torch.arange(2).view(1, 2, 1), index]
-    error = quantisation_error(keys, codes, index)[0]
+    error = quantisation_loss(keys, codes, index)[1]
     assert 0 <= error <= 1e-3 * codes.square().mean()
 
 

@@ -42,9 +42,10 @@ from .ops.vq.assign import code_slots, row_tiles
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
-class _QuantisationError(torch.autograd.Function):
-    """E = mean over (B, H, T, D) of (k − c_z)², keys k (B, H, T, D), codes c (H, S, D), index z (B, H, T), through
-    the per-code counts n_s and key sums m_s = Σ_{z_j = s} k_j (H, S) and (H, S, D), also returned:
+class _QuantisationLoss(torch.autograd.Function):
+    """The quantisation error E = mean over (B, H, T, D) of (k − c_z)², keys k (B, H, T, D), codes c (H, S, D), index
+    z (B, H, T), as the loss w_k·E(k, sg c) + w_c·E(sg k, c) (a commitment loss and a codebook loss in one pass),
+    through the per-code counts n_s and key sums m_s = Σ_{z_j = s} k_j (H, S) and (H, S, D), also returned:
 
         n·E = Σ_j ‖k_j‖² − 2 Σ_s c_s·m_s + Σ_s n_s ‖c_s‖²,   dE/dk_j = 2 (k_j − c_{z_j}) / n,   dE/dc_s = 2 (n_s c_s − m_s) / n
 
@@ -53,7 +54,7 @@ class _QuantisationError(torch.autograd.Function):
     backward pass gathers the codes once, into the keys' gradient itself."""
 
     @staticmethod
-    def forward(ctx, keys, codes, index):
+    def forward(ctx, keys, codes, index, key_weight: float, code_weight: float):
         B, H, T, D = keys.shape
         S = codes.shape[1]
         slots = code_slots(index, S, 1)  # (B, H, T) rows of the flat (H·S) statistics
@@ -66,13 +67,15 @@ class _QuantisationError(torch.autograd.Function):
         counts, sums = counts.view(H, S), sums.view(H, S, D)
         total = (torch.linalg.vector_norm(keys).square() - 2 * (codes * sums).sum()
                  + (counts * codes.square().sum(-1)).sum())
+        error = total.clamp_min(0) / keys.numel()  # ≥ 0 also where rounding cancels to below
         ctx.save_for_backward(keys, codes, index, counts, sums)
-        ctx.mark_non_differentiable(counts, sums)
-        return total.clamp_min(0) / keys.numel(), counts, sums  # ≥ 0 also where rounding cancels to below
+        ctx.weights = key_weight, code_weight
+        ctx.mark_non_differentiable(error, counts, sums)
+        return error * (key_weight + code_weight), error, counts, sums
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad, grad_counts, grad_sums):
+    def backward(ctx, grad, grad_error, grad_counts, grad_sums):
         keys, codes, index, counts, sums = ctx.saved_tensors
         need_keys, need_codes = ctx.needs_input_grad[:2]
         B, H, T, D = keys.shape
@@ -80,17 +83,19 @@ class _QuantisationError(torch.autograd.Function):
         grad_keys = grad_codes = None
         if need_keys:
             nearest = codes.unsqueeze(0).expand(B, -1, -1, -1).gather(2, index.unsqueeze(-1).expand(B, H, T, D))
-            grad_keys = nearest.sub_(keys).mul_(-scale)
+            grad_keys = nearest.sub_(keys).mul_(-scale * ctx.weights[0])
         if need_codes:
-            grad_codes = (counts.unsqueeze(-1) * codes - sums).mul_(scale)
-        return grad_keys, grad_codes, None
+            grad_codes = (counts.unsqueeze(-1) * codes - sums).mul_(scale * ctx.weights[1])
+        return grad_keys, grad_codes, None, None, None
 
 
-def quantisation_error(keys: torch.Tensor, codes: torch.Tensor,
-                       index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(mean (k − c_z)² over keys (B, H, T, D) and dims, differentiable in keys and codes; the counts n_s (H, S) and
-    key sums Σ_{z_j = s} k_j (H, S, D) of the index z (B, H, T) into codes (H, S, D)): :class:`_QuantisationError`."""
-    return _QuantisationError.apply(keys, codes, index)
+def quantisation_loss(keys: torch.Tensor, codes: torch.Tensor, index: torch.Tensor, *, key_weight: float = 1.0,
+                      code_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For keys (B, H, T, D), their codes' index z (B, H, T) into codes (H, S, D) and the quantisation error
+    E = mean (k − c_z)² over keys and dims: (the loss key_weight·E(k, sg c) + code_weight·E(sg k, c), whose
+    gradient reaches the keys times key_weight and the codes times code_weight; E itself; the counts n_s (H, S);
+    the key sums Σ_{z_j = s} k_j (H, S, D)). One pass for both terms: :class:`_QuantisationLoss`."""
+    return _QuantisationLoss.apply(keys, codes, index, key_weight, code_weight)
 
 
 def _distributed() -> bool:
@@ -211,13 +216,12 @@ class Codebook(nn.Module):
         # mean (k − c_z)² over keys and dims: the commitment loss (hard), and, times D, the quantisation error
         # recorded; with the hard assignment's counts and key sums, which the statistics reuse.
         aux = keys.new_zeros(())
-        if self.assign == "hard":
-            error, counts, sums = quantisation_error(keys, codes.detach(), index)
-            aux = self.commitment * error
-            if self.learning == "grad":
-                aux = aux + quantisation_error(keys.detach(), codes, index)[0]
+        if self.assign == "hard":  # the commitment loss β·E(k, sg c), plus E(sg k, c) when the codes learn by gradient
+            learned = self.learning == "grad"
+            aux, error, counts, sums = quantisation_loss(keys, codes if learned else codes.detach(), index,
+                                                         key_weight=self.commitment, code_weight=float(learned))
         else:
-            error, sums = quantisation_error(keys.detach(), codes.detach(), index)[0], None
+            error, sums = quantisation_loss(keys.detach(), codes.detach(), index)[1], None
             counts = assignment.weights.detach().sum((0, 2))  # the soft counts Σ_j p(s | k_j)
         counts = counts.to(self.ema_counts.dtype)  # (H, S)
         if self.training:
