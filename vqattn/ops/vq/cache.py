@@ -252,7 +252,7 @@ class LogitGradients:
             ds.scatter_add_(-1, self.window_codes[:, b], self.ds_window[:, b])
         if self.per_block:  # ds (N, L, S) of block b, or (N, n, L, S) of every block
             if self.dq is not None:
-                self.dq[:, b] = torch.matmul(ds, self.codebook_dq[:, b])
+                self._dq[:, b] = torch.matmul(ds, self.codebook_dq[:, b])
             if self.dc is not None:
                 self.dc[:, b] = torch.matmul(ds.transpose(-1, -2), self.q[:, b])
             return
