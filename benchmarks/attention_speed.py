@@ -48,22 +48,25 @@ METHODS = ("sdpa", "vq_hard", "vq_soft", "vq_hard_rope", "vq_soft_rope", "window
 MODES = ("default", "tuned", "compiled")
 
 
-def attention(method: str, q, k, v, codebook, block_len, q_rot=None, k_rot=None):
+def attention(method: str, q, k, v, codebook, block_len, q_rot=None, k_rot=None, impl="auto"):
     if method == "sdpa":
         return softmax_attention(q, k, v, causal=True)
     if method == "window":
-        return window_attention(q, k, v, block_len=block_len)
+        return window_attention(q, k, v, block_len=block_len, impl=impl)
     if method == "ovq":
         return ovq_attention(q, k, v, num_slots=codebook.shape[1], block_len=block_len, threshold=0.1)
     rope = dict(exact_window=True, q_rot=q_rot, k_rot=k_rot) if method.endswith("_rope") else {}
     assign = method.removeprefix("vq_").removesuffix("_rope")
-    return vq_attention(q, k, v, codebook, causal=True, assign=assign, block_len=block_len, **rope)
+    return vq_attention(q, k, v, codebook, causal=True, assign=assign, block_len=block_len, impl=impl, **rope)
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def child(method: str, T: int, device: str, reps: int, block_len: int | None, compiled: bool, B=1, H=4, D=64,
-          S=512) -> dict:
+          S=512, impl="auto", dtype="float32") -> dict:
     torch.manual_seed(0)
-    make = lambda *shape: torch.randn(*shape, device=device).requires_grad_(True)  # noqa: E731
+    make = lambda *shape: torch.randn(*shape, device=device, dtype=DTYPES[dtype]).requires_grad_(True)  # noqa: E731
     q, k, v, codebook = make(B, H, T, D), make(B, H, T, D), make(B, H, T, D), make(H, S, D)
     rotated = (make(B, H, T, D), make(B, H, T, D)) if method.endswith("_rope") else ()
     # As in Transformer-VQ, the hard codebook is an EMA k-means buffer (no gradient); the soft one is learned.
@@ -71,7 +74,7 @@ def child(method: str, T: int, device: str, reps: int, block_len: int | None, co
     fn = torch.compile(attention, fullgraph=True) if compiled else attention
 
     def run_once():
-        out = fn(method, q, k, v, codebook, block_len, *rotated)
+        out = fn(method, q, k, v, codebook, block_len, *(rotated or (None, None)), impl)
         out.backward(torch.ones_like(out))
 
     return time_fwd_bwd(run_once, (q, k, v, codebook, *rotated), device, reps)
@@ -132,8 +135,9 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def measure(method, T, device, reps, block_len, mode):
-    return run_child(__file__, [method, str(T), device, str(reps), str(block_len or 0), mode])
+def measure(method, T, device, reps, block_len, mode, shape: dict):
+    """``shape``: child()'s keyword arguments B, H, D, S, impl and dtype."""
+    return run_child(__file__, [method, str(T), device, str(reps), str(block_len or 0), mode, json.dumps(shape)])
 
 
 def run_child(script: str, args: list[str]) -> dict:
@@ -185,9 +189,17 @@ def main():
     parser.add_argument("--rounds", type=int, default=3,
                         help="measure every method this many times, interleaved; the ratio is the median of the "
                              "per-round ratios, so a slow spell of a shared machine hits SDPA and vq alike")
+    parser.add_argument("--impl", default="auto", choices=["auto", "chunk", "triton"],
+                        help="the form of vq_attention and window_attention (auto: triton on CUDA where it applies)")
+    parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="the inputs' dtype")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--num-codes", type=int, default=512)
     args = parser.parse_args()
+    shape = dict(B=args.batch, H=args.heads, S=args.num_codes, impl=args.impl, dtype=args.dtype)
 
-    print(f"# causal fwd+bwd, B=1 H=4 D=64 S=512 fp32, {args.device}: {machine()}, torch {torch.__version__}; "
+    print(f"# causal fwd+bwd, B={args.batch} H={args.heads} D=64 S={args.num_codes} {args.dtype} impl={args.impl}, "
+          f"{args.device}: {machine()}, torch {torch.__version__}; "
           f"median of {args.reps} reps in each of {args.rounds} interleaved rounds; peak MB from the {args.modes[0]} mode")
     if args.device == "cpu":
         print(f"# fresh memory costs {fresh_page_ms_per_mb():.2f} ms per MB beyond warm writes on this machine now")
@@ -199,7 +211,7 @@ def main():
     print("|" + "---|" * len(header))
     for T in args.lengths:
         for block_len in args.block_lens:
-            rounds = [{(m, mode): measure(m, T, args.device, args.reps, block_len, mode)
+            rounds = [{(m, mode): measure(m, T, args.device, args.reps, block_len, mode, shape)
                        for mode in args.modes for m in args.methods} for _ in range(args.rounds)]
             results = {mode: summarise([{m: r[m, mode] for m in args.methods} for r in rounds], "sdpa")
                        for mode in args.modes}
@@ -219,9 +231,10 @@ def main():
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        method, T, device, reps, block_len, mode = sys.argv[2:8]
+        method, T, device, reps, block_len, mode, shape = sys.argv[2:9]
         if mode == "tuned":
             tune_cpu_allocator()
-        print(json.dumps(child(method, int(T), device, int(reps), int(block_len) or None, mode == "compiled")))
+        print(json.dumps(child(method, int(T), device, int(reps), int(block_len) or None, mode == "compiled",
+                               **json.loads(shape))))
     else:
         main()

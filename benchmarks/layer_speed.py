@@ -34,20 +34,27 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch
 AUTOCASTS = ("none", "bf16")
 
 
-def build(name: str, dim: int, num_heads: int, num_codes: int, device: str, dtype: torch.dtype):
+# the layers whose op takes an ``impl`` (``--impl``)
+IMPL_LAYERS = ("vq_hard", "vq_soft", "window")
+
+
+def build(name: str, dim: int, num_heads: int, num_codes: int, device: str, dtype: torch.dtype, impl: str = "auto"):
     kwargs = {"num_codes": num_codes} if name.startswith("vq_") else {}
+    if name in IMPL_LAYERS:
+        kwargs["impl"] = impl
     return build_attention(name, dim=dim, num_heads=num_heads, rope=True, **kwargs).to(device, dtype).train()
 
 
 def child(name: str, T: int, device: str, reps: int, dtype: str, autocast: str, dim: int, num_heads: int,
-          num_codes: int, compiled: bool = False, tuned_allocator: bool = False) -> dict:
+          num_codes: int, compiled: bool = False, tuned_allocator: bool = False, impl: str = "auto",
+          batch: int = 1) -> dict:
     if tuned_allocator:
         tune_cpu_allocator()
     torch.manual_seed(0)
-    layer = build(name, dim, num_heads, num_codes, device, DTYPES[dtype])
+    layer = build(name, dim, num_heads, num_codes, device, DTYPES[dtype], impl)
     if compiled:
         layer = torch.compile(layer)  # compiled by the warm-up step, which is not timed
-    x = torch.randn(1, T, dim, device=device, dtype=DTYPES[dtype], requires_grad=True)
+    x = torch.randn(batch, T, dim, device=device, dtype=DTYPES[dtype], requires_grad=True)
     mixed = torch.autocast(device, dtype=torch.bfloat16) if autocast == "bf16" else contextlib.nullcontext()
 
     def run_once():
@@ -73,6 +80,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--num-codes", type=int, default=512, help="codes per head of the vq layers")
+    parser.add_argument("--impl", default="auto", choices=["auto", "chunk", "triton"],
+                        help="the op form of the vq and window layers (auto: triton on CUDA where it applies)")
+    parser.add_argument("--tokens", type=int, default=None,
+                        help="tokens per step: B = tokens // T (at least 1); default B = 1")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; ratios are per-round medians")
     args = parser.parse_args(argv)
@@ -85,13 +96,18 @@ def measure(args: argparse.Namespace, name: str, T: int) -> dict:
     return run_child(__file__, [json.dumps({
         "name": name, "T": T, "device": args.device, "reps": args.reps, "dtype": args.dtype, "autocast": args.autocast,
         "dim": args.dim, "num_heads": args.heads, "num_codes": args.num_codes, "compiled": args.compile,
-        "tuned_allocator": args.tuned_allocator})])
+        "tuned_allocator": args.tuned_allocator, "impl": args.impl, "batch": batch_size(args, T)})])
+
+
+def batch_size(args: argparse.Namespace, T: int) -> int:
+    return 1 if args.tokens is None else max(1, args.tokens // T)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     compiled = (", compiled" if args.compile else "") + (", tuned allocator" if args.tuned_allocator else "")
-    print(f"# layer fwd+bwd, B=1 dim={args.dim} heads={args.heads} S={args.num_codes} {args.dtype} autocast "
+    batch = "B=1" if args.tokens is None else f"B={args.tokens}//T"
+    print(f"# layer fwd+bwd, {batch} impl={args.impl} dim={args.dim} heads={args.heads} S={args.num_codes} {args.dtype} autocast "
           f"{args.autocast}{compiled}, training mode, {args.device}: {machine()}, torch {torch.__version__}; "
           f"median of {args.reps} reps in each of {args.rounds} interleaved rounds")
     if args.device == "cpu":

@@ -3,7 +3,12 @@ import os
 import pytest
 import torch
 
-from vqattn.ops.blocks import Schedule
+# Without a GPU the Triton kernels run under Triton's interpreter, which is read when they are defined: before the
+# first import of vqattn.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from vqattn.ops.blocks import Schedule  # noqa: E402
 
 
 def pytest_configure(config):

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from ..functional import kernel_attention, softmax_attention, window_attention
-from ..ops._checks import check_positive_int
+from ..ops._checks import check_choice, check_positive_int
+from ..ops.window import IMPLS as WINDOW_IMPLS
 from .base import Attention, CachedAttention
 
 
@@ -64,14 +65,17 @@ class WindowAttention(Attention):
     Linear time; the decoding state holds under 2·block_len keys and values.
     """
 
-    def __init__(self, dim: int, num_heads: int, *, block_len: int = 64, **attention_kwargs):
+    def __init__(self, dim: int, num_heads: int, *, block_len: int = 64, impl: str = "auto", **attention_kwargs):
+        """``impl``: the op's form (``window_attention``'s: "auto" runs the Triton kernel on CUDA)."""
         super().__init__(dim, num_heads, **attention_kwargs)
         check_positive_int("block_len", block_len)
-        self.block_len = block_len
+        check_choice("impl", impl, WINDOW_IMPLS)
+        self.block_len, self.impl = block_len, impl
 
     def _attend(self, q, k, v, pos, state, return_state):
         q, k = self.rotate(q, pos), self.rotate(k, pos)  # the state keeps rotated keys, like a KV cache
-        result = window_attention(q, k, v, block_len=self.block_len, state=state, return_state=return_state)
+        result = window_attention(q, k, v, block_len=self.block_len, state=state, return_state=return_state,
+                                  impl=self.impl)
         out, op_state = result if return_state else (result, None)
         return out, None, op_state
 

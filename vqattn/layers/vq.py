@@ -10,6 +10,7 @@ from ..codebook import Codebook
 from ..functional import vq_attention
 from ..ops._checks import check_choice, check_positive_int
 from ..ops.vq import DEFAULT_BLOCK_LEN
+from ..ops.vq import IMPLS as VQ_IMPLS
 from .base import Attention, pair_dims, rope_frequencies, rope_rotate_keeping
 
 CACHE_SCORES = ("all", "slow")
@@ -57,9 +58,11 @@ class VQAttention(Attention):
         exact_window: bool = True,
         cache_scores: str = "slow",
         codebook: dict | None = None,
+        impl: str = "auto",
         **attention_kwargs,
     ):
         """``codebook``: extra :class:`~vqattn.codebook.Codebook` kwargs (learning, decay, commitment, ...);
+        ``impl``: the op's form (``vq_attention``'s: "auto" runs the Triton kernel on CUDA where it applies);
         ``attention_kwargs`` go to :class:`Attention`."""
         super().__init__(dim, num_heads, **attention_kwargs)
         if self.rope and not exact_window:
@@ -71,6 +74,8 @@ class VQAttention(Attention):
         if block_len is not None:
             check_positive_int("block_len", block_len)
         check_choice("cache_scores", cache_scores, CACHE_SCORES)
+        check_choice("impl", impl, VQ_IMPLS)
+        self.impl = impl
         check_positive_int("num_codes", num_codes)
         self.cache_scores = cache_scores
         self.block_len, self.exact_window = block_len, exact_window
@@ -100,6 +105,7 @@ class VQAttention(Attention):
             state=state,
             return_state=return_state,
             assignment=assignment,  # computed once, by the codebook, from the raw keys and codes
+            impl=self.impl,
             **rotated,
         )
         out, op_state = result if return_state else (result, None)

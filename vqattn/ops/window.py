@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import check_positive_int, check_qkv, compute_dtype, size_min
+from ._checks import check_choice, check_positive_int, check_qkv, compute_dtype, size_min
 from .blocks import (
     DEFAULT_BLOCK_LEN,
     RECURRENT_MAX_LEN,
@@ -36,6 +36,8 @@ from .blocks import (
 )
 from .nonfinite import may_be_nonfinite, nonfinite_keys, window_poison, zero_rows
 from .precision import autocast_off
+from .triton import require_triton, triton_device
+from .triton.window_codes import fused_window_code_attention, unsupported
 from .vq.window_codes import WindowCodeInputs, window_code_attention
 
 
@@ -63,6 +65,11 @@ def _chunked(q, k, v, L: int, scale: float, schedule: Schedule) -> torch.Tensor:
     return time_range(cat_groups(outs), 0, T)
 
 
+def _fused(q, k, v, L: int, scale: float, schedule: Schedule) -> torch.Tensor:
+    """:func:`_chunked` as one Triton kernel (the schedule has no meaning there)."""
+    return fused_window_code_attention(q, k, v, scale=scale, block_len=L)
+
+
 def _recurrent(q, k, v, state: WindowState, scale: float) -> tuple[torch.Tensor, WindowState]:
     """Token by token: each query scores the state's raw window plus itself."""
     outs, keys, values, length, L = [], state.keys, state.values, state.length, state.block_len
@@ -74,10 +81,32 @@ def _recurrent(q, k, v, state: WindowState, scale: float) -> tuple[torch.Tensor,
     return torch.cat(outs, 2), WindowState(keys, values, length, L)
 
 
-def _validate(q, k, v, block_len, state) -> None:
+IMPLS = ("auto", "chunk", "recurrent", "triton")
+
+
+def _form(impl: str, q, k, v, L: int, state) -> str:
+    """``impl``, or for "auto": recurrent for a state and at most ``RECURRENT_MAX_LEN`` new tokens, triton for CUDA
+    tensors that it supports (when Triton imports), chunk otherwise."""
+    if impl != "auto":
+        return impl
+    if state is not None and q.shape[2] <= RECURRENT_MAX_LEN:
+        return "recurrent"
+    if q.is_cuda and triton_device(q) and unsupported(L, (q.shape[-1], v.shape[-1]), q.dtype) is None:
+        return "triton"
+    return "chunk"
+
+
+def _validate(q, k, v, block_len, state, impl) -> None:
     check_qkv(q, k, v, causal=True)
+    check_choice("impl", impl, IMPLS)
     if block_len is not None:
         check_positive_int("block_len", block_len)
+    if impl == "triton":
+        require_triton(q)
+        L = block_len or (state.block_len if isinstance(state, WindowState) else DEFAULT_BLOCK_LEN)
+        reason = unsupported(L, (q.shape[-1], v.shape[-1]), q.dtype)
+        if reason is not None:
+            raise ValueError(reason)
     if state is not None:
         if not isinstance(state, WindowState):
             raise ValueError(f"state must be a WindowState returned by window_attention, got {type(state).__name__}")
@@ -100,6 +129,7 @@ def window_attention(
     state: WindowState | None = None,
     return_state: bool = False,
     schedule: str | Schedule = "auto",
+    impl: str = "auto",
 ):
     """Causal softmax attention over the current and the previous block of ``block_len`` (see module doc).
 
@@ -111,21 +141,30 @@ def window_attention(
             ``RECURRENT_MAX_LEN`` new tokens run token by token, longer chunks the block kernel.
         return_state: also return the state after this call.
         schedule: the blocks' :class:`~vqattn.ops.blocks.Schedule` (its ``group_blocks``); never changes the result.
+        impl: "chunk" (the block kernel in PyTorch), "recurrent" (token by token, continuing ``state``), "triton"
+            (one fused kernel forward and one backward: CUDA tensors, or the CPU under ``TRITON_INTERPRET=1``), or
+            "auto": recurrent for a ``state`` and at most ``RECURRENT_MAX_LEN`` new tokens, triton for CUDA tensors
+            it supports (docs/ops.md), chunk otherwise.
 
     Returns:
         out (B, H, T, Dv) in the input dtype (computed in float32 for half precision and under autocast), or
         (out, state) when ``return_state``. As in softmax attention, a key with a NaN or infinite entry makes NaN
         exactly the outputs of the queries whose window holds it.
     """
-    _validate(q, k, v, block_len, state)
+    _validate(q, k, v, block_len, state, impl)
     schedule = as_schedule(schedule)
     L = block_len or (state.block_len if state is not None else DEFAULT_BLOCK_LEN)
-    in_dtype, dtype = q.dtype, compute_dtype(q.dtype)
+    form = _form(impl, q, k, v, L, state)
+    if form == "recurrent" and state is None:
+        state = WindowState(k[:, :, :0], v[:, :, :0], 0, L)
+    # the Triton kernel reads half precision as it is and accumulates in float32
+    in_dtype = q.dtype
+    dtype = in_dtype if form == "triton" else compute_dtype(in_dtype)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if state is not None:
         state = WindowState(state.keys.to(dtype), state.values.to(dtype), state.length, state.block_len)
-    if state is not None and q.shape[2] <= RECURRENT_MAX_LEN:
+    if form == "recurrent":
         out, new_state = _recurrent(q, k, v, state, scale)
         return (out.to(in_dtype), new_state) if return_state else out.to(in_dtype)
     T, start = q.shape[2], 0
@@ -137,10 +176,13 @@ def window_attention(
     # masked entries): it is zeroed there and reaches exactly the queries that see it as NaN (vqattn.ops.nonfinite).
     # The state keeps the key itself. The recurrent form has no masked entries.
     bad, _ = nonfinite_keys(k)
+    blocks_of = _chunked
+    if form == "triton":
+        blocks_of, L_run = _fused, L
     if may_be_nonfinite(bad):
-        out = _chunked(q, zero_rows(k, bad), v, L_run, scale, schedule) + window_poison(bad, L, dtype)
+        out = blocks_of(q, zero_rows(k, bad), v, L_run, scale, schedule) + window_poison(bad, L, dtype)
     else:
-        out = _chunked(q, k, v, L_run, scale, schedule)
+        out = blocks_of(q, k, v, L_run, scale, schedule)
     out = out[:, :, -T:].to(in_dtype)
     if not return_state:
         return out

@@ -14,8 +14,10 @@ from .assign import ASSIGNMENTS, Assignment, check_assignment, code_means, code_
     vq_assign
 from .chunk import chunk_vq_attention
 from .recurrent import VQState, recurrent_vq_attention
+from ..triton import require_triton, triton_device
+from ..triton.window_codes import unsupported
 
-IMPLS = ("auto", "chunk", "recurrent")
+IMPLS = ("auto", "chunk", "recurrent", "triton")
 
 
 def _non_causal(q, k, v, c, a: Assignment, scale) -> torch.Tensor:
@@ -94,14 +96,42 @@ def _validate(q, k, v, codebook, *, causal, assign, block_len, exact_window, sta
     check_choice("impl", impl, IMPLS)
     if block_len is not None:
         check_positive_int("block_len", block_len)
-    if not causal and (exact_window or state is not None or return_state or impl == "recurrent"):
-        raise ValueError("exact_window, state, return_state and impl='recurrent' need causal=True "
+    if not causal and (exact_window or state is not None or return_state or impl in ("recurrent", "triton")):
+        raise ValueError("exact_window, state, return_state and impl='recurrent' or 'triton' need causal=True "
                          "(non-causal attention has no window)")
+    if impl == "triton":
+        require_triton(q)
+        reason = _fused_unsupported(q, k, v, assign=assign, exact_window=exact_window, block_len=block_len,
+                                    state=state)
+        if reason is not None:
+            raise ValueError(reason)
     if state is not None:
         _check_state(state, k, v, codebook, assign=assign, block_len=block_len)
     if assignment is not None:
         check_assignment(assignment, assign=assign, shape=tuple(k.shape[:3]), num_codes=codebook.shape[-2],
                          device=q.device)
+
+
+def _fused_unsupported(q, k, v, *, assign, exact_window, block_len, state) -> str | None:
+    """Why the Triton form cannot compute this call, or None."""
+    if assign == "soft" and not exact_window:
+        return "impl='triton' has no soft mixture window: pass exact_window=True, or impl='chunk'"
+    L = block_len or (state.block_len if state is not None else DEFAULT_BLOCK_LEN)
+    return unsupported(L, (q.shape[-1], k.shape[-1], v.shape[-1]), q.dtype)
+
+
+def _form(impl: str, q, k, v, *, causal, assign, exact_window, block_len, state) -> str:
+    """The form that runs a call: ``impl``, or for "auto" recurrent for a ``state`` and at most
+    ``RECURRENT_MAX_LEN`` new tokens, triton for other causal calls on CUDA tensors that it supports (when Triton
+    imports), chunk otherwise."""
+    if impl != "auto":
+        return impl
+    if state is not None and q.shape[2] <= RECURRENT_MAX_LEN:
+        return "recurrent"
+    if causal and q.is_cuda and triton_device(q) and _fused_unsupported(
+            q, k, v, assign=assign, exact_window=exact_window, block_len=block_len, state=state) is None:
+        return "triton"
+    return "chunk"
 
 
 def _without_nonfinite_keys(k, k_rot, *, causal: bool, state):
@@ -120,26 +150,27 @@ def _poisoned(out: torch.Tensor, poison: torch.Tensor | None) -> torch.Tensor:
     return out if poison is None else out + poison
 
 
-def _keys_assignment(assignment: Assignment | None, k, assign_keys, *, whole: bool) -> Assignment | None:
-    """The given assignment in k's dtype; else k assigned here when ``whole``, or None (the chunk form then assigns
-    group by group, so that no (T, S) tensor exists at once)."""
+def _keys_assignment(assignment: Assignment | None, dtype, assign_keys, k, *, whole: bool) -> Assignment | None:
+    """The given assignment in the compute ``dtype``; else k assigned here when ``whole``, or None (the chunk form
+    then assigns group by group, so that no (T, S) tensor exists at once)."""
     if assignment is not None:
-        return map_time(lambda x: x.to(k.dtype) if x.is_floating_point() else x, assignment)
+        return map_time(lambda x: x.to(dtype) if x.is_floating_point() else x, assignment)
     return assign_keys(k) if whole else None
 
 
-def _causal_form(q, k, v, c, a, bad, *, recurrent: bool, assign, state, block_len, scale, exact_window, assign_keys,
+def _causal_form(q, k, v, c, a, bad, *, form: str, assign, state, block_len, scale, exact_window, assign_keys,
                  return_state, schedule, q_rot, k_rot):
     """The recurrent or the chunk form of causal attention: (out, the state after the new tokens or None). The
-    chunk form zeroes the ``bad`` rows of a given assignment ``a`` itself, only where its kernels would leak them."""
+    chunk form zeroes the ``bad`` rows of a given assignment ``a`` itself, only where its kernels would leak them;
+    the triton form is the chunk form with the Triton kernel for its blocks."""
     L = block_len or (state.block_len if state is not None else DEFAULT_BLOCK_LEN)
-    if recurrent:
+    if form == "recurrent":
         state = VQState.empty(k, v, c.shape[1], L, assign) if state is None else state
         return recurrent_vq_attention(q, k, v, c, zero_assignment_rows(a, bad), state=state, scale=scale,
                                       exact_window=exact_window, q_rot=q_rot, k_rot=k_rot)
     return chunk_vq_attention(q, k, v, c, a, assign=assign, state=state, block_len=L, scale=scale,
                               exact_window=exact_window, assign_keys=assign_keys, return_state=return_state,
-                              schedule=schedule, q_rot=q_rot, k_rot=k_rot, bad=bad)
+                              schedule=schedule, q_rot=q_rot, k_rot=k_rot, bad=bad, fused=form == "triton")
 
 
 @autocast_off
@@ -173,8 +204,11 @@ def vq_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, codebook: to
             attention and the codes stay position-free (a state keeps k_rot). With an ``assignment`` too, q and the
             codebook may be narrower (Dc < D): the codes are scored on those dims alone, at Dc/D of the work.
         impl: the form that computes it, as flash-linear-attention's ``mode``: "chunk" (the block algorithm),
-            "recurrent" (token by token, O(1) per token: decoding), or "auto": recurrent for a ``state`` and at
-            most ``RECURRENT_MAX_LEN`` new tokens, chunk otherwise. All give the same result to rounding.
+            "recurrent" (token by token, O(1) per token: decoding), "triton" (the block algorithm as one fused
+            kernel forward and one backward, :mod:`vqattn.ops.triton`: CUDA tensors, or the CPU under
+            ``TRITON_INTERPRET=1``), or "auto": recurrent for a ``state`` and at most ``RECURRENT_MAX_LEN`` new
+            tokens, triton for causal CUDA calls it supports (docs/ops.md), chunk otherwise. All give the same
+            result to rounding.
         schedule: how the chunk form runs its blocks (:class:`~vqattn.ops.blocks.Schedule`): "auto", "loop"
             or "cumsum"; never changes the result.
 
@@ -185,18 +219,26 @@ def vq_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, codebook: to
     """
     _validate(q, k, v, codebook, causal=causal, assign=assign, block_len=block_len, exact_window=exact_window,
               state=state, return_state=return_state, impl=impl, q_rot=q_rot, k_rot=k_rot, assignment=assignment)
+    form = _form(impl, q, k, v, causal=causal, assign=assign, exact_window=exact_window, block_len=block_len,
+                 state=state)
     schedule, (in_dtype, dtype) = as_schedule(schedule), (q.dtype, compute_dtype(q.dtype))
-    q, k, v, q_rot, k_rot, c = (None if x is None else x.to(dtype) for x in (q, k, v, q_rot, k_rot, codebook))
+    # The Triton kernel reads half-precision q, k, v as they are and accumulates in float32; the codebook, the
+    # assignment and the caches are float32 in every form.
+    tensor_dtype = in_dtype if form == "triton" else dtype
+    q, k, v, q_rot, k_rot = (None if x is None else x.to(tensor_dtype) for x in (q, k, v, q_rot, k_rot))
+    c = codebook.to(dtype)
     c = c.unsqueeze(0).expand(q.shape[1], -1, -1) if c.dim() == 2 else c  # (H, S, Dc)
     scale = k.shape[-1] ** -0.5 if scale is None else scale  # k's D: q's may be the codes' narrower width
     k, k_rot, bad, poison = _without_nonfinite_keys(k, k_rot, causal=causal, state=state)
     assign_keys = lambda keys: vq_assign(keys, c, assign=assign, temperature=temperature)  # noqa: E731
-    state = None if state is None else state.to(dtype)
-    recurrent = impl == "recurrent" or (impl == "auto" and state is not None and q.shape[2] <= RECURRENT_MAX_LEN)
-    a = _keys_assignment(assignment, k, assign_keys, whole=not causal or state is not None or recurrent)
+    if state is not None:
+        state = state.to(dtype)
+        state = dataclasses.replace(state, keys=state.keys.to(tensor_dtype), values=state.values.to(tensor_dtype))
+    a = _keys_assignment(assignment, dtype, assign_keys, k,
+                         whole=not causal or state is not None or form == "recurrent")
     if not causal:
         return _poisoned(_non_causal(q, k, v, c, zero_assignment_rows(a, bad), scale), poison).to(in_dtype)
-    out, new_state = _causal_form(q, k, v, c, a, bad, recurrent=recurrent, assign=assign, state=state,
+    out, new_state = _causal_form(q, k, v, c, a, bad, form=form, assign=assign, state=state,
                                   block_len=block_len, scale=scale, exact_window=exact_window,
                                   assign_keys=assign_keys, return_state=return_state, schedule=schedule,
                                   q_rot=q_rot, k_rot=k_rot)

@@ -38,6 +38,7 @@ from ..blocks import (
 )
 from ..nonfinite import zero_assignment_rows
 from .assign import Assignment, cat_time, code_counts, code_statistics, map_time
+from .fused import fused_causal
 from .mixture import mixture_attention
 from .recurrent import VQState
 from .window_codes import WindowCodeInputs, window_code_attention
@@ -160,6 +161,14 @@ def _causal(q, k, v, c, a: Assignment | None, *, assign: str, L: int, scale: flo
     return time_range(cat_groups(outs), 0, T), fold_counts, fold_sums
 
 
+def _fused_causal(q, k, v, c, a, *, assign, L, scale, exact_window, counts0, sums0, assign_keys, fold_blocks,
+                  schedule, window_k, window_q=None, bad=None):
+    """:func:`_causal`'s signature for :func:`.fused.fused_causal`, which has no schedule and no ``bad`` rows."""
+    assert bad is None, "the fused form takes no rows to zero: the soft mixture window runs the chunk form"
+    return fused_causal(q, k, v, c, a, L=L, scale=scale, exact_window=exact_window, counts0=counts0, sums0=sums0,
+                        fold_blocks=fold_blocks, window_k=window_k, window_q=window_q)
+
+
 def block_bytes(B: int, H: int, L: int, S: int, element_size: int) -> int:
     """The size of one block's temporaries: its (L, S + 2L) logit tiles over every batch·head."""
     return B * H * L * (S + 2 * L) * element_size
@@ -167,11 +176,12 @@ def block_bytes(B: int, H: int, L: int, S: int, element_size: int) -> int:
 
 def chunk_vq_attention(q, k, v, c, a: Assignment | None, *, assign: str, state: VQState | None, block_len: int,
                        scale: float, exact_window: bool, assign_keys, return_state: bool, schedule: Schedule,
-                       q_rot=None, k_rot=None, bad=None):
+                       q_rot=None, k_rot=None, bad=None, fused: bool = False):
     """Causal block algorithm over new tokens that may continue ``state``, whose raw window is re-run in front.
     ``a``: the keys' Assignment, or None (no state) to assign group by group; q_rot, k_rot: the window's queries
     and keys (RoPE), whose keys the state keeps; ``bad`` (B, H, T): the rows of ``a`` to zero (non-finite keys), where
-    the kernel would otherwise leak them to earlier queries. Returns (out, state or None)."""
+    the kernel would otherwise leak them to earlier queries; ``fused``: the blocks run in the Triton kernel
+    (:mod:`.fused`: exact or hard windows, no ``bad`` rows). Returns (out, state or None)."""
     B, H, T, _ = q.shape
     S, Dv, L = c.shape[1], v.shape[-1], block_len
     window_k = k if k_rot is None else k_rot
@@ -180,7 +190,7 @@ def chunk_vq_attention(q, k, v, c, a: Assignment | None, *, assign: str, state: 
         # alone, which only the queries that see the key read, and the poison makes those NaN anyway.
         bad = None
     if state is None:
-        start, counts0, sums0 = 0, q.new_zeros(B, H, S), q.new_zeros(B, H, S, Dv)
+        start, counts0, sums0 = 0, c.new_zeros(B, H, S), c.new_zeros(B, H, S, Dv)  # float32 for a fused half q
     else:
         start, counts0, sums0 = state.length - state.keys.shape[2], state.counts, state.sums
         if q_rot is not None:
@@ -192,7 +202,11 @@ def chunk_vq_attention(q, k, v, c, a: Assignment | None, *, assign: str, state: 
     L_run = L if state is not None or return_state else size_min(L, v.shape[2])
     length = start + v.shape[2]
     keep = window_start(length, L) - start  # positions leaving the raw window: whole blocks
-    out, counts, sums = _causal(q, k, v, c, a, assign=assign, L=L_run, scale=scale, exact_window=exact_window,
+    causal = _causal
+    if fused:
+        a = assign_keys(k) if a is None else a
+        causal, L_run = _fused_causal, L
+    out, counts, sums = causal(q, k, v, c, a, assign=assign, L=L_run, scale=scale, exact_window=exact_window,
                                 counts0=counts0, sums0=sums0, assign_keys=assign_keys,
                                 fold_blocks=keep // L if return_state else 0, schedule=schedule, window_q=q_rot,
                                 window_k=window_k, bad=bad)

@@ -1,0 +1,181 @@
+"""The Triton forms of vq_attention and window_attention against the float64 definitions: outputs and every
+input's gradient, by relative RMS (flash-linear-attention's measure). On a machine without a GPU the kernels run
+under Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1), on one with a GPU on CUDA; the references
+run in float64 on the CPU. Shapes stay small: the interpreter runs every program in Python."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from references import ref_window_attention
+from vqattn.layers import build_attention
+from vqattn.ops.triton import INTERPRET, triton
+from vqattn.ops.vq import Assignment, naive_vq_attention, vq_assign, vq_attention
+from vqattn.ops.window import window_attention
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(triton is None or (DEVICE == "cpu" and not INTERPRET),
+                                reason="needs triton, and a GPU or TRITON_INTERPRET=1")
+B, H, D, DV, S, L = 2, 2, 16, 8, 24, 32
+
+
+@pytest.fixture(autouse=True)
+def nan_empty(monkeypatch):
+    """torch.empty filled with NaN, so that a kernel that leaves part of a buffer unwritten shows up."""
+    empty = torch.empty
+
+    def filled(*args, **kwargs):
+        x = empty(*args, **kwargs)
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    monkeypatch.setattr(torch, "empty", filled)
+
+
+def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖x − ref‖ / ‖ref‖, relative RMS error; a reference of RMS under 0.01 (a gradient that is exactly zero) counts
+    as of RMS 0.01."""
+    x, ref = x.detach().double().cpu(), ref.detach().double().cpu()
+    assert torch.isfinite(x).all()
+    return ((x - ref).norm() / ref.norm().clamp_min(0.01 * ref.numel() ** 0.5)).item()
+
+
+def leaves(*shapes, scale=1.0, generator=None):
+    return [(torch.randn(*s, dtype=torch.float64, generator=generator) * scale).requires_grad_() for s in shapes]
+
+
+def compare(fn_ref, fn_fast, inputs, dtype=torch.float32, tol=1e-5):
+    """fn_ref(*float64 CPU inputs) and fn_fast(*inputs in dtype on DEVICE): outputs and the gradients of every
+    input for one random output gradient, within ``tol`` relative RMS."""
+    ref = fn_ref(*inputs)
+    grad = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, inputs, grad, allow_unused=True)
+    fast_inputs = [x.detach().to(DEVICE, dtype).requires_grad_() for x in inputs]
+    out = fn_fast(*fast_inputs)
+    assert out.dtype == dtype and out.device.type == DEVICE
+    grads = torch.autograd.grad(out, fast_inputs, grad.to(DEVICE, dtype), allow_unused=True)
+    assert rel_rms(out, ref) < tol
+    for i, (g, r) in enumerate(zip(grads, ref_grads)):
+        r = torch.zeros_like(inputs[i]) if r is None else r
+        g = torch.zeros_like(fast_inputs[i]) if g is None else g
+        assert rel_rms(g, r) < 10 * tol, f"gradient of input {i}"
+
+
+@pytest.mark.parametrize("T", [1, 20, 64, 100])
+def test_window_attention(T):
+    q, k, v = leaves((B, H, T, D), (B, H, T, D), (B, H, T, DV))
+    compare(lambda q, k, v: ref_window_attention(q, k, v, block_len=L),
+            lambda q, k, v: window_attention(q, k, v, block_len=L, impl="triton"), [q, k, v])
+
+
+# (assign, window): the straight-through hard window, the raw-key window, and the raw window of RoPE's own
+# queries and keys with the codes scored on fewer dims (as the layers call it)
+FORMS = [("hard", "codes"), ("hard", "exact"), ("soft", "exact"), ("hard", "rotated"), ("soft", "rotated")]
+
+
+def vq_inputs(assign, window, T, scale=1.0, generator=None):
+    Dc = D // 2 if window == "rotated" else D
+    q, k, v, c = leaves((B, H, T, Dc), (B, H, T, D), (B, H, T, DV), (H, S, Dc), scale=scale, generator=generator)
+    rotated = leaves((B, H, T, D), (B, H, T, D), scale=scale, generator=generator) if window == "rotated" else []
+    return [q, k, v, c, *rotated]
+
+
+def vq_call(attention, assign, window, impl=None, **kwargs):
+    """attention(q, k, v, c[, q_rot, k_rot]) with the window's arguments; the rotated form gets the keys'
+    assignment from the first D/2 dims of k (the codes' dims), computed from the inputs, as the layers pass it."""
+    extra = {} if impl is None else {"impl": impl}
+
+    def call(q, k, v, c, *rotated):
+        kw = dict(causal=True, assign=assign, block_len=L, exact_window=window != "codes", **extra, **kwargs)
+        if rotated:
+            a = vq_assign(k[..., :c.shape[-1]], c, assign=assign)
+            kw.update(q_rot=rotated[0], k_rot=rotated[1], assignment=a)
+        return attention(q, k, v, c, **kw)
+
+    return call
+
+
+@pytest.mark.parametrize("assign,window", FORMS)
+@pytest.mark.parametrize("T", [1, 40, 100])
+def test_vq_attention(assign, window, T):
+    compare(vq_call(naive_vq_attention, assign, window), vq_call(vq_attention, assign, window, "triton"),
+            vq_inputs(assign, window, T))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("assign,window", FORMS)
+def test_vq_attention_large_logits_and_empty_codes(assign, window):
+    """Inputs at 4× the scale (logits in the tens) and half the codes far from every key: those never hold a key
+    (empty caches, log 0 = −inf) yet their logits are the largest."""
+    inputs = vq_inputs(assign, window, 100, scale=2.0)
+    with torch.no_grad():
+        inputs[3][:, S // 2:] *= 20
+    compare(vq_call(naive_vq_attention, assign, window), vq_call(vq_attention, assign, window, "triton"), inputs,
+            tol=1e-4)
+
+
+@pytest.mark.parametrize("assign,window", [("hard", "rotated"), ("soft", "exact")])
+def test_chunked_calls_equal_one_call(assign, window):
+    """A sequence fed as 3 chunks, each continuing the state of the one before, equals one call; the state equals
+    the chunk form's."""
+    q, k, v, c, *rotated = (x.detach().to(DEVICE, torch.float32) for x in vq_inputs(assign, window, 110))
+    call = vq_call(vq_attention, assign, window, "triton")
+    whole = call(q, k, v, c, *rotated)
+    outs, state = [], None
+    for t0, t1 in ((0, 37), (37, 75), (75, 110)):
+        piece = lambda x: x[:, :, t0:t1]  # noqa: E731
+        out, state = vq_call(vq_attention, assign, window, "triton", state=state, return_state=True)(
+            piece(q), piece(k), piece(v), c, *map(piece, rotated))
+        outs.append(out)
+    assert rel_rms(torch.cat(outs, 2), whole) < 1e-6
+    _, chunk_state = vq_call(vq_attention, assign, window, "chunk", return_state=True)(q, k, v, c, *rotated)
+    assert rel_rms(state.sums, chunk_state.sums) < 1e-6 and rel_rms(state.counts, chunk_state.counts) < 1e-6
+    assert state.length == chunk_state.length and torch.equal(state.keys, chunk_state.keys)
+
+
+@pytest.mark.parametrize("assign,window", [("hard", "exact"), ("soft", "rotated")])
+def test_bfloat16_inputs(assign, window):
+    """bf16 q, k, v (and codebook) accumulate in float32: within bf16's rounding of the float64 definition."""
+    compare(vq_call(naive_vq_attention, assign, window), vq_call(vq_attention, assign, window, "triton"),
+            vq_inputs(assign, window, 100), dtype=torch.bfloat16, tol=2e-2)
+
+
+@pytest.mark.parametrize("name", ["vq_hard", "vq_soft", "window"])
+def test_layers_triton_equals_chunk(name):
+    """The layers with their defaults (RoPE, exact window, slow-pair code scores, the codebook's assignment): the
+    Triton form gives the chunk form's output and parameter gradients."""
+    results = []
+    for impl in ("chunk", "triton"):
+        torch.manual_seed(0)
+        layer = build_attention(name, dim=32, num_heads=2, rope=True, block_len=16, impl=impl).to(DEVICE)
+        x = torch.randn(1, 50, 32, device=DEVICE, requires_grad=True)
+        out, aux, _ = layer(x)
+        (out.square().sum() + aux).backward()
+        results.append([out, x.grad, *(p.grad for p in layer.parameters() if p.grad is not None)])
+    for a, b in zip(*results):
+        assert rel_rms(a, b) < 1e-5
+
+
+def test_unsupported_calls_say_why():
+    q, k, v, c = (x.detach().to(DEVICE) for x in vq_inputs("hard", "exact", 10))
+    with pytest.raises(ValueError, match="mixture window"):
+        vq_attention(q, k, v, c, causal=True, assign="soft", impl="triton")
+    with pytest.raises(ValueError, match="power of two"):
+        vq_attention(q, k, v, c, causal=True, block_len=48, impl="triton")
+    with pytest.raises(ValueError, match="block_len"):
+        window_attention(q, k, v, block_len=8, impl="triton")
+    with pytest.raises(ValueError, match="causal=True"):
+        vq_attention(q, k, v, c, causal=False, impl="triton")
+    if DEVICE == "cpu":
+        with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
+            window_attention(q.double(), k.double(), v.double(), impl="triton")
+
+
+def test_auto_keeps_the_pytorch_forms_on_a_cpu():
+    """impl="auto" runs the Triton kernel only on CUDA: on a CPU, under the interpreter too, it is the chunk form
+    (same result to the bit)."""
+    q, k, v, c = (x.detach() for x in vq_inputs("hard", "exact", 50))
+    auto = vq_attention(q.float(), k.float(), v.float(), c.float(), causal=True, block_len=L, exact_window=True)
+    chunk = vq_attention(q.float(), k.float(), v.float(), c.float(), causal=True, block_len=L, exact_window=True,
+                         impl="chunk")
+    assert torch.equal(auto, chunk)

@@ -1,0 +1,285 @@
+"""The fused block kernel: every query block attends, in one online softmax, to its window and to the codes.
+
+Query i of block b = i // L scores (per batch·head, scale σ)
+
+    window  the keys j ≤ i of blocks b−1 and b        logit σ qw_i·kw_j        value v_j
+    codes   s = 1..S, the cache of blocks ≤ b−2       logit σ qc_i·c_s + log n_bs    value C_bs / n_bs
+
+with one running max, as flash attention does, so neither the (T, T) nor the (T, S) logits reach memory. n_b (S,) and
+C_b (S, Dv) are every block's cache counts and value sums, formed beforehand by a per-block prefix (the state of
+fla's chunk kernels); window attention is the same kernel without codes. The forward kernel stores out and the
+per-query logsumexp; the backward kernel recomputes the probabilities from it and writes, per query block, the
+gradients of its queries, of its window's keys and values (split by which of the two query blocks that read a key
+block they come from, so that no two programs add into one place), of the codebook (summed afterwards), and of its
+cache (dn_b, dC_b), which autograd then carries back through the prefix to the values and the assignment.
+
+One program per (query block, batch·head). Loads are cast to ``DOT`` (the input's half type on a GPU, so the
+products run on tensor cores; float32 under the interpreter, whose half-precision products are wrong), every product
+accumulates in float32, and float32 inputs multiply in IEEE float32 (no TF32).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import INTERPRET, triton
+
+if triton is not None:
+    import triton.language as tl
+
+# Codes scored per inner step of the kernels (a (L, CODE_TILE) logit tile).
+CODE_TILE = 64
+# The largest feature width a program holds in registers.
+MAX_DIM = 256
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def unsupported(L: int, dims: tuple[int, ...], dtype: torch.dtype) -> str | None:
+    """Why the fused kernel cannot run these shapes, or None: L a power of two from 16 to 128, feature widths up to
+    256, half or float32 inputs."""
+    if L < 16 or L > 128 or L & (L - 1):
+        return f"block_len must be a power of two from 16 to 128 for impl='triton', got {L}"
+    if max(dims) > MAX_DIM:
+        return f"impl='triton' takes feature dims up to {MAX_DIM}, got {max(dims)}"
+    if dtype not in SUPPORTED_DTYPES:
+        return f"impl='triton' takes float16, bfloat16 or float32 inputs, got {dtype}"
+    return None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _load_rows(ptr, sb, sh, st, b, h, rows, T, width, BW: tl.constexpr, DOT: tl.constexpr):
+        """x[b, h, rows, :width] of a (B, H, T, width) tensor with unit last stride, zero outside, as DOT."""
+        cols = tl.arange(0, BW)
+        mask = (rows[:, None] >= 0) & (rows[:, None] < T) & (cols[None, :] < width)
+        x = tl.load(ptr + b * sb + h * sh + rows[:, None] * st + cols[None, :], mask=mask, other=0.0)
+        return x.to(DOT)
+
+    @triton.jit
+    def _store_rows(ptr, sb, sh, st, b, h, rows, T, width, x, BW: tl.constexpr):
+        cols = tl.arange(0, BW)
+        mask = (rows[:, None] >= 0) & (rows[:, None] < T) & (cols[None, :] < width)
+        tl.store(ptr + b * sb + h * sh + rows[:, None] * st + cols[None, :], x.to(ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _window_logits(qw, kw, rows, cols, T, scale, PREC: tl.constexpr):
+        """σ qw·kwᵀ (L, L), −inf where a key is after the query or outside the sequence."""
+        s = tl.dot(qw, tl.trans(kw), input_precision=PREC) * scale
+        visible = (cols[None, :] >= 0) & (cols[None, :] < T) & (cols[None, :] <= rows[:, None])
+        return tl.where(visible, s, float("-inf"))
+
+    @triton.jit
+    def _code_tile(CB, CNT, SUM, bh, h, blk, nb, s0, S, DC, DV, qc, scale, BS: tl.constexpr, BDC: tl.constexpr,
+                   BDV: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+        """Codes s0..s0+BS of block ``blk``'s cache: their logits σ qc·c_s + log n_s (L, BS) (−inf for empty and
+        absent codes), the codes (BS, BDC), their counts (BS,) and their means C_s / n_s (BS, BDV) as DOT."""
+        codes = s0 + tl.arange(0, BS)
+        present = codes < S
+        dc, dv = tl.arange(0, BDC), tl.arange(0, BDV)
+        c = tl.load(CB + (h * S + codes[:, None]) * DC + dc[None, :],
+                    mask=present[:, None] & (dc[None, :] < DC), other=0.0).to(DOT)
+        cache = bh * nb + blk
+        n = tl.load(CNT + cache * S + codes, mask=present, other=0.0)
+        sums = tl.load(SUM + (cache * S + codes[:, None]) * DV + dv[None, :],
+                       mask=present[:, None] & (dv[None, :] < DV), other=0.0)
+        held = n > 0
+        n_safe = tl.where(held, n, 1.0)
+        logits = tl.dot(qc, tl.trans(c), input_precision=PREC) * scale + tl.log(n_safe)[None, :]
+        logits = tl.where(held[None, :], logits, float("-inf"))
+        means = (sums / n_safe[:, None]).to(DOT)
+        return logits, c, n_safe, held, means
+
+    @triton.jit
+    def _forward_kernel(QW, KW, V, QC, CB, CNT, SUM, O, LSE,
+                        sqw_b, sqw_h, sqw_t, skw_b, skw_h, skw_t, sv_b, sv_h, sv_t, sqc_b, sqc_h, sqc_t,
+                        so_b, so_h, so_t,
+                        H, T, S, D, DC, DV, scale,
+                        L: tl.constexpr, BD: tl.constexpr, BDC: tl.constexpr, BDV: tl.constexpr,
+                        BS: tl.constexpr, HAS_CODES: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+        blk, bh = tl.program_id(0), tl.program_id(1)
+        b, h = bh // H, bh % H
+        nb = tl.cdiv(T, L)
+        rows = blk * L + tl.arange(0, L)
+        qw = _load_rows(QW, sqw_b, sqw_h, sqw_t, b, h, rows, T, D, BD, DOT)
+        m = tl.full([L], float("-inf"), tl.float32)
+        z = tl.zeros([L], tl.float32)
+        acc = tl.zeros([L, BDV], tl.float32)
+        # the current block first: its diagonal keeps every row's max finite from the start
+        for back in tl.static_range(2):
+            cols = (blk - back) * L + tl.arange(0, L)
+            kw = _load_rows(KW, skw_b, skw_h, skw_t, b, h, cols, T, D, BD, DOT)
+            v = _load_rows(V, sv_b, sv_h, sv_t, b, h, cols, T, DV, BDV, DOT)
+            s = _window_logits(qw, kw, rows, cols, T, scale, PREC)
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            z = z * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v, input_precision=PREC)
+            m = m_new
+        if HAS_CODES:
+            qc = _load_rows(QC, sqc_b, sqc_h, sqc_t, b, h, rows, T, DC, BDC, DOT)
+            for s0 in range(0, S, BS):
+                logits, _, _, _, means = _code_tile(CB, CNT, SUM, bh, h, blk, nb, s0, S, DC, DV, qc, scale, BS,
+                                                    BDC, BDV, DOT, PREC)
+                m_new = tl.maximum(m, tl.max(logits, 1))
+                alpha = tl.exp(m - m_new)
+                p = tl.exp(logits - m_new[:, None])
+                z = z * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(DOT), means, input_precision=PREC)
+                m = m_new
+        _store_rows(O, so_b, so_h, so_t, b, h, rows, T, DV, acc / z[:, None], BDV)
+        tl.store(LSE + bh * T + rows, m + tl.log(z), mask=rows < T)
+
+    @triton.jit
+    def _backward_kernel(QW, KW, V, QC, CB, CNT, SUM, O, DO, LSE,
+                         DQW, DKW, DV_, DQC, DCB, DCNT, DSUM,
+                         sqw_b, sqw_h, sqw_t, skw_b, skw_h, skw_t, sv_b, sv_h, sv_t, sqc_b, sqc_h, sqc_t,
+                         so_b, so_h, so_t, sdo_b, sdo_h, sdo_t, dkw_slice, dv_slice,
+                         H, T, S, D, DC, DV, scale,
+                         L: tl.constexpr, BD: tl.constexpr, BDC: tl.constexpr, BDV: tl.constexpr,
+                         BS: tl.constexpr, HAS_CODES: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+        """Gradients of one query block. DKW and DV_ (2, B·H, T, ·) float32 take the window gradients of key
+        block blk − back at its own rows of slice ``back`` (``dkw_slice``, ``dv_slice`` elements apart); DCB (B·H, nb, S, DC), DCNT (B·H, nb, S), DSUM (B·H, nb, S, DV) float32 the
+        block's share of the codebook's gradient and its cache's gradients."""
+        blk, bh = tl.program_id(0), tl.program_id(1)
+        b, h = bh // H, bh % H
+        nb = tl.cdiv(T, L)
+        rows = blk * L + tl.arange(0, L)
+        qw = _load_rows(QW, sqw_b, sqw_h, sqw_t, b, h, rows, T, D, BD, DOT)
+        do = _load_rows(DO, sdo_b, sdo_h, sdo_t, b, h, rows, T, DV, BDV, tl.float32)
+        out = _load_rows(O, so_b, so_h, so_t, b, h, rows, T, DV, BDV, tl.float32)
+        lse = tl.load(LSE + bh * T + rows, mask=rows < T, other=0.0)
+        delta = tl.sum(do * out, 1)  # (L,): dO_i·out_i
+        do_dot = do.to(DOT)
+        dqw = tl.zeros([L, BD], tl.float32)
+        for back in tl.static_range(2):
+            cols = (blk - back) * L + tl.arange(0, L)
+            kw = _load_rows(KW, skw_b, skw_h, skw_t, b, h, cols, T, D, BD, DOT)
+            v = _load_rows(V, sv_b, sv_h, sv_t, b, h, cols, T, DV, BDV, DOT)
+            p = tl.exp(_window_logits(qw, kw, rows, cols, T, scale, PREC) - lse[:, None])
+            dp = tl.dot(do_dot, tl.trans(v), input_precision=PREC)
+            ds = p * (dp - delta[:, None])
+            dqw += tl.dot(ds.to(DOT), kw, input_precision=PREC) * scale
+            dk = tl.dot(tl.trans(ds.to(DOT)), qw, input_precision=PREC) * scale
+            dv = tl.dot(tl.trans(p.to(DOT)), do_dot, input_precision=PREC)
+            _store_rows(DKW + back * dkw_slice, 0, T * D, D, 0, bh, cols, T, D, dk, BD)
+            _store_rows(DV_ + back * dv_slice, 0, T * DV, DV, 0, bh, cols, T, DV, dv, BDV)
+        _store_rows(DQW, sqw_b, sqw_h, sqw_t, b, h, rows, T, D, dqw, BD)
+        if HAS_CODES:
+            qc = _load_rows(QC, sqc_b, sqc_h, sqc_t, b, h, rows, T, DC, BDC, DOT)
+            dqc = tl.zeros([L, BDC], tl.float32)
+            dc_cols, dv_cols = tl.arange(0, BDC), tl.arange(0, BDV)
+            for s0 in range(0, S, BS):
+                logits, c, n, held, means = _code_tile(CB, CNT, SUM, bh, h, blk, nb, s0, S, DC, DV, qc, scale, BS,
+                                                       BDC, BDV, DOT, PREC)
+                w = tl.exp(logits - lse[:, None])  # the codes' probabilities, 0 for empty codes
+                w = tl.where(rows[:, None] < T, w, 0.0)
+                ds = w * (tl.dot(do_dot, tl.trans(means), input_precision=PREC) - delta[:, None])
+                dqc += tl.dot(ds.to(DOT), c, input_precision=PREC) * scale
+                dc = tl.dot(tl.trans(ds.to(DOT)), qc, input_precision=PREC) * scale  # (BS, BDC)
+                # out depends on C_s through the means C_s / n_s, on n_s through them and through log n_s
+                w_n = tl.where(held[None, :], w / n[None, :], 0.0)
+                d_sums = tl.dot(tl.trans(w_n), do, input_precision="ieee")  # (BS, BDV), float32
+                d_counts = -tl.sum(w_n * delta[:, None], 0)
+                codes = s0 + tl.arange(0, BS)
+                present = codes < S
+                cache = bh * nb + blk
+                tl.store(DCB + (cache * S + codes[:, None]) * DC + dc_cols[None, :], dc,
+                         mask=present[:, None] & (dc_cols[None, :] < DC))
+                tl.store(DSUM + (cache * S + codes[:, None]) * DV + dv_cols[None, :], d_sums,
+                         mask=present[:, None] & (dv_cols[None, :] < DV))
+                tl.store(DCNT + cache * S + codes, d_counts, mask=present)
+            _store_rows(DQC, sqc_b, sqc_h, sqc_t, b, h, rows, T, DC, dqc, BDC)
+
+
+def _width(n: int) -> int:
+    """The register width of a feature dim: a power of two, at least 16 (tl.dot's smallest)."""
+    return max(16, triton.next_power_of_2(n))
+
+
+def _unit_last(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _strides(x: torch.Tensor) -> tuple[int, int, int]:
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def _dot_dtype(dtype: torch.dtype):
+    """The products' operand type: float32 under the interpreter (its half-precision products are wrong)."""
+    if INTERPRET or dtype == torch.float32:
+        return tl.float32, "ieee"
+    return (tl.bfloat16 if dtype == torch.bfloat16 else tl.float16), "tf32"
+
+
+class FusedWindowCodes(torch.autograd.Function):
+    """out (B, H, T, Dv) of the module's attention; see :func:`fused_window_code_attention`."""
+
+    @staticmethod
+    def forward(ctx, qw, kw, v, qc, codebook, counts, sums, scale: float, L: int):
+        B, H, T, D = qw.shape
+        has_codes = codebook is not None
+        S, DC = (codebook.shape[1], codebook.shape[2]) if has_codes else (0, 0)
+        DV = v.shape[-1]
+        qw, kw, v = _unit_last(qw), _unit_last(kw), _unit_last(v)
+        qc = _unit_last(qc) if has_codes else qw
+        cb = codebook.contiguous() if has_codes else qw
+        cnt = counts.contiguous() if has_codes else qw
+        sm = sums.contiguous() if has_codes else qw
+        out = torch.empty(B, H, T, DV, device=v.device, dtype=v.dtype)
+        lse = torch.empty(B * H, T, device=qw.device, dtype=torch.float32)
+        dot, prec = _dot_dtype(qw.dtype)
+        meta = dict(L=L, BD=_width(D), BDC=_width(DC), BDV=_width(DV), BS=CODE_TILE, HAS_CODES=has_codes, DOT=dot,
+                    PREC=prec)
+        grid = (triton.cdiv(T, L), B * H)
+        _forward_kernel[grid](qw, kw, v, qc, cb, cnt, sm, out, lse, *_strides(qw), *_strides(kw), *_strides(v),
+                              *_strides(qc), *_strides(out), H, T, S, D, DC, DV, float(scale), **meta)
+        ctx.save_for_backward(qw, kw, v, qc, cb, cnt, sm, out, lse)
+        ctx.meta, ctx.scale, ctx.has_codes = meta, float(scale), has_codes
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        qw, kw, v, qc, cb, cnt, sm, out, lse = ctx.saved_tensors
+        B, H, T, D = qw.shape
+        S, DC = (cb.shape[1], cb.shape[2]) if ctx.has_codes else (0, 0)
+        DV, L = v.shape[-1], ctx.meta["L"]
+        nb = triton.cdiv(T, L)
+        grad_out = _unit_last(grad_out)
+        f32 = dict(device=qw.device, dtype=torch.float32)
+        dqw = torch.empty(B, H, T, D, **f32)
+        dkw, dv = torch.empty(2, B * H, T, D, **f32), torch.empty(2, B * H, T, DV, **f32)
+        # the last key block has no next query block to write its second share
+        dkw[1, :, (nb - 1) * L:], dv[1, :, (nb - 1) * L:] = 0, 0
+        dqc = torch.empty(B, H, T, DC, **f32) if ctx.has_codes else dqw
+        dcb = torch.empty(B * H, nb, S, DC, **f32) if ctx.has_codes else dqw
+        dcnt = torch.empty(B * H, nb, S, **f32) if ctx.has_codes else dqw
+        dsum = torch.empty(B * H, nb, S, DV, **f32) if ctx.has_codes else dqw
+        _backward_kernel[(nb, B * H)](
+            qw, kw, v, qc, cb, cnt, sm, out, grad_out, lse, dqw, dkw, dv, dqc, dcb, dcnt, dsum,
+            *_strides(qw), *_strides(kw), *_strides(v), *_strides(qc), *_strides(out), *_strides(grad_out),
+            dkw[0].numel(), dv[0].numel(), H, T, S, D, DC, DV, ctx.scale, **ctx.meta)
+        # a key block's share from its own query block (slice 0) and from the next one (slice 1)
+        grads = [dqw, (dkw[0] + dkw[1]).view(B, H, T, D), (dv[0] + dv[1]).view(B, H, T, DV), None, None, None, None]
+        if ctx.has_codes:
+            grads[3:7] = [dqc, dcb.view(B, H, nb, S, DC).sum((0, 2)), dcnt.view(B, H, nb, S),
+                          dsum.view(B, H, nb, S, DV)]
+        return (*(None if g is None else g.to(x.dtype) for g, x in zip(grads, (qw, kw, v, qc, cb, cnt, sm))),
+                None, None)
+
+
+@torch.compiler.disable  # a graph break: torch.compile runs the kernels as they are
+def fused_window_code_attention(qw, kw, v, *, scale: float, block_len: int, qc=None, codebook=None, counts=None,
+                                sums=None):
+    """Softmax attention of every query over its window (the keys of its block and the one before, causally) and,
+    given ``codebook``, the codes (see the module doc).
+
+    qw, kw: (B, H, T, D) the window's queries and keys; v (B, H, T, Dv). qc (B, H, T, Dc) the code queries (qw when
+    None), codebook (H, S, Dc), counts (B, H, nb, S) and sums (B, H, nb, S, Dv) every block's cache (nb = ⌈T/L⌉,
+    float32). Differentiable in every tensor. Returns out (B, H, T, Dv) in the inputs' dtype.
+    """
+    if codebook is not None and qc is None:
+        qc = qw
+    return FusedWindowCodes.apply(qw, kw, v, qc, codebook, counts, sums, scale, block_len)
