@@ -37,6 +37,7 @@ stage() {  # stage NAME MAX_SECONDS COMMAND...: run it if the budget holds MAX_S
 layers="python benchmarks/layer_speed.py --device cuda --autocast bf16 --dim 1024 --heads 16 --tokens 65536 --reps 5 --rounds 1"
 ops="python benchmarks/attention_speed.py --device cuda --dtype bfloat16 --heads 16 --reps 5 --rounds 1 --modes default"
 stage tests 150 python -m pytest -o addopts="" -q -p no:cacheprovider tests/test_triton.py
+stage layers_codes64 150 $layers --lengths 8192 32768 --layers softmax vq_hard vq_soft --num-codes 64
 stage layers_triton 200 $layers --lengths 8192 32768 --layers softmax window vq_hard vq_soft
 stage ops_8k 80 $ops --batch 8 --lengths 8192 --methods sdpa vq_hard_rope vq_soft_rope window
 stage ops_32k 80 $ops --batch 2 --lengths 32768 --methods sdpa vq_hard_rope vq_soft_rope window

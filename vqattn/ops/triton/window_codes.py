@@ -120,14 +120,15 @@ if triton is not None:
         if HAS_CODES:
             qc = _load_rows(QC, sqc_b, sqc_h, sqc_t, b, h, rows, T, DC, BDC, DOT)
             for s0 in range(0, S, BS):
-                logits, _, _, _, means = _code_tile(CB, CNT, SUM, bh, h, blk, nb, s0, S, DC, DV, qc, scale, BS,
-                                                    BDC, BDV, DOT, PREC)
-                m_new = tl.maximum(m, tl.max(logits, 1))
-                alpha = tl.exp(m - m_new)
-                p = tl.exp(logits - m_new[:, None])
-                z = z * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(DOT), means, input_precision=PREC)
-                m = m_new
+                # names of their own: a loop-carried name must keep its (L, L) shape from the window loop
+                code_logits, _, _, _, means = _code_tile(CB, CNT, SUM, bh, h, blk, nb, s0, S, DC, DV, qc, scale, BS,
+                                                         BDC, BDV, DOT, PREC)
+                m_codes = tl.maximum(m, tl.max(code_logits, 1))
+                rescale = tl.exp(m - m_codes)
+                p_codes = tl.exp(code_logits - m_codes[:, None])
+                z = z * rescale + tl.sum(p_codes, 1)
+                acc = acc * rescale[:, None] + tl.dot(p_codes.to(DOT), means, input_precision=PREC)
+                m = m_codes
         _store_rows(O, so_b, so_h, so_t, b, h, rows, T, DV, acc / z[:, None], BDV)
         tl.store(LSE + bh * T + rows, m + tl.log(z), mask=rows < T)
 
@@ -171,13 +172,13 @@ if triton is not None:
             dqc = tl.zeros([L, BDC], tl.float32)
             dc_cols, dv_cols = tl.arange(0, BDC), tl.arange(0, BDV)
             for s0 in range(0, S, BS):
-                logits, c, n, held, means = _code_tile(CB, CNT, SUM, bh, h, blk, nb, s0, S, DC, DV, qc, scale, BS,
-                                                       BDC, BDV, DOT, PREC)
-                w = tl.exp(logits - lse[:, None])  # the codes' probabilities, 0 for empty codes
+                code_logits, c, n, held, means = _code_tile(CB, CNT, SUM, bh, h, blk, nb, s0, S, DC, DV, qc, scale,
+                                                            BS, BDC, BDV, DOT, PREC)
+                w = tl.exp(code_logits - lse[:, None])  # the codes' probabilities, 0 for empty codes
                 w = tl.where(rows[:, None] < T, w, 0.0)
-                ds = w * (tl.dot(do_dot, tl.trans(means), input_precision=PREC) - delta[:, None])
-                dqc += tl.dot(ds.to(DOT), c, input_precision=PREC) * scale
-                dc = tl.dot(tl.trans(ds.to(DOT)), qc, input_precision=PREC) * scale  # (BS, BDC)
+                ds_codes = w * (tl.dot(do_dot, tl.trans(means), input_precision=PREC) - delta[:, None])
+                dqc += tl.dot(ds_codes.to(DOT), c, input_precision=PREC) * scale
+                dc = tl.dot(tl.trans(ds_codes.to(DOT)), qc, input_precision=PREC) * scale  # (BS, BDC)
                 # out depends on C_s through the means C_s / n_s, on n_s through them and through log n_s
                 w_n = tl.where(held[None, :], w / n[None, :], 0.0)
                 d_sums = tl.dot(tl.trans(w_n), do, input_precision="ieee")  # (BS, BDV), float32
