@@ -91,6 +91,18 @@ if triton is not None:
         return logits, c, n_safe, held, means
 
     @triton.jit
+    def _online_softmax_step(m, z, acc, logits, values, DOT: tl.constexpr, PREC: tl.constexpr):
+        """Flash attention's update of the running max m (L,), normaliser z (L,) and numerator acc (L, Dv) by one
+        tile of logits (L, n) over its values (n, Dv). The tile's temporaries stay local: the window's tiles are
+        (L, L), the codes' (L, CODE_TILE), and a loop-carried name must keep one shape."""
+        m_new = tl.maximum(m, tl.max(logits, 1))
+        rescale = tl.exp(m - m_new)
+        p = tl.exp(logits - m_new[:, None])
+        z = z * rescale + tl.sum(p, 1)
+        acc = acc * rescale[:, None] + tl.dot(p.to(DOT), values, input_precision=PREC)
+        return m_new, z, acc
+
+    @triton.jit
     def _forward_kernel(QW, KW, V, QC, CB, CNT, SUM, O, LSE,
                         sqw_b, sqw_h, sqw_t, skw_b, skw_h, skw_t, sv_b, sv_h, sv_t, sqc_b, sqc_h, sqc_t,
                         so_b, so_h, so_t,
@@ -110,25 +122,14 @@ if triton is not None:
             cols = (blk - back) * L + tl.arange(0, L)
             kw = _load_rows(KW, skw_b, skw_h, skw_t, b, h, cols, T, D, BD, DOT)
             v = _load_rows(V, sv_b, sv_h, sv_t, b, h, cols, T, DV, BDV, DOT)
-            s = _window_logits(qw, kw, rows, cols, T, scale, PREC)
-            m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
-            z = z * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v, input_precision=PREC)
-            m = m_new
+            m, z, acc = _online_softmax_step(m, z, acc, _window_logits(qw, kw, rows, cols, T, scale, PREC), v, DOT,
+                                             PREC)
         if HAS_CODES:
             qc = _load_rows(QC, sqc_b, sqc_h, sqc_t, b, h, rows, T, DC, BDC, DOT)
             for s0 in range(0, S, BS):
-                # names of their own: a loop-carried name must keep its (L, L) shape from the window loop
                 code_logits, _, _, _, means = _code_tile(CB, CNT, SUM, bh, h, blk, nb, s0, S, DC, DV, qc, scale, BS,
                                                          BDC, BDV, DOT, PREC)
-                m_codes = tl.maximum(m, tl.max(code_logits, 1))
-                rescale = tl.exp(m - m_codes)
-                p_codes = tl.exp(code_logits - m_codes[:, None])
-                z = z * rescale + tl.sum(p_codes, 1)
-                acc = acc * rescale[:, None] + tl.dot(p_codes.to(DOT), means, input_precision=PREC)
-                m = m_codes
+                m, z, acc = _online_softmax_step(m, z, acc, code_logits, means, DOT, PREC)
         _store_rows(O, so_b, so_h, so_t, b, h, rows, T, DV, acc / z[:, None], BDV)
         tl.store(LSE + bh * T + rows, m + tl.log(z), mask=rows < T)
 
