@@ -178,32 +178,78 @@ def test_the_model_summary_has_no_flops_column(caplog):
     assert "GPT" in caplog.text and "1.0 K" in caplog.text and "FLOP" not in caplog.text.upper()
 
 
-def test_token_throughput_counts_training_time_after_validations_and_not_the_validations():
-    import time
+class FakeClock:
+    """A clock that moves only when told to: seconds are exact, whatever the machine's load."""
 
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def fit_timed(throughput, clock, max_steps, val_check_interval=10, ckpt_path=None, tmp_path=None):
+    """A BoringModel fit whose training steps take 1 s and validation steps 100 s of ``clock``."""
     import lightning as L
     from lightning.pytorch.demos.boring_classes import BoringModel
 
-    step_s, val_s = 0.01, 0.05
-
     class Timed(BoringModel):
         def training_step(self, batch, batch_idx):
-            time.sleep(step_s)
+            clock.now += 1.0
             return super().training_step(batch, batch_idx)
 
         def validation_step(self, batch, batch_idx):
-            time.sleep(val_s)
+            clock.now += 100.0
             return super().validation_step(batch, batch_idx)
 
-    throughput = TokenThroughput()
-    trainer = L.Trainer(max_steps=30, val_check_interval=10, limit_val_batches=2, num_sanity_val_steps=0,
-                        callbacks=[throughput], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+    trainer = L.Trainer(max_steps=max_steps, val_check_interval=val_check_interval, limit_val_batches=2,
+                        num_sanity_val_steps=0, callbacks=[throughput], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp_path)
     model = Timed()
-    trainer.fit(model)
+    trainer.fit(model, ckpt_path=ckpt_path, weights_only=False)
+    return trainer, model
+
+
+def test_token_throughput_counts_training_time_after_validations_and_not_the_validations():
+    clock = FakeClock()
+    throughput = TokenThroughput(clock=clock)
+    trainer, model = fit_timed(throughput, clock, max_steps=30)
     tokens, seconds = throughput.totals(1)
     assert tokens == 30 * 32  # items per step: batch[0], which for a BoringModel batch (2, 32) is one row of 32
-    # All 30 steps count (the clock runs again after each validation) and the 3 validations (0.3 s) do not.
-    assert 30 * step_s <= seconds < 30 * step_s + 3 * 2 * val_s
-    trainer.validate(model, verbose=False)  # a validation after fit leaves the clock stopped
+    # All 30 steps count (the clock runs again after each validation) and the 3 validations (600 s) do not.
+    assert seconds == 30.0
+    assert throughput.wall_seconds() == 30.0 + 3 * 2 * 100.0  # the wall time counts everything
+    trainer.validate(model, verbose=False)  # a validation after fit leaves the training clock stopped
     assert throughput.totals(1)[1] == seconds
+
+
+@pytest.mark.filterwarnings("ignore:.*resuming from a checkpoint that ended before the epoch ended")
+def test_token_throughput_totals_continue_across_a_resume(tmp_path):
+    clock = FakeClock()
+    first = TokenThroughput(clock=clock)
+    trainer, _ = fit_timed(first, clock, max_steps=20, tmp_path=tmp_path)
+    trainer.save_checkpoint(tmp_path / "half.ckpt")
+    clock.now += 1000.0  # the time between the two processes counts nowhere
+    resumed = TokenThroughput(clock=clock)  # a new process, started now
+    clock.now += 5.0  # its start-up
+    fit_timed(resumed, clock, max_steps=40, ckpt_path=tmp_path / "half.ckpt", tmp_path=tmp_path)
+    assert resumed.totals(1) == (40 * 32, 40.0)  # steps 0-40, however the run was split
+    # the first part's 20 steps and 2 validations, the second's start-up, 20 steps and 2 validations
+    assert resumed.wall_seconds() == (20.0 + 400.0) + (5.0 + 20.0 + 400.0)
+
+
+def test_the_step_bar_of_a_resumed_run_continues_its_elapsed_time(monkeypatch):
+    from tqdm import tqdm
+
+    from vqattn.train import callbacks
+
+    monkeypatch.setattr(callbacks, "time", SimpleNamespace(time=lambda: 5000.0))  # the bar's clock reads 5000 s
+    totals = TokenThroughput()
+    totals.wall_before = 600.0  # the parts resumed from, restored from the checkpoint
+    bar = StepProgressBar(run_totals=totals)
+    bar.train_progress_bar = tqdm(file=io.StringIO())
+    bar._reset(SimpleNamespace(max_steps=10, global_step=4))
+    assert bar.train_progress_bar.start_t == 4400.0  # elapsed: 600 s at the resumed step
+    # the rate counts all 4 steps over that elapsed time, not 0 steps of the resumed part
+    assert (bar.train_progress_bar.initial, bar.train_progress_bar.n) == (0, 4)

@@ -112,10 +112,14 @@ def test_resume_20_plus_20_equals_40_straight(tmp_path, attention):
               "checkpoint_every=20"]
     first, a = run_inprocess(tmp_path, "a", *common, "trainer.max_steps=20")
     assert first["steps"] == 20
+    saved = torch.load(a / "checkpoints" / "last.ckpt", weights_only=True)["callbacks"]["TokenThroughput"]
     resumed, b = run_inprocess(tmp_path, "a", *common, "trainer.max_steps=40",  # resumed in the same run dir
                                f"ckpt_path={a / 'checkpoints' / 'last.ckpt'}")
     straight, c = run_inprocess(tmp_path, "c", *common, "trainer.max_steps=40")
     assert resumed["steps"] == straight["steps"] == 40
+    # the totals are the whole run's, not the resumed part's
+    assert resumed["train_tokens"] == straight["train_tokens"] == 40 * 8 * 64  # experiment=tiny: 8 x 64 bytes
+    assert saved["train_tokens"] == first["train_tokens"] and resumed["wall_seconds"] > saved["wall_seconds"]
     assert resumed["val_loss"] == pytest.approx(straight["val_loss"], rel=1e-5, abs=1e-6)
     assert straight["val_loss"] != pytest.approx(first["val_loss"], rel=1e-3)
     # the continued metrics.csv equals the straight run's: every validation once (the final one too), same values

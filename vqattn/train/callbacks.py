@@ -150,21 +150,28 @@ class StepProgressBar(TQDMProgressBar):
     """The TQDM bar counting the run's optimizer steps (global_step of max_steps).
 
     Lightning's bar counts the current epoch's batches and loses its total after a mid-epoch resume ("81/?");
-    this one continues a resumed run at its step, with the run's total. Its metrics are this run's: a resumed
-    run shows no validation result until its own first validation.
+    this one continues a resumed run at its step, with the run's total, and with ``run_totals`` (the run's
+    TokenThroughput) at the run's elapsed time: the wall time of the parts it resumes from plus this one's. Its
+    metrics are this run's: a resumed run shows no validation result until its own first validation.
     """
 
-    def __init__(self, **kwargs):
+    def __init__(self, run_totals: TokenThroughput | None = None, **kwargs):
         super().__init__(**kwargs)
+        self.run_totals = run_totals
         self._restored: dict = {}  # metrics a resumed run starts with, shown once this run has measured them
 
     def _reset(self, trainer) -> None:
         bar = self.train_progress_bar
         bar.total = trainer.max_steps
-        bar.initial = bar.n = bar.last_print_n = trainer.global_step  # the rate counts this process's steps only
+        before = self.run_totals.wall_before if self.run_totals is not None else 0.0  # the parts resumed from
+        bar.n = bar.last_print_n = trainer.global_step
+        # tqdm's rate is (n - initial) / elapsed: the steps the elapsed time covers, all of them when it includes
+        # the parts resumed from, else this process's
+        bar.initial = 0 if before else trainer.global_step
         # tqdm's clock is time.time (not its _time(), which the disabled bars of ranks > 0 do not have); tqdm's
         # reset() is not used as it would first show 0/total
-        bar.start_t = bar.last_print_t = time.time()
+        bar.last_print_t = time.time()
+        bar.start_t = bar.last_print_t - before
         bar.set_description("Training")  # refreshes
 
     def on_train_start(self, trainer, pl_module):
@@ -200,27 +207,39 @@ class StepProgressBar(TQDMProgressBar):
 
 
 class TokenThroughput(Callback):
-    """Training tokens per second, validation excluded.
+    """Training tokens per second, validation excluded, and the run's totals across resumes.
 
     Logs ``train/device/items_per_sec`` (this process's tokens per second over the last ``window_size`` batches)
     and ``train/items_per_sec`` (times the world size) with the train rows. ``totals()`` gives results.json its
-    tokens per second: all ranks' training tokens over the training wall time (steps and data loading, not
-    validation) of this process's fit.
+    tokens per second: all ranks' training tokens over the training time (steps and data loading, not validation),
+    and ``wall_seconds()`` the run's wall time since ``started`` (the ``clock`` reading when the run began: start-up
+    counts). The three totals go into the checkpoint, so a resumed run continues them: results.json and the
+    summary line describe the whole run, tokens T = T_before + T_now and seconds likewise, not the resumed part.
+
+    ``clock`` is the timer in seconds (``time.perf_counter``); tests pass one they advance themselves.
     """
 
-    def __init__(self, window_size: int = 50):
+    def __init__(self, window_size: int = 50, *, clock=time.perf_counter, started: float | None = None):
+        self.clock = clock
+        self.started = clock() if started is None else started
         self.window: deque[tuple[float, int]] = deque(maxlen=window_size)  # (training clock, tokens so far)
-        self.tokens, self._seconds, self._since = 0, 0.0, None  # _since: the training clock runs since then
+        self.tokens = 0  # this process's training tokens in this process
+        self._seconds, self._since = 0.0, None  # training seconds so far; _since: the training clock runs since then
+        self.tokens_before, self.wall_before = 0, 0.0  # all ranks' tokens and the wall time of the parts resumed from
+        self._world_size = 1
+
+    def setup(self, trainer, pl_module, stage):
+        self._world_size = trainer.world_size
 
     def _clock(self) -> float:
-        """Seconds of training so far (the time between on_train_start and now, less validation)."""
-        return self._seconds + (time.perf_counter() - self._since if self._since is not None else 0.0)
+        """Seconds of training so far, resumed parts included (the time since on_train_start, less validation)."""
+        return self._seconds + (self.clock() - self._since if self._since is not None else 0.0)
 
     def _pause(self) -> None:
         self._seconds, self._since = self._clock(), None
 
     def on_train_start(self, trainer, pl_module):
-        self.tokens, self._seconds, self._since = 0, 0.0, time.perf_counter()
+        self._since = self.clock()
         self.window.clear()
 
     def on_validation_start(self, trainer, pl_module):
@@ -230,7 +249,7 @@ class TokenThroughput(Callback):
         # A validation inside fit resumes the clock; the final trainer.validate does not. (trainer.training is
         # False in this hook, also inside fit: the loop switches back to training only after it.)
         if trainer.state.fn == TrainerFn.FITTING:
-            self._since = time.perf_counter()
+            self._since = self.clock()
 
     def on_train_end(self, trainer, pl_module):
         self._pause()
@@ -245,8 +264,20 @@ class TokenThroughput(Callback):
                                on_step=True, on_epoch=False)
 
     def totals(self, world_size: int) -> tuple[int, float]:
-        """All ranks' training tokens and the training wall time (s) of this process's fit."""
-        return self.tokens * world_size, self._clock()
+        """All ranks' training tokens and the training time (s) of the whole run, resumed parts included."""
+        return self.tokens_before + self.tokens * world_size, self._clock()
+
+    def wall_seconds(self) -> float:
+        """Wall time of the whole run: the parts resumed from, and this one since ``started``."""
+        return self.wall_before + self.clock() - self.started
+
+    def state_dict(self) -> dict:
+        tokens, seconds = self.totals(self._world_size)
+        return {"train_tokens": tokens, "train_seconds": seconds, "wall_seconds": self.wall_seconds()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.tokens_before, self._seconds = state["train_tokens"], state["train_seconds"]
+        self.wall_before = state["wall_seconds"]
 
 
 class ParamSummary(ModelSummary):

@@ -84,8 +84,9 @@ def instantiate_module(cfg: DictConfig):
         raise
 
 
-def build(cfg: DictConfig, run_dir: Path):
-    """Module, data (loaded now, so data errors come before any training output) and a Trainer with its callbacks."""
+def build(cfg: DictConfig, run_dir: Path, started: float | None = None):
+    """Module, data (loaded now, so data errors come before any training output) and a Trainer with its callbacks;
+    ``started``: the ``time.perf_counter()`` at which the run began (the wall time counts from it)."""
     from lightning.pytorch.callbacks import LambdaCallback, LearningRateMonitor
 
     from .callbacks import (GracefulInterrupt, LastCheckpoint, ParamSummary, RNGState, StepProgressBar,
@@ -101,12 +102,13 @@ def build(cfg: DictConfig, run_dir: Path):
     resume_step = int(checkpoint["global_step"]) if checkpoint is not None else 0
     datamodule = hydra.utils.instantiate(cfg.data)
     datamodule.setup("fit")
+    throughput = TokenThroughput(window_size=max(2, trainer_log_every(cfg)), started=started)
     callbacks = [LastCheckpoint(run_dir / "checkpoints", cfg.checkpoint_every), LearningRateMonitor("step"),
-                 TokenThroughput(window_size=max(2, trainer_log_every(cfg))), RNGState(), GracefulInterrupt()]
+                 throughput, RNGState(), GracefulInterrupt()]
     if cfg.compile:  # the first steps compile the model: say so before the bar sits at 0/N
         callbacks.append(LambdaCallback(on_fit_start=_say_compiling))
     if cfg.trainer.enable_progress_bar is not False:
-        callbacks.append(StepProgressBar())
+        callbacks.append(StepProgressBar(run_totals=throughput))
     if cfg.trainer.enable_model_summary is not False:
         callbacks.append(ParamSummary())
     loggers = [RunCSVLogger(run_dir, resume_step), *extra_loggers(cfg.get("logger"), run_dir)]
@@ -150,7 +152,7 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
     tune_cpu_allocator()  # CPU steps reuse freed memory instead of page-faulting every temporary again
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     torch.set_float32_matmul_precision("high")  # TF32 matmuls on GPUs that have them
-    module, datamodule, trainer = build(cfg, run_dir)
+    module, datamodule, trainer = build(cfg, run_dir, started=start)
     if trainer.world_size > 1 and trainer.local_rank == 0 and HydraConfig.initialized():
         hc = HydraConfig.get()
         os.environ[DDP_ARGV] = json.dumps(
@@ -172,7 +174,7 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
     results = summarize(cfg, module, datamodule, trainer, run_dir)
     tokens, seconds = throughput.totals(trainer.world_size)
     results["tokens_per_sec"], results["train_tokens"] = tokens / max(seconds, 1e-9), tokens
-    results["wall_seconds"] = time.perf_counter() - start
+    results["wall_seconds"] = throughput.wall_seconds()
     if trainer.global_rank == 0:
         (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
         log.info("%s", summary_text(results, run_dir))
