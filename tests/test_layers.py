@@ -268,12 +268,26 @@ def test_bad_construction(name, kwargs, match):
         build_attention(name, **{"dim": DIM, "num_heads": HEADS, **kwargs})
 
 
-def test_bad_inputs():
+def test_a_bad_state_is_named():
     layer = make("softmax")
-    with pytest.raises(ValueError, match="x must have shape"):
-        layer(torch.randn(2, 3, DIM + 1, dtype=torch.float64))
     with pytest.raises(ValueError, match="state must be an AttentionState"):
         layer(torch.randn(2, 3, DIM, dtype=torch.float64), state=(0, None))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_layer_names_a_bad_x_before_computing(name):
+    """The same ValueError from every layer, not whatever an op or a matmul of the projections raises first."""
+    layer = make(name)
+    bad = [
+        (torch.randn(2, 0, DIM, dtype=torch.float64), r"x must have at least one position \(T >= 1\)"),
+        (torch.randint(0, 5, (2, 3, DIM)), "x must be a floating-point tensor, got dtype torch.int64"),
+        (torch.randn(2, 3, DIM + 1, dtype=torch.float64), rf"x must have shape \(B, T, {DIM}\)"),
+        (torch.randn(3, DIM, dtype=torch.float64), rf"x must have shape \(B, T, {DIM}\)"),
+        ([[0.0] * DIM], rf"x must have shape \(B, T, {DIM}\), got list"),
+    ]
+    for x, match in bad:
+        with pytest.raises(ValueError, match=match):
+            layer(x)
 
 
 @pytest.mark.parametrize("name", NAMES)

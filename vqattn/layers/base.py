@@ -173,6 +173,19 @@ class _Rotation(torch.autograd.Function):
 QK_NORMS = (False, True, "rms", "l2")
 
 
+def check_layer_input(x, dim: int) -> None:
+    """What every layer's ``forward`` takes: x a floating-point (B, T, dim) tensor with T >= 1, else a ValueError
+    naming x. The ops check their inputs too, but only after the projections, where an integer x has already failed
+    in a matmul (a dtype mismatch) and an empty one in a reshape or a cat."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != dim:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x must have shape (B, T, {dim}), got {got}")
+    if not x.is_floating_point():
+        raise ValueError(f"x must be a floating-point tensor, got dtype {x.dtype}")
+    if x.shape[1] == 0:
+        raise ValueError("x must have at least one position (T >= 1), got shape " + str(tuple(x.shape)))
+
+
 class L2Norm(nn.Module):
     """x / ‖x‖ per head vector of x (B, H, T, Dh), times a learned per-head scale when ``num_heads`` is given.
 
@@ -269,8 +282,7 @@ class Attention(nn.Module):
         ``state`` summarises the tokens before x (from a previous call with ``return_state=True``); the returned
         state (only when ``return_state``) summarises them and x.
         """
-        if x.dim() != 3 or x.shape[-1] != self.dim:
-            raise ValueError(f"x must have shape (B, T, {self.dim}), got {tuple(x.shape)}")
+        check_layer_input(x, self.dim)
         if state is not None and not isinstance(state, AttentionState):
             raise ValueError(f"state must be an AttentionState or None, got {type(state).__name__}")
         b, t, c = x.shape
