@@ -195,6 +195,21 @@ def test_no_test_marker_skips_a_block(tmp_path):
     assert fenced_blocks(doc, "python") == [("doc.md:3", "print(1)\n")]
 
 
+def backticked_names(line: str) -> set[str]:
+    return set(re.findall(r"`(\w+)`", line))
+
+
+def test_every_registered_attention_is_in_the_training_docs_table_and_the_readmes():
+    from vqattn.layers import ATTENTIONS
+
+    training = (ROOT / "docs" / "training.md").read_text().splitlines()
+    row = next(line for line in training if line.startswith("| `attention` |"))
+    assert backticked_names(row.split("|")[2]) == set(ATTENTIONS)  # the options column
+    readme = README.read_text().split("| name | what | decoding state |")[1].split("\n\n")[0]
+    listed = set().union(*(backticked_names(line.split("|")[1]) for line in readme.splitlines()[2:]))
+    assert listed == set(ATTENTIONS)
+
+
 def heading_anchors(path: Path) -> set[str]:
     """GitHub's anchors for the headings of a markdown file: lower case, punctuation dropped, spaces to hyphens."""
     text = FENCE.sub("", path.read_text())

@@ -9,8 +9,8 @@ global_step) val_loss, val_bpb, val_acc (next-byte accuracy; recall accuracy for
 answers only), per bucket of positions A..B of the validation windows val_bpb_pos_A_B and val_acc_pos_A_B
 (``position_edges``; does the model use its context?) and the codebook usage stats (codebook_perplexity,
 codebook_dead_codes, codebook_quant_error).
-train.py adds Lightning's LearningRateMonitor and ThroughputMonitor (vqattn.train.callbacks) for the learning rate
-and tokens per second.
+The trainer (vqattn.train.cli) adds Lightning's LearningRateMonitor for the learning rate and TokenThroughput
+(vqattn.train.callbacks) for tokens per second.
 With ``carry_state`` each training step continues the previous step's rows from their detached state (vqattn.train.carry;
 the data must then be consecutive segments, ``data.stream``). A datamodule with a second validation loader (the
 carried pass, ``data.val_carried``) adds val_loss_carried, val_bpb_carried and val_acc_carried.
@@ -214,8 +214,6 @@ class LitLM(L.LightningModule):
         self.val_carry = CarriedState()  # the carried validation pass's state
         self.last_validation: dict | None = None  # {"step", "val_loss", "val_bpb", "val_acc", "codebook_..."}
         self.buffer_divergence = 0.0  # set by on_train_end, see rank_divergence
-
-    flops_per_batch = None  # read by ThroughputMonitor; FLOPs are not counted
 
     def forward(self, idx: torch.Tensor):
         return self.model(idx)
