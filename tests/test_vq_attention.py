@@ -182,7 +182,7 @@ def test_empty_codes_and_large_logits_fp32_are_finite_and_accurate():
         out = vq_attention(*inputs, causal=True, assign=assign, temperature=0.05, block_len=32)
         assert torch.isfinite(out).all()
         torch.testing.assert_close(out.double(), ref, atol=2e-4, rtol=2e-4)
-        out.square().sum().backward()  # soft's linear form floors the code weights: no 0/0 in the gradients
+        out.square().sum().backward()  # an empty best code: no 0/0 in the gradients
         assert all(torch.isfinite(x.grad).all() for x in inputs if x.grad is not None)
 
 

@@ -198,11 +198,12 @@ def code_statistics(a: Assignment, v: torch.Tensor, num_codes: int, num_groups: 
 
 
 def mixture_logits(code_logits: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """log Σ_s exp(code_logits_is) Δ_js for every (query, key) pair, stabilised by the per-query max (an exact
-    shift). code_logits: (..., Lq, S); weights Δ: (..., Lk, S) -> (..., Lq, Lk)."""
-    m = code_logits.detach().amax(-1, keepdim=True)
-    affinity = (code_logits - m).exp_() @ weights.transpose(-1, -2)
-    return affinity.clamp_min(torch.finfo(affinity.dtype).tiny).log() + m
+    """log Σ_s exp(code_logits_is) Δ_js for every (query, key) pair: the log-sum-exp over the codes of
+    code_logits_is + log Δ_js, exact at any magnitude (shifting by a query's best code logit alone underflows when
+    its best codes hold none of the key's mass). A weight of exactly 0 adds nothing and gets no gradient.
+    code_logits: (..., Lq, S); weights Δ: (..., Lk, S) -> (..., Lq, Lk). Forms an (Lq, Lk, S) tensor: decoding's
+    one query, or the definition."""
+    return torch.logsumexp(code_logits.unsqueeze(-2) + log_counts(weights).unsqueeze(-3), -1)
 
 
 def check_assignment(a, *, assign: str, shape: tuple[int, int, int], num_codes: int, device) -> None:

@@ -130,8 +130,8 @@ def read_cache_backward(p, grad_num, sums, last, grad_last, updates: CacheUpdate
     them otherwise).
 
     Both callbacks take a block index b and (N, L, S) tiles, or b = ``slice(None)`` and every block's (N, n, L, S).
-    With ``loop`` the blocks are walked backwards, recovering C_b = C_{b+1} − U_b, and every product is formed while
-    its operands are in cache.
+    With ``loop`` the blocks are walked forwards for the logit gradients, with the running cache C_b, then backwards
+    for G_b, and every product is formed while its operands are in cache.
     """
     grad_last = torch.zeros_like(last) if grad_last is None else grad_last
     if pending is not None and grad_pending is None:
@@ -197,21 +197,26 @@ class _StatisticsGradients:
 def _backward_loop(p, grad_num, sums, last, grad_last, updates, need_updates, logit_factor, use_logit_grad,
                    grad_values, grad_weights, pending, grad_pending) -> CacheGradients:
     N, n, L, S = p.shape
-    cache, grad_cache = last.clone(), grad_last.clone()
     slots = None if updates.index is None else _flat_slots(updates.index, S)
+    # The logit gradients read C_b, rebuilt forwards as the forward pass built it. Recovering it backwards,
+    # C_b = C_{b+1} − U_b, cancels catastrophically for a code that holds almost no mass before block b but much
+    # after (soft posteriors): the code's p_b ~ 1/n_s then multiplies that rounding error (up to 1e36 in float64).
+    cache = sums.clone()
+    for b in range(n):
+        use_logit_grad(b, logit_factor(b, torch.bmm(grad_num[:, b], cache.transpose(-1, -2))).mul_(p[:, b]))
+        _add_entering(cache, updates, slots, pending, b, 1.0)
+    grad_cache = grad_last.clone()
     stats = _StatisticsGradients(p, updates, slots, last.shape[-1], grad_values, grad_weights) if need_updates else None
     if stats is not None and pending is not None:
         stats(n - 1, grad_pending)  # the last block's statistics are the next group's pending ones
     grad_pending_in = None
     for b in range(n - 1, -1, -1):
-        _add_entering(cache, updates, slots, pending, b, -1.0)
         entered = b if pending is None else b - 1  # the block whose statistics are U_b (−1: the pending ones)
         if entered < 0:
             grad_pending_in = grad_cache.clone()
         elif stats is not None:
             stats(entered, grad_cache)
         grad_cache.baddbmm_(p[:, b].transpose(-1, -2), grad_num[:, b])
-        use_logit_grad(b, logit_factor(b, torch.bmm(grad_num[:, b], cache.transpose(-1, -2))).mul_(p[:, b]))
     values, weights = (None, None) if stats is None else stats.result()
     return CacheGradients(grad_cache, values, weights, grad_pending_in)
 

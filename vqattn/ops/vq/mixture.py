@@ -7,12 +7,9 @@ from typing import NamedTuple
 import torch
 
 from ..precision import autocast_off
+from .assign import log_counts
 from .cache import CacheUpdates, LogitGradients, code_logits_of, read_cache, read_cache_backward
-
-# Soft window terms floor the query-side code weights e^{σ q·c_s − max} at e^{−60}: a soft key's weights sum to 1,
-# so the diagonal term alone keeps the normaliser ≥ e^{−60} (no 0/0, and gradients ≤ e^{60}·|dO| stay finite), while
-# a code 60 nats below a query's best one changes its output by < e^{−60}·S·T relative, far below float32 rounding.
-MIXTURE_FLOOR = -60.0
+from .window_codes import floored_exp_
 
 
 class MixtureInputs(NamedTuple):
@@ -34,7 +31,7 @@ class MixtureInputs(NamedTuple):
 class MixtureAttention(torch.autograd.Function):
     """Soft codebook attention of every block's queries in linear form (no log/exp round trip):
 
-        P_is  = exp(max(code_logits_is − m_i, −60)),  m_i = max_s code_logits_is          (N, nb, L, S)
+        P_is  = e^{code_logits_is − m_i}                                                  (N, nb, L, S)
         A_ij  = (P Wᵀ)_ij · window_mask_ij          window mixture Σ_s e^{σ q_i·c_s} Δ_js   (N, nb, L, L)
         Y     = A V + P C_b                          numerator and normaliser              (N, nb, L, Dv + 1)
         out_i = Y_i[:Dv] / Y_i[Dv]                                                         (N, nb, L, Dv)
@@ -43,7 +40,12 @@ class MixtureAttention(torch.autograd.Function):
     through the cache. The values carry a last column of ones (linear attention's normaliser as one more value
     column), so the cache C_b (S, Dv + 1) holds the value sums Σ_j Δ_js v_j and, in its last column, the counts
     n_s = Σ_j Δ_js: the counts need no prefix sum of their own, and their gradient reaches the weights with the
-    values'. C_{b+1} = C_b + W_bᵀ V_b (:func:`~vqattn.ops.vq.cache.read_cache`). Returns out and the last cache
+    values'. C_{b+1} = C_b + W_bᵀ V_b (:func:`~vqattn.ops.vq.cache.read_cache`).
+
+    Query i's normaliser is Σ_s e^{σ q_i·c_s} N_is, with N_is = n_s + Σ_{j ≤ i} Δ_js the mass of code s among the
+    keys it sees (:func:`_code_weights`): the shift m_i = max_s (σ q_i·c_s + log N_is) is the largest term actually
+    summed, so the normaliser is ≥ 1 at any logit magnitude. (The best code logit alone is not: a query's best codes
+    may hold almost none of its keys' mass.) Returns out and the last cache
     (N, S, Dv + 1). ``loop``: the :class:`~vqattn.ops.blocks.Schedule` of the cache reads.
     """
 
@@ -51,8 +53,7 @@ class MixtureAttention(torch.autograd.Function):
     @autocast_off
     def forward(ctx, loop: bool, *args):
         x = MixtureInputs(*args)
-        p = code_logits_of(x.queries, x.codebook)  # the logits, then in place their exp (N, nb, L, S)
-        p.sub_(p.amax(-1, keepdim=True)).clamp_min_(MIXTURE_FLOOR).exp_()
+        p = _code_weights(code_logits_of(x.queries, x.codebook), x.weights, x.sums[..., -1])
         num, last, _ = read_cache(p, x.sums, CacheUpdates(x.values, None, x.weights), loop)
         a = torch.matmul(p, x.weights.transpose(-1, -2)).mul_(x.window_mask)  # (N, nb, L, L)
         total = torch.matmul(a, x.values).add_(num)  # (N, nb, L, Dv + 1)
@@ -84,6 +85,21 @@ class MixtureAttention(torch.autograd.Function):
         grads = MixtureInputs(queries=logit_grads.dq, codebook=logit_grads.dc, weights=cache.weights,
                               window_mask=None, values=cache.values, sums=cache.sums)
         return (None, *grads)
+
+
+def _code_weights(code_logits: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """P_is = e^{code_logits_is − m_i} (N, nb, L, S), formed in place of the logits, with m_i = max_s
+    (code_logits_is + log N_is) over the codes' masses N_is = counts_s + Σ_{j ≤ i} Δ_js seen by query i (counts
+    (N, S) before the first block, weights Δ (N, nb, L, S)). Computed as e^{code_logits + log N − m} / N, whose
+    exponent is ≤ 0 (e^{code_logits − m} alone overflows where N underflows); codes below e^{−50} of the largest
+    term (:func:`~vqattn.ops.vq.window_codes.floored_exp_`) and codes of no mass weigh 0."""
+    N, nb, L, S = weights.shape
+    mass = torch.cumsum(weights.reshape(N, nb * L, S), 1).add_(counts.unsqueeze(1)).view(N, nb, L, S)
+    terms = code_logits.add_(log_counts(mass))
+    m = terms.amax(-1, keepdim=True)
+    # a query that sees no mass at all (zeroed rows of non-finite keys, no cache) has no finite term
+    m = torch.where(m.isfinite(), m, 0.0)
+    return floored_exp_(terms.sub_(m)).div_(mass.clamp_min_(torch.finfo(mass.dtype).tiny))
 
 
 def mixture_attention(q, codebook, weights, values, counts, sums, loop: bool):

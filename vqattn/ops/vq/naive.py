@@ -1,6 +1,7 @@
-"""The definition of codebook attention, written as the math: explicit assignment matrices and one (T, T)
-softmax, no blocks, no caches, no stabilising tricks beyond a max shift. Quadratic in T: the reference that the
-chunk and recurrent forms are tested against (in float64), not a path to run.
+"""The definition of codebook attention, written as the math: explicit assignments and one (T, T) softmax, no
+blocks, no caches. Every logit is formed in log space (log-sum-exp over the codes, log-softmax assignments), so the
+definition stays finite at any logit magnitude. Quadratic in T: the reference that the chunk and recurrent forms
+are tested against (in float64), not a path to run.
 """
 
 from __future__ import annotations
@@ -8,17 +9,35 @@ from __future__ import annotations
 import torch
 
 from ..blocks import DEFAULT_BLOCK_LEN
-from .assign import Assignment
+from .assign import Assignment, mixture_logits
 
 
-def naive_assignment(k: torch.Tensor, codebook: torch.Tensor, assign: str, temperature=1.0) -> torch.Tensor:
-    """Δ (B, H, T, S) of keys k (B, H, T, D) to codes c (H, S, D): hard one-hot at argmin_s ‖k − c_s‖ (no gradient),
-    soft softmax_s(−‖k − c_s‖²/2τ)."""
-    d2 = (k.unsqueeze(-2) - codebook.unsqueeze(0).unsqueeze(2)).pow(2).sum(-1)  # (B, H, T, S)
-    if assign == "hard":
-        return torch.nn.functional.one_hot(d2.argmin(-1), codebook.shape[1]).to(k.dtype)
+def _distances(k: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """‖k_j − c_s‖² (B, H, T, S) of keys k (B, H, T, D) to codes c (H, S, D)."""
+    return (k.unsqueeze(-2) - codebook.unsqueeze(0).unsqueeze(2)).pow(2).sum(-1)
+
+
+def naive_log_assignment(k: torch.Tensor, codebook: torch.Tensor, temperature=1.0) -> torch.Tensor:
+    """log Δ (B, H, T, S) of the soft assignment, log_softmax_s(−‖k − c_s‖²/2τ): finite where Δ underflows."""
     tau = torch.as_tensor(temperature, dtype=k.dtype, device=k.device).reshape(-1, 1, 1)
-    return torch.softmax(-d2 / (2 * tau), -1)
+    return torch.log_softmax(-_distances(k, codebook) / (2 * tau), -1)
+
+
+def _through_codes(code_logits, k, c, *, assign, temperature, assignment):
+    """The logit of every (query, key) pair read through the codes, log Σ_s e^{σ q_i·c_s} Δ_js (B, H, Tq, Tk), and
+    the hard code index z (B, H, Tk) or None: hard Δ_js picks one code, so the pair's logit is σ q_i·c_{z_j};
+    soft takes the log-sum-exp over the codes of σ q_i·c_s + log Δ_js."""
+    if assignment is not None and assignment.index is not None:
+        z = assignment.index
+    elif assign == "hard" and assignment is None:
+        z = _distances(k, c).argmin(-1)
+    else:
+        if assignment is not None:
+            return mixture_logits(code_logits, assignment.weights), None
+        log_delta = naive_log_assignment(k, c, temperature)  # (B, H, Tk, S), finite where Δ underflows
+        return torch.logsumexp(code_logits.unsqueeze(3) + log_delta.unsqueeze(2), -1), None
+    Tq = code_logits.shape[2]
+    return code_logits.gather(-1, z.unsqueeze(2).expand(-1, -1, Tq, -1)), z
 
 
 def naive_vq_attention(q, k, v, codebook, *, causal: bool, assign: str = "hard", temperature=1.0,
@@ -37,15 +56,9 @@ def naive_vq_attention(q, k, v, codebook, *, causal: bool, assign: str = "hard",
     B, H, T, _ = q.shape
     c = codebook if codebook.dim() == 3 else codebook.expand(H, -1, -1)
     scale = k.shape[-1] ** -0.5 if scale is None else scale
-    if assignment is None:
-        delta = naive_assignment(k, c, assign, temperature)  # (B, H, Tk, S)
-    elif assignment.index is not None:  # hard: the one-hot matrix of the code index
-        delta = torch.nn.functional.one_hot(assignment.index, c.shape[1]).to(q.dtype)
-    else:
-        delta = assignment.weights
     code_logits = scale * q @ c.transpose(-1, -2)  # (B, H, Tq, S)
-    m = code_logits.detach().amax(-1, keepdim=True)
-    through_codes = torch.log(torch.exp(code_logits - m) @ delta.transpose(-1, -2)) + m  # (B, H, Tq, Tk)
+    through_codes, z = _through_codes(code_logits, k, c, assign=assign, temperature=temperature,
+                                      assignment=assignment)  # (B, H, Tq, Tk)
     if not causal:
         return torch.softmax(through_codes, -1) @ v
     i, j = torch.arange(T, device=q.device)[:, None], torch.arange(T, device=q.device)[None, :]
@@ -53,7 +66,7 @@ def naive_vq_attention(q, k, v, codebook, *, causal: bool, assign: str = "hard",
     if exact_window:
         window = scale * (q if q_rot is None else q_rot) @ (k if k_rot is None else k_rot).transpose(-1, -2)
     elif assign == "hard":
-        k_hat = delta @ c + (k - k.detach())  # c_{z_j}: the one-hot row picks the code
+        k_hat = c[torch.arange(H, device=q.device).view(1, H, 1), z] + (k - k.detach())  # c_{z_j}, straight-through
         window = scale * q @ k_hat.transpose(-1, -2)
     else:
         window = through_codes
