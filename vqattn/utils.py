@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+
+
+def available_cores() -> int:
+    """The cores this process may run on: its CPU affinity (a container's or ``taskset``'s share), else
+    ``os.cpu_count()``."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def tune_cpu_allocator(keep_bytes: int = 1 << 30) -> bool:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ChoiceSweep
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
 
@@ -36,6 +39,41 @@ def check_config(cfg: DictConfig) -> None:
             f"data.seq_len={d.seq_len} exceeds model.seq_len={m.seq_len}, the longest sequence learned absolute "
             f"positions can encode; set data.seq_len <= model.seq_len or model.pos_emb=rope"
         )
+
+
+def unknown_option(args: list[str], groups: dict[str, list[str]]) -> str | None:
+    """The one-line error for a command-line argument that picks no option of its config group (``attention=foo``,
+    also in a sweep ``attention=softmax,foo`` or a list ``logger=[csv,foo]``), else None. Hydra's own report of it
+    is twenty lines of search paths. Flags, other keys and anything Hydra cannot parse are left to Hydra."""
+    parser = OverridesParser.create()
+    for arg in args:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        try:
+            (override,) = parser.parse_overrides([arg])
+        except HydraException:
+            continue
+        options = groups.get(override.key_or_group)
+        if options is None or override.is_delete():
+            continue
+        value = override.value()
+        values = value.list if isinstance(value, ChoiceSweep) else value if isinstance(value, list) else [value]
+        for name in values:
+            if isinstance(name, str) and name not in options:
+                return f"unknown {override.key_or_group} {name!r}; choose one of: {', '.join(options)}"
+    return None
+
+
+def cpu_processes_warning(cfg: DictConfig, cores: int, cuda: bool) -> str | None:
+    """A one-line warning when a multi-process strategy starts more CPU processes than there are ``cores`` for them
+    (``cuda``: whether accelerator=auto would pick a GPU), else None: such processes take turns on the cores, and
+    every step waits for the slowest."""
+    devices = _device_count(cfg.trainer.devices)
+    on_cpu = cfg.trainer.accelerator == "cpu" or cfg.trainer.accelerator == "auto" and not cuda
+    if cfg.trainer.strategy == "auto" or not on_cpu or devices is None or devices <= cores:
+        return None
+    return (f"trainer.devices={devices} starts {devices} CPU processes on {cores} cores: they take turns on the cores "
+            f"and every step waits for the slowest; trainer.devices={cores} or fewer avoids it")
 
 
 def check_resumable(module, checkpoint: dict, path: str) -> None:

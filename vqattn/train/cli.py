@@ -31,9 +31,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig
 
-from .checks import check_config, check_resumable, positive_int
-from .configs import register
+from .checks import check_config, check_resumable, cpu_processes_warning, positive_int, unknown_option
+from .configs import config_groups, register
 from .launch import DDP_ARGV, ddp_child_argv
+from ..utils import available_cores
 
 log = logging.getLogger("train")
 register()
@@ -95,6 +96,9 @@ def build(cfg: DictConfig, run_dir: Path, started: float | None = None):
     from .loggers import RunCSVLogger, extra_loggers
 
     check_config(cfg)
+    oversubscribed = cpu_processes_warning(cfg, available_cores(), torch.cuda.is_available())
+    if oversubscribed and _is_rank_zero():
+        log.warning("%s", oversubscribed)
     checkpoint = read_checkpoint(cfg.ckpt_path) if cfg.ckpt_path else None
     module = instantiate_module(cfg)  # model errors first: model.seq_len, not data's
     if checkpoint is not None:
@@ -351,7 +355,7 @@ def hydra_main(cfg: DictConfig) -> float:
         _discard_failed_run(run_dir)
         if message is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        print(f"error: {message}\n(set HYDRA_FULL_ERROR=1 for the full traceback)", file=sys.stderr)
+        print(f"error: {message}", file=sys.stderr)
         raise SystemExit(2) from None
     finally:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -363,11 +367,15 @@ def hydra_main(cfg: DictConfig) -> float:
 def main() -> None:
     """The ``vqattn-train`` console script and ``python train.py``: Hydra's command line.
 
-    Hydra reports a command line it cannot compose (attention=foo, an unknown key) itself with exit status 1;
-    that is a configuration error like those train() finds, so it exits 2 as they do. Ctrl-C at any point
-    exits 130.
+    An option no config group has (attention=foo) is one line naming the group's options, exit status 2. Hydra
+    reports other command lines it cannot compose (an unknown key) itself with exit status 1; that is a
+    configuration error like those train() finds, so it exits 2 as they do. Ctrl-C at any point exits 130.
     """
     sys.argv = ddp_child_argv(sys.argv, os.environ)
+    unknown = unknown_option(sys.argv[1:], config_groups())
+    if unknown is not None:
+        print(f"error: {unknown}", file=sys.stderr)
+        raise SystemExit(2)
     # Also when SIGINT was ignored: a shell without job control starts background jobs (`python train.py &` in a
     # script) that way, and Ctrl-C (or `kill -INT`) should still mean "stop", from the first line on.
     previous = signal.signal(signal.SIGINT, _hold_interrupt)

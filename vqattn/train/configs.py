@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
 
@@ -60,6 +61,15 @@ def data_classes() -> dict[str, type]:
 
     return {"stdlib": data.StdlibDataModule, "text": data.TextDataModule, "hub": data.HubTextDataModule,
             "mqar": mqar.MQARDataModule}
+
+
+def config_groups() -> dict[str, list[str]]:
+    """The options of each config group a command line picks from (``model=tiny``): the yaml files of conf/GROUP/
+    and, for ``attention``, the registered layers (call ``register()`` first)."""
+    conf = Path(__file__).parent / "conf"
+    groups = {d.name: sorted(f.stem for f in d.glob("*.yaml")) for d in conf.iterdir() if any(d.glob("*.yaml"))}
+    groups["attention"] = sorted(name.removesuffix(".yaml") for name in ConfigStore.instance().list("attention"))
+    return groups
 
 
 def register() -> None:
