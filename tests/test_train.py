@@ -125,6 +125,26 @@ def test_the_cpu_process_warning_is_logged_before_training(tmp_path, caplog, mon
     assert record.getMessage().startswith("trainer.devices=2 starts 2 CPU processes on 1 cores")
 
 
+@pytest.mark.parametrize("overrides,warned", [
+    (["model.seq_len=128"], True),  # block_len 64: the raw window of a query in block 1 holds blocks 0 and 1
+    (["model.seq_len=129"], False),  # position 128 reads block 0 through the codebook
+    (["model.seq_len=64", "attention=window"], True),
+    (["model.seq_len=64", "attention=ovq"], True),
+    (["model.seq_len=64", "attention=softmax"], False),  # no raw window
+    (["model.seq_len=64", "attention=vq_hard", "attention.kwargs.exact_window=false"], False),  # a quantised window
+    (["experiment=long_carry", "model.seq_len=64"], False),  # the carried cache holds the earlier segments
+    (["experiment=tiny"], False),  # 64-byte windows, block_len 16
+])
+def test_a_sequence_inside_the_raw_window_is_warned_about(overrides, warned):
+    from vqattn.train.checks import raw_window_warning
+
+    message = raw_window_warning(cfg_for(*overrides))
+    assert (message is not None) == warned
+    if warned:
+        assert "every key sits in the raw window" in message and "softmax attention" in message
+        assert "\n" not in message
+
+
 def test_compile_says_it_is_compiling_before_the_first_step(tmp_path, caplog):
     from lightning.pytorch.callbacks import LambdaCallback
 

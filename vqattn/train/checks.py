@@ -76,6 +76,21 @@ def cpu_processes_warning(cfg: DictConfig, cores: int, cuda: bool) -> str | None
             f"and every step waits for the slowest; trainer.devices={cores} or fewer avoids it")
 
 
+def raw_window_warning(cfg: DictConfig) -> str | None:
+    """A one-line warning when an attention with a raw window of blocks (``block_len`` L: vq, ovq, window) holds
+    every key of a training sequence in that window, else None. A query of block b reads blocks b-1 and b raw and
+    only older keys through the codebook or memory, so with seq_len T <= 2L the run trains softmax attention and
+    never reads what it is meant to test. Carried state (older segments in the cache) and a quantised window
+    (``exact_window=false``) read the codebook all the same."""
+    kwargs, seq_len = cfg.attention.kwargs, cfg.data.seq_len
+    block_len = kwargs.get("block_len")
+    if block_len is None or cfg.carry_state or kwargs.get("exact_window") is False or seq_len > 2 * block_len:
+        return None
+    return (f"block_len={block_len} with seq_len={seq_len}: every key sits in the raw window (2 x block_len keys), so "
+            f"{cfg.attention.name} is plain softmax attention here; set block_len below seq_len / 2 "
+            f"(block_len={max(1, (seq_len - 1) // 2)} or less), or carry_state=true")
+
+
 def check_resumable(module, checkpoint: dict, path: str) -> None:
     """Raise a one-line ValueError unless the checkpoint's weights fit the module (same attention, same shapes)."""
     trained = checkpoint.get("hyper_parameters", {}).get("model", {}).get("attention")

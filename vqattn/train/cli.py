@@ -31,7 +31,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig
 
-from .checks import check_config, check_resumable, cpu_processes_warning, positive_int, unknown_option
+from .checks import (check_config, check_resumable, cpu_processes_warning, positive_int, raw_window_warning,
+                     unknown_option)
 from .configs import config_groups, register
 from .launch import DDP_ARGV, ddp_child_argv
 from ..utils import available_cores
@@ -96,9 +97,9 @@ def build(cfg: DictConfig, run_dir: Path, started: float | None = None):
     from .loggers import RunCSVLogger, extra_loggers
 
     check_config(cfg)
-    oversubscribed = cpu_processes_warning(cfg, available_cores(), torch.cuda.is_available())
-    if oversubscribed and _is_rank_zero():
-        log.warning("%s", oversubscribed)
+    for warning in (cpu_processes_warning(cfg, available_cores(), torch.cuda.is_available()), raw_window_warning(cfg)):
+        if warning is not None and _is_rank_zero():
+            log.warning("%s", warning)
     checkpoint = read_checkpoint(cfg.ckpt_path) if cfg.ckpt_path else None
     module = instantiate_module(cfg)  # model errors first: model.seq_len, not data's
     if checkpoint is not None:
