@@ -1,6 +1,7 @@
 """train.py end to end: Hydra configs, resume, DDP, sweeps + report, local text, error messages."""
 
 import csv
+import importlib.abc
 import json
 import os
 import re
@@ -380,7 +381,7 @@ def test_ctrl_c_after_hydra_made_the_run_dir_and_before_the_job_ran_leaves_no_ru
     finished = subprocess.run([sys.executable, "-c", CTRL_C_AS_HYDRA_SETS_THE_JOB_UP, *FAST, f"hydra.run.dir={starting}"],
                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     _stopped_by_ctrl_c(finished)
-    assert "nothing was saved" in finished.stderr and not starting.exists()
+    assert finished.stderr.endswith("\ninterrupted: nothing was saved\n") and not starting.exists()
 
 
 @pytest.mark.slow
@@ -568,3 +569,26 @@ def test_mqar_results_lead_with_recall_accuracy(tmp_path):
     results = cli.train(cfg, run_dir)
     assert results["headline"] == "recall_acc" and results["recall_acc"] == results["val_acc"]
     assert (run_dir / "checkpoints" / "last.ckpt").exists()
+
+
+class _InterruptedImport(importlib.abc.MetaPathFinder):
+    """Ctrl-C while Python imports ``name``."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname == self.name:
+            raise KeyboardInterrupt
+        return None
+
+
+def test_ctrl_c_while_the_trainer_imports_is_one_line_and_exit_130(monkeypatch, capsys):
+    from vqattn.train import entry
+
+    monkeypatch.delitem(sys.modules, "vqattn.train.cli", raising=False)  # imported again, interrupted (restored after the test)
+    monkeypatch.setattr(sys, "meta_path", [_InterruptedImport("vqattn.train.cli"), *sys.meta_path])
+    with pytest.raises(SystemExit) as exit:
+        entry.main()
+    assert exit.value.code == 130
+    assert capsys.readouterr().err == "\ninterrupted while starting: nothing was saved\n"

@@ -347,7 +347,7 @@ def hydra_main(cfg: DictConfig) -> float:
         checkpoint = run_dir / "checkpoints" / "last.ckpt"
         if _is_rank_zero():
             saved = f"the last checkpoint is {checkpoint}" if checkpoint.exists() else "nothing was saved"
-            print(f"\n{stop or 'interrupted'}: {saved}", file=sys.stderr)
+            print(f"\n{str(stop) or 'interrupted'}: {saved}", file=sys.stderr)
         raise SystemExit(128 + signal.SIGINT) from None
     except Exception as err:
         message = _user_error(err)
@@ -366,21 +366,21 @@ def hydra_main(cfg: DictConfig) -> float:
 
 
 def main() -> None:
-    """The ``vqattn-train`` console script and ``python train.py``: Hydra's command line.
+    """Hydra's command line: what ``vqattn-train`` and ``python train.py`` run (through :mod:`vqattn.train.entry`).
 
     An option no config group has (attention=foo) is one line naming the group's options, exit status 2. Hydra
     reports other command lines it cannot compose (an unknown key) itself with exit status 1; that is a
     configuration error like those train() finds, so it exits 2 as they do. Ctrl-C at any point exits 130.
     """
-    sys.argv = ddp_child_argv(sys.argv, os.environ)
-    unknown = unknown_option(sys.argv[1:], config_groups())
-    if unknown is not None:
-        print(f"error: {unknown}", file=sys.stderr)
-        raise SystemExit(2)
     # Also when SIGINT was ignored: a shell without job control starts background jobs (`python train.py &` in a
     # script) that way, and Ctrl-C (or `kill -INT`) should still mean "stop", from the first line on.
     previous = signal.signal(signal.SIGINT, _hold_interrupt)
     try:
+        sys.argv = ddp_child_argv(sys.argv, os.environ)
+        unknown = unknown_option(sys.argv[1:], config_groups())
+        if unknown is not None:
+            print(f"error: {unknown}", file=sys.stderr)
+            raise SystemExit(2)
         hydra_main()
     except SystemExit as exit:
         if exit.code == 1 and not _task_started:
