@@ -7,7 +7,7 @@ import torch
 
 from vqattn.functional import naive_vq_attention, vq_assign, vq_attention
 from vqattn.layers.base import rope_rotate
-from vqattn.ops.vq.assign import map_time
+from vqattn.ops.common.statistics import map_time
 
 from test_vq_attention import ASSIGNS, grads, make_inputs
 

@@ -23,12 +23,9 @@ a flag costs nothing, are the masking and the poison skipped when no key is bad 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:  # vqattn.ops.vq imports this module: a runtime import would be circular
-    from .vq.assign import Assignment
+from .common.statistics import Assignment
 
 
 def _nonfinite_rows(x: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ Query i in block b = i // L attends to the keys j ≤ i of blocks b−1 and b:
     out_i = Σ_{j ∈ W(i)} e^{σ q_i·k_j} v_j / Σ_{j ∈ W(i)} e^{σ q_i·k_j},   W(i) = {j : (b−1)·L ≤ j ≤ i}
 
 so it sees between L and 2L−1 keys. It is ``vq_attention`` without the compressed cache, and runs the same
-block kernel (:class:`~vqattn.ops.vq.window_codes.WindowCodeAttention` without codes) and the same recurrence:
+block kernel (:class:`~vqattn.ops.common.window_codes.WindowCodeAttention` without codes) and the same recurrence:
 O(T·L·D) time, no T×T tensor, and a decoding state of fewer than 2L raw keys and values.
 """
 
@@ -38,7 +38,7 @@ from .nonfinite import may_be_nonfinite, nonfinite_keys, window_poison, zero_row
 from .precision import autocast_off
 from .triton import require_triton, triton_device
 from .triton.window_codes import fused_window_code_attention, unsupported
-from .vq.window_codes import WindowCodeInputs, window_code_attention
+from .common.window_codes import WindowCodeInputs, window_code_attention
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .assign import code_slots
+from .statistics import code_slots
 
 
 class CacheUpdates(NamedTuple):

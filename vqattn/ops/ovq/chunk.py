@@ -1,7 +1,7 @@
 """Chunked (block-parallel) form of :func:`~vqattn.ops.ovq.ovq_attention`, for training and prefill.
 
 Every block's queries attend at once through the block kernel of codebook attention
-(:class:`~vqattn.ops.vq.window_codes.WindowCodeAttention`): one softmax over the window logits (nb, L, 2L) and the
+(:class:`~vqattn.ops.common.window_codes.WindowCodeAttention`): one softmax over the window logits (nb, L, 2L) and the
 slot logits (nb, L, S), with the slots' value sums read from one running cache (in blocks on CPU, as for
 ``vq_attention``). The slot logits σ q̃·k̄_s are the kernel's code logits with one codebook per block, the slot
 means k̄ = K / n of every block's memory (nb, S, D): one prefix sum over the blocks' statistics. Only the online assignment runs block after block, without gradient.
@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from ..blocks import blocks, group_windows, loops, pad_to_blocks, window_bias, window_start, window_tail
-from ..vq.assign import Assignment, code_statistics
-from ..vq.window_codes import WindowCodeInputs, window_code_attention
+from ..common.statistics import Assignment, code_statistics
+from ..common.window_codes import WindowCodeInputs, window_code_attention
 from .memory import lagged_sum, online_slots, statistics
 from .state import Inputs, OVQState
 

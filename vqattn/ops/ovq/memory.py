@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..graphs import can_graph, replay_graphed
-from ..vq.assign import Assignment, code_means, code_statistics, log_counts
+from ..common.statistics import Assignment, code_means, code_statistics, log_counts
 
 
 class _LaggedSum(torch.autograd.Function):

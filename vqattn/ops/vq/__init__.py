@@ -20,7 +20,8 @@ for a random codebook: :func:`vqattn.analysis.codebook_kernel_features`.
 """
 
 from ..blocks import DEFAULT_BLOCK_LEN, RECURRENT_MAX_LEN, Schedule, window_start
-from .assign import ASSIGNMENTS, Assignment, vq_assign
+from ..common.statistics import Assignment
+from .assign import ASSIGNMENTS, vq_assign
 from .attention import IMPLS, vq_attention
 from .naive import naive_vq_attention
 from .recurrent import VQState

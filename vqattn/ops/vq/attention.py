@@ -8,14 +8,14 @@ import torch
 
 from .._checks import check_4d, check_choice, check_positive_int, check_qkv, check_same_device_dtype, compute_dtype
 from ..blocks import DEFAULT_BLOCK_LEN, RECURRENT_MAX_LEN, Schedule, as_schedule
+from ..common.statistics import Assignment, code_means, code_statistics, log_counts, map_time
 from ..nonfinite import may_be_nonfinite, nonfinite_keys, visible_poison, zero_assignment_rows, zero_rows
 from ..precision import autocast_off
-from .assign import ASSIGNMENTS, Assignment, check_assignment, code_means, code_statistics, log_counts, map_time, \
-    vq_assign
-from .chunk import chunk_vq_attention
-from .recurrent import VQState, recurrent_vq_attention
 from ..triton import require_triton, triton_device
 from ..triton.window_codes import unsupported
+from .assign import ASSIGNMENTS, check_assignment, vq_assign
+from .chunk import chunk_vq_attention
+from .recurrent import VQState, recurrent_vq_attention
 
 IMPLS = ("auto", "chunk", "recurrent", "triton")
 

@@ -37,11 +37,11 @@ from ..blocks import (
     window_tail,
 )
 from ..nonfinite import zero_assignment_rows
-from .assign import Assignment, cat_time, code_counts, code_statistics, map_time
+from ..common.statistics import Assignment, cat_time, code_counts, code_statistics, map_time
 from .fused import fused_causal
 from .mixture import mixture_attention
 from .recurrent import VQState
-from .window_codes import WindowCodeInputs, window_code_attention
+from ..common.window_codes import WindowCodeInputs, window_code_attention
 
 
 class Group(NamedTuple):

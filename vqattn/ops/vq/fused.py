@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ..blocks import pad_to_blocks
 from ..triton.window_codes import fused_window_code_attention
-from .assign import Assignment, code_statistics, map_time
+from ..common.statistics import Assignment, code_statistics, map_time
 
 
 def lagged_prefix(stats: torch.Tensor) -> torch.Tensor:

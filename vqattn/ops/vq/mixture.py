@@ -7,8 +7,8 @@ from typing import NamedTuple
 import torch
 
 from ..precision import autocast_off
-from .cache import CacheUpdates, LogitGradients, code_logits_of, read_cache, read_cache_backward
-from .window_codes import floored_exp_
+from ..common.cache import CacheUpdates, LogitGradients, code_logits_of, read_cache, read_cache_backward
+from ..common.window_codes import floored_exp_
 
 
 class MixtureInputs(NamedTuple):
@@ -39,7 +39,7 @@ class MixtureAttention(torch.autograd.Function):
     through the cache. The values carry a last column of ones (linear attention's normaliser as one more value
     column), so the cache C_b (S, Dv + 1) holds the value sums Σ_j Δ_js v_j and, in its last column, the counts
     n_s = Σ_j Δ_js: the counts need no prefix sum of their own, and their gradient reaches the weights with the
-    values'. C_{b+1} = C_b + W_bᵀ V_b (:func:`~vqattn.ops.vq.cache.read_cache`).
+    values'. C_{b+1} = C_b + W_bᵀ V_b (:func:`~vqattn.ops.common.cache.read_cache`).
 
     Query i's normaliser is Σ_s e^{σ q_i·c_s} N_is, with N_is = n_s + Σ_{j ≤ i} Δ_js the mass of code s among the
     keys it sees (:func:`_code_weights`): the shift m_i = max_s (σ q_i·c_s + log N_is) is the largest term actually
@@ -92,7 +92,7 @@ def _code_weights(code_logits: torch.Tensor, weights: torch.Tensor, counts: torc
     (code_logits_is + log N_is) over the codes' masses N_is = counts_s + Σ_{j ≤ i} Δ_js seen by query i (counts
     (N, S) before the first block, weights Δ (N, nb, L, S), window_mask (L, L) the causal 0/1 mask). Computed as
     e^{code_logits + log N − m} / N, whose exponent is ≤ 0 (e^{code_logits − m} alone overflows where N
-    underflows); codes below e^{−50} of the largest term (:func:`~vqattn.ops.vq.window_codes.floored_exp_`) and
+    underflows); codes below e^{−50} of the largest term (:func:`~vqattn.ops.common.window_codes.floored_exp_`) and
     codes of no mass weigh 0."""
     # Prefix sums within each block as a product with the causal mask: 3x faster than a cumsum over L on CPUs.
     mass = torch.matmul(window_mask, weights)  # (N, nb, L, S)

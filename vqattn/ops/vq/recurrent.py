@@ -14,7 +14,8 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..blocks import attend_one, window_start, window_tail
-from .assign import Assignment, cat_time, code_means, code_statistics, log_counts, map_time, mixture_logits
+from ..common.statistics import Assignment, cat_time, code_means, code_statistics, log_counts, map_time
+from .assign import mixture_logits
 
 
 @dataclass
