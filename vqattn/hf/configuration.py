@@ -1,0 +1,61 @@
+"""``VQAttnConfig``: the Hugging Face configuration of a :class:`vqattn.model.GPT`.
+
+Its fields are :class:`vqattn.model.GPTConfig`'s, under the same names, except that the embedding tie is
+transformers' own ``tie_word_embeddings`` (also readable as ``tie_embeddings``), so that transformers ties (and
+saves once) exactly the weights GPT ties. ``max_position_embeddings`` reads ``seq_len``: tools that size their
+windows by it (lm-evaluation-harness's rolling log-likelihood) then score windows of the training context.
+``extra_states`` carries the model's non-tensor module state (Performer feature draws).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from transformers import PreTrainedConfig
+
+from ..model import GPTConfig
+
+_DEFAULTS = GPTConfig()
+
+
+class VQAttnConfig(PreTrainedConfig):
+    model_type = "vqattn"
+    attribute_map = {
+        "tie_embeddings": "tie_word_embeddings",
+        "hidden_size": "n_embd",
+        "num_hidden_layers": "n_layer",
+        "num_attention_heads": "n_head",
+        "max_position_embeddings": "seq_len",
+    }
+
+    vocab_size: int = _DEFAULTS.vocab_size
+    seq_len: int = _DEFAULTS.seq_len
+    n_layer: int = _DEFAULTS.n_layer
+    n_head: int = _DEFAULTS.n_head
+    n_embd: int = _DEFAULTS.n_embd
+    dropout: float = _DEFAULTS.dropout
+    bias: bool = _DEFAULTS.bias
+    tie_word_embeddings: bool = _DEFAULTS.tie_embeddings
+    attention: str = _DEFAULTS.attention
+    attention_kwargs: dict = dataclasses.field(default_factory=dict)
+    pos_emb: str = _DEFAULTS.pos_emb
+    qk_norm: bool | str = _DEFAULTS.qk_norm
+    short_conv: int = _DEFAULTS.short_conv
+    mlp_ratio: int = _DEFAULTS.mlp_ratio
+    use_cache: bool = True
+    # {submodule of GPT: its get_extra_state()}, e.g. a Performer feature map's draw index: plain values that
+    # safetensors files cannot hold, so they travel in config.json (written by VQAttnForCausalLM.save_pretrained)
+    extra_states: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        self.gpt_config()  # a one-line ValueError now (unknown attention, bad sizes), not at model construction
+
+    def gpt_config(self) -> GPTConfig:
+        """The :class:`GPTConfig` these fields describe (ValueError when they describe none)."""
+        names = [f.name for f in dataclasses.fields(GPTConfig)]
+        return GPTConfig(**{name: getattr(self, name) for name in names})
+
+    @classmethod
+    def from_gpt_config(cls, config: GPTConfig, **kwargs) -> VQAttnConfig:
+        return cls(**dataclasses.asdict(config), **kwargs)
