@@ -1,3 +1,4 @@
+import functools
 import math
 
 import pytest
@@ -75,19 +76,28 @@ def test_window_options_match_reference(assign, exact_window, block_grouping):
         torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9, msg=f"grad of {name}")
 
 
+@pytest.mark.parametrize("route", ["function", "impl"])
 @pytest.mark.parametrize("assign", ASSIGNS)
 @pytest.mark.parametrize("causal,exact_window", [(True, False), (True, True), (False, False)])
-def test_library_definition_matches_the_independent_reference(assign, causal, exact_window):
-    """naive_vq_attention, the library's own definition, against the tests' reference (outputs and gradients)."""
+def test_library_definition_matches_the_independent_reference(assign, causal, exact_window, route):
+    """naive_vq_attention, the library's own definition, called directly or as vq_attention(impl="naive"), against
+    the tests' reference (outputs and gradients)."""
     from vqattn.functional import naive_vq_attention
 
     q, k, v, c = make_inputs(T=37, Dv=5)
     kw = dict(causal=causal, assign=assign, temperature=0.6, block_len=8, exact_window=exact_window)
-    out, g = grads(lambda *x: naive_vq_attention(*x, **kw), q, k, v, c)
+    naive = naive_vq_attention if route == "function" else functools.partial(vq_attention, impl="naive")
+    out, g = grads(lambda *x: naive(*x, **kw), q, k, v, c)
     ref, g_ref = grads(lambda *x: ref_vq_attention(*x, **kw), q, k, v, c)
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
     for name, a, b in zip("qkvc", g, g_ref):
         torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-11, msg=f"grad of {name}")
+
+
+def test_naive_impl_takes_no_state():
+    q, k, v, c = make_inputs(T=9)
+    with pytest.raises(ValueError, match="impl='naive' takes no state"):
+        vq_attention(q, k, v, c, causal=True, impl="naive", return_state=True)
 
 
 def test_exact_window_is_softmax_when_everything_is_in_the_window():

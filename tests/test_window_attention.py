@@ -23,6 +23,18 @@ def grads(fn, *tensors):
     return out.detach(), [t.grad for t in tensors]
 
 
+@pytest.mark.parametrize("T,block_len", [(1, 4), (37, 8), (100, 7)])
+def test_naive_impl_is_the_band_reference(T, block_len):
+    q, k, v = make_qkv(T=T)
+    out, g = grads(lambda *x: window_attention(*x, block_len=block_len, scale=0.4, impl="naive"), q, k, v)
+    ref, g_ref = grads(lambda *x: ref_window_attention(*x, block_len=block_len, scale=0.4), q, k, v)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
+    for name, a, b in zip("qkv", g, g_ref):
+        torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-11, msg=f"grad of {name}")
+    with pytest.raises(ValueError, match="impl='naive' takes no state"):
+        window_attention(q, k, v, block_len=block_len, impl="naive", return_state=True)
+
+
 @pytest.mark.parametrize("T,block_len", [(1, 4), (5, 8), (37, 8), (64, 16), (100, 7), (300, None)])
 def test_matches_band_reference_outputs_and_grads(T, block_len, block_grouping):
     q, k, v = make_qkv(T=T)

@@ -5,7 +5,7 @@ from .ops.linear import LinearState, linear_attention
 from .ops.ovq import OVQState, ovq_attention
 from .ops.softmax import softmax_attention
 from .ops.vq import Assignment, Schedule, VQState, naive_vq_attention, vq_assign, vq_attention
-from .ops.window import WindowState, window_attention
+from .ops.window import WindowState, naive_window_attention, window_attention
 
 __all__ = [
     "softmax_attention",
@@ -16,6 +16,7 @@ __all__ = [
     "Assignment",
     "VQState",
     "window_attention",
+    "naive_window_attention",
     "WindowState",
     "linear_attention",
     "LinearState",

@@ -56,6 +56,12 @@ class AttentionOutput(NamedTuple):
     state: AttentionState | None  # the state after this chunk when return_state=True, else None
 
 
+def op_result(result, return_state: bool):
+    """(out, the op's state or None) of an op called with ``return_state``: every op returns out, or (out, state)
+    when asked for its state."""
+    return result if return_state else (result, None)
+
+
 class KVCache(NamedTuple):
     """Softmax decoding state: all past keys (already rotated when RoPE is on) and values, (B, H, P, D)."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..feature_maps import EluFeatures, FeatureMap, PerformerFeatures, TaylorFeatures
 from ..ops._checks import check_positive_int
 from ..ops.linear import linear_attention
-from .base import Attention
+from .base import Attention, op_result
 
 
 class KernelAttention(Attention):
@@ -46,7 +46,7 @@ class KernelAttention(Attention):
             state=state,
             return_state=return_state,
         )
-        out, op_state = result if return_state else (result, None)
+        out, op_state = op_result(result, return_state)
         return out, None, op_state
 
 

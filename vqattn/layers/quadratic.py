@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from ..functional import kernel_attention, softmax_attention, window_attention
 from ..ops._checks import check_choice, check_positive_int
 from ..ops.window import IMPLS as WINDOW_IMPLS
-from .base import Attention, CachedAttention
+from .base import Attention, CachedAttention, op_result
 
 
 class SoftmaxAttention(CachedAttention):
@@ -76,7 +76,7 @@ class WindowAttention(Attention):
         q, k = self.rotate(q, pos), self.rotate(k, pos)  # the state keeps rotated keys, like a KV cache
         result = window_attention(q, k, v, block_len=self.block_len, state=state, return_state=return_state,
                                   impl=self.impl)
-        out, op_state = result if return_state else (result, None)
+        out, op_state = op_result(result, return_state)
         return out, None, op_state
 
     def _op_state_floats(self, seq_len: int) -> int:

@@ -11,7 +11,7 @@ from ..functional import vq_attention
 from ..ops._checks import check_choice, check_positive_int
 from ..ops.vq import DEFAULT_BLOCK_LEN
 from ..ops.vq import IMPLS as VQ_IMPLS
-from .base import Attention, pair_dims, rope_frequencies, rope_rotate_keeping
+from .base import Attention, op_result, pair_dims, rope_frequencies, rope_rotate_keeping
 
 CACHE_SCORES = ("all", "slow")
 
@@ -108,7 +108,7 @@ class VQAttention(Attention):
             impl=self.impl,
             **rotated,
         )
-        out, op_state = result if return_state else (result, None)
+        out, op_state = op_result(result, return_state)
         return out, aux_loss, op_state
 
     def usage_stats(self) -> dict[str, float]:

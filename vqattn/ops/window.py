@@ -18,7 +18,6 @@ import torch
 from ._checks import check_choice, check_positive_int, check_qkv, compute_dtype, size_min
 from .blocks import (
     DEFAULT_BLOCK_LEN,
-    RECURRENT_MAX_LEN,
     Schedule,
     as_schedule,
     attend_one,
@@ -36,8 +35,9 @@ from .blocks import (
 )
 from .nonfinite import may_be_nonfinite, nonfinite_keys, window_poison, zero_rows
 from .precision import autocast_off
-from .triton import require_triton, triton_device
+from .triton import require_triton
 from .triton.window_codes import fused_window_code_attention, unsupported
+from .common.forms import FORMS, pick_form
 from .common.window_codes import WindowCodeInputs, window_code_attention
 
 
@@ -81,26 +81,27 @@ def _recurrent(q, k, v, state: WindowState, scale: float) -> tuple[torch.Tensor,
     return torch.cat(outs, 2), WindowState(keys, values, length, L)
 
 
-IMPLS = ("auto", "chunk", "recurrent", "triton")
+IMPLS = FORMS
 
 
-def _form(impl: str, q, k, v, L: int, state) -> str:
-    """``impl``, or for "auto": recurrent for a state and at most ``RECURRENT_MAX_LEN`` new tokens, triton for CUDA
-    tensors that it supports (when Triton imports), chunk otherwise."""
-    if impl != "auto":
-        return impl
-    if state is not None and q.shape[2] <= RECURRENT_MAX_LEN:
-        return "recurrent"
-    if q.is_cuda and triton_device(q) and unsupported(L, (q.shape[-1], v.shape[-1]), q.dtype) is None:
-        return "triton"
-    return "chunk"
+def naive_window_attention(q, k, v, *, block_len: int = DEFAULT_BLOCK_LEN, scale: float | None = None):
+    """The definition: causal softmax over keys j ≤ i of block(j) ≥ block(i) − 1, one (T, T) band-masked softmax.
+    q, k: (B, H, T, D), v: (B, H, T, Dv) -> (B, H, T, Dv)."""
+    T = q.shape[2]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    i, j = torch.arange(T, device=q.device)[:, None], torch.arange(T, device=q.device)[None, :]
+    visible = (j <= i) & (j // block_len >= i // block_len - 1)
+    logits = (scale * q @ k.transpose(-1, -2)).masked_fill(~visible, float("-inf"))
+    return torch.softmax(logits, -1) @ v
 
 
-def _validate(q, k, v, block_len, state, impl) -> None:
+def _validate(q, k, v, block_len, state, return_state, impl) -> None:
     check_qkv(q, k, v, causal=True)
     check_choice("impl", impl, IMPLS)
     if block_len is not None:
         check_positive_int("block_len", block_len)
+    if impl == "naive" and (state is not None or return_state):
+        raise ValueError("impl='naive' takes no state and returns none; use impl='chunk' or 'recurrent'")
     if impl == "triton":
         require_triton(q)
         L = block_len or (state.block_len if isinstance(state, WindowState) else DEFAULT_BLOCK_LEN)
@@ -141,7 +142,8 @@ def window_attention(
             ``RECURRENT_MAX_LEN`` new tokens run token by token, longer chunks the block kernel.
         return_state: also return the state after this call.
         schedule: the blocks' :class:`~vqattn.ops.blocks.Schedule` (its ``group_blocks``); never changes the result.
-        impl: "chunk" (the block kernel in PyTorch), "recurrent" (token by token, continuing ``state``), "triton"
+        impl: "chunk" (the block kernel in PyTorch), "recurrent" (token by token, continuing ``state``), "naive"
+            (:func:`naive_window_attention`, the definition: for checking, no state), "triton"
             (one fused kernel forward and one backward: CUDA tensors, or the CPU under ``TRITON_INTERPRET=1``), or
             "auto": recurrent for a ``state`` and at most ``RECURRENT_MAX_LEN`` new tokens, triton for CUDA tensors
             it supports (docs/ops.md), chunk otherwise.
@@ -151,10 +153,11 @@ def window_attention(
         (out, state) when ``return_state``. As in softmax attention, a key with a NaN or infinite entry makes NaN
         exactly the outputs of the queries whose window holds it.
     """
-    _validate(q, k, v, block_len, state, impl)
+    _validate(q, k, v, block_len, state, return_state, impl)
     schedule = as_schedule(schedule)
     L = block_len or (state.block_len if state is not None else DEFAULT_BLOCK_LEN)
-    form = _form(impl, q, k, v, L, state)
+    form = pick_form(impl, q, state=state, fused_unsupported=lambda: unsupported(L, (q.shape[-1], v.shape[-1]),
+                                                                                  q.dtype))
     if form == "recurrent" and state is None:
         state = WindowState(k[:, :, :0], v[:, :, :0], 0, L)
     # the Triton kernel reads half precision as it is and accumulates in float32
@@ -162,6 +165,8 @@ def window_attention(
     dtype = in_dtype if form == "triton" else compute_dtype(in_dtype)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if form == "naive":
+        return naive_window_attention(q, k, v, block_len=L, scale=scale).to(in_dtype)
     if state is not None:
         state = WindowState(state.keys.to(dtype), state.values.to(dtype), state.length, state.block_len)
     if form == "recurrent":

@@ -4,5 +4,6 @@ another op's package.
 * :mod:`.statistics`: an :class:`~.statistics.Assignment` of keys to codes and the per-code counts and value sums;
 * :mod:`.cache`: the per-code value-sum cache that every block reads, and the gradients of what reads it;
 * :mod:`.window_codes`: the block kernel, one softmax over a block's window of raw keys and the codes (vq, ovq,
-  and window attention without codes).
+  and window attention without codes);
+* :mod:`.forms`: the one rule by which every causal op's ``impl="auto"`` picks its form.
 """

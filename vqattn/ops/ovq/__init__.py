@@ -53,14 +53,14 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_choice
-from ..blocks import RECURRENT_MAX_LEN
+from ..common.forms import FORMS, pick_form
 from ..precision import autocast_off
 from .chunk import chunk_forward
 from .naive import naive_ovq_attention
 from .recurrent import recurrent_forward
 from .state import OVQState, prepare
 
-IMPLS = ("auto", "chunk", "recurrent", "naive")
+IMPLS = tuple(form for form in FORMS if form != "triton")  # no fused kernel yet
 
 __all__ = ["ovq_attention", "chunk_ovq_attention", "recurrent_ovq_attention", "naive_ovq_attention", "OVQState",
            "IMPLS"]
@@ -123,7 +123,6 @@ def ovq_attention(q, k, v, *, num_slots: int, block_len: int | None = None, scal
         if state is not None or return_state:
             raise ValueError("impl='naive' takes no state and returns none; use impl='chunk' or 'recurrent'")
         return naive_ovq_attention(q, k, v, **kwargs)
-    if impl == "auto":
-        impl = "recurrent" if state is not None and q.dim() == 4 and q.shape[2] <= RECURRENT_MAX_LEN else "chunk"
+    impl = pick_form(impl, q, state=state, fused_unsupported=None)
     form = chunk_ovq_attention if impl == "chunk" else recurrent_ovq_attention
     return form(q, k, v, state=state, return_state=return_state, **kwargs)

@@ -7,17 +7,19 @@ import dataclasses
 import torch
 
 from .._checks import check_4d, check_choice, check_positive_int, check_qkv, check_same_device_dtype, compute_dtype
-from ..blocks import DEFAULT_BLOCK_LEN, RECURRENT_MAX_LEN, Schedule, as_schedule
+from ..blocks import DEFAULT_BLOCK_LEN, Schedule, as_schedule
+from ..common.forms import FORMS, pick_form
 from ..common.statistics import Assignment, code_means, code_statistics, log_counts, map_time
 from ..nonfinite import may_be_nonfinite, nonfinite_keys, visible_poison, zero_assignment_rows, zero_rows
 from ..precision import autocast_off
-from ..triton import require_triton, triton_device
+from ..triton import require_triton
 from ..triton.window_codes import unsupported
 from .assign import ASSIGNMENTS, check_assignment, vq_assign
 from .chunk import chunk_vq_attention
+from .naive import naive_vq_attention
 from .recurrent import VQState, recurrent_vq_attention
 
-IMPLS = ("auto", "chunk", "recurrent", "triton")
+IMPLS = FORMS
 
 
 def _non_causal(q, k, v, c, a: Assignment, scale) -> torch.Tensor:
@@ -99,6 +101,8 @@ def _validate(q, k, v, codebook, *, causal, assign, block_len, exact_window, sta
     if not causal and (exact_window or state is not None or return_state or impl in ("recurrent", "triton")):
         raise ValueError("exact_window, state, return_state and impl='recurrent' or 'triton' need causal=True "
                          "(non-causal attention has no window)")
+    if impl == "naive" and (state is not None or return_state):
+        raise ValueError("impl='naive' takes no state and returns none; use impl='chunk' or 'recurrent'")
     if impl == "triton":
         require_triton(q)
         reason = _fused_unsupported(q, k, v, assign=assign, exact_window=exact_window, block_len=block_len,
@@ -121,17 +125,22 @@ def _fused_unsupported(q, k, v, *, assign, exact_window, block_len, state) -> st
 
 
 def _form(impl: str, q, k, v, *, causal, assign, exact_window, block_len, state) -> str:
-    """The form that runs a call: ``impl``, or for "auto" recurrent for a ``state`` and at most
-    ``RECURRENT_MAX_LEN`` new tokens, triton for other causal calls on CUDA tensors that it supports (when Triton
-    imports), chunk otherwise."""
-    if impl != "auto":
-        return impl
-    if state is not None and q.shape[2] <= RECURRENT_MAX_LEN:
-        return "recurrent"
-    if causal and q.is_cuda and triton_device(q) and _fused_unsupported(
-            q, k, v, assign=assign, exact_window=exact_window, block_len=block_len, state=state) is None:
-        return "triton"
-    return "chunk"
+    """The form that runs a call (:func:`~vqattn.ops.common.forms.pick_form`); only causal calls have a fused
+    kernel."""
+    fused_unsupported = None if not causal else lambda: _fused_unsupported(
+        q, k, v, assign=assign, exact_window=exact_window, block_len=block_len, state=state)
+    return pick_form(impl, q, state=state, fused_unsupported=fused_unsupported)
+
+
+def _naive(q, k, v, codebook, dtype, *, assignment, **kwargs) -> torch.Tensor:
+    """:func:`naive_vq_attention` computed in ``dtype`` (float32 for half precision), returned in q's dtype."""
+    cast = lambda x: None if x is None else x.to(dtype)  # noqa: E731
+    if assignment is not None:
+        assignment = map_time(lambda x: x.to(dtype) if x.is_floating_point() else x, assignment)
+    kwargs.update(q_rot=cast(kwargs["q_rot"]), k_rot=cast(kwargs["k_rot"]),
+                  block_len=kwargs["block_len"] or DEFAULT_BLOCK_LEN)
+    out = naive_vq_attention(cast(q), cast(k), cast(v), cast(codebook), assignment=assignment, **kwargs)
+    return out.to(q.dtype)
 
 
 def _without_nonfinite_keys(k, k_rot, *, causal: bool, state):
@@ -204,11 +213,13 @@ def vq_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, codebook: to
             attention and the codes stay position-free (a state keeps k_rot). With an ``assignment`` too, q and the
             codebook may be narrower (Dc < D): the codes are scored on those dims alone, at Dc/D of the work.
         impl: the form that computes it, as flash-linear-attention's ``mode``: "chunk" (the block algorithm),
-            "recurrent" (token by token, O(1) per token: decoding), "triton" (the block algorithm as one fused
-            kernel forward and one backward, :mod:`vqattn.ops.triton`: CUDA tensors, or the CPU under
+            "recurrent" (token by token, O(1) per token: decoding), "naive" (the definition,
+            :func:`naive_vq_attention`, one (T, T) softmax: for checking, no state), "triton" (the block algorithm
+            as one fused kernel forward and one backward, :mod:`vqattn.ops.triton`: CUDA tensors, or the CPU under
             ``TRITON_INTERPRET=1``), or "auto": recurrent for a ``state`` and at most ``RECURRENT_MAX_LEN`` new
-            tokens, triton for causal CUDA calls it supports (docs/ops.md), chunk otherwise. All give the same
-            result to rounding.
+            tokens, triton for causal CUDA calls it supports (docs/ops.md), chunk otherwise
+            (:func:`~vqattn.ops.common.forms.pick_form`, the rule of every causal op). All give the same result
+            to rounding.
         schedule: how the chunk form runs its blocks (:class:`~vqattn.ops.blocks.Schedule`): "auto", "loop"
             or "cumsum"; never changes the result.
 
@@ -222,6 +233,10 @@ def vq_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, codebook: to
     form = _form(impl, q, k, v, causal=causal, assign=assign, exact_window=exact_window, block_len=block_len,
                  state=state)
     schedule, (in_dtype, dtype) = as_schedule(schedule), (q.dtype, compute_dtype(q.dtype))
+    if form == "naive":
+        return _naive(q, k, v, codebook, dtype, causal=causal, assign=assign, temperature=temperature,
+                      block_len=block_len, scale=scale, exact_window=exact_window, assignment=assignment,
+                      q_rot=q_rot, k_rot=k_rot)
     # The Triton kernel reads half-precision q, k, v as they are and accumulates in float32; the codebook, the
     # assignment and the caches are float32 in every form.
     tensor_dtype = in_dtype if form == "triton" else dtype
