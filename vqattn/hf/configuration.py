@@ -57,5 +57,15 @@ class VQAttnConfig(PreTrainedConfig):
         return GPTConfig(**{name: getattr(self, name) for name in names})
 
     @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """transformers' from_dict, refusing another model's config (transformers only warns, then fails later on
+        missing weights or builds a wrong model)."""
+        model_type = config_dict.get("model_type", cls.model_type)
+        if model_type != cls.model_type:
+            raise ValueError(f"this config is of model_type {model_type!r}, not {cls.model_type!r}: a vqattn class cannot "
+                             f"load it (use AutoModelForCausalLM / AutoConfig, which pick the class by model_type)")
+        return super().from_dict(config_dict, **kwargs)
+
+    @classmethod
     def from_gpt_config(cls, config: GPTConfig, **kwargs) -> VQAttnConfig:
         return cls(**dataclasses.asdict(config), **kwargs)

@@ -1,0 +1,68 @@
+"""``vqattn-export CKPT OUT_DIR``: a trainer checkpoint as a Hugging Face model directory.
+
+The trainer (``vqattn-train``) saves Lightning checkpoints whose ``hyper_parameters["model"]`` holds the
+GPTConfig fields and whose ``state_dict`` holds the GPT under the prefix ``model.`` (LitLM's attribute). The
+export builds a :class:`VQAttnForCausalLM` of that config, loads those tensors (strictly: every parameter and
+persistent buffer, codebooks and their EMA state included, plus the feature maps' draws) and writes
+``config.json``, ``model.safetensors``, ``generation_config.json`` and the byte tokenizer's
+``tokenizer_config.json``, which ``AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained(OUT_DIR)`` load
+after ``import vqattn.hf``. Reading a checkpoint needs the ``train`` extra (it comes from a training run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .configuration import VQAttnConfig
+from .modeling import VQAttnForCausalLM
+from .tokenizer import VQAttnByteTokenizer
+
+PREFIX = "model."  # LitLM.model
+
+
+def load_checkpoint(path: str | Path) -> VQAttnForCausalLM:
+    """The model of the trainer checkpoint at ``path`` (eval mode), or a one-line ValueError when the file is not
+    a vqattn trainer checkpoint."""
+    from ..train.lit import model_config, read_checkpoint  # the train extra: Lightning checkpoints
+
+    checkpoint = read_checkpoint(path)
+    model_fields = checkpoint.get("hyper_parameters", {}).get("model")
+    state = {key[len(PREFIX):]: value for key, value in checkpoint["state_dict"].items() if key.startswith(PREFIX)}
+    if not isinstance(model_fields, dict) or not state:
+        raise ValueError(f"{str(path)!r} is not a vqattn trainer checkpoint (no model config in its hyper_parameters "
+                         f"or no {PREFIX}* tensors in its state_dict)")
+    model = VQAttnForCausalLM(VQAttnConfig.from_gpt_config(model_config(model_fields)))
+    try:
+        model.model.load_state_dict(state)
+    except RuntimeError as err:  # missing / unexpected / misshapen tensors
+        raise ValueError(f"{str(path)!r}: its tensors do not fit its model config: "
+                         f"{' '.join(str(err).split())}") from None
+    return model.eval()
+
+
+def export(checkpoint: str | Path, out_dir: str | Path) -> Path:
+    """Write the model of ``checkpoint`` and the byte tokenizer to ``out_dir``; returns it."""
+    model = load_checkpoint(checkpoint)
+    model.save_pretrained(out_dir)
+    VQAttnByteTokenizer().save_pretrained(out_dir)
+    return Path(out_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vqattn-export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", help="a trainer checkpoint, e.g. RUN_DIR/checkpoints/last.ckpt")
+    parser.add_argument("out_dir", help="the directory to write (created if missing)")
+    args = parser.parse_args(argv)
+    try:
+        out = export(args.checkpoint, args.out_dir)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"vqattn-export: error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}: load it with `import vqattn.hf` then AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

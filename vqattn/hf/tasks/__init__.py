@@ -1,0 +1,1 @@
+"""lm-evaluation-harness tasks on local data (``vqattn-eval`` includes this directory): see ``data.py``."""
