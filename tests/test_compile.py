@@ -121,3 +121,34 @@ def test_decoding_states_hold_tensors_of_their_own(name):
         _, _, state = layer(torch.randn(1, size, 16), state, return_state=True)
         tensors = list(_tensors(state.inner))
         assert tensors and all(t.is_contiguous() for t in tensors), [t.stride() for t in tensors]
+
+
+@pytest.mark.parametrize("name", ["softmax", "ovq"])  # a KV cache that grows; a raw window and float settings
+def test_compile_step_compiles_once_for_every_prompt_length(name):
+    """``compile_step`` compiles the one-token step with dynamic shapes: after the first prompt, new prompt lengths
+    and positions reuse its graphs (a counting backend that runs them eagerly: no inductor time), without graph
+    breaks, and ``generate`` samples what the eager model does."""
+    from torch._dynamo.utils import counters
+
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=17, seq_len=64, n_layer=1, n_head=2, n_embd=16, attention=name,
+                       attention_kwargs=layer_kwargs(name, rope=True))
+    eager = GPT(config).eval()
+    model = copy.deepcopy(eager).compile_step(backend=counting)
+    torch._dynamo.reset()
+    counters.clear()
+    prompts = [torch.randint(0, 17, (1, length), generator=torch.Generator().manual_seed(length)) for length in (5, 11, 2)]
+    first = model.generate(prompts[0], 9, temperature=0)  # block_len 4: the steps fold blocks into the state
+    compiled = len(graphs)
+    later = [model.generate(prompt, 3, temperature=0) for prompt in prompts[1:]]
+    assert compiled > 0 and len(graphs) == compiled, "a new prompt length recompiled the step"
+    assert not counters["graph_break"], list(counters["graph_break"])
+    torch.testing.assert_close(first, eager.generate(prompts[0], 9, temperature=0))
+    for prompt, got in zip(prompts[1:], later):
+        torch.testing.assert_close(got, eager.generate(prompt, 3, temperature=0))

@@ -152,8 +152,9 @@ class GPT(nn.Module):
         if idx.shape[1] == 0:
             raise ValueError(f"{name} must hold at least one token (T >= 1)")
         in_range = ((idx >= 0) & (idx < self.config.vocab_size)).all()
-        if self.training:
-            # A Python-side check would synchronise the GPU on every training step; this assert runs on the device.
+        if self.training or torch.compiler.is_compiling():
+            # A Python-side check would synchronise the GPU on every training step (and break a compiled graph);
+            # this assert runs on the device.
             torch._assert_async(in_range, f"{name} token ids must lie in [0, {self.config.vocab_size})")
         elif not in_range:
             raise ValueError(f"{name} token ids must lie in [0, {self.config.vocab_size}), got range "
@@ -217,10 +218,34 @@ class GPT(nn.Module):
         """Decode a chunk: idx (B, T) follows the tokens summarised by ``state`` (None: start of sequence).
 
         Returns logits (B, T, V), equal to the matching rows of ``forward`` on the whole sequence, and the
-        state after the chunk. Use it for prefill (the prompt) and then for single tokens.
+        state after the chunk. Use it for prefill (the prompt) and then for single tokens; after
+        :meth:`compile_step` the single tokens run compiled.
         """
+        if self._compiled_step is not None and state is not None and idx.shape[1] == 1:
+            return self._compiled_step(idx, state)
+        return self._step(idx, state)
+
+    def _step(self, idx: torch.Tensor, state: GPTState | None) -> tuple[torch.Tensor, GPTState]:
         out = self(idx, state=state, return_state=True)
         return out.logits, out.state
+
+    _compiled_step = None  # set by compile_step
+
+    def compile_step(self, **options) -> GPT:
+        """Compile the one-token decoding step, in place, and return the model.
+
+        From then on ``forward_step`` of one token (B, 1) after a state, which is every token ``generate`` samples
+        after the prompt, runs under ``torch.compile(dynamic=True, **options)``; the prefill of a prompt stays
+        eager. Dynamic shapes make the position, the KV cache's length and the raw window's length symbolic, so a
+        few graphs, one per branch of the step (e.g. whether it folds a block into the cache), serve every prompt
+        length and position: nothing recompiles for a new prompt. (``torch.compile(model)`` compiles ``forward``
+        only: its ``generate`` runs eager; a model compiled in place by ``model.compile()`` also compiles its
+        prefill, again for new prompt lengths.)
+        """
+        step = torch.compile(self._step, **{"dynamic": True, **options})
+        # Floats stay constants (a layer's temperature or threshold): symbolic ones break the graph at every check
+        self._compiled_step = torch._dynamo.config.patch(specialize_float=True)(step)
+        return self
 
     @torch.no_grad()
     def generate(
