@@ -20,10 +20,10 @@ def _qkv(T, D=8, Dv=5, seed=0):
     return [torch.randn(2, 2, T, d, generator=g, dtype=F64).requires_grad_() for d in (D, D, Dv)]
 
 
-def _kernel_vq(q, k, v, codebook, *, causal, temperature, scale=None, chunk_len=None):
+def _kernel_vq(q, k, v, codebook, *, causal, temperature, scale=None, block_len=None):
     """Codebook attention with the kernel assignment, in its linear-attention form."""
     phi_q, phi_k, k_log_scale = codebook_kernel_features(q, k, codebook, temperature=temperature, scale=scale)
-    return linear_attention(phi_q, phi_k, v, causal=causal, chunk_len=chunk_len, k_log_scale=k_log_scale)
+    return linear_attention(phi_q, phi_k, v, causal=causal, block_len=block_len, k_log_scale=k_log_scale)
 
 
 def _grads(out, inputs):
@@ -39,9 +39,9 @@ def test_kernel_assignment_equals_favor(causal, T, block_len, scale):
     s = fm.scale
     q, k, v = _qkv(T, D)
     phq, phk, k_log_scale = fm.map_qk(q, k)
-    favor = linear_attention(phq, phk, v, causal=causal, chunk_len=block_len, k_log_scale=k_log_scale)
+    favor = linear_attention(phq, phk, v, causal=causal, block_len=block_len, k_log_scale=k_log_scale)
     vq = _kernel_vq(q, k, v, fm.omega.double() / math.sqrt(s), causal=causal, temperature=1 / s, scale=s,
-                    chunk_len=block_len)
+                    block_len=block_len)
     assert (vq - favor).abs().max() <= 1e-8
     for g_vq, g_favor in zip(_grads(vq, (q, k, v)), _grads(favor, (q, k, v))):
         assert (g_vq - g_favor).abs().max() <= 1e-8
@@ -56,7 +56,7 @@ def test_per_head_random_codebooks(causal):
     phq = torch.stack([favor_features(q[:, h], omega[h], s) for h in range(2)], dim=1)
     phk = torch.stack([favor_features(k[:, h], omega[h], s) for h in range(2)], dim=1)
     ref = naive_linear_attention(phq, phk, v, causal=causal)
-    vq = _kernel_vq(q, k, v, omega / math.sqrt(s), causal=causal, temperature=1 / s, scale=s, chunk_len=4)
+    vq = _kernel_vq(q, k, v, omega / math.sqrt(s), causal=causal, temperature=1 / s, scale=s, block_len=4)
     assert (vq - ref).abs().max() <= 1e-8
 
 
@@ -86,15 +86,15 @@ def test_soft_assignment_is_kernel_with_per_key_and_per_code_factors(causal, equ
 
 
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("T,chunk_len", [(1, 4), (37, 8), (100, 16)])
-def test_kernel_features_match_naive_codebook_attention_outputs_and_grads(causal, T, chunk_len):
+@pytest.mark.parametrize("T,block_len", [(1, 4), (37, 8), (100, 16)])
+def test_kernel_features_match_naive_codebook_attention_outputs_and_grads(causal, T, block_len):
     """The linear form against the T×T codebook attention with the kernel Δ (window and cache alike), including
     the codebook's gradient."""
     q, k, v = _qkv(T)
     c = torch.randn(2, 16, 8, generator=torch.Generator().manual_seed(2), dtype=F64).requires_grad_()
     kw = dict(causal=causal, temperature=0.7, scale=0.4)
-    out = _kernel_vq(q, k, v, c, chunk_len=chunk_len, **kw)
-    ref = ref_vq_attention(q, k, v, c, assign="kernel", block_len=chunk_len, **kw)
+    out = _kernel_vq(q, k, v, c, block_len=block_len, **kw)
+    ref = ref_vq_attention(q, k, v, c, assign="kernel", block_len=block_len, **kw)
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
     for name, a, b in zip("qkvc", _grads(out, (q, k, v, c)), _grads(ref, (q, k, v, c))):
         torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9, msg=f"grad of {name}")
@@ -108,6 +108,6 @@ def test_kernel_features_with_large_keys_and_small_temperature_do_not_underflow(
     k = k / k.norm(dim=-1, keepdim=True) * 17 * (1 + 0.05 * torch.rand(1, 2, 70, 1, generator=g, dtype=F64))
     c = c / c.norm(dim=-1, keepdim=True)
     ref = ref_vq_attention(q, k, v, c, causal=True, assign="kernel", temperature=0.05, block_len=8)
-    out = _kernel_vq(*(x.float() for x in (q, k, v, c)), causal=True, temperature=0.05, chunk_len=8)
+    out = _kernel_vq(*(x.float() for x in (q, k, v, c)), causal=True, temperature=0.05, block_len=8)
     assert (ref - v.mean(2, keepdim=True)).abs().max() > 0.5  # far from the window-mean collapse
     torch.testing.assert_close(out.double(), ref, atol=1e-3, rtol=1e-3)

@@ -162,13 +162,13 @@ def test_performer_attention_is_scale_aware(causal, D, m, unit, tol):
     q, k = unit * q, unit * k
     ref = naive_favor_attention(q, k, v, fm.omega, fm.scale, causal=causal)
     phq, phk, log_scale = fm.map_qk(q.float(), k.float())
-    out = linear_attention(phq, phk, v.float(), causal=causal, k_log_scale=log_scale, chunk_len=8)
+    out = linear_attention(phq, phk, v.float(), causal=causal, k_log_scale=log_scale, block_len=8)
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=tol)
     # gradients, in float64 (the same ω), against the reference's
     fm64 = fm.double()
     inputs = [x.clone().requires_grad_() for x in (q, k, v)]
     phq, phk, log_scale = fm64.map_qk(*inputs[:2])
-    out = linear_attention(phq, phk, inputs[2], causal=causal, k_log_scale=log_scale, chunk_len=8)
+    out = linear_attention(phq, phk, inputs[2], causal=causal, k_log_scale=log_scale, block_len=8)
     ref = naive_favor_attention(*inputs, fm64.omega, fm64.scale, causal=causal)
     w = torch.randn(ref.shape, generator=g, dtype=F64)
     for a, b in zip(torch.autograd.grad((out * w).sum(), inputs), torch.autograd.grad((ref * w).sum(), inputs)):
@@ -179,12 +179,12 @@ def test_performer_causal_attention_is_causal_and_matches_naive():
     fm = PerformerFeatures(8, 16, seed=3).double()
     q, k, v = torch.randn(3, 1, 2, 11, 8, dtype=F64)
     pq, pk = fm(q, is_query=True), fm(k)
-    out = linear_attention(pq, pk, v, causal=True, chunk_len=4)
+    out = linear_attention(pq, pk, v, causal=True, block_len=4)
     torch.testing.assert_close(out, naive_linear_attention(pq, pk, v, causal=True))
     k2, v2 = k.clone(), v.clone()
     k2[:, :, 7:] += 3.0
     v2[:, :, 7:] -= 1.0
-    out2 = linear_attention(fm(q, is_query=True), fm(k2), v2, causal=True, chunk_len=4)
+    out2 = linear_attention(fm(q, is_query=True), fm(k2), v2, causal=True, block_len=4)
     torch.testing.assert_close(out2[:, :, :7], out[:, :, :7], rtol=1e-13, atol=1e-13)
 
 
@@ -340,12 +340,12 @@ def test_performer_under_autocast_matches_float64(causal, amp):
     ref = naive_favor_attention(q, k, v, fm.omega, fm.scale, causal=causal)
     with torch.autocast("cpu", dtype=amp):
         phq, phk, log_scale = fm.map_qk(q.float(), k.float())
-        out = linear_attention(phq, phk, v.float(), causal=causal, k_log_scale=log_scale, chunk_len=8)
+        out = linear_attention(phq, phk, v.float(), causal=causal, k_log_scale=log_scale, block_len=8)
     assert phq.dtype == phk.dtype == log_scale.dtype == out.dtype == torch.float32
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 inputs: finite and close
         phq, phk, log_scale = fm.map_qk(q.bfloat16(), k.bfloat16())
-        out = linear_attention(phq, phk, v.bfloat16(), causal=causal, k_log_scale=log_scale, chunk_len=8)
+        out = linear_attention(phq, phk, v.bfloat16(), causal=causal, k_log_scale=log_scale, block_len=8)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     ref = naive_favor_attention(q.bfloat16().double(), k.bfloat16().double(), v.bfloat16().double(), fm.omega,
                                 fm.scale, causal=causal)
@@ -371,7 +371,7 @@ def test_performer_linear_attention_compiles_in_one_graph_and_matches_eager():
 
     def attend(q, k, v):
         phq, phk, log_scale = fm.map_qk(q, k)
-        return linear_attention(phq, phk, v, causal=True, k_log_scale=log_scale, chunk_len=8)
+        return linear_attention(phq, phk, v, causal=True, k_log_scale=log_scale, block_len=8)
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 2, 37, 16, generator=g).requires_grad_() for _ in range(3))  # 37: a partial chunk

@@ -257,7 +257,7 @@ def test_backward_reaches_every_projection(name):
         ("vq_soft", {"block_len": 0}, "block_len"),
         ("vq_soft", {"num_codes": 0}, "num_codes"),
         ("vq_hard", {"rope": True, "cache_scores": "fast"}, "cache_scores must be one of 'all', 'slow'"),
-        ("linear", {"chunk_len": -2}, "chunk_len"),
+        ("linear", {"block_len": -2}, "block_len"),
         ("softmax", {"short_conv": -1}, "short_conv must be an int >= 0"),
         ("vq_hard", {"short_conv": 2.5}, "short_conv must be an int >= 0"),
         ("window", {"short_conv": True}, "short_conv must be an int >= 0"),

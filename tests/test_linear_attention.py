@@ -21,11 +21,11 @@ def _grads(out, inputs, seed=1):
     return torch.autograd.grad((out * w).sum(), inputs)
 
 
-@pytest.mark.parametrize("T,chunk_len", [(1, 4), (13, 4), (13, 1), (16, 8), (37, 16), (20, None), (9, 64)])
+@pytest.mark.parametrize("T,block_len", [(1, 4), (13, 4), (13, 1), (16, 8), (37, 16), (20, None), (9, 64)])
 @pytest.mark.parametrize("normalizer", ["kernel", "count", "none"])
-def test_causal_chunked_matches_naive(T, chunk_len, normalizer):
+def test_causal_chunked_matches_naive(T, block_len, normalizer):
     inputs = _inputs(T=T, seed=T)
-    out = linear_attention(*inputs, causal=True, chunk_len=chunk_len, normalizer=normalizer)
+    out = linear_attention(*inputs, causal=True, block_len=block_len, normalizer=normalizer)
     ref = naive_linear_attention(*inputs, causal=True, normalizer=normalizer)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
     for g, gr in zip(_grads(out, inputs), _grads(ref, inputs)):
@@ -47,24 +47,24 @@ def test_signed_features_count_normalizer():
     # identity-style signed features: "count" is the mean of the raw weights, defined for any sign
     phi_q, phi_k, v = (x.detach() for x in _inputs(T=10))
     phi_q, phi_k = phi_q - 0.5, phi_k - 0.5
-    out = linear_attention(phi_q, phi_k, v, causal=True, chunk_len=3, normalizer="count")
+    out = linear_attention(phi_q, phi_k, v, causal=True, block_len=3, normalizer="count")
     torch.testing.assert_close(out, naive_linear_attention(phi_q, phi_k, v, causal=True, normalizer="count"))
 
 
-@pytest.mark.parametrize("chunk_len", [3, 8])
-def test_causality(chunk_len):
+@pytest.mark.parametrize("block_len", [3, 8])
+def test_causality(block_len):
     phi_q, phi_k, v = (x.detach() for x in _inputs(T=17))
-    out = linear_attention(phi_q, phi_k, v, causal=True, chunk_len=chunk_len)
+    out = linear_attention(phi_q, phi_k, v, causal=True, block_len=block_len)
     t0 = 9
     phi_k2, v2 = phi_k.clone(), v.clone()
     phi_k2[:, :, t0:] = torch.rand_like(phi_k2[:, :, t0:]) * 5
     v2[:, :, t0:] = torch.randn_like(v2[:, :, t0:]) * 5
-    out2 = linear_attention(phi_q, phi_k2, v2, causal=True, chunk_len=chunk_len)
+    out2 = linear_attention(phi_q, phi_k2, v2, causal=True, block_len=block_len)
     torch.testing.assert_close(out2[:, :, :t0], out[:, :, :t0], rtol=1e-13, atol=1e-13)
     assert not torch.allclose(out2[:, :, t0:], out[:, :, t0:])
     # gradients too: early outputs do not depend on later keys / values
     phi_k.requires_grad_(), v.requires_grad_()
-    early = linear_attention(phi_q, phi_k, v, causal=True, chunk_len=chunk_len)[:, :, :t0].sum()
+    early = linear_attention(phi_q, phi_k, v, causal=True, block_len=block_len)[:, :, :t0].sum()
     gk, gv = torch.autograd.grad(early, (phi_k, v))
     assert gk[:, :, t0:].abs().max() == 0 and gv[:, :, t0:].abs().max() == 0
 
@@ -73,12 +73,12 @@ def test_causality(chunk_len):
 @pytest.mark.parametrize("normalizer", ["kernel", "count"])
 def test_state_pieces_equal_full(splits, normalizer):
     phi_q, phi_k, v = (x.detach() for x in _inputs(T=17))
-    full = linear_attention(phi_q, phi_k, v, causal=True, chunk_len=4, normalizer=normalizer)
+    full = linear_attention(phi_q, phi_k, v, causal=True, block_len=4, normalizer=normalizer)
     state, outs, start = None, [], 0
     for n in splits:
         sl = slice(start, start + n)
         out, state = linear_attention(
-            phi_q[:, :, sl], phi_k[:, :, sl], v[:, :, sl], causal=True, chunk_len=4, normalizer=normalizer,
+            phi_q[:, :, sl], phi_k[:, :, sl], v[:, :, sl], causal=True, block_len=4, normalizer=normalizer,
             state=state, return_state=True,
         )
         outs.append(out)
@@ -92,7 +92,7 @@ def test_state_pieces_equal_full(splits, normalizer):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_computed_in_float32(dtype):
     phi_q, phi_k, v = (x.detach() for x in _inputs(T=20))
-    out = linear_attention(phi_q.to(dtype), phi_k.to(dtype), v.to(dtype), causal=True, chunk_len=6)
+    out = linear_attention(phi_q.to(dtype), phi_k.to(dtype), v.to(dtype), causal=True, block_len=6)
     assert out.dtype == dtype
     ref = naive_linear_attention(phi_q.to(dtype).double(), phi_k.to(dtype).double(), v.to(dtype).double(), causal=True)
     tol = 2e-3 if dtype == torch.float16 else 1.6e-2  # one rounding of the output
@@ -133,8 +133,8 @@ def test_bad_input():
         linear_attention(phi_q[:, :, :3], phi_k, v, causal=True)
     with pytest.raises(ValueError, match="normalizer"):
         linear_attention(phi_q, phi_k, v, causal=True, normalizer="softmax")
-    with pytest.raises(ValueError, match="chunk_len"):
-        linear_attention(phi_q, phi_k, v, causal=True, chunk_len=0)
+    with pytest.raises(ValueError, match="block_len"):
+        linear_attention(phi_q, phi_k, v, causal=True, block_len=0)
     with pytest.raises(ValueError, match="eps"):
         linear_attention(phi_q, phi_k, v, causal=True, eps=0.0)
     with pytest.raises(ValueError, match="causal=True"):
@@ -156,13 +156,16 @@ def _log_scaled(T, spread, seed=2, dtype=F64):
     return phi_q, phi_k, v, ls
 
 
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("causal,impl", [(False, "chunk"), (False, "naive"), (True, "chunk"), (True, "recurrent"),
+                                         (True, "naive")])
 @pytest.mark.parametrize("normalizer", ["kernel", "count", "none"])
-@pytest.mark.parametrize("T,chunk_len", [(13, 4), (17, 17), (5, 2)])
-def test_log_scale_matches_naive_values_and_grads(causal, normalizer, T, chunk_len):
+@pytest.mark.parametrize("T,block_len", [(13, 4), (17, 17), (5, 2)])
+def test_log_scale_matches_naive_values_and_grads(causal, normalizer, T, block_len, impl):
+    """Every form (impl; the recurrent one is causal) against the tests' own reference, outputs and gradients."""
     phi_q, phi_k, v, ls = _log_scaled(T, spread=6.0)
     inputs = [x.requires_grad_() for x in (phi_q, phi_k, v, ls)]
-    out = linear_attention(*inputs[:3], causal=causal, k_log_scale=inputs[3], chunk_len=chunk_len, normalizer=normalizer)
+    out = linear_attention(*inputs[:3], causal=causal, k_log_scale=inputs[3], block_len=block_len,
+                           normalizer=normalizer, impl=impl)
     ref = naive_linear_attention(*inputs[:3], causal=causal, k_log_scale=inputs[3], normalizer=normalizer)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
     for g, gr in zip(_grads(out, inputs), _grads(ref, inputs)):
@@ -174,7 +177,7 @@ def test_log_scale_beyond_float32_range(causal):
     # log scales spread over 400 nats: exp of them over/underflows float32, the stabilised op must not
     phi_q, phi_k, v, ls = _log_scaled(29, spread=400.0, seed=5)
     ref = naive_linear_attention(phi_q, phi_k, v, causal=causal, k_log_scale=ls)
-    out = linear_attention(phi_q.float(), phi_k.float(), v.float(), causal=causal, k_log_scale=ls.float(), chunk_len=4)
+    out = linear_attention(phi_q.float(), phi_k.float(), v.float(), causal=causal, k_log_scale=ls.float(), block_len=4)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
@@ -183,11 +186,11 @@ def test_log_scale_beyond_float32_range(causal):
 def test_log_scale_state_pieces_equal_full(splits):
     phi_q, phi_k, v, ls = _log_scaled(17, spread=300.0, seed=7)
     phi_q, phi_k, v, ls = phi_q.float(), phi_k.float(), v.float(), ls.float()
-    full = linear_attention(phi_q, phi_k, v, causal=True, chunk_len=4, k_log_scale=ls)
+    full = linear_attention(phi_q, phi_k, v, causal=True, block_len=4, k_log_scale=ls)
     state, outs, start = None, [], 0
     for n in splits:
         sl = slice(start, start + n)
-        out, state = linear_attention(phi_q[:, :, sl], phi_k[:, :, sl], v[:, :, sl], causal=True, chunk_len=4,
+        out, state = linear_attention(phi_q[:, :, sl], phi_k[:, :, sl], v[:, :, sl], causal=True, block_len=4,
                                       k_log_scale=ls[:, :, sl], state=state, return_state=True)
         outs.append(out)
         start += n
@@ -217,7 +220,7 @@ def test_float32_inputs_under_autocast_match_float64(causal, amp):
     ref = naive_linear_attention(phi_q, phi_k, v, causal=causal, k_log_scale=ls)
     inputs = [x.float().requires_grad_() for x in (phi_q, phi_k, v, ls)]
     with torch.autocast("cpu", dtype=amp):
-        out = linear_attention(*inputs[:3], causal=causal, k_log_scale=inputs[3], chunk_len=4)
+        out = linear_attention(*inputs[:3], causal=causal, k_log_scale=inputs[3], block_len=4)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     ref_inputs = [x.detach().double().requires_grad_() for x in inputs]
@@ -231,7 +234,34 @@ def test_float32_inputs_under_autocast_match_float64(causal, amp):
 def test_bfloat16_inputs_under_autocast_are_finite_and_close():
     phi_q, phi_k, v = (x.detach() for x in _inputs(T=21))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = linear_attention(phi_q.bfloat16(), phi_k.bfloat16(), v.bfloat16(), causal=True, chunk_len=8)
+        out = linear_attention(phi_q.bfloat16(), phi_k.bfloat16(), v.bfloat16(), causal=True, block_len=8)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     ref = naive_linear_attention(*(x.bfloat16().double() for x in (phi_q, phi_k, v)), causal=True)
     torch.testing.assert_close(out.double(), ref, rtol=1.6e-2, atol=1.6e-2)  # one bf16 rounding of the output
+
+
+@pytest.mark.parametrize("scaled_first", [False, True])
+def test_recurrent_continues_a_chunked_state(scaled_first):
+    """A state from the chunk form, continued token by token (impl="recurrent"), also by keys without log scales
+    after scaled ones: the same outputs and final sums as one call."""
+    phi_q, phi_k, v, ls = _log_scaled(15, spread=40.0, seed=3)
+    ls_first = ls if scaled_first else None
+    full_ls = torch.cat([ls[:, :, :9], torch.zeros_like(ls[:, :, 9:])], 2) if scaled_first else None
+    full, full_state = linear_attention(phi_q, phi_k, v, causal=True, block_len=4, k_log_scale=full_ls,
+                                        return_state=True)
+    head, state = linear_attention(phi_q[:, :, :9], phi_k[:, :, :9], v[:, :, :9], causal=True, block_len=4,
+                                   k_log_scale=None if ls_first is None else ls_first[:, :, :9], return_state=True)
+    tail, state = linear_attention(phi_q[:, :, 9:], phi_k[:, :, 9:], v[:, :, 9:], causal=True, state=state,
+                                   return_state=True, impl="recurrent")
+    torch.testing.assert_close(torch.cat([head, tail], 2), full, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(state.kv, full_state.kv, rtol=1e-10, atol=1e-12)
+
+
+def test_forms_reject_what_they_cannot_do():
+    phi_q, phi_k, v = (x.detach() for x in _inputs())
+    with pytest.raises(ValueError, match="impl='naive' takes no state"):
+        linear_attention(phi_q, phi_k, v, causal=True, impl="naive", return_state=True)
+    with pytest.raises(ValueError, match="impl='recurrent'"):
+        linear_attention(phi_q, phi_k, v, causal=False, impl="recurrent")
+    with pytest.raises(ValueError, match="impl"):
+        linear_attention(phi_q, phi_k, v, causal=True, impl="fused")

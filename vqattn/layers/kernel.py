@@ -18,13 +18,13 @@ class KernelAttention(Attention):
     """
 
     def __init__(
-        self, dim: int, num_heads: int, *, chunk_len: int | None = None, features: dict | None = None, **attention_kwargs
+        self, dim: int, num_heads: int, *, block_len: int | None = None, features: dict | None = None, **attention_kwargs
     ):
         """``features``: kwargs of the feature map; ``attention_kwargs`` go to :class:`Attention`."""
         super().__init__(dim, num_heads, **attention_kwargs)
-        if chunk_len is not None:
-            check_positive_int("chunk_len", chunk_len)
-        self.chunk_len = chunk_len
+        if block_len is not None:
+            check_positive_int("block_len", block_len)
+        self.block_len = block_len
         self.features = self._make_features(self.head_dim, self.layer_idx, **(features or {}))
 
     def _make_features(self, head_dim: int, layer_idx: int, **kwargs) -> FeatureMap:
@@ -42,7 +42,7 @@ class KernelAttention(Attention):
             v,
             causal=True,
             k_log_scale=k_log_scale,
-            chunk_len=self.chunk_len,
+            block_len=self.block_len,
             state=state,
             return_state=return_state,
         )

@@ -18,9 +18,12 @@ import torch
 import torch.nn.functional as F
 
 from ._checks import check_4d, check_choice, check_positive_int, check_qkv, check_same_device_dtype, compute_dtype
+from .blocks import DEFAULT_BLOCK_LEN
+from .common.forms import FORMS, pick_form
 from .precision import autocast_off
 
 NORMALIZERS = ("kernel", "count", "none")
+IMPLS = tuple(form for form in FORMS if form != "triton")  # no fused kernel
 
 
 @dataclass
@@ -69,16 +72,17 @@ def linear_attention(
     k_log_scale: torch.Tensor | None = None,
     eps: float | None = None,
     normalizer: str = "kernel",
-    chunk_len: int | None = None,
+    block_len: int | None = None,
     state: LinearState | None = None,
     return_state: bool = False,
+    impl: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, LinearState]:
     """Attention with weights κ_ts = φ(q_t)·φ(k_s), in O(T·M·Dv).
 
     phi_q: (B, H, Tq, M), phi_k: (B, H, Tk, M), v: (B, H, Tk, Dv) -> (B, H, Tq, Dv) in v's dtype.
 
     Non-causal: out = φ(Q) (φ(K)ᵀ V) / n.  Causal: out_t sums over s ≤ t only, computed chunk by chunk
-    (``chunk_len`` positions, default 64; T need not be a multiple of it).
+    (``block_len`` positions, default 64; T need not be a multiple of it).
 
     k_log_scale: optional (B, H, Tk): the true key features are ``phi_k · exp(k_log_scale)``. Feature maps
     whose features span more than float32's range (Performer at large ‖k‖) pass keys divided by their own
@@ -103,19 +107,85 @@ def linear_attention(
     returned state gives the same outputs as a single call. Half precision is computed in float32; the
     state stays float32. Under ``torch.autocast`` the op still computes in float32 (autocast is disabled
     inside) and returns v's dtype.
+
+    impl: "chunk" (the block form above; non-causal: the two products), "recurrent" (causal, token by token
+    from ``state``: decoding), "naive" (:func:`naive_linear_attention`, the (Tq, Tk) weights spelled out: for
+    checking, no state), or "auto": recurrent for a ``state`` and at most ``RECURRENT_MAX_LEN`` new tokens,
+    chunk otherwise (:func:`~vqattn.ops.common.forms.pick_form`). All give the same result to rounding.
     """
     phi_q, phi_k, v, k_log_scale, out_dtype = _checked_inputs(
-        phi_q, phi_k, v, k_log_scale, causal=causal, eps=eps, normalizer=normalizer, chunk_len=chunk_len,
-        state=state, return_state=return_state,
+        phi_q, phi_k, v, k_log_scale, causal=causal, eps=eps, normalizer=normalizer, block_len=block_len,
+        state=state, return_state=return_state, impl=impl,
     )
+    form = pick_form(impl, phi_q, state=state, fused_unsupported=None)
+    if form == "naive":
+        out = naive_linear_attention(phi_q, phi_k, v, causal=causal, k_log_scale=k_log_scale, eps=eps,
+                                     normalizer=normalizer)
+        return out.to(out_dtype)
     if not causal:
         out = _noncausal(phi_q, phi_k, v, k_log_scale, normalizer, eps)
         return out.to(out_dtype)
-    out, new_state = _causal(phi_q, phi_k, v, k_log_scale, state, chunk_len or 64, normalizer, eps)
+    if form == "recurrent":
+        out, new_state = _recurrent(phi_q, phi_k, v, k_log_scale, state, normalizer, eps)
+    else:
+        out, new_state = _causal(phi_q, phi_k, v, k_log_scale, state, block_len or DEFAULT_BLOCK_LEN, normalizer,
+                                 eps)
     return (out.to(out_dtype), new_state) if return_state else out.to(out_dtype)
 
 
-def _checked_inputs(phi_q, phi_k, v, k_log_scale, *, causal, eps, normalizer, chunk_len, state, return_state):
+def naive_linear_attention(phi_q, phi_k, v, *, causal: bool, k_log_scale=None, eps=None, normalizer="kernel"):
+    """The definition: the weights κ_ts = φ(q_t)·φ(k_s)·e^{k_log_scale_s} (Tq, Tk) spelled out, masked to s ≤ t
+    when causal, out_t = Σ_s κ_ts v_s / n_t (``normalizer`` as :func:`linear_attention`). The log scales enter
+    relative to their max (detached), which the kernel normaliser cancels and the others multiply back.
+    phi_q: (B, H, Tq, M), phi_k: (B, H, Tk, M), v: (B, H, Tk, Dv) -> (B, H, Tq, Dv)."""
+    Tq, Tk = phi_q.shape[2], phi_k.shape[2]
+    weights = phi_q @ phi_k.transpose(-1, -2)  # (B, H, Tq, Tk)
+    ref = None
+    if k_log_scale is not None:
+        ref = k_log_scale.detach().amax(-1, keepdim=True)  # (B, H, 1)
+        weights = weights * torch.exp(k_log_scale - ref).unsqueeze(-2)
+    count = torch.full((Tq,), Tk, dtype=v.dtype, device=v.device)
+    if causal:
+        weights = weights.masked_fill(torch.ones(Tq, Tk, dtype=torch.bool, device=v.device).tril().logical_not(), 0)
+        count = torch.arange(1, Tq + 1, dtype=v.dtype, device=v.device)
+    num = weights @ v
+    if ref is not None and normalizer != "kernel":
+        num = num * torch.exp(ref).unsqueeze(-1)
+    return _normalize(num, weights.sum(-1), count.expand(weights.shape[:-1]), normalizer, eps)
+
+
+def _recurrent(phi_q, phi_k, v, ls, state, normalizer, eps):
+    """Token by token from ``state`` (the recurrence the chunk form evaluates a block at a time): with the sums'
+    reference r ← max(r, ls_t), kv ← e^{r_old − r} kv + e^{ls_t − r} φ(k_t) v_tᵀ, k_sum likewise, and query t reads
+    φ(q_t)·kv / n_t. Returns (out (B, H, T, Dv), the LinearState after the last token)."""
+    B, H, T, M = phi_k.shape
+    kv = phi_k.new_zeros(B, H, M, v.shape[-1]) if state is None else state.kv.to(v.dtype)
+    k_sum = phi_k.new_zeros(B, H, M) if state is None else state.k_sum.to(v.dtype)
+    length = 0 if state is None else state.length
+    ref = None if state is None or state.log_scale is None else state.log_scale.to(v.dtype)
+    if ls is not None and ref is None:  # the first key's scale (a state without one has the reference 0)
+        ref = ls[:, :, 0].detach() if state is None else ls.new_zeros(B, H)
+    if ref is not None and ls is None:  # a scaled state continued by unscaled keys: their log scale is 0
+        ls = phi_k.new_zeros(B, H, T)
+    outs = []
+    for t in range(T):
+        key = phi_k[:, :, t]  # (B, H, M)
+        if ls is not None:
+            new_ref = torch.maximum(ref, ls[:, :, t].detach())
+            decay, key = torch.exp(ref - new_ref), key * torch.exp(ls[:, :, t] - new_ref).unsqueeze(-1)
+            kv, k_sum, ref = kv * decay[..., None, None], k_sum * decay.unsqueeze(-1), new_ref
+        kv = kv + key.unsqueeze(-1) * v[:, :, t].unsqueeze(-2)
+        k_sum = k_sum + key
+        query = phi_q[:, :, t : t + 1]  # (B, H, 1, M)
+        num, den = query @ kv, (query @ k_sum.unsqueeze(-1)).squeeze(-1)  # (B, H, 1, Dv), (B, H, 1)
+        if ref is not None and normalizer != "kernel":
+            num = num * torch.exp(ref)[..., None, None]
+        outs.append(_normalize(num, den, den.new_full(den.shape, length + t + 1), normalizer, eps))
+    return torch.cat(outs, 2), LinearState(kv=kv, k_sum=k_sum, length=length + T, log_scale=ref)
+
+
+def _checked_inputs(phi_q, phi_k, v, k_log_scale, *, causal, eps, normalizer, block_len, state, return_state,
+                    impl):
     """Check ``linear_attention``'s arguments; give phi_q, phi_k, v, k_log_scale in the compute dtype, and v's dtype."""
     for name, x in (("phi_q", phi_q), ("phi_k", phi_k), ("v", v)):
         check_4d(name, x)
@@ -127,10 +197,13 @@ def _checked_inputs(phi_q, phi_k, v, k_log_scale, *, causal, eps, normalizer, ch
     check_qkv(phi_q, phi_k, v, causal=causal)
     check_choice("normalizer", normalizer, NORMALIZERS)
     _check_eps(eps)
-    if chunk_len is not None:
-        check_positive_int("chunk_len", chunk_len)
-    if not causal and (state is not None or return_state):
-        raise ValueError("state and return_state are only supported with causal=True")
+    if block_len is not None:
+        check_positive_int("block_len", block_len)
+    check_choice("impl", impl, IMPLS)
+    if not causal and (state is not None or return_state or impl == "recurrent"):
+        raise ValueError("state, return_state and impl='recurrent' are only supported with causal=True")
+    if impl == "naive" and (state is not None or return_state):
+        raise ValueError("impl='naive' takes no state and returns none; use impl='chunk' or 'recurrent'")
     if k_log_scale is not None:
         k_log_scale = _check_log_scale(k_log_scale, phi_k).to(dt)
     if state is not None:
@@ -276,4 +349,4 @@ def _check_state(state: LinearState, phi_k: torch.Tensor, v: torch.Tensor) -> No
         raise ValueError(f"state.log_scale must have shape (B, H) = {(B, H)}, got {tuple(state.log_scale.shape)}")
 
 
-__all__ = ["LinearState", "linear_attention", "NORMALIZERS"]
+__all__ = ["LinearState", "linear_attention", "naive_linear_attention", "NORMALIZERS", "IMPLS"]
