@@ -13,7 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "vqattn"
 TRAINER_STACK = ("lightning", "lightning_fabric", "pytorch_lightning", "hydra", "omegaconf", "datasets", "matplotlib",
                  "torchmetrics")
-TRAINER_PACKAGES = ("train", "analysis")  # the subpackages of vqattn allowed to import TRAINER_STACK
+# the subpackages of vqattn allowed to import TRAINER_STACK (hf: an extra, whose lm-eval tasks load data with datasets)
+TRAINER_PACKAGES = ("train", "analysis", "hf")
+HF_STACK = ("transformers", "safetensors", "lm_eval", "accelerate", "peft")
 
 
 def imported_top_level(path: Path) -> set[str]:
@@ -39,6 +41,11 @@ def test_the_core_is_found():
 @pytest.mark.parametrize("path", core_modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_core_modules_do_not_import_the_trainer_stack(path):
     assert imported_top_level(path).isdisjoint(TRAINER_STACK)
+
+
+def test_only_vqattn_hf_imports_the_hf_stack():
+    outside = [p for p in sorted(PACKAGE.rglob("*.py")) if p.relative_to(PACKAGE).parts[0] != "hf"]
+    assert outside and all(imported_top_level(p).isdisjoint(HF_STACK) for p in outside)
 
 
 @pytest.mark.parametrize("module", ["vqattn.functional", "vqattn.layers", "vqattn.model", "vqattn.codebook",
