@@ -253,3 +253,28 @@ def test_the_step_bar_of_a_resumed_run_continues_its_elapsed_time(monkeypatch):
     assert bar.train_progress_bar.start_t == 4400.0  # elapsed: 600 s at the resumed step
     # the rate counts all 4 steps over that elapsed time, not 0 steps of the resumed part
     assert (bar.train_progress_bar.initial, bar.train_progress_bar.n) == (0, 4)
+
+
+def test_idle_cores_are_those_busy_less_than_half_the_time():
+    from vqattn.utils import count_idle
+
+    before = {0: (0, 0), 1: (0, 0), 2: (0, 0), 3: (5, 5)}
+    after = {0: (10, 100), 1: (90, 100), 2: (50, 100), 3: (5, 5)}  # 90%, 10%, 50% busy; core 3 had no ticks
+    assert count_idle(before, after) == 3
+
+
+def test_threads_auto_takes_the_idle_cores_unless_omp_num_threads_chose(monkeypatch):
+    from vqattn.utils import available_cores, idle_cores
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert 1 <= idle_cores(0.01) <= available_cores()
+    monkeypatch.setattr(cli, "idle_cores", lambda: 1)
+    assert cli.run_threads("auto") == 1
+    monkeypatch.setattr(cli, "idle_cores", lambda: 10**6)
+    assert cli.run_threads("auto") == torch.get_num_threads()  # never more than torch's default
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cli.run_threads("auto") is None  # torch's default, which reads OMP_NUM_THREADS
+    assert cli.run_threads(3) == 3 and cli.run_threads(None) is None
+    for bad in (0, "four", True, 2.5):
+        with pytest.raises(ValueError, match="threads must be a positive int, auto or null"):
+            cli.run_threads(bad)

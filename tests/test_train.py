@@ -483,7 +483,7 @@ CONFIG_ERRORS = [
     (["attention=vq_soft", "ckpt_path=softmax.ckpt"], "trained with attention=softmax, this run has attention=vq_soft"),
     (["trainer.accelerator=cpu", "trainer.devices=3"], "trainer.devices=3 starts one process per device: add trainer=ddp"),
     (["attention=vq_hard", "attention.kwargs.num_codes=0"], "attention.kwargs.num_codes must be a positive int"),
-    (["threads=0"], "threads must be a positive int, got 0"),
+    (["threads=0"], "threads must be a positive int, auto or null, got 0"),
     (["attention=softmax", "model.n_embd=64", "ckpt_path=softmax.ckpt"], "does not fit this model"),
 ]
 # Errors Hydra reports itself, composing the config: its own message, exit status 2 as well

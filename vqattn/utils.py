@@ -6,6 +6,8 @@ import ctypes
 import ctypes.util
 import os
 import sys
+import time
+from pathlib import Path
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -17,6 +19,48 @@ def available_cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
+
+
+def cpu_ticks() -> dict[int, tuple[int, int]]:
+    """(idle, total) clock ticks since boot of each core this process may run on, from /proc/stat ({} where there is
+    none: not Linux). Idle counts idle and iowait; total also user, nice, system, irq, softirq and steal."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return {}
+    mine = os.sched_getaffinity(0)
+    ticks = {}
+    for line in lines:
+        name, *fields = line.split()
+        if name[:3] == "cpu" and name[3:].isdigit() and int(name[3:]) in mine:
+            user, nice, system, idle, iowait, irq, softirq, steal = map(int, fields[:8])
+            ticks[int(name[3:])] = (idle + iowait, user + nice + system + idle + iowait + irq + softirq + steal)
+    return ticks
+
+
+def count_idle(before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]]) -> int:
+    """How many cores were idle at least half the time between two :func:`cpu_ticks` readings: with the busy
+    fraction of core c  1 − Δidle_c / Δtotal_c  below 1/2. A core without ticks in between counts as idle."""
+    idle = 0
+    for core, (idle_0, total_0) in before.items():
+        idle_1, total_1 = after.get(core, (idle_0, total_0))
+        idle += 2 * (idle_1 - idle_0) >= total_1 - total_0
+    return idle
+
+
+def idle_cores(interval: float = 0.25) -> int:
+    """The cores other work leaves idle, measured over the next ``interval`` seconds (this process sleeps), at least
+    1; all of :func:`available_cores` where /proc/stat is missing.
+
+    PyTorch's intra-op threads spin while they wait for each other at the end of every parallel op; one of them
+    on a core that another process keeps busy stalls all the others, and a run with threads = cores can be many
+    times slower than with fewer threads (docs/performance.md, "Threads on a busy CPU").
+    """
+    before = cpu_ticks()
+    if not before:
+        return available_cores()
+    time.sleep(interval)
+    return max(1, count_idle(before, cpu_ticks()))
 
 
 def tune_cpu_allocator(keep_bytes: int = 1 << 30) -> bool:

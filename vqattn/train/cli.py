@@ -31,11 +31,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig
 
-from .checks import (check_config, check_resumable, cpu_processes_warning, positive_int, raw_window_warning,
-                     unknown_option)
+from .checks import check_config, check_resumable, cpu_processes_warning, raw_window_warning, unknown_option
 from .configs import config_groups, register
 from .launch import DDP_ARGV, ddp_child_argv
-from ..utils import available_cores
+from ..utils import available_cores, idle_cores
 
 log = logging.getLogger("train")
 register()
@@ -126,13 +125,30 @@ def _say_compiling(trainer, pl_module) -> None:
         log.info("compiling the model (compile=true): the first steps take a minute or more")
 
 
+def run_threads(threads: int | str | None) -> int | None:
+    """The intra-op threads a run sets for ``threads``: a positive int itself; None keeps torch's default (one per
+    core, or OMP_NUM_THREADS); "auto" takes the cores other work leaves idle as the run starts (:func:`idle_cores`),
+    at most torch's default, and keeps torch's default where OMP_NUM_THREADS chose it."""
+    if threads == "auto":
+        if "OMP_NUM_THREADS" in os.environ:
+            return None
+        chosen = min(idle_cores(), torch.get_num_threads())
+        if _is_rank_zero():
+            log.info("threads=auto: %d of %d cores idle, training with %d thread%s", chosen, available_cores(),
+                     chosen, "s" * (chosen != 1))
+        return chosen
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads <= 0):
+        raise ValueError(f"threads must be a positive int, auto or null, got {threads!r}")
+    return threads
+
+
 @contextlib.contextmanager
-def intra_op_threads(threads: int | None):
-    """torch.set_num_threads(threads) for the run (None: torch's default), restored after."""
+def intra_op_threads(threads: int | str | None):
+    """torch.set_num_threads(:func:`run_threads` (threads)) for the run, restored after."""
     before = torch.get_num_threads()
-    if threads is not None:
-        positive_int("threads", threads)
-        torch.set_num_threads(threads)
+    chosen = run_threads(threads)
+    if chosen is not None:
+        torch.set_num_threads(chosen)
     try:
         yield
     finally:
