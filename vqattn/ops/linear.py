@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from ._checks import check_4d, check_choice, check_positive_int, check_qkv, check_same_device_dtype, compute_dtype
 from .blocks import DEFAULT_BLOCK_LEN
-from .common.forms import FORMS, pick_form
+from .common.forms import FORMS, form_of, pick_form
 from .precision import autocast_off
 
 NORMALIZERS = ("kernel", "count", "none")
@@ -133,10 +133,13 @@ def linear_attention(
     return (out.to(out_dtype), new_state) if return_state else out.to(out_dtype)
 
 
-def naive_linear_attention(phi_q, phi_k, v, *, causal: bool, k_log_scale=None, eps=None, normalizer="kernel"):
+def naive_linear_attention(phi_q, phi_k, v, *, causal: bool, k_log_scale=None, eps=None, normalizer="kernel",
+                           block_len: int | None = None):
     """The definition: the weights κ_ts = φ(q_t)·φ(k_s)·e^{k_log_scale_s} (Tq, Tk) spelled out, masked to s ≤ t
     when causal, out_t = Σ_s κ_ts v_s / n_t (``normalizer`` as :func:`linear_attention`). The log scales enter
     relative to their max (detached), which the kernel normaliser cancels and the others multiply back.
+    ``block_len`` is the chunk form's and never changes the result: taken so that every form has the op's
+    arguments.
     phi_q: (B, H, Tq, M), phi_k: (B, H, Tk, M), v: (B, H, Tk, Dv) -> (B, H, Tq, Dv)."""
     Tq, Tk = phi_q.shape[2], phi_k.shape[2]
     weights = phi_q @ phi_k.transpose(-1, -2)  # (B, H, Tq, Tk)
@@ -349,4 +352,8 @@ def _check_state(state: LinearState, phi_k: torch.Tensor, v: torch.Tensor) -> No
         raise ValueError(f"state.log_scale must have shape (B, H) = {(B, H)}, got {tuple(state.log_scale.shape)}")
 
 
-__all__ = ["LinearState", "linear_attention", "naive_linear_attention", "NORMALIZERS", "IMPLS"]
+chunk_linear_attention = form_of(linear_attention, "chunk")
+recurrent_linear_attention = form_of(linear_attention, "recurrent")
+
+__all__ = ["LinearState", "linear_attention", "chunk_linear_attention", "recurrent_linear_attention",
+           "naive_linear_attention", "NORMALIZERS", "IMPLS"]

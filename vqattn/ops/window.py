@@ -37,7 +37,7 @@ from .nonfinite import may_be_nonfinite, nonfinite_keys, window_poison, zero_row
 from .precision import autocast_off
 from .triton import require_triton
 from .triton.window_codes import fused_window_code_attention, unsupported
-from .common.forms import FORMS, pick_form
+from .common.forms import FORMS, form_of, pick_form
 from .common.window_codes import WindowCodeInputs, window_code_attention
 
 
@@ -194,3 +194,7 @@ def window_attention(
     length = start + k.shape[2]
     keep = window_start(length, L) - start
     return out, WindowState(window_tail(k, keep), window_tail(v, keep), length, L)
+
+
+chunk_window_attention = form_of(window_attention, "chunk")
+recurrent_window_attention = form_of(window_attention, "recurrent")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -25,3 +26,16 @@ def pick_form(impl: str, q: torch.Tensor, *, state, fused_unsupported: Callable[
     if fused_unsupported is not None and q.is_cuda and triton_device(q) and fused_unsupported() is None:
         return "triton"
     return "chunk"
+
+
+def form_of(op: Callable, impl: str) -> Callable:
+    """``op`` with its form fixed to ``impl``: the public ``chunk_*`` / ``recurrent_*`` functions, which take the
+    op's own arguments (one signature family) and never pick another form."""
+
+    @functools.wraps(op)
+    def form(*args, **kwargs):
+        return op(*args, impl=impl, **kwargs)
+
+    form.__name__ = form.__qualname__ = f"{impl}_{op.__name__}"
+    form.__doc__ = f"``{op.__name__}(..., impl={impl!r})``: the {impl} form, with :func:`{op.__name__}`'s arguments."
+    return form

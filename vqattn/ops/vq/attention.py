@@ -8,16 +8,16 @@ import torch
 
 from .._checks import check_4d, check_choice, check_positive_int, check_qkv, check_same_device_dtype, compute_dtype
 from ..blocks import DEFAULT_BLOCK_LEN, Schedule, as_schedule
-from ..common.forms import FORMS, pick_form
+from ..common.forms import FORMS, form_of, pick_form
 from ..common.statistics import Assignment, code_means, code_statistics, log_counts, map_time
 from ..nonfinite import may_be_nonfinite, nonfinite_keys, visible_poison, zero_assignment_rows, zero_rows
 from ..precision import autocast_off
 from ..triton import require_triton
 from ..triton.window_codes import unsupported
 from .assign import ASSIGNMENTS, check_assignment, vq_assign
-from .chunk import chunk_vq_attention
+from .chunk import chunk_form
 from .naive import naive_vq_attention
-from .recurrent import VQState, recurrent_vq_attention
+from .recurrent import VQState, recurrent_form
 
 IMPLS = FORMS
 
@@ -175,9 +175,9 @@ def _causal_form(q, k, v, c, a, bad, *, form: str, assign, state, block_len, sca
     L = block_len or (state.block_len if state is not None else DEFAULT_BLOCK_LEN)
     if form == "recurrent":
         state = VQState.empty(k, v, c.shape[1], L, assign) if state is None else state
-        return recurrent_vq_attention(q, k, v, c, zero_assignment_rows(a, bad), state=state, scale=scale,
+        return recurrent_form(q, k, v, c, zero_assignment_rows(a, bad), state=state, scale=scale,
                                       exact_window=exact_window, q_rot=q_rot, k_rot=k_rot)
-    return chunk_vq_attention(q, k, v, c, a, assign=assign, state=state, block_len=L, scale=scale,
+    return chunk_form(q, k, v, c, a, assign=assign, state=state, block_len=L, scale=scale,
                               exact_window=exact_window, assign_keys=assign_keys, return_state=return_state,
                               schedule=schedule, q_rot=q_rot, k_rot=k_rot, bad=bad, fused=form == "triton")
 
@@ -261,3 +261,7 @@ def vq_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, codebook: to
     if return_state and poison is not None:  # the state carries the poison in its counts
         new_state = dataclasses.replace(new_state, counts=new_state.counts + poison[:, :, -1])
     return (out, new_state) if return_state else out
+
+
+chunk_vq_attention = form_of(vq_attention, "chunk")
+recurrent_vq_attention = form_of(vq_attention, "recurrent")

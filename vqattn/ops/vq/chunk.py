@@ -174,7 +174,7 @@ def block_bytes(B: int, H: int, L: int, S: int, element_size: int) -> int:
     return B * H * L * (S + 2 * L) * element_size
 
 
-def chunk_vq_attention(q, k, v, c, a: Assignment | None, *, assign: str, state: VQState | None, block_len: int,
+def chunk_form(q, k, v, c, a: Assignment | None, *, assign: str, state: VQState | None, block_len: int,
                        scale: float, exact_window: bool, assign_keys, return_state: bool, schedule: Schedule,
                        q_rot=None, k_rot=None, bad=None, fused: bool = False):
     """Causal block algorithm over new tokens that may continue ``state``, whose raw window is re-run in front.

@@ -82,7 +82,7 @@ def _step(q, k, v, c, a: Assignment, state: VQState, *, scale, exact_window, q_w
                         map_time(lambda x: window_tail(x, drop), window))
 
 
-def recurrent_vq_attention(q, k, v, c, a: Assignment, *, state: VQState, scale, exact_window, q_rot=None,
+def recurrent_form(q, k, v, c, a: Assignment, *, state: VQState, scale, exact_window, q_rot=None,
                            k_rot=None):
     """Token-by-token vq_attention continuing ``state``: q, k (B, H, T, D), v (B, H, T, Dv), c (H, S, D), ``a``
     the new keys' Assignment; q_rot, k_rot the window's queries and keys (RoPE), with which q and c may have
