@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from vqattn.functional import naive_vq_attention, vq_assign, vq_attention
-from vqattn.layers.base import rope_rotate
+from vqattn.modules.rope import rope_rotate
 from vqattn.ops.common.statistics import map_time
 
 from test_vq_attention import ASSIGNS, grads, make_inputs

@@ -22,7 +22,8 @@ name to its class.
 
 from __future__ import annotations
 
-from .base import Attention, AttentionOutput, AttentionState, CachedAttention, KVCache, rope_rotate
+from ..modules.rope import rope_rotate
+from .base import Attention, AttentionOutput, AttentionState, CachedAttention, KVCache
 from .vq import VQAttention, VQHardAttention, VQSoftAttention
 from .kernel import EluLinearAttention, KernelAttention, PerformerAttention, TaylorAttention
 from .ovq import OnlineVQAttention

@@ -1,17 +1,18 @@
-"""The attention base class (projections, q/k normalisation, RoPE, the chunked-state protocol) and the
-state and output types every layer shares."""
+"""The attention base class (projections, the short convolution, q/k normalisation, RoPE, the chunked-state
+protocol) and the state and output types every layer shares. RoPE and the convolution themselves are modules of
+their own (:mod:`vqattn.modules`)."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
-from torch.autograd.function import once_differentiable
 
+from ..modules.conv import ShortConvolution
+from ..modules.rope import rope_rotate
 from ..ops._checks import check_positive_int
 
 
@@ -67,113 +68,6 @@ class KVCache(NamedTuple):
 
     k: torch.Tensor
     v: torch.Tensor
-
-
-def rope_frequencies(head_dim: int, base: float, device=None) -> torch.Tensor:
-    """(head_dim/2,) float64 angle per position of RoPE pair (x_m, x_{m+D/2}): base^(-2m/D)."""
-    return base ** (-torch.arange(head_dim // 2, dtype=torch.float64, device=device) * 2.0 / head_dim)
-
-
-def _rope_cos_sin(start: int, length: int, head_dim: int, base: float, device: torch.device,
-                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = rope_frequencies(head_dim, base, device)  # (D/2,)
-    pos = torch.arange(start, start + length, dtype=torch.float64, device=device)  # (T,)
-    angle = pos[:, None] * inv_freq[None, :]  # (T, D/2), in float64
-    return angle.cos().to(dtype), angle.sin().to(dtype)
-
-
-@functools.lru_cache(maxsize=8)
-def _rope_cos_sin_cached(start: int, length: int, head_dim: int, base: float, device: torch.device,
-                         dtype: torch.dtype, inference_mode: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_rope_cos_sin`, cached; ``inference_mode`` is part of the key only."""
-    return _rope_cos_sin(start, length, head_dim, base, device, dtype)
-
-
-def rope_cos_sin(start: int, length: int, head_dim: int, base: float, device: torch.device,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin (T, D/2) of RoPE's angles pos * base^(-2m/D) at positions start..start+T-1, in ``dtype``.
-
-    Every layer of a forward pass (and q and k in each) rotates at the same positions, so outside
-    ``torch.compile`` they are computed once and cached: in decoding that is ~20 fewer small kernels per layer and
-    token. The key includes inference mode, because an inference-mode tensor cannot be saved for a backward pass.
-    """
-    if torch.compiler.is_compiling():
-        return _rope_cos_sin(start, length, head_dim, base, device, dtype)
-    return _rope_cos_sin_cached(start, length, head_dim, base, torch.device(device), dtype,
-                                torch.is_inference_mode_enabled())
-
-
-def rope_rotate(x: torch.Tensor, start: int, base: float) -> torch.Tensor:
-    """Rotary position embedding of x: (B, H, T, D) at absolute positions start..start+T-1.
-
-    Feature pairs (x_m, x_{m+D/2}) are rotated by the angle pos * base^(-2m/D), so that
-    <rope(q, i), rope(k, j)> depends on i and j only through i - j. Angles are computed in float64
-    and the rotation in at least float32, so fp64 decoding matches the full pass to rounding.
-    """
-    return _rope(x, start, base, None)
-
-
-def rope_rotate_keeping(x: torch.Tensor, start: int, base: float, first_pair: int = 0
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(:func:`rope_rotate` of x, the unrotated ``pair_dims(x, first_pair)``): for layers that score some things
-    with rotated and others with raw vectors. One autograd node, so the backward pass adds the raw part's gradient
-    into the rotation's in place; separate uses of x would each write an x-sized gradient (and a slice's backward
-    zero-fills one) for autograd to add up: at T = 32768, three fresh 32 MB tensors per layer step."""
-    return _rope(x, start, base, first_pair)
-
-
-def pair_dims(x: torch.Tensor, first_pair: int) -> torch.Tensor:
-    """x (..., D) -> (..., D − 2·first_pair): the dims [first_pair, D/2) and [D/2 + first_pair, D) of the RoPE pairs
-    (m, m + D/2) with m ≥ first_pair; x itself for 0. A static slice: no host read, so it compiles into one graph
-    and never synchronises a GPU; one slice of the (..., 2, D/2) view, not a cat of two."""
-    return x if first_pair == 0 else x.unflatten(-1, (2, x.shape[-1] // 2))[..., first_pair:].flatten(-2)
-
-
-def _rope(x: torch.Tensor, start: int, base: float, first_pair: int | None):
-    dtype = torch.promote_types(x.dtype, torch.float32)
-    cos, sin = rope_cos_sin(start, x.shape[-2], x.shape[-1], base, x.device, dtype)
-    if torch.compiler.is_compiling():  # autograd of the formula, which inductor fuses into one kernel
-        rotated = _rotate(x, cos, sin, 1.0).to(x.dtype)
-        return rotated if first_pair is None else (rotated, pair_dims(x, first_pair))
-    return _Rotation.apply(x, cos, sin, first_pair)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
-    """[x1·cos − sign·x2·sin, x2·cos + sign·x1·sin] for the halves x1, x2 of x (..., D), in cos's dtype: the rotation
-    (sign 1) or its inverse (−1), written half by half into one output in eager mode."""
-    x1, x2 = x.to(cos.dtype).chunk(2, -1)
-    if torch.compiler.is_compiling():  # out= writes have no autograd; the formula's cat fuses away
-        return torch.cat((x1 * cos - sign * x2 * sin, x2 * cos + sign * x1 * sin), dim=-1)
-    out = torch.empty(x.shape, device=x.device, dtype=cos.dtype)
-    first, second = out.chunk(2, -1)
-    torch.mul(x1, cos, out=first).addcmul_(x2, sin, value=-sign)
-    torch.mul(x2, cos, out=second).addcmul_(x1, sin, value=sign)
-    return out
-
-
-class _Rotation(torch.autograd.Function):
-    """RoPE's rotation of x (B, H, T, D) by the angles with cos and sin (T, D/2) in eager mode, and with
-    ``first_pair`` not None also x's raw ``pair_dims``; the gradient is the inverse rotation of the rotated output's,
-    plus the raw part's added in place. By hand: eager autograd of the sliced formula zero-fills an (x-sized) gradient
-    for each half and adds them, and keeps four products and a cat (at T = 32768, 53 ms of products and 17 ms of
-    zero fills per layer step on a 2-core CPU, against 37 ms in all here)."""
-
-    @staticmethod
-    def forward(ctx, x, cos, sin, first_pair):
-        ctx.save_for_backward(cos, sin)
-        ctx.dtype, ctx.first_pair = x.dtype, first_pair
-        rotated = _rotate(x, cos, sin, 1.0).to(x.dtype)
-        return rotated if first_pair is None else (rotated, pair_dims(x, first_pair))
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad, grad_raw=None):
-        cos, sin = ctx.saved_tensors
-        out = _rotate(grad, cos, sin, -1.0)
-        if grad_raw is not None:
-            raw = out if ctx.first_pair == 0 else out.unflatten(-1, (2, out.shape[-1] // 2))[..., ctx.first_pair:]
-            raw.add_(grad_raw.view(raw.shape))
-        return out.to(ctx.dtype), None, None, None
 
 
 QK_NORMS = (False, True, "rms", "l2")
@@ -260,11 +154,7 @@ class Attention(nn.Module):
         self.rope, self.rope_base, self.layer_idx = rope, rope_base, layer_idx
         self.qkv = nn.Linear(dim, 3 * dim, bias=bias)
         self.short_conv = short_conv
-        self.conv = nn.Conv1d(3 * dim, 3 * dim, short_conv, groups=3 * dim, bias=False) if short_conv else None
-        if self.conv is not None:
-            with torch.no_grad():
-                self.conv.weight.zero_()
-                self.conv.weight[:, 0, -1] = 1.0
+        self.conv = ShortConvolution(3 * dim, short_conv) if short_conv else None
         self.proj = nn.Linear(dim, dim, bias=bias)
         self.resid_dropout = nn.Dropout(dropout)
         if qk_norm not in QK_NORMS:
@@ -294,7 +184,7 @@ class Attention(nn.Module):
         b, t, c = x.shape
         qkv, conv = self.qkv(x), None  # (B, T, 3C)
         if self.conv is not None:
-            qkv, conv = self._convolve(qkv, None if state is None else state.conv)
+            qkv, conv = self.conv(qkv, None if state is None else state.conv)
         # Unbind before transposing: the backward pass then stacks the three gradients straight into qkv's layout,
         # where permuting first left a stacked gradient that the view back had to copy once more.
         heads = qkv.view(b, t, 3, self.num_heads, self.head_dim).unbind(2)  # 3 x (B, T, H, Dh)
@@ -305,17 +195,6 @@ class Attention(nn.Module):
         y = self.resid_dropout(self.proj(out.transpose(1, 2).reshape(b, t, c)))  # (B, T, C)
         aux_loss = x.new_zeros(()) if aux_loss is None else aux_loss
         return AttentionOutput(y, aux_loss, AttentionState(pos + t, inner, conv) if return_state else None)
-
-    def _convolve(self, h: torch.Tensor, past: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Short causal convolution: out_t = sum_j w_j h_{t - K + 1 + j} per channel, with the K - 1 rows before
-        h taken from ``past`` (zeros at the start of a sequence). h: (B, T, 3C) -> (out (B, T, 3C), the last
-        K - 1 rows of [past, h] for the next chunk)."""
-        k = self.short_conv
-        if past is None:
-            past = h.new_zeros(h.shape[0], k - 1, h.shape[-1])
-        full = torch.cat((past.to(h.dtype), h), dim=1)  # (B, K - 1 + T, 3C)
-        out = self.conv(full.transpose(1, 2)).transpose(1, 2)  # (B, T, 3C)
-        return out, full[:, full.shape[1] - (k - 1):]
 
     def _attend(self, q, k, v, pos: int, state, return_state: bool):
         raise NotImplementedError

@@ -7,9 +7,11 @@ import math
 import torch
 
 from ..codebook import Codebook
+from ..modules.rope import rope_rotate_keeping
 from ..ops._checks import check_choice, check_positive_int
+from ..ops.blocks import DEFAULT_BLOCK_LEN
 from ..ops.ovq import ovq_attention
-from .base import Attention, rope_rotate_keeping
+from .base import Attention
 
 ASSIGNS = ("online", "codebook")
 
@@ -40,7 +42,7 @@ class OnlineVQAttention(Attention):
         num_heads: int,
         *,
         num_slots: int = 64,
-        block_len: int = 64,
+        block_len: int = DEFAULT_BLOCK_LEN,
         assign: str = "online",
         threshold: float = 0.1,
         memory_rope: bool = True,

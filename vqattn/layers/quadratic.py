@@ -8,9 +8,12 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from ..functional import kernel_attention, softmax_attention, window_attention
 from ..ops._checks import check_choice, check_positive_int
+from ..ops.blocks import DEFAULT_BLOCK_LEN
+from ..ops.kernel import kernel_attention
+from ..ops.softmax import softmax_attention
 from ..ops.window import IMPLS as WINDOW_IMPLS
+from ..ops.window import window_attention
 from .base import Attention, CachedAttention, op_result
 
 
@@ -65,7 +68,8 @@ class WindowAttention(Attention):
     Linear time; the decoding state holds under 2·block_len keys and values.
     """
 
-    def __init__(self, dim: int, num_heads: int, *, block_len: int = 64, impl: str = "auto", **attention_kwargs):
+    def __init__(self, dim: int, num_heads: int, *, block_len: int = DEFAULT_BLOCK_LEN, impl: str = "auto",
+                 **attention_kwargs):
         """``impl``: the op's form (``window_attention``'s: "auto" runs the Triton kernel on CUDA)."""
         super().__init__(dim, num_heads, **attention_kwargs)
         check_positive_int("block_len", block_len)

@@ -7,11 +7,12 @@ from typing import ClassVar
 import torch
 
 from ..codebook import Codebook
-from ..functional import vq_attention
+from ..modules.rope import pair_dims, rope_frequencies, rope_rotate_keeping
 from ..ops._checks import check_choice, check_positive_int
-from ..ops.vq import DEFAULT_BLOCK_LEN
+from ..ops.blocks import DEFAULT_BLOCK_LEN
 from ..ops.vq import IMPLS as VQ_IMPLS
-from .base import Attention, op_result, pair_dims, rope_frequencies, rope_rotate_keeping
+from ..ops.vq import vq_attention
+from .base import Attention, op_result
 
 CACHE_SCORES = ("all", "slow")
 
@@ -54,7 +55,7 @@ class VQAttention(Attention):
         num_heads: int,
         *,
         num_codes: int = 64,
-        block_len: int | None = 64,
+        block_len: int | None = DEFAULT_BLOCK_LEN,
         exact_window: bool = True,
         cache_scores: str = "slow",
         codebook: dict | None = None,
