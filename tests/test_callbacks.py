@@ -278,3 +278,20 @@ def test_threads_auto_takes_the_idle_cores_unless_omp_num_threads_chose(monkeypa
     for bad in (0, "four", True, 2.5):
         with pytest.raises(ValueError, match="threads must be a positive int, auto or null"):
             cli.run_threads(bad)
+
+
+@pytest.mark.parametrize("threads", [2, 1])
+def test_a_run_that_slows_down_gets_one_hint_about_threads(monkeypatch, caplog, threads):
+    clock = FakeClock()
+    throughput = TokenThroughput(window_size=3, clock=clock)
+    trainer = SimpleNamespace(world_size=1, is_global_zero=True)
+    module = SimpleNamespace(log_dict=lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    throughput.on_train_start(trainer, module)
+    with caplog.at_level("WARNING", logger="train"):
+        for seconds in [1.0] * 5 + [3.0] * 3 + [9.0] * 4:  # 3x slower (no hint), then 6x and 9x (one hint)
+            clock.now += seconds
+            throughput.on_train_batch_end(trainer, module, None, (torch.zeros(2, 32),), 0)
+    hints = [r.getMessage() for r in caplog.records]
+    assert hints == (["training runs 6x slower than earlier in this run: if other work took a core, fewer threads "
+                      "can be many times faster (Ctrl-C, then resume with threads=1)"] if threads > 1 else [])

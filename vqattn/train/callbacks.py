@@ -19,6 +19,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_summary import get_human_readable_count
 
 log = logging.getLogger("lightning.pytorch.callbacks.model_summary")  # where Lightning's summary goes
+train_log = logging.getLogger("train")  # the trainer's own lines (vqattn.train.cli)
 
 
 class RNGState(Callback):
@@ -216,11 +217,17 @@ class TokenThroughput(Callback):
     counts). The three totals go into the checkpoint, so a resumed run continues them: results.json and the
     summary line describe the whole run, tokens T = T_before + T_now and seconds likewise, not the resumed part.
 
+    When the rate over a full window falls ``slowdown`` times below the best one of the run, with more than one
+    intra-op thread, rank 0 logs one hint: other work that took a core after the run chose its threads (threads=auto
+    counts the idle cores at the start) stalls every thread, and fewer threads can be many times faster.
+
     ``clock`` is the timer in seconds (``time.perf_counter``); tests pass one they advance themselves.
     """
 
-    def __init__(self, window_size: int = 50, *, clock=time.perf_counter, started: float | None = None):
-        self.clock = clock
+    def __init__(self, window_size: int = 50, *, clock=time.perf_counter, started: float | None = None,
+                 slowdown: float = 4.0):
+        self.clock, self.slowdown = clock, slowdown
+        self.best_rate, self.hinted = 0.0, False
         self.started = clock() if started is None else started
         self.window: deque[tuple[float, int]] = deque(maxlen=window_size)  # (training clock, tokens so far)
         self.tokens = 0  # this process's training tokens in this process
@@ -262,6 +269,18 @@ class TokenThroughput(Callback):
             rate = (n1 - n0) / max(t1 - t0, 1e-9)
             pl_module.log_dict({"train/device/items_per_sec": rate, "train/items_per_sec": rate * trainer.world_size},
                                on_step=True, on_epoch=False)
+            if len(self.window) == self.window.maxlen:
+                self._hint_if_slowed(trainer, rate)
+
+    def _hint_if_slowed(self, trainer, rate: float) -> None:
+        self.best_rate = max(self.best_rate, rate)
+        if self.hinted or rate * self.slowdown > self.best_rate or torch.get_num_threads() == 1:
+            return
+        self.hinted = True
+        if trainer.is_global_zero:
+            train_log.warning("training runs %.0fx slower than earlier in this run: if other work took a core, fewer "
+                              "threads can be many times faster (Ctrl-C, then resume with threads=1)",
+                              self.best_rate / rate)
 
     def totals(self, world_size: int) -> tuple[int, float]:
         """All ranks' training tokens and the training time (s) of the whole run, resumed parts included."""
