@@ -289,10 +289,11 @@ def test_train_script_writes_results_with_a_clean_console(tmp_path):
     assert all(float(r["val_bpb_pos_0_63"]) == pytest.approx(float(r["val_bpb"]), rel=1e-9) for r in val_rows(out))
 
 
-def wait_for(path, proc, timeout=240):
-    start = time.time()
+def wait_for(path, proc):
+    """Wait until the run writes ``path``; every run here ends by itself (a bounded number of steps), so a run that
+    never writes it fails the test however slow the machine is."""
     while not path.exists():
-        assert proc.poll() is None and time.time() - start < timeout, "the run ended before its first checkpoint"
+        assert proc.poll() is None, f"the run ended before it wrote {path.name}"
         time.sleep(0.2)
 
 
