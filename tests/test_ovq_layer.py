@@ -16,7 +16,7 @@ OPTIONS = [
     dict(rope=False),
     dict(rope=True),
     dict(rope=True, memory_rope=False),
-    dict(rope=True, assign="codebook"),
+    dict(rope=True, slots_by="codebook"),
     dict(rope=True, qk_norm="l2", threshold=0.2),
 ]
 
@@ -40,7 +40,7 @@ def test_layer_is_the_naive_op_on_its_heads(options):
     q, k, v = heads(layer, x)
     rotate = (lambda z: rope_rotate(z, 0, layer.rope_base)) if options["rope"] else (lambda z: z)  # noqa: E731
     kwargs = dict(num_slots=S, block_len=L, scale=(DIM // HEADS) ** -0.5)
-    if options.get("assign") == "codebook":
+    if options.get("slots_by") == "codebook":
         kwargs["slots"] = ((k.unsqueeze(-2) - layer.codebook.codes.unsqueeze(1)) ** 2).sum(-1).argmin(-1)
     else:
         kwargs["threshold"] = layer.threshold
@@ -75,7 +75,7 @@ def test_l2_qk_norm_gives_unit_keys_and_a_learned_query_scale():
 
 
 def test_codebook_assignment_learns_the_codebook_and_returns_its_loss():
-    layer = make(rope=True, assign="codebook").train()
+    layer = make(rope=True, slots_by="codebook").train()
     x = torch.randn(2, 3 * L, DIM, dtype=torch.float64)
     _, aux_loss, _ = layer(x)
     _, aux_loss, _ = layer(x)  # the first training step initialises the codes from its keys
@@ -98,7 +98,7 @@ def test_state_floats_counts_every_option():
 @pytest.mark.parametrize("kwargs,match", [
     (dict(num_slots=0), "num_slots"),
     (dict(block_len=0), "block_len"),
-    (dict(assign="kmeans"), "assign"),
+    (dict(slots_by="kmeans"), "slots_by"),
     (dict(threshold=-0.1), "threshold"),
     (dict(threshold="0.5"), "threshold"),
     (dict(codebook={"decay": 0.9}), "codebook"),

@@ -25,7 +25,7 @@ from __future__ import annotations
 from ..modules.rope import rope_rotate
 from .base import Attention, AttentionOutput, AttentionState, CachedAttention, KVCache
 from .vq import VQAttention, VQHardAttention, VQSoftAttention
-from .kernel import EluLinearAttention, KernelAttention, PerformerAttention, TaylorAttention
+from .linear import EluLinearAttention, FeatureMapAttention, PerformerAttention, TaylorAttention
 from .ovq import OnlineVQAttention
 from .quadratic import (
     KernelSmootherAttention,
@@ -60,8 +60,7 @@ def build_attention(name: str, **kwargs) -> Attention:
 
 __all__ = [
     "ATTENTIONS", "Attention", "AttentionOutput", "AttentionState", "CachedAttention", "EluLinearAttention",
-    "KVCache", "KernelAttention", "KernelSmootherAttention", "LinearSmootherAttention", "OnlineVQAttention",
-    "PerformerAttention",
-    "PolySmootherAttention", "RBFSmootherAttention", "SoftmaxAttention", "TaylorAttention", "VQAttention",
+    "FeatureMapAttention", "KVCache", "KernelSmootherAttention", "LinearSmootherAttention", "OnlineVQAttention",
+    "PerformerAttention", "PolySmootherAttention", "RBFSmootherAttention", "SoftmaxAttention", "TaylorAttention", "VQAttention",
     "VQHardAttention", "VQSoftAttention", "WindowAttention", "build_attention", "rope_rotate",
 ]

@@ -13,7 +13,7 @@ from ..ops.blocks import DEFAULT_BLOCK_LEN
 from ..ops.ovq import ovq_attention
 from .base import Attention
 
-ASSIGNS = ("online", "codebook")
+SLOTS_BY = ("online", "codebook")
 
 
 class OnlineVQAttention(Attention):
@@ -21,7 +21,7 @@ class OnlineVQAttention(Attention):
     previous block of ``block_len`` raw keys and to ``num_slots`` memory slots, each scored by the mean of the keys
     it absorbed in this sequence (σ q̃·k̄_s + log n_s) and read as their mean value.
 
-    ``assign``: how keys find their slot. ``"online"``: per sequence, with growth: a key farther than ``threshold``
+    ``slots_by``: how keys find their slot. ``"online"``: per sequence, with growth: a key farther than ``threshold``
     (a squared distance relative to its squared norm) from every occupied slot's mean key opens a new slot while
     slots remain, and joins the nearest slot otherwise. ``"codebook"``: the hard argmin of a learned per-head
     :class:`~vqattn.codebook.Codebook` over the unrotated keys (``codebook``: its extra kwargs); its commitment loss
@@ -43,7 +43,7 @@ class OnlineVQAttention(Attention):
         *,
         num_slots: int = 64,
         block_len: int = DEFAULT_BLOCK_LEN,
-        assign: str = "online",
+        slots_by: str = "online",
         threshold: float = 0.1,
         memory_rope: bool = True,
         codebook: dict | None = None,
@@ -53,17 +53,17 @@ class OnlineVQAttention(Attention):
         super().__init__(dim, num_heads, **attention_kwargs)
         check_positive_int("num_slots", num_slots)
         check_positive_int("block_len", block_len)
-        check_choice("assign", assign, ASSIGNS)
+        check_choice("slots_by", slots_by, SLOTS_BY)
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or math.isnan(threshold) \
                 or threshold < 0:
             raise ValueError(f"threshold must be a number >= 0, got {threshold!r}")
-        if codebook is not None and assign != "codebook":
-            raise ValueError("codebook kwargs configure the learned codebook of assign='codebook'; got "
-                             f"assign={assign!r}")
-        self.num_slots, self.block_len, self.assign = num_slots, block_len, assign
+        if codebook is not None and slots_by != "codebook":
+            raise ValueError("codebook kwargs configure the learned codebook of slots_by='codebook'; got "
+                             f"slots_by={slots_by!r}")
+        self.num_slots, self.block_len, self.slots_by = num_slots, block_len, slots_by
         self.threshold, self.memory_rope = float(threshold), memory_rope
         self.codebook = Codebook(num_heads, num_slots, self.head_dim, assign="hard", **(codebook or {})) \
-            if assign == "codebook" else None
+            if slots_by == "codebook" else None
         # Mean occupied slots per sequence and head after the last forward (read by usage_stats, outside a step).
         self.register_buffer("last_occupied", torch.zeros((), dtype=torch.float32), persistent=False)
 
@@ -94,7 +94,7 @@ class OnlineVQAttention(Attention):
         return out, aux_loss, op_state if return_state else None
 
     def usage_stats(self) -> dict[str, float]:
-        """Mean occupied slots after the last forward, and the codebook's usage (assign="codebook"). Reads the
+        """Mean occupied slots after the last forward, and the codebook's usage (slots_by="codebook"). Reads the
         device (call it outside the training step)."""
         stats = {} if self.codebook is None else self.codebook.usage_stats()
         return {**stats, "occupied_slots": float(self.last_occupied)}

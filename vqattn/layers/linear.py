@@ -8,7 +8,7 @@ from ..ops.linear import linear_attention
 from .base import Attention, op_result
 
 
-class KernelAttention(Attention):
+class FeatureMapAttention(Attention):
     """Linear attention φ(q)·φ(k) (``linear_attention``) with a feature map φ built by ``_make_features``.
 
     Decoding keeps ``LinearState``: Σ φ(k) vᵀ (M × Dv) and Σ φ(k) (M), constant memory per token.
@@ -50,7 +50,7 @@ class KernelAttention(Attention):
         return out, None, op_state
 
 
-class PerformerAttention(KernelAttention):
+class PerformerAttention(FeatureMapAttention):
     """FAVOR+ (Performer): positive random features estimating exp(q·k / √D).
 
     ``num_features`` defaults to 4·head_dim. The draw of layer ``layer_idx`` uses ``seed + layer_idx`` so
@@ -61,14 +61,14 @@ class PerformerAttention(KernelAttention):
         return PerformerFeatures(head_dim, num_features or 4 * head_dim, seed=seed + layer_idx, **kwargs)
 
 
-class EluLinearAttention(KernelAttention):
+class EluLinearAttention(FeatureMapAttention):
     """Linear transformer (Katharopoulos et al. 2020): φ(x) = elu(x) + 1."""
 
     def _make_features(self, head_dim, layer_idx, **kwargs):
         return EluFeatures(**kwargs)
 
 
-class TaylorAttention(KernelAttention):
+class TaylorAttention(FeatureMapAttention):
     """Second-order Taylor kernel 1 + s q·k + (s q·k)²/2 with s = 1/√D (M = 1 + D + D(D+1)/2 features: each symmetric product once)."""
 
     def _make_features(self, head_dim, layer_idx, *, order=2, **kwargs):
