@@ -48,81 +48,9 @@ Sequences shorter than 2L have an empty memory (window attention); T need not be
 (float64 stays float64) and return the input dtype. Nothing reads a tensor on the host.
 """
 
-from __future__ import annotations
-
-import torch
-
-from .._checks import check_choice
-from ..common.forms import FORMS, pick_form
-from ..precision import autocast_off
-from .chunk import chunk_forward
+from .attention import IMPLS, chunk_ovq_attention, ovq_attention, recurrent_ovq_attention
 from .naive import naive_ovq_attention
-from .recurrent import recurrent_forward
-from .state import OVQState, prepare
-
-IMPLS = tuple(form for form in FORMS if form != "triton")  # no fused kernel yet
+from .state import OVQState
 
 __all__ = ["ovq_attention", "chunk_ovq_attention", "recurrent_ovq_attention", "naive_ovq_attention", "OVQState",
            "IMPLS"]
-
-
-@autocast_off
-def _run(q, k, v, form, state, return_state, **kwargs):
-    x = prepare(q, k, v, state=state, **kwargs)
-    out, new_state = form(x, None if state is None else state.to(x.q.dtype), return_state)
-    return (out.to(q.dtype), new_state) if return_state else out.to(q.dtype)
-
-
-def chunk_ovq_attention(q, k, v, *, num_slots: int, block_len: int | None = None, scale: float | None = None,
-                        threshold: float | None = None, slots=None, slot_weights=None, q_mem=None, k_mem=None,
-                        state: OVQState | None = None, return_state: bool = False, schedule="auto"):
-    """The block-parallel form; arguments as :func:`ovq_attention`. A ``state`` is continued by re-running its raw
-    window (under 2L tokens) in front of the new ones. ``schedule`` ("auto", "loop", "cumsum"): how the blocks
-    read the slots' value sums (:class:`~vqattn.ops.blocks.Schedule`); never what they compute."""
-    return _run(q, k, v, chunk_forward, state, return_state, num_slots=num_slots, block_len=block_len, scale=scale,
-                threshold=threshold, slots=slots, slot_weights=slot_weights, q_mem=q_mem, k_mem=k_mem,
-                schedule=schedule)
-
-
-def recurrent_ovq_attention(q, k, v, *, num_slots: int, block_len: int | None = None, scale: float | None = None,
-                            threshold: float | None = None, slots=None, slot_weights=None, q_mem=None, k_mem=None,
-                            state: OVQState | None = None, return_state: bool = False):
-    """The token-by-token form; arguments as :func:`ovq_attention` (no state: start from an empty memory)."""
-    return _run(q, k, v, recurrent_forward, state, return_state, num_slots=num_slots, block_len=block_len,
-                scale=scale, threshold=threshold, slots=slots, slot_weights=slot_weights, q_mem=q_mem, k_mem=k_mem)
-
-
-def ovq_attention(q, k, v, *, num_slots: int, block_len: int | None = None, scale: float | None = None,
-                  threshold: float | None = None, slots=None, slot_weights=None, q_mem=None, k_mem=None,
-                  impl: str = "auto", state: OVQState | None = None, return_state: bool = False):
-    """Causal online codebook attention (see the module docstring for the math).
-
-    Args:
-        q, k: (B, H, T, D) window queries and keys; v: (B, H, T, Dv).
-        num_slots: S, the memory's slots.
-        block_len: L (default 64, or the state's).
-        scale: σ, multiplies q·k and q̃·k̄; defaults to D**-0.5.
-        threshold: online assignment only: a key opens a slot (while slots remain) when its squared distance to
-            every slot's mean key exceeds ``threshold`` times its squared norm. Default 0: every key not exactly on
-            a slot's mean (so the first S keys fill the memory); inf: only the first block opens slots.
-        slots: (B, H, T) integer slot of every key (given assignment), or
-        slot_weights: (B, H, T, S) non-negative weights of every key (given soft assignment, with gradients).
-        q_mem, k_mem: (B, H, T, D) the memory's queries and keys, when not q and k (e.g. without RoPE).
-        impl: "chunk", "recurrent", "naive", or "auto": recurrent for a state and at most
-            ``RECURRENT_MAX_LEN`` new tokens, chunk otherwise.
-        state: an :class:`OVQState` from an earlier call; the inputs then continue that sequence.
-        return_state: also return the state after this call.
-
-    Returns:
-        out (B, H, T, Dv) in the input dtype, or (out, state) when ``return_state``.
-    """
-    check_choice("impl", impl, IMPLS)
-    kwargs = dict(num_slots=num_slots, block_len=block_len, scale=scale, threshold=threshold, slots=slots,
-                  slot_weights=slot_weights, q_mem=q_mem, k_mem=k_mem)
-    if impl == "naive":
-        if state is not None or return_state:
-            raise ValueError("impl='naive' takes no state and returns none; use impl='chunk' or 'recurrent'")
-        return naive_ovq_attention(q, k, v, **kwargs)
-    impl = pick_form(impl, q, state=state, fused_unsupported=None)
-    form = chunk_ovq_attention if impl == "chunk" else recurrent_ovq_attention
-    return form(q, k, v, state=state, return_state=return_state, **kwargs)

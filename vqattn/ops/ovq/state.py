@@ -11,6 +11,9 @@ import torch
 
 from .._checks import check_4d, check_positive_int, check_qkv, check_same_device_dtype, compute_dtype
 from ..blocks import DEFAULT_BLOCK_LEN, Schedule, as_schedule
+from ..common.forms import FORMS
+
+IMPLS = tuple(form for form in FORMS if form != "triton")  # no fused kernel yet
 
 
 @dataclass

@@ -24,7 +24,7 @@ from ..common.statistics import Assignment
 from .assign import ASSIGNMENTS, vq_assign
 from .attention import IMPLS, chunk_vq_attention, recurrent_vq_attention, vq_attention
 from .naive import naive_vq_attention
-from .recurrent import VQState
+from .state import VQState
 
 __all__ = ["vq_attention", "chunk_vq_attention", "recurrent_vq_attention", "naive_vq_attention", "vq_assign",
            "Assignment", "VQState", "Schedule", "window_start", "ASSIGNMENTS", "IMPLS", "DEFAULT_BLOCK_LEN",

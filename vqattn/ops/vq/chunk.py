@@ -22,7 +22,6 @@ import torch
 
 from .._checks import size_max, size_min
 from ..blocks import (
-    Schedule,
     block_groups,
     blocks,
     cat_groups,
@@ -40,7 +39,7 @@ from ..nonfinite import zero_assignment_rows
 from ..common.statistics import Assignment, cat_time, code_counts, code_statistics, map_time
 from .fused import fused_causal
 from .mixture import mixture_attention
-from .recurrent import VQState
+from .state import Inputs, VQState
 from ..common.window_codes import WindowCodeInputs, window_code_attention
 
 
@@ -110,28 +109,30 @@ def _mixture_group(g: Group, carry: Carry, *, c, L: int, loop: bool):
     return out, Carry(run, carry.tail, sums)
 
 
-def _causal(q, k, v, c, a: Assignment | None, *, assign: str, L: int, scale: float, exact_window: bool, counts0,
-            sums0, assign_keys, fold_blocks: int, schedule: Schedule, window_k, window_q=None, bad=None):
-    """The block algorithm, group by group. q: (B, H, T, Dc), c: (H, S, Dc); window_k (B, H, T, D) the window's
-    keys and window_q its queries when they are not q (RoPE; Dc may then differ from D); ``a`` the keys'
-    Assignment, or None to assign each group's keys k with ``assign_keys`` (so no (T, S) tensor exists at once);
-    counts0/sums0: the cache before position 0; ``bad`` (B, H, T): the rows of ``a`` to zero (non-finite keys),
-    zeroed group by group, so that a soft assignment's (T, S) weights are never copied whole to mask them.
-    Returns out (B, H, T, Dv) and the cache after the first ``fold_blocks`` blocks."""
+def _causal(x: Inputs, *, L: int, counts0, sums0, fold_blocks: int):
+    """The block algorithm, group by group, over x (:class:`~vqattn.ops.vq.state.Inputs`): q (B, H, T, Dc),
+    codebook (H, S, Dc), the window's keys x.window_k (B, H, T, D) and its queries q_rot when they are not q (RoPE;
+    Dc may then differ from D); x.assignment the keys' Assignment, or None to assign each group's keys k (so no
+    (T, S) tensor exists at once); counts0/sums0: the cache before position 0; x.bad (B, H, T): the rows of the
+    assignment to zero (non-finite keys), zeroed group by group, so that a soft assignment's (T, S) weights are never
+    copied whole to mask them. L: the block length this call runs. Returns out (B, H, T, Dv) and the cache after the
+    first ``fold_blocks`` blocks."""
+    q, k, v, c, a, bad, scale = x.q, x.k, x.v, x.codebook, x.assignment, x.bad, x.scale
+    window_k, window_q, assign, exact_window, schedule = x.window_k, x.q_rot, x.assign, x.exact_window, x.schedule
     B, H, T, D = q.shape
     S = c.shape[1]
     # Padding sits after every real query, so the causal mask hides it; its block statistics are never read
     # because block b's cache only holds blocks ≤ b−1.
-    a = None if a is None else map_time(lambda x: pad_to_blocks(x, L), a)
+    a = None if a is None else map_time(lambda t: pad_to_blocks(t, L), a)
     nb = -(-T // L)
     mixture = assign == "soft" and not exact_window
     lag = 1 if mixture else 2
     gathered = not mixture and not exact_window  # window logits gathered at the window keys' codes (hard VQ)
     groups = block_groups(nb, block_bytes(B, H, L, S, q.element_size()), q.device, schedule.group_blocks)
-    split = lambda x: None if x is None else split_groups(pad_to_blocks(x, L), groups, L)  # noqa: E731
+    split = lambda t: None if t is None else split_groups(pad_to_blocks(t, L), groups, L)  # noqa: E731
     qs, vs, window_ks, window_qs = split(q), split(v), split(window_k), split(window_q)
     assign_ks = None if a is not None else window_ks if k is window_k else split(k)
-    a_splits, bads = None if a is None else [split(x) for x in a], split(bad)
+    a_splits, bads = None if a is None else [split(t) for t in a], split(bad)
     carry = Carry(counts0, q.new_zeros(B, H, lag, S), sums0, None if mixture else torch.zeros_like(sums0))
     outs, fold_counts, fold_sums = [], counts0, sums0
     loop = loops(schedule, q.device)
@@ -141,12 +142,12 @@ def _causal(q, k, v, c, a: Assignment | None, *, assign: str, L: int, scale: flo
     for i, (b0, b1) in enumerate(groups):
         (q_g, _), (k_g, k_before), (v_g, v_before) = qs[i], window_ks[i], vs[i]
         if a is None:
-            a_g, a_before = assign_keys(assign_ks[i][0]), (assign_keys(assign_ks[i][1]) if gathered else None)
+            a_g, a_before = x.assign_keys(assign_ks[i][0]), (x.assign_keys(assign_ks[i][1]) if gathered else None)
         else:
-            a_g, a_before = (Assignment(*parts) for parts in zip(*((None, None) if x is None else x[i]
-                                                                    for x in a_splits)))
+            a_g, a_before = (Assignment(*parts) for parts in zip(*((None, None) if t is None else t[i]
+                                                                    for t in a_splits)))
             if bads is not None:
-                a_g, a_before = (zero_assignment_rows(x, rows) for x, rows in zip((a_g, a_before), bads[i]))
+                a_g, a_before = (zero_assignment_rows(t, rows) for t, rows in zip((a_g, a_before), bads[i]))
         g = Group(q_g, k_g, v_g, a_g, k_before, v_before, a_before, b0 == 0,
                   None if window_qs is None else window_qs[i][0])
         if mixture:
@@ -156,17 +157,16 @@ def _causal(q, k, v, c, a: Assignment | None, *, assign: str, L: int, scale: flo
         outs.append(out)
         fold = size_min(size_max(fold_blocks - b0, 0), b1 - b0) * L
         if fold:
-            n, s = code_statistics(map_time(lambda x: x[:, :, :fold], a_g), v_g[:, :, :fold], S)
+            n, s = code_statistics(map_time(lambda t: t[:, :, :fold], a_g), v_g[:, :, :fold], S)
             fold_counts, fold_sums = fold_counts + n.squeeze(2), fold_sums + s.squeeze(2)
     return time_range(cat_groups(outs), 0, T), fold_counts, fold_sums
 
 
-def _fused_causal(q, k, v, c, a, *, assign, L, scale, exact_window, counts0, sums0, assign_keys, fold_blocks,
-                  schedule, window_k, window_q=None, bad=None):
-    """:func:`_causal`'s signature for :func:`.fused.fused_causal`, which has no schedule and no ``bad`` rows."""
-    assert bad is None, "the fused form takes no rows to zero: the soft mixture window runs the chunk form"
-    return fused_causal(q, k, v, c, a, L=L, scale=scale, exact_window=exact_window, counts0=counts0, sums0=sums0,
-                        fold_blocks=fold_blocks, window_k=window_k, window_q=window_q)
+def _fused_causal(x: Inputs, *, L: int, counts0, sums0, fold_blocks: int):
+    """:func:`_causal` by :func:`.fused.fused_causal`, which takes no ``bad`` rows (the soft mixture window, the
+    only kernel that would leak them, runs the chunk form)."""
+    return fused_causal(x.q, x.k, x.v, x.codebook, x.assignment, L=L, scale=x.scale, exact_window=x.exact_window,
+                        counts0=counts0, sums0=sums0, fold_blocks=fold_blocks, window_k=x.window_k, window_q=x.q_rot)
 
 
 def block_bytes(B: int, H: int, L: int, S: int, element_size: int) -> int:
@@ -174,44 +174,39 @@ def block_bytes(B: int, H: int, L: int, S: int, element_size: int) -> int:
     return B * H * L * (S + 2 * L) * element_size
 
 
-def chunk_form(q, k, v, c, a: Assignment | None, *, assign: str, state: VQState | None, block_len: int,
-                       scale: float, exact_window: bool, assign_keys, return_state: bool, schedule: Schedule,
-                       q_rot=None, k_rot=None, bad=None, fused: bool = False):
-    """Causal block algorithm over new tokens that may continue ``state``, whose raw window is re-run in front.
-    ``a``: the keys' Assignment, or None (no state) to assign group by group; q_rot, k_rot: the window's queries
-    and keys (RoPE), whose keys the state keeps; ``bad`` (B, H, T): the rows of ``a`` to zero (non-finite keys), where
-    the kernel would otherwise leak them to earlier queries; ``fused``: the blocks run in the Triton kernel
-    (:mod:`.fused`: exact or hard windows, no ``bad`` rows). Returns (out, state or None)."""
-    B, H, T, _ = q.shape
-    S, Dv, L = c.shape[1], v.shape[-1], block_len
-    window_k = k if k_rot is None else k_rot
-    if assign != "soft" or exact_window:
+def chunk_form(x: Inputs, state: VQState | None, *, return_state: bool, fused: bool = False):
+    """Causal block algorithm over x (:class:`~vqattn.ops.vq.state.Inputs`), new tokens that may continue ``state``,
+    whose raw window is re-run in front (a state keeps the window's keys: k_rot with RoPE). ``fused``: the blocks run
+    in the Triton kernel (:mod:`.fused`: exact or hard windows). Returns (out, state or None)."""
+    B, H, T, _ = x.q.shape
+    S, Dv, L = x.codebook.shape[1], x.v.shape[-1], x.block_len
+    if x.assign != "soft" or x.exact_window:
         # Only the mixture's window logits read a key's weights directly. Everywhere else they reach the cache
         # alone, which only the queries that see the key read, and the poison makes those NaN anyway.
-        bad = None
+        x = x._replace(bad=None)
     if state is None:
-        start, counts0, sums0 = 0, c.new_zeros(B, H, S), c.new_zeros(B, H, S, Dv)  # float32 for a fused half q
+        start = 0
+        counts0, sums0 = x.codebook.new_zeros(B, H, S), x.codebook.new_zeros(B, H, S, Dv)  # float32 for a fused q
     else:
         start, counts0, sums0 = state.length - state.keys.shape[2], state.counts, state.sums
-        if q_rot is not None:
-            q_rot = prepend_window(q_rot, k_rot, v, state.keys, state.values)[0]
-        q, window_k, v = prepend_window(q, window_k, v, state.keys, state.values)
+        q_rot = None if x.q_rot is None else prepend_window(x.q_rot, x.k_rot, x.v, state.keys, state.values)[0]
+        q, window_k, v = prepend_window(x.q, x.window_k, x.v, state.keys, state.values)
         # the keys come assigned: only the window's keys are read
-        k, a, bad = None, cat_time(state.assignment, zero_assignment_rows(a, bad)), None
+        keys = dict(k_rot=window_k, k=None) if x.k_rot is not None else dict(k=window_k)
+        x = x._replace(q=q, v=v, q_rot=q_rot, bad=None, **keys,
+                       assignment=cat_time(state.assignment, zero_assignment_rows(x.assignment, x.bad)))
     # Short sequences fit in one block; a shorter block gives the same result with less padding.
-    L_run = L if state is not None or return_state else size_min(L, v.shape[2])
-    length = start + v.shape[2]
+    L_run = L if state is not None or return_state else size_min(L, x.v.shape[2])
+    length = start + x.v.shape[2]
     keep = window_start(length, L) - start  # positions leaving the raw window: whole blocks
     causal = _causal
     if fused:
-        a = assign_keys(k) if a is None else a
+        x = x._replace(assignment=x.assign_keys(x.k) if x.assignment is None else x.assignment)
         causal, L_run = _fused_causal, L
-    out, counts, sums = causal(q, k, v, c, a, assign=assign, L=L_run, scale=scale, exact_window=exact_window,
-                                counts0=counts0, sums0=sums0, assign_keys=assign_keys,
-                                fold_blocks=keep // L if return_state else 0, schedule=schedule, window_q=q_rot,
-                                window_k=window_k, bad=bad)
+    out, counts, sums = causal(x, L=L_run, counts0=counts0, sums0=sums0, fold_blocks=keep // L if return_state else 0)
     out = time_range(out, out.shape[2] - T, out.shape[2])
     if not return_state:
         return out, None
-    window = assign_keys(k[:, :, keep:]) if a is None else map_time(lambda x: window_tail(x, keep), a)
-    return out, VQState(counts, sums, window_tail(window_k, keep), window_tail(v, keep), length, L, window)
+    a = x.assignment
+    window = x.assign_keys(x.k[:, :, keep:]) if a is None else map_time(lambda w: window_tail(w, keep), a)
+    return out, VQState(counts, sums, window_tail(x.window_k, keep), window_tail(x.v, keep), length, L, window)

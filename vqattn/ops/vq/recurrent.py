@@ -9,45 +9,13 @@ rounding (tested in float64).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-
 import torch
 
 from ..blocks import attend_one, window_start, window_tail
 from ..common.statistics import Assignment, cat_time, code_means, code_statistics, log_counts, map_time
+from ..nonfinite import zero_assignment_rows
 from .assign import mixture_logits
-
-
-@dataclass
-class VQState:
-    """Recurrent state of causal :func:`vq_attention` after ``length`` tokens.
-
-    Positions before ``window_start(length, block_len)`` are compressed into ``counts`` (B, H, S) and value
-    ``sums`` (B, H, S, Dv); positions from there on are kept raw in ``keys`` (B, H, W, D), ``values``
-    (B, H, W, Dv) and their ``assignment`` (W < 2·block_len positions). Its size is constant in the length.
-    """
-
-    counts: torch.Tensor
-    sums: torch.Tensor
-    keys: torch.Tensor
-    values: torch.Tensor
-    length: int
-    block_len: int
-    assignment: Assignment
-
-    def to(self, dtype: torch.dtype) -> "VQState":
-        cast = lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
-        values = {f.name: cast(getattr(self, f.name)) for f in fields(self) if f.name != "assignment"}
-        return VQState(**values, assignment=map_time(cast, self.assignment))
-
-    @classmethod
-    def empty(cls, k: torch.Tensor, v: torch.Tensor, num_codes: int, block_len: int, assign: str) -> "VQState":
-        """The state before the first token, for keys (B, H, ·, D) and values (B, H, ·, Dv)."""
-        B, H, _, D = k.shape
-        index = k.new_zeros(B, H, 0, dtype=torch.long) if assign == "hard" else None
-        weights = None if assign == "hard" else k.new_zeros(B, H, 0, num_codes)
-        return cls(k.new_zeros(B, H, num_codes), v.new_zeros(B, H, num_codes, v.shape[-1]), k.new_zeros(B, H, 0, D),
-                   v.new_zeros(B, H, 0, v.shape[-1]), 0, block_len, Assignment(weights, index))
+from .state import Inputs, VQState
 
 
 def _window_logits(q, keys, c, window: Assignment, code_logits, exact_window: bool):
@@ -82,16 +50,18 @@ def _step(q, k, v, c, a: Assignment, state: VQState, *, scale, exact_window, q_w
                         map_time(lambda x: window_tail(x, drop), window))
 
 
-def recurrent_form(q, k, v, c, a: Assignment, *, state: VQState, scale, exact_window, q_rot=None,
-                           k_rot=None):
-    """Token-by-token vq_attention continuing ``state``: q, k (B, H, T, D), v (B, H, T, Dv), c (H, S, D), ``a``
-    the new keys' Assignment; q_rot, k_rot the window's queries and keys (RoPE), with which q and c may have
-    another width Dc (they score only the codes). Returns out (B, H, T, Dv) and the state after the last token."""
-    outs, window_k = [], k if k_rot is None else k_rot
-    for t in range(q.shape[2]):
+def recurrent_form(x: Inputs, state: VQState | None):
+    """Token-by-token vq_attention of x (:class:`~vqattn.ops.vq.state.Inputs`, keys assigned) continuing ``state``
+    (None: an empty one). With q_rot, k_rot (RoPE) the window scores them, and q and the codebook may have another
+    width Dc (they score only the codes). Returns out (B, H, T, Dv) and the state after the last token."""
+    if state is None:
+        state = VQState.empty(x.window_k, x.v, x.codebook.shape[1], x.block_len, x.assign)
+    a = zero_assignment_rows(x.assignment, x.bad)
+    outs = []
+    for t in range(x.q.shape[2]):
         token = slice(t, t + 1)
-        out, state = _step(q[:, :, token], window_k[:, :, token], v[:, :, token], c,
-                           map_time(lambda x: x[:, :, token], a), state, scale=scale, exact_window=exact_window,
-                           q_window=None if q_rot is None else q_rot[:, :, token])
+        out, state = _step(x.q[:, :, token], x.window_k[:, :, token], x.v[:, :, token], x.codebook,
+                           map_time(lambda w: w[:, :, token], a), state, scale=x.scale, exact_window=x.exact_window,
+                           q_window=None if x.q_rot is None else x.q_rot[:, :, token])
         outs.append(out)
     return torch.cat(outs, 2), state
