@@ -174,6 +174,21 @@ def read_checkpoint(path: str | Path) -> dict:
     return checkpoint
 
 
+def load_model(path: str | Path, device: str | torch.device = "cpu") -> GPT:
+    """The GPT of the trainer checkpoint at ``path``, in eval mode on ``device``: its GPTConfig from the
+    checkpoint's hyper_parameters["model"], its tensors from the state_dict's ``model.`` entries (LitLM.model).
+    A one-line ValueError for a file that is not such a checkpoint."""
+    checkpoint = read_checkpoint(path)
+    fields_ = checkpoint.get("hyper_parameters", {}).get("model")
+    state = {k.removeprefix("model."): v for k, v in checkpoint["state_dict"].items() if k.startswith("model.")}
+    if not isinstance(fields_, dict) or not state:
+        raise ValueError(f"{str(path)!r} is not a vqattn trainer checkpoint (no model config in its hyper_parameters "
+                         "or no model.* tensors in its state_dict)")
+    model = GPT(model_config(fields_))
+    model.load_state_dict(state)
+    return model.to(device).eval()
+
+
 class LitLM(L.LightningModule):
     """Args:
         model: GPTConfig keyword arguments (a plain dict, so it is saved in the checkpoint's hyperparameters).

@@ -1,0 +1,67 @@
+"""python -m vqattn.train.length_eval: streamed bits per byte by absolute position, on tiny models."""
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model_helpers import tiny_model
+
+pytest.importorskip("lightning")
+from vqattn.train.length_eval import bucket_edges, length_eval, main, stream_bits  # noqa: E402
+
+
+def test_buckets_double_and_end_at_the_stream_length():
+    assert bucket_edges(64, 16) == [0, 64, 128, 256, 512, 1024]
+    assert bucket_edges(64, 5) == [0, 64, 128, 256, 320]
+    assert bucket_edges(10, 1) == [0, 10]
+
+
+@pytest.mark.parametrize("name", ["window", "vq_hard", "ovq", "softmax"])
+def test_streamed_bits_equal_one_forward_over_the_whole_stream(name):
+    """Segments of T with the carried state read exactly what one call over the whole stream reads (length 41: the
+    last segment is partial)."""
+    torch.manual_seed(0)
+    model = tiny_model(name).eval()
+    streams = torch.randint(0, 17, (2, 42), dtype=torch.uint8)  # tiny_model has 17 tokens
+    bits = stream_bits(model, streams, model.config.seq_len)
+    idx = streams.long()
+    logits = model(idx[:, :-1]).logits.double()
+    expected = F.cross_entropy(logits.transpose(1, 2), idx[:, 1:], reduction="none") / math.log(2)
+    torch.testing.assert_close(bits, expected, rtol=1e-10, atol=1e-10)
+
+
+def test_length_eval_reports_one_bpb_per_bucket_and_refuses_what_it_cannot_read():
+    torch.manual_seed(0)
+    model = tiny_model("vq_soft").eval()
+    T = model.config.seq_len
+    text = bytes(range(17)) * 60  # the tiny models read 17 tokens
+    result = length_eval(model, text, multiple=4, streams=3)
+    assert result["edges"] == [0, T, 2 * T, 4 * T] and len(result["bpb"]) == 3
+    assert all(0 < x < 20 for x in result["bpb"])
+    with pytest.raises(ValueError, match="learned absolute positions"):
+        length_eval(tiny_model("window", pos_emb="learned"), text)
+    with pytest.raises(ValueError, match="held-out text has 100 bytes"):
+        length_eval(model, bytes(100), multiple=16)
+    with pytest.raises(ValueError, match="streams must be a positive int"):
+        length_eval(model, text, streams=0)
+
+
+def test_command_writes_the_table_json_and_plot(tmp_path, capsys):
+    torch.manual_seed(0)
+    model = tiny_model("ovq")
+    torch.save({"global_step": 3, "hyper_parameters": {"model": dataclasses.asdict(model.config)},
+                "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}}, tmp_path / "last.ckpt")
+    (tmp_path / "held_out.txt").write_bytes(bytes(range(17)) * 30)
+    out = tmp_path / "eval"
+    assert main([str(tmp_path / "last.ckpt"), "--multiple", "4", "--streams", "2", "--text",
+                 str(tmp_path / "held_out.txt"), "--out", str(out)]) == 0
+    result = json.loads((out / "length_eval.json").read_text())
+    assert result["attention"] == "ovq" and len(result["bpb"]) == 3
+    assert (out / "length_eval.png").stat().st_size > 0
+    assert "| ovq |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([str(out / "length_eval.json")])  # not a checkpoint: argparse's one-line error, exit status 2
