@@ -19,26 +19,14 @@ from .configuration import VQAttnConfig
 from .modeling import VQAttnForCausalLM
 from .tokenizer import VQAttnByteTokenizer
 
-PREFIX = "model."  # LitLM.model
-
-
 def load_checkpoint(path: str | Path) -> VQAttnForCausalLM:
     """The model of the trainer checkpoint at ``path`` (eval mode), or a one-line ValueError when the file is not
     a vqattn trainer checkpoint."""
-    from ..train.lit import model_config, read_checkpoint  # the train extra: Lightning checkpoints
+    from ..train.lit import load_model  # the train extra: Lightning checkpoints
 
-    checkpoint = read_checkpoint(path)
-    model_fields = checkpoint.get("hyper_parameters", {}).get("model")
-    state = {key[len(PREFIX):]: value for key, value in checkpoint["state_dict"].items() if key.startswith(PREFIX)}
-    if not isinstance(model_fields, dict) or not state:
-        raise ValueError(f"{str(path)!r} is not a vqattn trainer checkpoint (no model config in its hyper_parameters "
-                         f"or no {PREFIX}* tensors in its state_dict)")
-    model = VQAttnForCausalLM(VQAttnConfig.from_gpt_config(model_config(model_fields)))
-    try:
-        model.model.load_state_dict(state)
-    except RuntimeError as err:  # missing / unexpected / misshapen tensors
-        raise ValueError(f"{str(path)!r}: its tensors do not fit its model config: "
-                         f"{' '.join(str(err).split())}") from None
+    gpt = load_model(path)
+    model = VQAttnForCausalLM(VQAttnConfig.from_gpt_config(gpt.config))
+    model.model.load_state_dict(gpt.state_dict())  # every tensor, the feature maps' draws included
     return model.eval()
 
 

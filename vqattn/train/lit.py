@@ -185,7 +185,11 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> GPT:
         raise ValueError(f"{str(path)!r} is not a vqattn trainer checkpoint (no model config in its hyper_parameters "
                          "or no model.* tensors in its state_dict)")
     model = GPT(model_config(fields_))
-    model.load_state_dict(state)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as err:  # missing / unexpected / misshapen tensors
+        raise ValueError(f"{str(path)!r}: its tensors do not fit its model config: "
+                         f"{' '.join(str(err).split())}") from None
     return model.to(device).eval()
 
 

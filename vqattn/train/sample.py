@@ -19,12 +19,11 @@ def sample(ckpt: str | Path, prompt: str, max_new_tokens: int, *, temperature: f
            top_k: int | None = None, num_samples: int = 1, seed: int | None = None,
            device: str = "cpu") -> list[str]:
     """Continue ``prompt`` ``num_samples`` times with the model in ``ckpt``; returns prompt + continuation texts."""
-    from .lit import LitLM, read_checkpoint
+    from .lit import load_model
 
     if not prompt:
         raise ValueError("prompt must not be empty (the model needs at least one byte to condition on)")
-    read_checkpoint(ckpt)  # a one-line error for a missing or invalid file
-    model = LitLM.load_from_checkpoint(ckpt, map_location=device, weights_only=True).model.eval()
+    model = load_model(ckpt, device)  # a one-line error for a missing or invalid file
     if seed is not None:
         torch.manual_seed(seed)  # after loading, so nothing the checkpoint restores can override it
     idx = torch.tensor([list(prompt.encode())] * num_samples, dtype=torch.long, device=device)  # (N, T)
