@@ -9,56 +9,13 @@ import pytest
 import torch
 
 from references import ref_window_attention
+from triton_helpers import DEVICE, compare, leaves, nan_empty, needs_triton, rel_rms  # noqa: F401 (a fixture)
 from vqattn.layers import build_attention
-from vqattn.ops.triton import INTERPRET, triton
 from vqattn.ops.vq import Assignment, naive_vq_attention, vq_assign, vq_attention
 from vqattn.ops.window import window_attention
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.skipif(triton is None or (DEVICE == "cpu" and not INTERPRET),
-                                reason="needs triton, and a GPU or TRITON_INTERPRET=1")
+pytestmark = [needs_triton, pytest.mark.usefixtures("nan_empty")]
 B, H, D, DV, S, L = 2, 2, 16, 8, 24, 32
-
-
-@pytest.fixture(autouse=True)
-def nan_empty(monkeypatch):
-    """torch.empty filled with NaN, so that a kernel that leaves part of a buffer unwritten shows up."""
-    empty = torch.empty
-
-    def filled(*args, **kwargs):
-        x = empty(*args, **kwargs)
-        return x.fill_(float("nan")) if x.is_floating_point() else x
-
-    monkeypatch.setattr(torch, "empty", filled)
-
-
-def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖x − ref‖ / ‖ref‖, relative RMS error; a reference of RMS under 0.01 (a gradient that is exactly zero) counts
-    as of RMS 0.01."""
-    x, ref = x.detach().double().cpu(), ref.detach().double().cpu()
-    assert torch.isfinite(x).all()
-    return ((x - ref).norm() / ref.norm().clamp_min(0.01 * ref.numel() ** 0.5)).item()
-
-
-def leaves(*shapes, scale=1.0, generator=None):
-    return [(torch.randn(*s, dtype=torch.float64, generator=generator) * scale).requires_grad_() for s in shapes]
-
-
-def compare(fn_ref, fn_fast, inputs, dtype=torch.float32, tol=1e-5):
-    """fn_ref(*float64 CPU inputs) and fn_fast(*inputs in dtype on DEVICE): outputs and the gradients of every
-    input for one random output gradient, within ``tol`` relative RMS."""
-    ref = fn_ref(*inputs)
-    grad = torch.randn_like(ref)
-    ref_grads = torch.autograd.grad(ref, inputs, grad, allow_unused=True)
-    fast_inputs = [x.detach().to(DEVICE, dtype).requires_grad_() for x in inputs]
-    out = fn_fast(*fast_inputs)
-    assert out.dtype == dtype and out.device.type == DEVICE
-    grads = torch.autograd.grad(out, fast_inputs, grad.to(DEVICE, dtype), allow_unused=True)
-    assert rel_rms(out, ref) < tol
-    for i, (g, r) in enumerate(zip(grads, ref_grads)):
-        r = torch.zeros_like(inputs[i]) if r is None else r
-        g = torch.zeros_like(fast_inputs[i]) if g is None else g
-        assert rel_rms(g, r) < 10 * tol, f"gradient of input {i}"
 
 
 @pytest.mark.parametrize("T", [1, 20, 64, 100])

@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
+import functools
+
 from .._checks import check_choice
 from ..common.forms import pick_form
 from ..precision import autocast_off
 from .chunk import chunk_forward
 from .naive import naive_ovq_attention
 from .recurrent import recurrent_forward
-from .state import IMPLS, OVQState, prepare
+from .state import IMPLS, OVQState, fused_unsupported, prepare
 
 __all__ = ["ovq_attention", "chunk_ovq_attention", "recurrent_ovq_attention", "IMPLS"]
 
 
 @autocast_off
-def _run(q, k, v, form, state, return_state, **kwargs):
-    x = prepare(q, k, v, state=state, **kwargs)
-    out, new_state = form(x, None if state is None else state.to(x.q.dtype), return_state)
+def _run(q, k, v, form, state, return_state, fused=False, **kwargs):
+    x = prepare(q, k, v, state=state, fused=fused, **kwargs)
+    out, new_state = form(x, None if state is None else state.to(x.dtype), return_state)
     return (out.to(q.dtype), new_state) if return_state else out.to(q.dtype)
 
 
@@ -55,8 +57,11 @@ def ovq_attention(q, k, v, *, num_slots: int, block_len: int | None = None, scal
         slots: (B, H, T) integer slot of every key (given assignment), or
         slot_weights: (B, H, T, S) non-negative weights of every key (given soft assignment, with gradients).
         q_mem, k_mem: (B, H, T, D) the memory's queries and keys, when not q and k (e.g. without RoPE).
-        impl: "chunk", "recurrent", "naive", or "auto": recurrent for a state and at most
-            ``RECURRENT_MAX_LEN`` new tokens, chunk otherwise.
+        impl: "chunk", "recurrent", "naive", "triton" (the chunk form's online assignment and attention as
+            Triton kernels, forward and backward: CUDA tensors, or the CPU under ``TRITON_INTERPRET=1``; float32 or
+            half precision, block_len a power of two from 16 to 128), or "auto": recurrent for a state and at most
+            ``RECURRENT_MAX_LEN`` new tokens, triton for other CUDA calls it supports, chunk otherwise
+            (:func:`~vqattn.ops.common.forms.pick_form`).
         state: an :class:`OVQState` from an earlier call; the inputs then continue that sequence.
         return_state: also return the state after this call.
 
@@ -70,6 +75,9 @@ def ovq_attention(q, k, v, *, num_slots: int, block_len: int | None = None, scal
         if state is not None or return_state:
             raise ValueError("impl='naive' takes no state and returns none; use impl='chunk' or 'recurrent'")
         return naive_ovq_attention(q, k, v, **kwargs)
-    impl = pick_form(impl, q, state=state, fused_unsupported=None)
+    impl = pick_form(impl, q, state=state, fused_unsupported=lambda: fused_unsupported(q, v, block_len, state))
+    if impl == "triton":
+        return _run(q, k, v, functools.partial(chunk_forward, fused=True), state, return_state, fused=True,
+                    **kwargs)
     form = chunk_ovq_attention if impl == "chunk" else recurrent_ovq_attention
     return form(q, k, v, state=state, return_state=return_state, **kwargs)

@@ -4,8 +4,13 @@ Every block's queries attend at once through the block kernel of codebook attent
 (:class:`~vqattn.ops.common.window_codes.WindowCodeAttention`): one softmax over the window logits (nb, L, 2L) and the
 slot logits (nb, L, S), with the slots' value sums read from one running cache (in blocks on CPU, as for
 ``vq_attention``). The slot logits σ q̃·k̄_s are the kernel's code logits with one codebook per block, the slot
-means k̄ = K / n of every block's memory (nb, S, D): one prefix sum over the blocks' statistics. Only the online assignment runs block after block, without gradient.
-Time O(T·(L + S)·D), memory O(T·(L + S) + (T/L)·S·D): no T×T tensor.
+means k̄ = K / n of every block's memory (nb, S, D): one prefix sum over the blocks' statistics. Only the online
+assignment runs block after block, without gradient. Time O(T·(L + S)·D), memory O(T·(L + S) + (T/L)·S·D): no T×T
+tensor.
+
+The Triton form (``fused``) is this algorithm with the online assignment
+(:func:`~vqattn.ops.triton.online_slots.fused_online_slots`) and the attention
+(:func:`~vqattn.ops.ovq.fused.fused_memory_attention`) as kernels.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import torch
 from ..blocks import blocks, group_windows, loops, pad_to_blocks, window_bias, window_start, window_tail
 from ..common.statistics import Assignment, code_statistics
 from ..common.window_codes import WindowCodeInputs, window_code_attention
+from ..triton.online_slots import fused_online_slots
+from .fused import fused_memory_attention
 from .memory import lagged_sum, online_slots, statistics
 from .state import Inputs, OVQState
 
@@ -23,7 +30,7 @@ def _with_prefix(x: Inputs, state: OVQState) -> Inputs:
     """The state's raw window (block-aligned) in front of the new tokens; its queries are zeros (outputs
     dropped)."""
     def cat(before, now):
-        return now if before is None else torch.cat([before, now], 2)
+        return now if before is None else torch.cat([before.to(now.dtype), now], 2)
 
     zeros = x.q.new_zeros(*x.q.shape[:2], state.keys.shape[2], x.q.shape[-1])
     return x._replace(q=cat(zeros, x.q), q_mem=cat(zeros, x.q_mem), k=cat(state.keys, x.k), v=cat(state.values, x.v),
@@ -31,14 +38,16 @@ def _with_prefix(x: Inputs, state: OVQState) -> Inputs:
                       slots=cat(state.slots, x.slots), slot_weights=cat(state.slot_weights, x.slot_weights))
 
 
-def chunk_forward(x: Inputs, state: OVQState | None, return_state: bool) -> tuple[torch.Tensor, OVQState | None]:
-    """out (B, H, T, Dv) of the inputs continuing ``state`` (None: a fresh sequence), and the state after them."""
-    B, H, T, D = x.q.shape
-    L, S, Dv = x.block_len, x.num_slots, x.v.shape[-1]
+def chunk_forward(x: Inputs, state: OVQState | None, return_state: bool,
+                  fused: bool = False) -> tuple[torch.Tensor, OVQState | None]:
+    """out (B, H, T, Dv) of the inputs continuing ``state`` (None: a fresh sequence), and the state after them;
+    ``fused``: the assignment and the attention run as Triton kernels."""
+    T = x.q.shape[2]
+    L, S = x.block_len, x.num_slots
     shared_queries = x.q_mem is x.q  # then one product serves the window and the slots (and their gradients)
     start = 0
     if state is None:
-        state = OVQState.empty(x.q, x.v, S, L, memory_keys=False, slots=False, slot_weights=False)
+        state = OVQState.empty(x.q, x.v, S, L, memory_keys=False, slots=False, slot_weights=False).to(x.dtype)
     else:
         start, x = state.length - state.keys.shape[2], _with_prefix(x, state)
     length = start + x.k.shape[2]
@@ -46,9 +55,30 @@ def chunk_forward(x: Inputs, state: OVQState | None, return_state: bool) -> tupl
     # two or more later, so the padded last block's are never read, and only whole blocks enter a state.
     pad = lambda t: None if t is None else pad_to_blocks(t, L)  # noqa: E731
     q, k, v, q_mem, k_mem, weights, slots = map(pad, (x.q, x.k, x.v, x.q_mem, x.k_mem, x.slot_weights, x.slots))
-    nb = q.shape[2] // L
     if slots is None and weights is None:
-        slots = online_slots(k_mem, state.counts, state.key_sums, L, x.threshold)
+        slots = (fused_online_slots if fused else online_slots)(k_mem, state.counts, state.key_sums, L, x.threshold)
+    if fused:
+        out = fused_memory_attention(x, state, q, k, v, q_mem, k_mem, slots, weights)
+    else:
+        out = _block_attention(x, state, q, k, v, q_mem, k_mem, slots, weights, shared_queries)
+    out = out[:, :, x.k.shape[2] - T : x.k.shape[2]]
+    if not return_state:
+        return out, None
+    keep = window_start(length, L) - start  # whole blocks leave the raw window
+    head = lambda t: None if t is None else t[:, :, :keep]  # noqa: E731
+    n, keys, values = statistics(head(slots), head(weights), head(k_mem).to(x.dtype), head(v).to(x.dtype), S)
+    raw = lambda t: window_tail(t, keep)  # noqa: E731
+    return out, OVQState(state.counts + n, state.key_sums + keys, state.value_sums + values, raw(x.k),
+                         raw(x.v), raw(x.k_mem) if x.separate_keys else None, raw(x.slots), raw(x.slot_weights),
+                         length, L)
+
+
+def _block_attention(x: Inputs, state: OVQState, q, k, v, q_mem, k_mem, slots, weights,
+                     shared_queries: bool) -> torch.Tensor:
+    """out (B, H, T, Dv) of block-padded inputs (T = nb·L) whose keys go to ``slots`` or with ``weights``, after
+    the memory of ``state``: the PyTorch block kernel."""
+    (B, H, _, D), L, S, Dv = q.shape, x.block_len, x.num_slots, v.shape[-1]
+    nb = q.shape[2] // L
     counts, key_sums = code_statistics(Assignment(weights, slots), k_mem, S, nb)  # (B, H, nb, S), (.., S, D)
     # Block b reads the memory of blocks ≤ b − 2 on top of the state's: counts and key sums here, value sums in
     # the kernel's running cache, which takes in block b − 1 after block b.
@@ -63,14 +93,4 @@ def chunk_forward(x: Inputs, state: OVQState | None, return_state: bool) -> tupl
         add_weights=None if weights is None else blocks(weights, L), pending=torch.zeros_like(state.value_sums),
         codebook=key_means,
         window_queries=None if shared_queries else blocks(q * x.scale, L))
-    out = window_code_attention(inputs, loop)[0]
-    out = out[:, :, x.k.shape[2] - T : x.k.shape[2]]
-    if not return_state:
-        return out, None
-    keep = window_start(length, L) - start  # whole blocks leave the raw window
-    head = lambda t: None if t is None else t[:, :, :keep]  # noqa: E731
-    n, keys, values = statistics(head(slots), head(weights), head(k_mem), head(v), S)
-    raw = lambda t: window_tail(t, keep)  # noqa: E731
-    return out, OVQState(state.counts + n, state.key_sums + keys, state.value_sums + values, raw(x.k),
-                         raw(x.v), raw(x.k_mem) if x.separate_keys else None, raw(x.slots), raw(x.slot_weights),
-                         length, L)
+    return window_code_attention(inputs, loop)[0]

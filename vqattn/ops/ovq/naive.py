@@ -76,3 +76,22 @@ def naive_ovq_attention(q, k, v, *, num_slots: int, block_len: int | None = None
         outs.append((p[..., :W].unsqueeze(-2) @ x.v[:, :, window]).squeeze(-2)
                     + (p[..., W:].unsqueeze(-2) @ value_means).squeeze(-2))
     return torch.stack(outs, 2).to(q.dtype)
+
+
+def naive_online_slots(memory_keys: torch.Tensor, num_slots: int, block_len: int, threshold: float) -> torch.Tensor:
+    """The slots that the definition's online assignment gives memory keys (B, H, T, D) from an empty memory: block
+    after block, each against the memory of the blocks before it -> (B, H, T) long. For checking the fast forms."""
+    B, H, T, D = memory_keys.shape
+    counts = memory_keys.new_zeros(B, H, num_slots)
+    key_sums = memory_keys.new_zeros(B, H, num_slots, D)
+    out = torch.empty(B, H, T, dtype=torch.long)
+    for start in range(0, T, block_len):
+        for b in range(B):
+            for h in range(H):
+                keys = memory_keys[b, h, start : start + block_len]
+                slots = _assign_online(keys, counts[b, h], key_sums[b, h], threshold)
+                out[b, h, start : start + block_len] = torch.tensor(slots)
+                for key, slot in zip(keys, slots):
+                    counts[b, h, slot] += 1
+                    key_sums[b, h, slot] += key
+    return out.to(memory_keys.device)

@@ -12,8 +12,10 @@ import torch
 from .._checks import check_4d, check_positive_int, check_qkv, check_same_device_dtype, compute_dtype
 from ..blocks import DEFAULT_BLOCK_LEN, Schedule, as_schedule
 from ..common.forms import FORMS
+from ..triton import require_triton
+from ..triton.window_codes import unsupported
 
-IMPLS = tuple(form for form in FORMS if form != "triton")  # no fused kernel yet
+IMPLS = FORMS
 
 
 @dataclass
@@ -61,8 +63,9 @@ class OVQState:
 
 
 class Inputs(NamedTuple):
-    """Validated inputs in the compute dtype. q, k: (B, H, T, D) window query/keys; q_mem, k_mem: (B, H, T, D)
-    memory query/keys; v: (B, H, T, Dv); slots (B, H, T) long or slot_weights (B, H, T, S) for a given
+    """Validated inputs. q, k: (B, H, T, D) window query/keys; q_mem, k_mem: (B, H, T, D) memory query/keys;
+    v: (B, H, T, Dv), in the compute ``dtype`` (for the Triton form: as given, half precision included, which its
+    kernels accumulate in float32); slots (B, H, T) long or slot_weights (B, H, T, S) (in ``dtype``) for a given
     assignment, both None for the online one; S slots, block length L, scale σ, novelty threshold."""
 
     q: torch.Tensor
@@ -78,6 +81,7 @@ class Inputs(NamedTuple):
     threshold: float
     separate_keys: bool  # whether k_mem was given (then the state keeps it)
     schedule: Schedule  # how the chunked form reads the slots' value sums (never what it computes)
+    dtype: torch.dtype  # of the memory's statistics and the state: float32 for half precision, else the inputs'
 
 
 def _check_threshold(threshold, online: bool) -> float:
@@ -133,10 +137,24 @@ def _check_state(state, inputs: dict, S: int, block_len) -> None:
                              f"{'with' if getattr(state, given) is not None else 'without'} it")
 
 
+def fused_unsupported(q, v, block_len, state) -> str | None:
+    """Why the Triton form cannot compute this call, or None (:func:`~vqattn.ops.triton.window_codes.unsupported`)."""
+    L = block_len or (state.block_len if isinstance(state, OVQState) else DEFAULT_BLOCK_LEN)
+    return unsupported(L, (q.shape[-1], v.shape[-1]), q.dtype)
+
+
+def _check_triton(q, v, block_len, state) -> None:
+    require_triton(q)
+    reason = fused_unsupported(q, v, block_len, state)
+    if reason is not None:
+        raise ValueError(reason)
+
+
 def prepare(q, k, v, *, num_slots, block_len, scale, threshold, slots, slot_weights, q_mem, k_mem,
-            state, schedule="auto") -> Inputs:
+            state, schedule="auto", fused=False) -> Inputs:
     """Validate every argument (ValueError naming it) and cast the tensors to the compute dtype (float32 for half
-    precision, float64 stays float64). Call with autocast off."""
+    precision, float64 stays float64), or for the Triton form (``fused``) keep q, k, v, q_mem, k_mem as they are.
+    Call with autocast off."""
     check_qkv(q, k, v, causal=True)
     check_positive_int("num_slots", num_slots)
     if block_len is not None:
@@ -154,10 +172,13 @@ def prepare(q, k, v, *, num_slots, block_len, scale, threshold, slots, slot_weig
     given = dict(k=k, v=v, k_mem=k_mem, slots=slots, slot_weights=slot_weights)
     if state is not None:
         _check_state(state, given, num_slots, block_len)
+    if fused:
+        _check_triton(q, v, block_len, state)
     L = block_len or (state.block_len if state is not None else DEFAULT_BLOCK_LEN)
     dtype = compute_dtype(q.dtype)
     cast = (lambda x: None if x is None else x.to(dtype))  # noqa: E731
-    q, k, v = cast(q), cast(k), cast(v)
-    return Inputs(q, k, v, q if q_mem is None else cast(q_mem), k if k_mem is None else cast(k_mem), slots,
+    keep = (lambda x: x) if fused else cast  # noqa: E731
+    q, k, v = keep(q), keep(k), keep(v)
+    return Inputs(q, k, v, q if q_mem is None else keep(q_mem), k if k_mem is None else keep(k_mem), slots,
                   cast(slot_weights), num_slots, L, q.shape[-1] ** -0.5 if scale is None else float(scale),
-                  threshold, k_mem is not None, as_schedule(schedule))
+                  threshold, k_mem is not None, as_schedule(schedule), dtype)

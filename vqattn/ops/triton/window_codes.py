@@ -70,16 +70,17 @@ if triton is not None:
         return tl.where(visible, s, float("-inf"))
 
     @triton.jit
-    def _code_tile(CB, CNT, SUM, bh, h, blk, nb, s0, S, DC, DV, qc, scale, BS: tl.constexpr, BDC: tl.constexpr,
+    def _code_tile(CB, CNT, SUM, book, cache, s0, S, DC, DV, qc, scale, BS: tl.constexpr, BDC: tl.constexpr,
                    BDV: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
-        """Codes s0..s0+BS of block ``blk``'s cache: their logits σ qc·c_s + log n_s (L, BS) (−inf for empty and
-        absent codes), the codes (BS, BDC), their counts (BS,) and their means C_s / n_s (BS, BDV) as DOT."""
+        """Codes s0..s0+BS of codebook ``book`` (a row of the (·, S, DC) codebook: the head's, or the block's own)
+        read with cache ``cache`` (a row of the (·, S) counts and (·, S, DV) sums): their logits σ qc·c_s + log n_s
+        (rows, BS) (−inf for empty and absent codes), the codes (BS, BDC), their counts (BS,) and their means
+        C_s / n_s (BS, BDV) as DOT."""
         codes = s0 + tl.arange(0, BS)
         present = codes < S
         dc, dv = tl.arange(0, BDC), tl.arange(0, BDV)
-        c = tl.load(CB + (h * S + codes[:, None]) * DC + dc[None, :],
+        c = tl.load(CB + (book * S + codes[:, None]) * DC + dc[None, :],
                     mask=present[:, None] & (dc[None, :] < DC), other=0.0).to(DOT)
-        cache = bh * nb + blk
         n = tl.load(CNT + cache * S + codes, mask=present, other=0.0)
         sums = tl.load(SUM + (cache * S + codes[:, None]) * DV + dv[None, :],
                        mask=present[:, None] & (dv[None, :] < DV), other=0.0)
@@ -108,7 +109,8 @@ if triton is not None:
                         so_b, so_h, so_t,
                         H, T, S, D, DC, DV, scale,
                         L: tl.constexpr, BD: tl.constexpr, BDC: tl.constexpr, BDV: tl.constexpr,
-                        BS: tl.constexpr, HAS_CODES: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+                        BS: tl.constexpr, HAS_CODES: tl.constexpr, PER_BLOCK: tl.constexpr, DOT: tl.constexpr,
+                        PREC: tl.constexpr):
         blk, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // H, bh % H
         nb = tl.cdiv(T, L)
@@ -126,8 +128,10 @@ if triton is not None:
                                              PREC)
         if HAS_CODES:
             qc = _load_rows(QC, sqc_b, sqc_h, sqc_t, b, h, rows, T, DC, BDC, DOT)
+            cache = bh * nb + blk
+            book = cache if PER_BLOCK else h
             for s0 in range(0, S, BS):
-                code_logits, _, _, _, means = _code_tile(CB, CNT, SUM, bh, h, blk, nb, s0, S, DC, DV, qc, scale, BS,
+                code_logits, _, _, _, means = _code_tile(CB, CNT, SUM, book, cache, s0, S, DC, DV, qc, scale, BS,
                                                          BDC, BDV, DOT, PREC)
                 m, z, acc = _online_softmax_step(m, z, acc, code_logits, means, DOT, PREC)
         _store_rows(O, so_b, so_h, so_t, b, h, rows, T, DV, acc / z[:, None], BDV)
@@ -140,7 +144,8 @@ if triton is not None:
                          so_b, so_h, so_t, sdo_b, sdo_h, sdo_t, dkw_slice, dv_slice,
                          H, T, S, D, DC, DV, scale,
                          L: tl.constexpr, BD: tl.constexpr, BDC: tl.constexpr, BDV: tl.constexpr,
-                         BS: tl.constexpr, HAS_CODES: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+                         BS: tl.constexpr, HAS_CODES: tl.constexpr, PER_BLOCK: tl.constexpr, DOT: tl.constexpr,
+                         PREC: tl.constexpr):
         """Gradients of one query block. DKW and DV_ (2, B·H, T, ·) float32 take the window gradients of key
         block blk − back at its own rows of slice ``back`` (``dkw_slice``, ``dv_slice`` elements apart); DCB (B·H, nb, S, DC), DCNT (B·H, nb, S), DSUM (B·H, nb, S, DV) float32 the
         block's share of the codebook's gradient and its cache's gradients."""
@@ -172,8 +177,10 @@ if triton is not None:
             qc = _load_rows(QC, sqc_b, sqc_h, sqc_t, b, h, rows, T, DC, BDC, DOT)
             dqc = tl.zeros([L, BDC], tl.float32)
             dc_cols, dv_cols = tl.arange(0, BDC), tl.arange(0, BDV)
+            cache = bh * nb + blk
+            book = cache if PER_BLOCK else h
             for s0 in range(0, S, BS):
-                code_logits, c, n, held, means = _code_tile(CB, CNT, SUM, bh, h, blk, nb, s0, S, DC, DV, qc, scale,
+                code_logits, c, n, held, means = _code_tile(CB, CNT, SUM, book, cache, s0, S, DC, DV, qc, scale,
                                                             BS, BDC, BDV, DOT, PREC)
                 w = tl.exp(code_logits - lse[:, None])  # the codes' probabilities, 0 for empty codes
                 w = tl.where(rows[:, None] < T, w, 0.0)
@@ -186,7 +193,6 @@ if triton is not None:
                 d_counts = -tl.sum(w_n * delta[:, None], 0)
                 codes = s0 + tl.arange(0, BS)
                 present = codes < S
-                cache = bh * nb + blk
                 tl.store(DCB + (cache * S + codes[:, None]) * DC + dc_cols[None, :], dc,
                          mask=present[:, None] & (dc_cols[None, :] < DC))
                 tl.store(DSUM + (cache * S + codes[:, None]) * DV + dv_cols[None, :], d_sums,
@@ -222,7 +228,7 @@ class FusedWindowCodes(torch.autograd.Function):
     def forward(ctx, qw, kw, v, qc, codebook, counts, sums, scale: float, L: int):
         B, H, T, D = qw.shape
         has_codes = codebook is not None
-        S, DC = (codebook.shape[1], codebook.shape[2]) if has_codes else (0, 0)
+        S, DC = codebook.shape[-2:] if has_codes else (0, 0)
         DV = v.shape[-1]
         qw, kw, v = _unit_last(qw), _unit_last(kw), _unit_last(v)
         qc = _unit_last(qc) if has_codes else qw
@@ -232,8 +238,8 @@ class FusedWindowCodes(torch.autograd.Function):
         out = torch.empty(B, H, T, DV, device=v.device, dtype=v.dtype)
         lse = torch.empty(B * H, T, device=qw.device, dtype=torch.float32)
         dot, prec = _dot_dtype(qw.dtype)
-        meta = dict(L=L, BD=_width(D), BDC=_width(DC), BDV=_width(DV), BS=CODE_TILE, HAS_CODES=has_codes, DOT=dot,
-                    PREC=prec)
+        meta = dict(L=L, BD=_width(D), BDC=_width(DC), BDV=_width(DV), BS=CODE_TILE, HAS_CODES=has_codes,
+                    PER_BLOCK=has_codes and codebook.dim() == 5, DOT=dot, PREC=prec)
         grid = (triton.cdiv(T, L), B * H)
         _forward_kernel[grid](qw, kw, v, qc, cb, cnt, sm, out, lse, *_strides(qw), *_strides(kw), *_strides(v),
                               *_strides(qc), *_strides(out), H, T, S, D, DC, DV, float(scale), **meta)
@@ -246,7 +252,7 @@ class FusedWindowCodes(torch.autograd.Function):
     def backward(ctx, grad_out):
         qw, kw, v, qc, cb, cnt, sm, out, lse = ctx.saved_tensors
         B, H, T, D = qw.shape
-        S, DC = (cb.shape[1], cb.shape[2]) if ctx.has_codes else (0, 0)
+        S, DC = cb.shape[-2:] if ctx.has_codes else (0, 0)
         DV, L = v.shape[-1], ctx.meta["L"]
         nb = triton.cdiv(T, L)
         grad_out = _unit_last(grad_out)
@@ -266,7 +272,8 @@ class FusedWindowCodes(torch.autograd.Function):
         # a key block's share from its own query block (slice 0) and from the next one (slice 1)
         grads = [dqw, (dkw[0] + dkw[1]).view(B, H, T, D), (dv[0] + dv[1]).view(B, H, T, DV), None, None, None, None]
         if ctx.has_codes:
-            grads[3:7] = [dqc, dcb.view(B, H, nb, S, DC).sum((0, 2)), dcnt.view(B, H, nb, S),
+            dcb = dcb.view(B, H, nb, S, DC)  # every block's share; a shared codebook's gradient is their sum
+            grads[3:7] = [dqc, dcb if ctx.meta["PER_BLOCK"] else dcb.sum((0, 2)), dcnt.view(B, H, nb, S),
                           dsum.view(B, H, nb, S, DV)]
         return (*(None if g is None else g.to(x.dtype) for g, x in zip(grads, (qw, kw, v, qc, cb, cnt, sm))),
                 None, None)
@@ -279,7 +286,7 @@ def fused_window_code_attention(qw, kw, v, *, scale: float, block_len: int, qc=N
     given ``codebook``, the codes (see the module doc).
 
     qw, kw: (B, H, T, D) the window's queries and keys; v (B, H, T, Dv). qc (B, H, T, Dc) the code queries (qw when
-    None), codebook (H, S, Dc), counts (B, H, nb, S) and sums (B, H, nb, S, Dv) every block's cache (nb = ⌈T/L⌉,
+    None), codebook (H, S, Dc) shared by the blocks or (B, H, nb, S, Dc) every block's own (ovq's slot means), counts (B, H, nb, S) and sums (B, H, nb, S, Dv) every block's cache (nb = ⌈T/L⌉,
     float32). Differentiable in every tensor. Returns out (B, H, T, Dv) in the inputs' dtype.
     """
     if codebook is not None and qc is None:

@@ -1,0 +1,124 @@
+"""The Triton form of ovq_attention (online assignment kernel, attention through the fused window + codes kernel
+with one codebook per block) against the float64 definition: outputs, every input's gradient, and the slots the
+assignment chooses. On a machine without a GPU the kernels run under Triton's interpreter, which runs every
+program in Python: the shapes stay tiny (B=1, H=2, D=16, S=8, L=16, T ≤ 70)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from triton_helpers import DEVICE, compare, leaves, nan_empty, needs_triton, rel_rms  # noqa: F401 (a fixture)
+from vqattn.ops.ovq import naive_ovq_attention, ovq_attention
+from vqattn.ops.ovq.memory import online_slots
+from vqattn.ops.ovq.naive import naive_online_slots
+from vqattn.ops.triton.online_slots import fused_online_slots
+
+pytestmark = [needs_triton, pytest.mark.usefixtures("nan_empty")]
+B, H, D, S, L = 1, 2, 16, 8, 16
+
+
+def ovq_call(attention, given, **kwargs):
+    """attention(q, k, v[, extra]) with the assignment ``given``: "online" (kwargs carry the threshold), "slots"
+    (fixed random slots), "weights" (slot_weights, an input) or "memory" (online, with q_mem, k_mem inputs)."""
+    generator = torch.Generator().manual_seed(1)
+
+    def call(q, k, v, *extra):
+        kw = dict(num_slots=S, block_len=L, **kwargs)
+        if given == "slots":
+            kw["slots"] = torch.randint(0, S, q.shape[:3], generator=generator).to(q.device)
+        elif given == "weights":
+            kw["slot_weights"] = extra[0]
+        elif given == "memory":
+            kw["q_mem"], kw["k_mem"] = extra
+        return attention(q, k, v, **kw)
+
+    return call
+
+
+def ovq_inputs(given, T, scale=1.0):
+    extra = {"weights": [(B, H, T, S)], "memory": [(B, H, T, D)] * 2}.get(given, [])
+    inputs = leaves((B, H, T, D), (B, H, T, D), (B, H, T, D), *extra, scale=scale)
+    if given == "weights":
+        inputs[3] = inputs[3].detach().abs().requires_grad_()
+    return inputs
+
+
+@pytest.mark.parametrize("threshold", [0.0, 1.3, float("inf")])
+def test_online_assignment(threshold):
+    """Online slots at thresholds where the slots run out (0: every key novel; inf: the first block fills them)
+    and where keys join slots (1.3), T = 70: not a multiple of L."""
+    compare(ovq_call(naive_ovq_attention, "online", threshold=threshold),
+            ovq_call(ovq_attention, "online", threshold=threshold, impl="triton"), ovq_inputs("online", 70))
+
+
+@pytest.mark.parametrize("given", ["slots", "weights", "memory"])
+@pytest.mark.parametrize("T", [1, 20, 70])
+def test_given_assignment_and_memory_queries(given, T):
+    """Given slots and slot weights (with their gradient) and separate memory queries and keys (memory_rope=False),
+    at T = 1, T < 2L (no memory) and T = 70."""
+    compare(ovq_call(naive_ovq_attention, given), ovq_call(ovq_attention, given, impl="triton"), ovq_inputs(given, T))
+
+
+@pytest.mark.parametrize("threshold,num_slots", [(0.0, S), (1.1, 48), (float("inf"), S)])
+def test_slots_equal_the_definitions(threshold, num_slots):
+    """The kernel's slots equal the definition's and the chunk form's, key for key (T = 70: a partial last
+    block), from an empty memory and, for the chunk form, continuing a memory."""
+    keys = torch.randn(B, H, 70, D, dtype=torch.float64)
+    counts, sums = torch.zeros(B, H, num_slots), torch.zeros(B, H, num_slots, D)
+    fused = fused_online_slots(keys.float().to(DEVICE), counts.to(DEVICE), sums.to(DEVICE), L, threshold).cpu()
+    assert torch.equal(fused, naive_online_slots(keys, num_slots, L, threshold))
+    assert torch.equal(fused, online_slots(keys.float(), counts, sums, L, threshold))
+    # continuing the memory of the first 32 keys
+    head = naive_online_slots(keys[:, :, :32], num_slots, L, threshold)
+    counts = torch.nn.functional.one_hot(head, num_slots).float().sum(2)
+    sums = torch.nn.functional.one_hot(head, num_slots).float().transpose(-1, -2) @ keys[:, :, :32].float()
+    tail = fused_online_slots(keys[:, :, 32:].float().to(DEVICE), counts.to(DEVICE), sums.to(DEVICE), L, threshold)
+    assert torch.equal(tail.cpu(), online_slots(keys[:, :, 32:].float(), counts, sums, L, threshold))
+
+
+@pytest.mark.parametrize("given", ["online", "memory"])
+def test_state_continuation(given):
+    """A sequence fed as chunks, each continuing the state of the one before, equals one call of the chunk form;
+    the final state equals the chunk form's."""
+    inputs = [x.detach().to(DEVICE, torch.float32) for x in ovq_inputs(given, 70)]
+    threshold = dict(threshold=1.3) if given == "online" else {}
+    whole, chunk_state = ovq_call(ovq_attention, given, impl="chunk", return_state=True, **threshold)(*inputs)
+    outs, state = [], None
+    for t0, t1 in ((0, 23), (23, 50), (50, 70)):
+        out, state = ovq_call(ovq_attention, given, impl="triton", state=state, return_state=True, **threshold)(
+            *(x[:, :, t0:t1] for x in inputs))
+        outs.append(out)
+    assert rel_rms(torch.cat(outs, 2), whole) < 1e-5
+    for name in ("counts", "key_sums", "value_sums", "keys", "values"):
+        assert rel_rms(getattr(state, name), getattr(chunk_state, name)) < 1e-5, name
+    assert state.length == chunk_state.length
+
+
+@pytest.mark.parametrize("given", ["online", "weights"])
+def test_bfloat16_inputs(given):
+    """bf16 q, k, v accumulate in float32: within bf16's rounding of the float64 definition. The online slots of
+    the bf16 keys are the definition's of those keys (the reference gets them rounded to bf16)."""
+    inputs = ovq_inputs(given, 70)
+    inputs = [x.detach().to(torch.bfloat16).double().requires_grad_() for x in inputs]
+    threshold = dict(threshold=1.3) if given == "online" else {}
+    compare(ovq_call(naive_ovq_attention, given, **threshold), ovq_call(ovq_attention, given, impl="triton",
+                                                                        **threshold),
+            inputs, dtype=torch.bfloat16, tol=2e-2)
+
+
+def test_unsupported_calls_say_why():
+    q, k, v = (x.detach().to(DEVICE, torch.float32) for x in ovq_inputs("online", 10))
+    with pytest.raises(ValueError, match="power of two"):
+        ovq_attention(q, k, v, num_slots=S, block_len=24, impl="triton")
+    if DEVICE == "cpu":
+        with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
+            ovq_attention(q.double(), k.double(), v.double(), num_slots=S, block_len=L, impl="triton")
+
+
+def test_auto_keeps_the_chunk_form_on_a_cpu():
+    """impl="auto" runs the Triton kernels only on CUDA: on a CPU, under the interpreter too, it is the chunk form
+    (same result to the bit)."""
+    q, k, v = (x.detach().float() for x in ovq_inputs("online", 40))
+    auto = ovq_attention(q, k, v, num_slots=S, block_len=L)
+    assert torch.equal(auto, ovq_attention(q, k, v, num_slots=S, block_len=L, impl="chunk"))

@@ -1,0 +1,54 @@
+"""What the Triton tests share: the device the kernels run on, the skip mark, the NaN-filled torch.empty, and the
+comparison with the float64 definitions by relative RMS (flash-linear-attention's measure)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vqattn.ops.triton import INTERPRET, triton
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_triton = pytest.mark.skipif(triton is None or (DEVICE == "cpu" and not INTERPRET),
+                                  reason="needs triton, and a GPU or TRITON_INTERPRET=1")
+
+
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """torch.empty filled with NaN, so that a kernel that leaves part of a buffer unwritten shows up."""
+    empty = torch.empty
+
+    def filled(*args, **kwargs):
+        x = empty(*args, **kwargs)
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    monkeypatch.setattr(torch, "empty", filled)
+
+
+def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖x − ref‖ / ‖ref‖, relative RMS error; a reference of RMS under 0.01 (a gradient that is exactly zero) counts
+    as of RMS 0.01."""
+    x, ref = x.detach().double().cpu(), ref.detach().double().cpu()
+    assert torch.isfinite(x).all()
+    return ((x - ref).norm() / ref.norm().clamp_min(0.01 * ref.numel() ** 0.5)).item()
+
+
+def leaves(*shapes, scale=1.0, generator=None):
+    return [(torch.randn(*s, dtype=torch.float64, generator=generator) * scale).requires_grad_() for s in shapes]
+
+
+def compare(fn_ref, fn_fast, inputs, dtype=torch.float32, tol=1e-5):
+    """fn_ref(*float64 CPU inputs) and fn_fast(*inputs in dtype on DEVICE): outputs and the gradients of every
+    input for one random output gradient, within ``tol`` relative RMS."""
+    ref = fn_ref(*inputs)
+    grad = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, inputs, grad, allow_unused=True)
+    fast_inputs = [x.detach().to(DEVICE, dtype).requires_grad_() for x in inputs]
+    out = fn_fast(*fast_inputs)
+    assert out.dtype == dtype and out.device.type == DEVICE
+    grads = torch.autograd.grad(out, fast_inputs, grad.to(DEVICE, dtype), allow_unused=True)
+    assert rel_rms(out, ref) < tol
+    for i, (g, r) in enumerate(zip(grads, ref_grads)):
+        r = torch.zeros_like(inputs[i]) if r is None else r
+        g = torch.zeros_like(fast_inputs[i]) if g is None else g
+        assert rel_rms(g, r) < 10 * tol, f"gradient of input {i}"

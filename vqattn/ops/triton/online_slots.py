@@ -1,0 +1,129 @@
+"""The online slot assignment of :func:`~vqattn.ops.ovq.ovq_attention` as one Triton program per (batch, head).
+
+The assignment is sequential over blocks (block j is assigned against the memory M_{j−1}, then absorbed), so one
+program walks the blocks of its sequence and, per block of L keys k̃ (float32 on chip):
+
+    score_is  = ‖k̄_s‖² − 2 k̃_i·k̄_s   (= ‖k̃_i − k̄_s‖² − ‖k̃_i‖²) over the m occupied slots, +inf for empty ones
+    novel_i   = min_s score_is + ‖k̃_i‖² > threshold·‖k̃_i‖²,  or m = 0
+    new_i     = m + #(novel keys before i);  opens_i = novel_i and new_i < S
+    slot_i    = new_i if opens_i, else the nearest of the occupied slots (at their means k̄_s) and the slots opened
+                in the block (at their opening keys), the lower slot on a tie
+
+then adds the block's keys to the slots' counts n_s and key sums K_s (k̄_s = K_s / n_s). These are the masks of
+:func:`~vqattn.ops.ovq.memory.assign_block`, computed with the same products in the same order, so it chooses the
+same slots. The counts (B·H, S) and key sums (B·H, S, D) live in a float32 scratch copy of the memory before the
+keys, read and written in tiles of ``SLOT_TILE`` slots (a barrier between a block's writes and the next block's
+reads): S·D need not fit in registers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import triton
+from .window_codes import _load_rows, _strides, _unit_last, _width
+
+if triton is not None:
+    import triton.language as tl
+
+# Slots scored per inner step: a (L, SLOT_TILE) score tile and a (SLOT_TILE, D) tile of key sums.
+SLOT_TILE = 32
+
+if triton is not None:
+
+    @triton.jit
+    def _occupied(CNT, S, BS: tl.constexpr):
+        """m, the number of slots with a positive count (the occupied slots are 0..m−1)."""
+        m = 0
+        for s0 in range(0, S, BS):
+            slots = s0 + tl.arange(0, BS)
+            m += tl.sum((tl.load(CNT + slots, mask=slots < S, other=0.0) > 0).to(tl.int32), 0)
+        return m
+
+    @triton.jit
+    def _nearest_slot(keys, CNT, SUM, S, D, L: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr):
+        """min_s ‖k̄_s‖² − 2 k̃·k̄_s over the occupied slots (+inf when none) and its slot, the lowest on a tie
+        (L,)."""
+        best = tl.full([L], float("inf"), tl.float32)
+        best_slot = tl.zeros([L], tl.int32)
+        dims = tl.arange(0, BD)
+        for s0 in range(0, S, BS):
+            slots = s0 + tl.arange(0, BS)
+            n = tl.load(CNT + slots, mask=slots < S, other=0.0)
+            sums = tl.load(SUM + slots[:, None] * D + dims[None, :], mask=(slots[:, None] < S) & (dims[None, :] < D),
+                           other=0.0)
+            means = sums / tl.where(n > 0, n, 1.0)[:, None]
+            centre_sq = tl.where(n > 0, tl.sum(means * means, 1), float("inf"))
+            score = centre_sq[None, :] - 2 * tl.dot(keys, tl.trans(means), input_precision="ieee")
+            tile_best = tl.min(score, 1)
+            tile_slot = tl.argmin(score, 1, tie_break_left=True).to(tl.int32) + s0
+            better = tile_best < best  # strictly: an earlier tile keeps a tie
+            best, best_slot = tl.where(better, tile_best, best), tl.where(better, tile_slot, best_slot)
+        return best, best_slot
+
+    @triton.jit
+    def _absorb(keys, slot, valid, CNT, SUM, S, D, BD: tl.constexpr, BS: tl.constexpr):
+        """n_s += #keys of slot s, K_s += Σ their keys, over the block's ``valid`` keys."""
+        dims = tl.arange(0, BD)
+        for s0 in range(0, S, BS):
+            slots = s0 + tl.arange(0, BS)
+            hit = ((slot[:, None] == slots[None, :]) & valid[:, None]).to(tl.float32)  # (L, BS) one-hot
+            n = tl.load(CNT + slots, mask=slots < S, other=0.0)
+            tl.store(CNT + slots, n + tl.sum(hit, 0), mask=slots < S)
+            mask = (slots[:, None] < S) & (dims[None, :] < D)
+            sums = tl.load(SUM + slots[:, None] * D + dims[None, :], mask=mask, other=0.0)
+            sums += tl.dot(tl.trans(hit), keys, input_precision="ieee")
+            tl.store(SUM + slots[:, None] * D + dims[None, :], sums, mask=mask)
+
+    @triton.jit
+    def _online_slots_kernel(K, CNT, SUM, OUT, sk_b, sk_h, sk_t, H, T, S, D, threshold,
+                             L: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr):
+        bh = tl.program_id(0)
+        b, h = bh // H, bh % H
+        CNT += bh * S
+        SUM += bh * S * D
+        m = _occupied(CNT, S, BS)
+        local = tl.arange(0, L)
+        for blk in range(0, tl.cdiv(T, L)):
+            rows = blk * L + local
+            keys = _load_rows(K, sk_b, sk_h, sk_t, b, h, rows, T, D, BD, tl.float32)
+            key_sq = tl.sum(keys * keys, 1)
+            old_score, old_slot = _nearest_slot(keys, CNT, SUM, S, D, L, BD, BS)
+            valid = rows < T
+            # keys after T (a partial last block) open no slot: they would be centres for the keys before them
+            novel = (((old_score + key_sq) > threshold * key_sq) | (m == 0)) & valid
+            novel_i = novel.to(tl.int32)
+            new_slot = m + tl.cumsum(novel_i, 0) - novel_i
+            opens = novel & (new_slot < S)
+            # the slots opened in this block, at their opening keys
+            new_scores = key_sq[None, :] - 2 * tl.dot(keys, tl.trans(keys), input_precision="ieee")
+            new_scores = tl.where(opens[None, :], new_scores, float("inf"))
+            new_score = tl.min(new_scores, 1)
+            opener = tl.argmin(new_scores, 1, tie_break_left=True)
+            opener_slot = tl.sum(tl.where(local[None, :] == opener[:, None], new_slot[None, :], 0), 1)
+            # an opened slot comes after every occupied one: a tie keeps the occupied slot
+            nearest = tl.where(new_score < old_score, opener_slot, old_slot)
+            slot = tl.where(opens, new_slot, nearest)
+            tl.store(OUT + bh * T + rows, slot.to(tl.int64), mask=valid)
+            _absorb(keys, slot, valid, CNT, SUM, S, D, BD, BS)
+            m += tl.sum(opens.to(tl.int32), 0)
+            tl.debug_barrier()  # the next block reads the slots' statistics that this one wrote
+
+
+@torch.compiler.disable  # a graph break: torch.compile runs the kernel as it is
+def fused_online_slots(memory_keys: torch.Tensor, counts: torch.Tensor, key_sums: torch.Tensor, L: int,
+                       threshold: float) -> torch.Tensor:
+    """:func:`~vqattn.ops.ovq.memory.online_slots` as one kernel: memory keys (B, H, T, D) (any supported dtype,
+    scored in float32) and the memory before them, counts (B, H, S) and key sums (B, H, S, D) with occupied
+    slots 0..m−1 -> (B, H, T) long slot indices. T need not be a multiple of L (the last block is partial). No
+    gradient (the choice is discrete)."""
+    B, H, T, D = memory_keys.shape
+    S = counts.shape[-1]
+    keys = _unit_last(memory_keys.detach())
+    # scratch copies that the kernel updates block after block
+    cnt = counts.detach().to(torch.float32, copy=True).contiguous()
+    sums = key_sums.detach().to(torch.float32, copy=True).contiguous()
+    out = torch.empty(B, H, T, device=keys.device, dtype=torch.long)
+    _online_slots_kernel[(B * H,)](keys, cnt, sums, out, *_strides(keys), H, T, S, D, float(threshold), L=L,
+                                   BD=_width(D), BS=SLOT_TILE)
+    return out
