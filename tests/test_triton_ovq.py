@@ -1,18 +1,23 @@
 """The Triton form of ovq_attention (online assignment kernel, attention through the fused window + codes kernel
 with one codebook per block) against the float64 definition: outputs, every input's gradient, and the slots the
-assignment chooses. On a machine without a GPU the kernels run under Triton's interpreter, which runs every
-program in Python: the shapes stay tiny (B=1, H=2, D=16, S=8, L=16, T ≤ 70)."""
+assignment chooses; and the fused decoding step of vq, window and ovq against their recurrent forms. On a machine
+without a GPU the kernels run under Triton's interpreter, which runs every program in Python: the shapes stay tiny
+(B=1, H=2, D=16, S=8, L=16, T ≤ 70)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-
 from triton_helpers import DEVICE, compare, leaves, nan_empty, needs_triton, rel_rms  # noqa: F401 (a fixture)
+
+from vqattn.ops.common.forms import pick_form
 from vqattn.ops.ovq import naive_ovq_attention, ovq_attention
 from vqattn.ops.ovq.memory import online_slots
 from vqattn.ops.ovq.naive import naive_online_slots
+from vqattn.ops.triton.decode import fused_decode_step
 from vqattn.ops.triton.online_slots import fused_online_slots
+from vqattn.ops.vq import vq_attention
+from vqattn.ops.window import window_attention
 
 pytestmark = [needs_triton, pytest.mark.usefixtures("nan_empty")]
 B, H, D, S, L = 1, 2, 16, 8, 16
@@ -23,8 +28,8 @@ def ovq_call(attention, given, **kwargs):
     (fixed random slots), "weights" (slot_weights, an input) or "memory" (online, with q_mem, k_mem inputs)."""
     generator = torch.Generator().manual_seed(1)
 
-    def call(q, k, v, *extra):
-        kw = dict(num_slots=S, block_len=L, **kwargs)
+    def call(q, k, v, *extra, **more):
+        kw = dict(num_slots=S, block_len=L, **kwargs, **more)
         if given == "slots":
             kw["slots"] = torch.randint(0, S, q.shape[:3], generator=generator).to(q.device)
         elif given == "weights":
@@ -122,3 +127,60 @@ def test_auto_keeps_the_chunk_form_on_a_cpu():
     q, k, v = (x.detach().float() for x in ovq_inputs("online", 40))
     auto = ovq_attention(q, k, v, num_slots=S, block_len=L)
     assert torch.equal(auto, ovq_attention(q, k, v, num_slots=S, block_len=L, impl="chunk"))
+
+
+def decoder(name, T):
+    """op(q, k, v, impl, state) -> (out, state) of one op as the layers decode with it, and its extra input
+    shapes (vq's codebook, ovq's memory queries and keys)."""
+    if name == "window":
+        return (lambda q, k, v, impl, state: window_attention(q, k, v, block_len=L, impl=impl, state=state,
+                                                              return_state=True)), []
+    if name.startswith("vq"):
+        assign, window = name.split("-")[1:]
+        return (lambda q, k, v, c, impl, state: vq_attention(
+            q, k, v, c, causal=True, assign=assign, block_len=L, exact_window=window == "exact", impl=impl,
+            state=state, return_state=True)), [(H, S, D)]
+    given = name.split("-")[1]
+    op = ovq_call(ovq_attention, given, **(dict(threshold=1.3) if given == "online" else {}))
+    extra = [(B, H, T, D)] * 2 if given == "memory" else []
+    return (lambda q, k, v, *rest: op(q, k, v, *rest[:-2], impl=rest[-2], state=rest[-1], return_state=True)), extra
+
+
+@pytest.mark.parametrize("name", ["window", "vq-hard-codes", "vq-hard-exact", "vq-soft-exact", "ovq-online",
+                                  "ovq-memory"])
+@torch.no_grad()
+def test_fused_decoding_step_equals_recurrent(name):
+    """After a 40-token prefill, 24 tokens one at a time (crossing two block boundaries, where a block joins the
+    memory): the fused step gives the recurrent form's outputs token for token, and its state."""
+    T = 64
+    op, extra = decoder(name, T)
+    q, k, v, *rest = (torch.randn(*shape).to(DEVICE) for shape in [(B, H, T, D)] * 3 + extra)
+    per_token = [x for x in rest if x.dim() == 4 and x.shape[2] == T]  # ovq's q_mem, k_mem
+    fixed = [x for x in rest if not (x.dim() == 4 and x.shape[2] == T)]  # vq's codebook
+    piece = lambda t0, t1: [x[:, :, t0:t1] for x in (q, k, v, *per_token)] + fixed  # noqa: E731
+    _, prefill = op(*piece(0, 40), "chunk", None)
+    states = {"recurrent": prefill, "triton": prefill}
+    for t in range(40, T):
+        outs = {}
+        for impl in states:
+            outs[impl], states[impl] = op(*piece(t, t + 1), impl, states[impl])
+        assert rel_rms(outs["triton"], outs["recurrent"]) < 1e-5, t
+    for field in ("counts", "sums", "key_sums", "value_sums", "keys", "values"):
+        if hasattr(states["recurrent"], field):
+            assert rel_rms(getattr(states["triton"], field), getattr(states["recurrent"], field)) < 1e-5, field
+
+
+def test_fused_decoding_step_is_forward_only():
+    """The fused step refuses a gradient; impl="triton" decoding inputs that need one runs the differentiable Triton
+    chunk form instead, and "auto" on a CPU keeps the recurrent form."""
+    q, k, v = (x.detach().to(DEVICE, torch.float32).requires_grad_() for x in ovq_inputs("online", 20))
+    with pytest.raises(ValueError, match="forward only"):
+        fused_decode_step(q[:, :, -1:], k, v, scale=0.25)
+    _, state = ovq_attention(q[:, :, :19].detach(), k[:, :, :19].detach(), v[:, :, :19].detach(), num_slots=S,
+                             block_len=L, return_state=True)
+    out = ovq_attention(q[:, :, 19:], k[:, :, 19:], v[:, :, 19:], num_slots=S, block_len=L, state=state,
+                        impl="triton")
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert all(torch.isfinite(g).all() for g in grads) and grads[2][:, :, 19:].abs().sum() > 0
+    with torch.no_grad():
+        assert pick_form("auto", q[:, :, 19:].cpu(), state=state, fused_unsupported=lambda: None) == "recurrent"

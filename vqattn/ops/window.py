@@ -36,8 +36,9 @@ from .blocks import (
 from .nonfinite import may_be_nonfinite, nonfinite_keys, window_poison, zero_rows
 from .precision import autocast_off
 from .triton import require_triton
+from .triton.decode import fused_decode_step, needs_grad
 from .triton.window_codes import fused_window_code_attention, unsupported
-from .common.forms import FORMS, form_of, pick_form
+from .common.forms import FORMS, decoding, form_of, pick_form
 from .common.window_codes import WindowCodeInputs, window_code_attention
 
 
@@ -70,12 +71,14 @@ def _fused(q, k, v, L: int, scale: float, schedule: Schedule) -> torch.Tensor:
     return fused_window_code_attention(q, k, v, scale=scale, block_len=L)
 
 
-def _recurrent(q, k, v, state: WindowState, scale: float) -> tuple[torch.Tensor, WindowState]:
-    """Token by token: each query scores the state's raw window plus itself."""
+def _recurrent(q, k, v, state: WindowState, scale: float, fused: bool = False) -> tuple[torch.Tensor, WindowState]:
+    """Token by token: each query scores the state's raw window plus itself (``fused``: in one Triton kernel)."""
     outs, keys, values, length, L = [], state.keys, state.values, state.length, state.block_len
     for t in range(q.shape[2]):
         keys, values = torch.cat([keys, k[:, :, t : t + 1]], 2), torch.cat([values, v[:, :, t : t + 1]], 2)
-        outs.append(attend_one((q[:, :, t : t + 1] * scale) @ keys.transpose(-1, -2), values))
+        query = q[:, :, t : t + 1]
+        outs.append(fused_decode_step(query, keys, values, scale=scale) if fused
+                    else attend_one((query * scale) @ keys.transpose(-1, -2), values))
         drop = window_start(length + 1, L) - window_start(length, L)
         keys, values, length = window_tail(keys, drop), window_tail(values, drop), length + 1
     return torch.cat(outs, 2), WindowState(keys, values, length, L)
@@ -144,9 +147,11 @@ def window_attention(
         schedule: the blocks' :class:`~vqattn.ops.blocks.Schedule` (its ``group_blocks``); never changes the result.
         impl: "chunk" (the block kernel in PyTorch), "recurrent" (token by token, continuing ``state``), "naive"
             (:func:`naive_window_attention`, the definition: for checking, no state), "triton"
-            (one fused kernel forward and one backward: CUDA tensors, or the CPU under ``TRITON_INTERPRET=1``), or
-            "auto": recurrent for a ``state`` and at most ``RECURRENT_MAX_LEN`` new tokens, triton for CUDA tensors
-            it supports (docs/ops.md), chunk otherwise.
+            (one fused kernel forward and one backward: CUDA tensors, or the CPU under ``TRITON_INTERPRET=1``; with
+            a ``state`` and at most ``RECURRENT_MAX_LEN`` new tokens and no gradient needed, the fused decoding
+            step, :mod:`vqattn.ops.triton.decode`), or "auto": for a ``state`` and at most ``RECURRENT_MAX_LEN``
+            new tokens the fused step on CUDA with grad mode off, else recurrent; triton for other CUDA calls it
+            supports (docs/ops.md), chunk otherwise (:func:`~vqattn.ops.common.forms.pick_form`).
 
     Returns:
         out (B, H, T, Dv) in the input dtype (computed in float32 for half precision and under autocast), or
@@ -169,8 +174,9 @@ def window_attention(
         return naive_window_attention(q, k, v, block_len=L, scale=scale).to(in_dtype)
     if state is not None:
         state = WindowState(state.keys.to(dtype), state.values.to(dtype), state.length, state.block_len)
-    if form == "recurrent":
-        out, new_state = _recurrent(q, k, v, state, scale)
+    fused_step = form == "triton" and decoding(q, state) and not needs_grad(q, k, v)
+    if form == "recurrent" or fused_step:
+        out, new_state = _recurrent(q, k, v, state, scale, fused=fused_step)
         return (out.to(in_dtype), new_state) if return_state else out.to(in_dtype)
     T, start = q.shape[2], 0
     if state is not None:  # re-run the state's raw window (block-aligned) in front; drop its outputs

@@ -13,19 +13,26 @@ from ..triton import triton_device
 FORMS = ("auto", "chunk", "recurrent", "naive", "triton")
 
 
+def decoding(q: torch.Tensor, state) -> bool:
+    """Whether a call continues a ``state`` by at most ``RECURRENT_MAX_LEN`` tokens (q: (B, H, T, D)): a decoding
+    step, which the recurrent forms (and the fused step, :mod:`vqattn.ops.triton.decode`) compute in
+    O(window + codes) per token, flat in the length."""
+    return state is not None and q.dim() == 4 and q.shape[2] <= RECURRENT_MAX_LEN
+
+
 def pick_form(impl: str, q: torch.Tensor, *, state, fused_unsupported: Callable[[], str | None] | None) -> str:
-    """``impl`` itself, or for "auto": recurrent for a ``state`` and at most ``RECURRENT_MAX_LEN`` new tokens (a
-    decoding step costs O(window + codes), flat in the length); triton for other calls on CUDA tensors when Triton
-    imports and the op's fused kernel supports the call (``fused_unsupported()`` gives no reason; None: the op has
-    no fused kernel or the call cannot use it); chunk otherwise. q: (B, H, T, D); any other shape is left to the
-    op's validation."""
+    """``impl`` itself, or for "auto": for a decoding step (:func:`decoding`) triton when it is fusable (below) and
+    grad mode is off (the fused step is forward only: generation), else recurrent; for other calls triton when
+    fusable, else chunk. Fusable: CUDA tensors, Triton imports and the op's fused kernel supports the call
+    (``fused_unsupported()`` gives no reason; None: the op has no fused kernel). On a CPU, under the interpreter
+    too, "auto" never picks triton. An op given triton for a decoding step runs its fused step when no input needs a
+    gradient (:func:`~vqattn.ops.triton.decode.needs_grad`), else its Triton chunk form."""
     if impl != "auto":
         return impl
-    if state is not None and q.dim() == 4 and q.shape[2] <= RECURRENT_MAX_LEN:
-        return "recurrent"
-    if fused_unsupported is not None and q.is_cuda and triton_device(q) and fused_unsupported() is None:
-        return "triton"
-    return "chunk"
+    fusable = fused_unsupported is not None and q.is_cuda and triton_device(q) and fused_unsupported() is None
+    if decoding(q, state):
+        return "triton" if fusable and not torch.is_grad_enabled() else "recurrent"
+    return "triton" if fusable else "chunk"
 
 
 def form_of(op: Callable, impl: str) -> Callable:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import functools
 
 from .._checks import check_choice
-from ..common.forms import pick_form
+from ..common.forms import decoding, pick_form
 from ..precision import autocast_off
+from ..triton.decode import needs_grad
 from .chunk import chunk_forward
 from .naive import naive_ovq_attention
 from .recurrent import recurrent_forward
@@ -18,7 +19,7 @@ __all__ = ["ovq_attention", "chunk_ovq_attention", "recurrent_ovq_attention", "I
 @autocast_off
 def _run(q, k, v, form, state, return_state, fused=False, **kwargs):
     x = prepare(q, k, v, state=state, fused=fused, **kwargs)
-    out, new_state = form(x, None if state is None else state.to(x.dtype), return_state)
+    out, new_state = form(x, None if state is None else state.to(x.dtype, raw=x.k.dtype), return_state)
     return (out.to(q.dtype), new_state) if return_state else out.to(q.dtype)
 
 
@@ -59,8 +60,10 @@ def ovq_attention(q, k, v, *, num_slots: int, block_len: int | None = None, scal
         q_mem, k_mem: (B, H, T, D) the memory's queries and keys, when not q and k (e.g. without RoPE).
         impl: "chunk", "recurrent", "naive", "triton" (the chunk form's online assignment and attention as
             Triton kernels, forward and backward: CUDA tensors, or the CPU under ``TRITON_INTERPRET=1``; float32 or
-            half precision, block_len a power of two from 16 to 128), or "auto": recurrent for a state and at most
-            ``RECURRENT_MAX_LEN`` new tokens, triton for other CUDA calls it supports, chunk otherwise
+            half precision, block_len a power of two from 16 to 128; with a state and at most ``RECURRENT_MAX_LEN``
+            new tokens and no gradient needed, the fused decoding step, :mod:`vqattn.ops.triton.decode`), or
+            "auto": for a state and at most ``RECURRENT_MAX_LEN`` new tokens the fused step on CUDA with grad mode
+            off, else recurrent; triton for other CUDA calls it supports, chunk otherwise
             (:func:`~vqattn.ops.common.forms.pick_form`).
         state: an :class:`OVQState` from an earlier call; the inputs then continue that sequence.
         return_state: also return the state after this call.
@@ -76,8 +79,9 @@ def ovq_attention(q, k, v, *, num_slots: int, block_len: int | None = None, scal
             raise ValueError("impl='naive' takes no state and returns none; use impl='chunk' or 'recurrent'")
         return naive_ovq_attention(q, k, v, **kwargs)
     impl = pick_form(impl, q, state=state, fused_unsupported=lambda: fused_unsupported(q, v, block_len, state))
-    if impl == "triton":
-        return _run(q, k, v, functools.partial(chunk_forward, fused=True), state, return_state, fused=True,
-                    **kwargs)
+    if impl == "triton":  # one fused step per token when decoding without gradients, else the chunk form's kernels
+        step = decoding(q, state) and not needs_grad(q, k, v, q_mem, k_mem, slot_weights)
+        form = functools.partial(recurrent_forward if step else chunk_forward, fused=True)
+        return _run(q, k, v, form, state, return_state, fused=True, **kwargs)
     form = chunk_ovq_attention if impl == "chunk" else recurrent_ovq_attention
     return form(q, k, v, state=state, return_state=return_state, **kwargs)

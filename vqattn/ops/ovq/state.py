@@ -57,9 +57,15 @@ class OVQState:
                         q.new_zeros(B, H, 0, dtype=torch.long) if slots else None,
                         q.new_zeros(B, H, 0, S) if slot_weights else None, 0, block_len)
 
-    def to(self, dtype: torch.dtype) -> "OVQState":
-        cast = lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
-        return OVQState(**{f.name: cast(getattr(self, f.name)) for f in fields(self)})
+    def to(self, dtype: torch.dtype, raw: torch.dtype | None = None) -> "OVQState":
+        """The state in ``dtype``; its raw window (keys, values, memory keys) in ``raw`` when given (the Triton form
+        keeps half-precision inputs as they are, the memory in float32)."""
+        def cast(name, x):
+            if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+                return x
+            return x.to(raw if raw is not None and name in ("keys", "values", "memory_keys") else dtype)
+
+        return OVQState(**{f.name: cast(f.name, getattr(self, f.name)) for f in fields(self)})
 
 
 class Inputs(NamedTuple):

@@ -286,8 +286,9 @@ def fused_window_code_attention(qw, kw, v, *, scale: float, block_len: int, qc=N
     given ``codebook``, the codes (see the module doc).
 
     qw, kw: (B, H, T, D) the window's queries and keys; v (B, H, T, Dv). qc (B, H, T, Dc) the code queries (qw when
-    None), codebook (H, S, Dc) shared by the blocks or (B, H, nb, S, Dc) every block's own (ovq's slot means), counts (B, H, nb, S) and sums (B, H, nb, S, Dv) every block's cache (nb = ⌈T/L⌉,
-    float32). Differentiable in every tensor. Returns out (B, H, T, Dv) in the inputs' dtype.
+    None), codebook (H, S, Dc) shared by the blocks or (B, H, nb, S, Dc) every block's own (ovq's slot means),
+    counts (B, H, nb, S) and sums (B, H, nb, S, Dv) every block's cache (nb = ⌈T/L⌉, float32). Differentiable in
+    every tensor. Returns out (B, H, T, Dv) in the inputs' dtype.
     """
     if codebook is not None and qc is None:
         qc = qw

@@ -8,10 +8,11 @@ import torch
 
 from .._checks import compute_dtype
 from ..blocks import DEFAULT_BLOCK_LEN, Schedule, as_schedule
-from ..common.forms import form_of, pick_form
+from ..common.forms import decoding, form_of, pick_form
 from ..common.statistics import Assignment, code_means, code_statistics, log_counts, map_time
 from ..nonfinite import zero_assignment_rows
 from ..precision import autocast_off
+from ..triton.decode import needs_grad
 from .chunk import chunk_form
 from .naive import naive_vq_attention
 from .recurrent import recurrent_form
@@ -85,8 +86,10 @@ def vq_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, codebook: to
             "recurrent" (token by token, O(1) per token: decoding), "naive" (the definition,
             :func:`naive_vq_attention`, one (T, T) softmax: for checking, no state), "triton" (the block algorithm
             as one fused kernel forward and one backward, :mod:`vqattn.ops.triton`: CUDA tensors, or the CPU under
-            ``TRITON_INTERPRET=1``), or "auto": recurrent for a ``state`` and at most ``RECURRENT_MAX_LEN`` new
-            tokens, triton for causal CUDA calls it supports (docs/ops.md), chunk otherwise
+            ``TRITON_INTERPRET=1``; with a ``state`` and at most ``RECURRENT_MAX_LEN`` new tokens and no gradient
+            needed, the fused decoding step, :mod:`vqattn.ops.triton.decode`), or "auto": for a ``state`` and at
+            most ``RECURRENT_MAX_LEN`` new tokens the fused step on CUDA with grad mode off, else recurrent; triton
+            for other causal CUDA calls it supports (docs/ops.md), chunk otherwise
             (:func:`~vqattn.ops.common.forms.pick_form`, the rule of every causal op). All give the same result
             to rounding.
         schedule: how the chunk form runs its blocks (:class:`~vqattn.ops.blocks.Schedule`): "auto", "loop"
@@ -111,8 +114,10 @@ def vq_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, codebook: to
                                assignment=assignment, q_rot=q_rot, k_rot=k_rot, schedule=as_schedule(schedule))
     if not causal:
         return _poisoned(_non_causal(x), poison).to(in_dtype)
-    if form == "recurrent":
-        out, new_state = recurrent_form(x, state)
+    fused_step = form == "triton" and decoding(q, state) and not needs_grad(
+        x.q, x.k, x.v, x.codebook, x.q_rot, x.k_rot, x.assignment.weights)
+    if form == "recurrent" or fused_step:
+        out, new_state = recurrent_form(x, state, fused=fused_step)
     else:
         out, new_state = chunk_form(x, state, return_state=return_state, fused=form == "triton")
     out = _poisoned(out, poison).to(in_dtype)

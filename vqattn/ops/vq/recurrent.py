@@ -14,7 +14,9 @@ import torch
 from ..blocks import attend_one, window_start, window_tail
 from ..common.statistics import Assignment, cat_time, code_means, code_statistics, log_counts, map_time
 from ..nonfinite import zero_assignment_rows
+from ..triton.decode import fused_decode_step
 from .assign import mixture_logits
+from .fused import straight_through_keys
 from .state import Inputs, VQState
 
 
@@ -24,22 +26,36 @@ def _window_logits(q, keys, c, window: Assignment, code_logits, exact_window: bo
     if exact_window:
         return q @ keys.transpose(-1, -2)
     if window.index is not None:
-        B, H, W, D = keys.shape
-        k_hat = torch.gather(c.unsqueeze(0).expand(B, H, -1, -1), 2, window.index.unsqueeze(-1).expand(B, H, W, D))
-        return q @ (k_hat + (keys - keys.detach())).transpose(-1, -2)
+        return q @ straight_through_keys(keys, c, window.index).transpose(-1, -2)
     return mixture_logits(code_logits, window.weights)
 
 
-def _step(q, k, v, c, a: Assignment, state: VQState, *, scale, exact_window, q_window=None):
-    """One token: q, k (B, H, 1, D), v (B, H, 1, Dv), ``a`` its assignment -> out (B, H, 1, Dv), new state. k is the
-    window key (RoPE: rotated) and q_window, when given, the window's query; q scores the codes."""
-    keys, values = torch.cat([state.keys, k], 2), torch.cat([state.values, v], 2)
-    window = cat_time(state.assignment, a)
+def _attend(q, keys, values, c, window: Assignment, state: VQState, *, scale, exact_window, q_window):
+    """One query's softmax over its window (keys, values (B, H, W, ·) with its ``window`` assignment) and the
+    codes c (H, S, Dc) with the state's cache: out (B, H, 1, Dv)."""
     q = q * scale
     code_logits = q @ c.transpose(-1, -2)  # (B, H, 1, S)
     q_window = q if q_window is None else q_window * scale
-    out = attend_one(_window_logits(q_window, keys, c, window, code_logits, exact_window), values,
-                     code_logits + log_counts(state.counts).unsqueeze(2), code_means(state.counts, state.sums))
+    return attend_one(_window_logits(q_window, keys, c, window, code_logits, exact_window), values,
+                      code_logits + log_counts(state.counts).unsqueeze(2), code_means(state.counts, state.sums))
+
+
+def _attend_fused(q, keys, values, c, window: Assignment, state: VQState, *, scale, exact_window, q_window):
+    """:func:`_attend` as one Triton kernel (:mod:`vqattn.ops.triton.decode`), forward only; the hard window scores
+    its keys' codes. The soft mixture window has no fused form (the form picker keeps it recurrent)."""
+    window_keys = keys if exact_window else straight_through_keys(keys, c.to(keys.dtype), window.index)
+    return fused_decode_step(q if q_window is None else q_window, window_keys, values, scale=scale, qc=q,
+                             codebook=c, counts=state.counts, sums=state.sums)
+
+
+def _step(q, k, v, c, a: Assignment, state: VQState, *, scale, exact_window, q_window=None, fused=False):
+    """One token: q, k (B, H, 1, D), v (B, H, 1, Dv), ``a`` its assignment -> out (B, H, 1, Dv), new state. k is the
+    window key (RoPE: rotated) and q_window, when given, the window's query; q scores the codes. ``fused``: the
+    attention in one Triton kernel."""
+    keys, values = torch.cat([state.keys, k], 2), torch.cat([state.values, v], 2)
+    window = cat_time(state.assignment, a)
+    out = (_attend_fused if fused else _attend)(q, keys, values, c, window, state, scale=scale,
+                                                exact_window=exact_window, q_window=q_window)
     L, length = state.block_len, state.length + 1
     drop = window_start(length, L) - window_start(state.length, L)  # 0, or a whole block leaving the window
     counts, sums = state.counts, state.sums
@@ -50,10 +66,11 @@ def _step(q, k, v, c, a: Assignment, state: VQState, *, scale, exact_window, q_w
                         map_time(lambda x: window_tail(x, drop), window))
 
 
-def recurrent_form(x: Inputs, state: VQState | None):
+def recurrent_form(x: Inputs, state: VQState | None, fused: bool = False):
     """Token-by-token vq_attention of x (:class:`~vqattn.ops.vq.state.Inputs`, keys assigned) continuing ``state``
     (None: an empty one). With q_rot, k_rot (RoPE) the window scores them, and q and the codebook may have another
-    width Dc (they score only the codes). Returns out (B, H, T, Dv) and the state after the last token."""
+    width Dc (they score only the codes). ``fused``: each token's attention is one Triton kernel (forward only).
+    Returns out (B, H, T, Dv) and the state after the last token."""
     if state is None:
         state = VQState.empty(x.window_k, x.v, x.codebook.shape[1], x.block_len, x.assign)
     a = zero_assignment_rows(x.assignment, x.bad)
@@ -62,6 +79,6 @@ def recurrent_form(x: Inputs, state: VQState | None):
         token = slice(t, t + 1)
         out, state = _step(x.q[:, :, token], x.window_k[:, :, token], x.v[:, :, token], x.codebook,
                            map_time(lambda w: w[:, :, token], a), state, scale=x.scale, exact_window=x.exact_window,
-                           q_window=None if x.q_rot is None else x.q_rot[:, :, token])
+                           q_window=None if x.q_rot is None else x.q_rot[:, :, token], fused=fused)
         outs.append(out)
     return torch.cat(outs, 2), state

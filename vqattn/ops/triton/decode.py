@@ -1,0 +1,110 @@
+"""One decoding step as one Triton kernel (flash-linear-attention's ``fused_recurrent``): a new query scores its
+raw window and the S codes (vq's shared codes, ovq's slot means) in one online softmax.
+
+Per batch·head, the query q_w (its window query) and q_c (its code query, q_w unless RoPE or a separate memory
+query) at the window's last position attend to
+
+    window  the W keys of the decoding state plus its own            logit σ q_w·k_j                value v_j
+    codes   s = 1..S of the state's cache                            logit σ q_c·c_s + log n_s      value C_s / n_s
+
+which is the block kernel's softmax for one query (:mod:`vqattn.ops.triton.window_codes`, whose tile helpers it
+runs): the query is row 0 of a 16-row tile (tl.dot's smallest; the other rows are zeros and dropped), the window is
+read in tiles of ``WINDOW_TILE`` keys, the codes in tiles of ``CODE_TILE``. One program per batch·head, nothing but
+the output written. Forward only (decoding is inference): a call that needs a gradient is refused.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import triton
+from .window_codes import (
+    CODE_TILE,
+    _code_tile,
+    _dot_dtype,
+    _load_rows,
+    _online_softmax_step,
+    _store_rows,
+    _strides,
+    _unit_last,
+    _width,
+    _window_logits,
+)
+
+if triton is not None:
+    import triton.language as tl
+
+# The query's tile: tl.dot's smallest row count.
+ROWS = 16
+# Window keys scored per inner step.
+WINDOW_TILE = 64
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_kernel(QW, KW, V, QC, CB, CNT, SUM, O,
+                       sqw_b, sqw_h, sqw_t, skw_b, skw_h, skw_t, sv_b, sv_h, sv_t, sqc_b, sqc_h, sqc_t,
+                       so_b, so_h, so_t,
+                       H, W, S, D, DC, DV, scale,
+                       ROWS: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, BDC: tl.constexpr, BDV: tl.constexpr,
+                       BS: tl.constexpr, HAS_CODES: tl.constexpr, PER_SEQUENCE: tl.constexpr, DOT: tl.constexpr,
+                       PREC: tl.constexpr):
+        bh = tl.program_id(0)
+        b, h = bh // H, bh % H
+        rows = tl.arange(0, ROWS)
+        qw = _load_rows(QW, sqw_b, sqw_h, sqw_t, b, h, rows, 1, D, BD, DOT)
+        at_last = tl.zeros([ROWS], tl.int32) + W - 1  # every row scores as the query at the window's end
+        m = tl.full([ROWS], float("-inf"), tl.float32)
+        z = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, BDV], tl.float32)
+        for w0 in range(0, W, BW):
+            cols = w0 + tl.arange(0, BW)
+            kw = _load_rows(KW, skw_b, skw_h, skw_t, b, h, cols, W, D, BD, DOT)
+            v = _load_rows(V, sv_b, sv_h, sv_t, b, h, cols, W, DV, BDV, DOT)
+            m, z, acc = _online_softmax_step(m, z, acc, _window_logits(qw, kw, at_last, cols, W, scale, PREC), v,
+                                             DOT, PREC)
+        if HAS_CODES:
+            qc = _load_rows(QC, sqc_b, sqc_h, sqc_t, b, h, rows, 1, DC, BDC, DOT)
+            book = bh if PER_SEQUENCE else h
+            for s0 in range(0, S, BS):
+                code_logits, _, _, _, means = _code_tile(CB, CNT, SUM, book, bh, s0, S, DC, DV, qc, scale, BS, BDC,
+                                                         BDV, DOT, PREC)
+                m, z, acc = _online_softmax_step(m, z, acc, code_logits, means, DOT, PREC)
+        _store_rows(O, so_b, so_h, so_t, b, h, rows, 1, DV, acc / z[:, None], BDV)
+
+
+def needs_grad(*tensors) -> bool:
+    """Whether autograd would record a call on these tensors (None entries ignored)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+@torch.compiler.disable  # a graph break: torch.compile runs the kernel as it is
+def fused_decode_step(qw, kw, v, *, scale: float, qc=None, codebook=None, counts=None, sums=None) -> torch.Tensor:
+    """One query per batch·head over its window and, given ``codebook``, the codes (see the module doc).
+
+    qw (B, H, 1, D) the window query; kw (B, H, W, D), v (B, H, W, Dv) the window's keys and values, the query's own
+    last (W ≥ 1). qc (B, H, 1, Dc) the code query (qw when None); codebook (H, S, Dc) shared by the sequences (vq)
+    or (B, H, S, Dc) each sequence's own (ovq's slot means); counts (B, H, S) and sums (B, H, S, Dv) the cache
+    (float32). Half-precision inputs accumulate in float32. Returns (B, H, 1, Dv) in v's dtype. Forward only:
+    ValueError when a gradient would be needed.
+    """
+    if needs_grad(qw, kw, v, qc, codebook, counts, sums):
+        raise ValueError("the fused decoding step is forward only: run it under torch.no_grad() (as generation "
+                         "does), or use impl='recurrent' (or the Triton chunk form) for gradients")
+    B, H, _, D = qw.shape
+    W, DV = kw.shape[2], v.shape[-1]
+    has_codes = codebook is not None
+    S, DC = codebook.shape[-2:] if has_codes else (0, 0)
+    qw, kw, v = _unit_last(qw), _unit_last(kw), _unit_last(v)
+    qc = _unit_last(qc if qc is not None else qw) if has_codes else qw
+    cb = codebook.contiguous() if has_codes else qw
+    cnt = counts.contiguous() if has_codes else qw
+    sm = sums.contiguous() if has_codes else qw
+    out = torch.empty(B, H, 1, DV, device=v.device, dtype=v.dtype)
+    dot, prec = _dot_dtype(qw.dtype)
+    _decode_kernel[(B * H,)](qw, kw, v, qc, cb, cnt, sm, out, *_strides(qw), *_strides(kw), *_strides(v),
+                             *_strides(qc), *_strides(out), H, W, S, D, DC, DV, float(scale), ROWS=ROWS,
+                             BW=WINDOW_TILE, BD=_width(D), BDC=_width(DC), BDV=_width(DV), BS=CODE_TILE,
+                             HAS_CODES=has_codes, PER_SEQUENCE=has_codes and codebook.dim() == 4, DOT=dot,
+                             PREC=prec)
+    return out
