@@ -11,11 +11,16 @@ feature-space sums. Ratios are softmax / X from the same run.
 
 The per-token figure is the median over ``--steps`` single-token steps after the prefill (one warm-up step first).
 The last column is ``GPT.generate`` end to end (prefill of a 1024-token prompt plus ``--new-tokens`` tokens).
+``--step-impl`` picks the decoding step's form in the window, vq and ovq layers: "auto" (on CUDA the fused Triton
+step, one kernel per layer and token) or "recurrent" (the PyTorch step); the prefill runs "auto" either way.
+
+    python benchmarks/decode_speed.py --device cuda --lengths 1024 4096 8192 32768 --step-impl recurrent
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import platform
 import statistics
 import time
@@ -47,22 +52,38 @@ def prefill(model: GPT, context: int, device: str, chunk: int = 2048):
     return state
 
 
-def ms_per_token(model: GPT, context: int, steps: int, device: str) -> float:
+@contextlib.contextmanager
+def step_form(model: GPT, impl: str):
+    """The attention layers that take an op form (``impl``) run ``impl`` inside (those without keep theirs)."""
+    layers = [m for m in model.modules() if hasattr(m, "impl")]
+    before = [m.impl for m in layers]
+    for m in layers:
+        m.impl = impl
+    try:
+        yield
+    finally:
+        for m, old in zip(layers, before):
+            m.impl = old
+
+
+def ms_per_token(model: GPT, context: int, steps: int, device: str, step_impl: str = "auto") -> float:
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     state = prefill(model, context, device)
     token = torch.randint(0, 256, (1, 1), device=device)
-    _, state = model.forward_step(token, state)  # warm-up
     times = []
-    for _ in range(steps):
-        sync()
-        start = time.perf_counter()
-        _, state = model.forward_step(token, state)
-        sync()
-        times.append(time.perf_counter() - start)
+    with step_form(model, step_impl):
+        _, state = model.forward_step(token, state)  # warm-up
+        for _ in range(steps):
+            sync()
+            start = time.perf_counter()
+            _, state = model.forward_step(token, state)
+            sync()
+            times.append(time.perf_counter() - start)
     return 1000 * statistics.median(times)
 
 
 def generate_tokens_per_sec(model: GPT, new_tokens: int, device: str) -> float:
+    """``GPT.generate`` with the layers' own forms (its prefill and steps pick theirs by "auto")."""
     prompt = torch.randint(0, 256, (1, 1024), device=device)
     start = time.perf_counter()
     model.generate(prompt, max_new_tokens=new_tokens, temperature=1.0)
@@ -84,10 +105,13 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--step-impl", default="auto", choices=["auto", "recurrent"],
+                        help="the decoding step's form in the window, vq and ovq layers (auto: the fused Triton "
+                             "step on CUDA)")
     args = parser.parse_args()
 
     print(f"# ms per decoded token (2 layers, n_embd 256, 4 heads, RoPE; vq S=512, block_len 128), {args.device}: "
-          f"{machine(args.device)}, torch {torch.__version__}; median of {args.steps}")
+          f"{machine(args.device)}, torch {torch.__version__}; step impl {args.step_impl}; median of {args.steps}")
     models = {m: build(m, args.device) for m in args.methods}
     header = ["method"] + [f"T={t}" for t in args.lengths] + [f"T={args.lengths[-1]} / T={args.lengths[0]}",
                                                                "generate tok/s"]
@@ -96,7 +120,7 @@ def main():
     rows = {}
     with torch.inference_mode():
         for method, model in models.items():
-            rows[method] = [ms_per_token(model, t, args.steps, args.device) for t in args.lengths]
+            rows[method] = [ms_per_token(model, t, args.steps, args.device, args.step_impl) for t in args.lengths]
             tps = generate_tokens_per_sec(model, args.new_tokens, args.device)
             cells = [f"{ms:.2f}" for ms in rows[method]] + [f"{rows[method][-1] / rows[method][0]:.2f}x", f"{tps:.0f}"]
             print("| " + " | ".join([method, *cells]) + " |", flush=True)

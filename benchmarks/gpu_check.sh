@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One prepared run on a CUDA machine: the Triton tests on the GPU, then the benchmark tables of the fused kernels
 # against softmax attention (SDPA's flash kernel), each table into its own file under ${OUT:-gpu_results}/.
-# Stages run in order of importance while the time budget (GPU_CHECK_SECONDS, default 540) lasts, so a short
+# Stages run in order of importance while the time budget (GPU_CHECK_SECONDS, default 480) lasts, so a short
 # lease still returns the first tables. Needs torch with CUDA, triton and pytest; the package runs from the tree.
 #
 #     bash benchmarks/gpu_check.sh
@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 out=${OUT:-gpu_results}
 mkdir -p "$out"
 export PYTHONPATH="$PWD:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
-deadline=$((SECONDS + ${GPU_CHECK_SECONDS:-540}))
+deadline=$((SECONDS + ${GPU_CHECK_SECONDS:-480}))
 
 stage() {  # stage NAME MAX_SECONDS COMMAND...: run it if the budget holds MAX_SECONDS more, bounded by them
   local name=$1 limit=$2
@@ -36,12 +36,16 @@ stage() {  # stage NAME MAX_SECONDS COMMAND...: run it if the budget holds MAX_S
 
 layers="python benchmarks/layer_speed.py --device cuda --autocast bf16 --dim 1024 --heads 16 --tokens 65536 --reps 5 --rounds 1"
 ops="python benchmarks/attention_speed.py --device cuda --dtype bfloat16 --heads 16 --reps 5 --rounds 1 --modes default"
+decode="python benchmarks/decode_speed.py --device cuda --lengths 1024 4096 8192 32768 --steps 20 --new-tokens 32"
 stage tests 150 python -m pytest -o addopts="" -q -p no:cacheprovider tests/test_triton.py
+stage tests_ovq 90 python -m pytest -o addopts="" -q -p no:cacheprovider tests/test_triton_ovq.py
+stage layers_ovq_triton 120 $layers --lengths 8192 32768 --layers softmax ovq --impl triton
+stage decode_fused 120 $decode --methods softmax window vq_hard ovq
 stage layers_codes64 150 $layers --lengths 8192 32768 --layers softmax vq_hard vq_soft --num-codes 64
 stage layers_triton 200 $layers --lengths 8192 32768 --layers softmax window vq_hard vq_soft
 stage ops_8k 80 $ops --batch 8 --lengths 8192 --methods sdpa vq_hard_rope vq_soft_rope window
 stage ops_32k 80 $ops --batch 2 --lengths 32768 --methods sdpa vq_hard_rope vq_soft_rope window
-stage layers_chunk 150 $layers --lengths 8192 32768 --layers softmax window vq_hard vq_soft --impl chunk
+stage layers_chunk 150 $layers --lengths 8192 32768 --layers softmax window vq_hard vq_soft ovq --impl chunk
+stage decode_recurrent 90 $decode --methods window vq_hard ovq --step-impl recurrent
 stage layers_compiled 200 $layers --lengths 8192 32768 --layers softmax vq_hard vq_soft window --compile
 stage layers_2k_64k 150 $layers --lengths 2048 65536 --layers softmax window vq_hard vq_soft ovq
-stage layers_ovq 120 $layers --lengths 8192 32768 --layers softmax ovq

@@ -10,6 +10,7 @@ from ..codebook import Codebook
 from ..modules.rope import rope_rotate_keeping
 from ..ops._checks import check_choice, check_positive_int
 from ..ops.blocks import DEFAULT_BLOCK_LEN
+from ..ops.ovq import IMPLS as OVQ_IMPLS
 from ..ops.ovq import ovq_attention
 from .base import Attention
 
@@ -47,20 +48,23 @@ class OnlineVQAttention(Attention):
         threshold: float = 0.1,
         memory_rope: bool = True,
         codebook: dict | None = None,
+        impl: str = "auto",
         **attention_kwargs,
     ):
-        """``attention_kwargs`` go to :class:`Attention`."""
+        """``impl``: the op's form (``ovq_attention``'s: "auto" runs the Triton kernels on CUDA where they apply);
+        ``attention_kwargs`` go to :class:`Attention`."""
         super().__init__(dim, num_heads, **attention_kwargs)
         check_positive_int("num_slots", num_slots)
         check_positive_int("block_len", block_len)
         check_choice("slots_by", slots_by, SLOTS_BY)
+        check_choice("impl", impl, OVQ_IMPLS)
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or math.isnan(threshold) \
                 or threshold < 0:
             raise ValueError(f"threshold must be a number >= 0, got {threshold!r}")
         if codebook is not None and slots_by != "codebook":
             raise ValueError("codebook kwargs configure the learned codebook of slots_by='codebook'; got "
                              f"slots_by={slots_by!r}")
-        self.num_slots, self.block_len, self.slots_by = num_slots, block_len, slots_by
+        self.num_slots, self.block_len, self.slots_by, self.impl = num_slots, block_len, slots_by, impl
         self.threshold, self.memory_rope = float(threshold), memory_rope
         self.codebook = Codebook(num_heads, num_slots, self.head_dim, assign="hard", **(codebook or {})) \
             if slots_by == "codebook" else None
@@ -87,6 +91,7 @@ class OnlineVQAttention(Attention):
             q_mem=q_mem,
             k_mem=k_mem,
             state=state,
+            impl=self.impl,
             return_state=True,  # its memory gives usage_stats; the few statistics it costs are O(T·Dh)
         )
         with torch.no_grad():
