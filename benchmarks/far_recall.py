@@ -34,7 +34,8 @@ SIZE_KNOBS = ("num_codes", "num_slots", "num_features")  # the layer's own state
 
 def size_override(attention: str, size: int) -> str | None:
     """The Hydra override that sets ``attention``'s state size, or None when it has no such knob."""
-    from vqattn.layers import ATTENTIONS as REGISTERED, Attention
+    from vqattn.layers import ATTENTIONS as REGISTERED
+    from vqattn.layers import Attention
     from vqattn.train.configs import signature_defaults
 
     cls = REGISTERED[attention]

@@ -25,8 +25,8 @@ import json
 import sys
 
 import torch
-
 from attention_speed import fresh_page_ms_per_mb, machine, run_child, summarise, time_fwd_bwd
+
 from vqattn.layers import ATTENTIONS, build_attention
 from vqattn.utils import tune_cpu_allocator
 

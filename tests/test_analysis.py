@@ -3,7 +3,6 @@ import math
 import pytest
 import torch
 
-from references_kernel import naive_sparsity
 from vqattn.analysis import (
     AttentionSparsity,
     approximation_error_curves,
@@ -13,6 +12,8 @@ from vqattn.analysis import (
     sparsity_linear_decay,
     sparsity_relu2,
 )
+
+from references_kernel import naive_sparsity
 
 F64 = torch.float64
 

@@ -6,11 +6,12 @@ import math
 import pytest
 import torch
 
-from references import ref_vq_attention
-from references_kernel import favor_features, naive_linear_attention
 from vqattn.analysis import codebook_kernel_features, kernel_soft_factors
 from vqattn.feature_maps import PerformerFeatures, draw_random_features
 from vqattn.functional import linear_attention, vq_attention
+
+from references import ref_vq_attention
+from references_kernel import favor_features, naive_linear_attention
 
 F64 = torch.float64
 

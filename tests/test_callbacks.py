@@ -12,8 +12,8 @@ import torch
 
 from vqattn.train import cli, launch
 from vqattn.train.callbacks import GracefulInterrupt, ParamSummary, RNGState, StepProgressBar, TokenThroughput
-from vqattn.train.loggers import RunCSVLogger, extra_loggers
 from vqattn.train.lit import model_config, read_checkpoint
+from vqattn.train.loggers import RunCSVLogger, extra_loggers
 from vqattn.train.report import markdown_table
 
 

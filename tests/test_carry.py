@@ -10,10 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model_helpers import scramble_short_conv, tiny_model
 from vqattn.train.carry import CarriedState, decode, encode
 from vqattn.train.data import TextDataModule
 from vqattn.train.lit import LitLM
+
+from model_helpers import scramble_short_conv, tiny_model
 
 
 def segments(model, x, t):

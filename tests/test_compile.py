@@ -9,9 +9,10 @@ import dataclasses
 import pytest
 import torch
 
-from model_helpers import decode_in_chunks, layer_kwargs, scramble_short_conv
 from vqattn.layers import build_attention
 from vqattn.model import GPT, GPTConfig
+
+from model_helpers import decode_in_chunks, layer_kwargs, scramble_short_conv
 
 # The layers with module state updated in the step (codebook statistics, online memory); the window and performer ops
 # compile in one graph and match eager in tests/test_ops_compile.py and tests/test_feature_maps.py.

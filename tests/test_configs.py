@@ -11,11 +11,11 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import get_class, instantiate
 from omegaconf import OmegaConf
 
+from vqattn.layers import ATTENTIONS, Attention
+from vqattn.model import GPT, GPTConfig
 from vqattn.train.configs import register, signature_defaults
 from vqattn.train.data import StdlibDataModule
-from vqattn.layers import ATTENTIONS, Attention
 from vqattn.train.lit import LitLM, OptimConfig
-from vqattn.model import GPT, GPTConfig
 
 CONF = Path(__file__).resolve().parents[1] / "vqattn" / "train" / "conf"
 register()

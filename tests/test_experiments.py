@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 from hydra.utils import instantiate
-
 from test_train import FAST, cfg_for, finish_script, run_inprocess, start_script, val_rows
+
 from vqattn.model import IGNORE_INDEX
 from vqattn.train.report import markdown_table
 

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 from hydra.utils import instantiate
-
 from test_train import cfg_for
+
 from vqattn.layers import ATTENTIONS
-from vqattn.train.report import draw_recall_vs_state, main as report, recall_cells, recall_table
+from vqattn.train.report import draw_recall_vs_state, recall_cells, recall_table
+from vqattn.train.report import main as report
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("far_recall", ROOT / "benchmarks" / "far_recall.py")

@@ -4,23 +4,28 @@ import numpy as np
 import pytest
 import torch
 
-from references_kernel import (
-    exp_definition_kernel, favor_features, naive_favor_attention, naive_linear_attention, taylor_kernel,
-)
 from vqattn.analysis import exact_exp_kernel, performer_estimates
 from vqattn.feature_maps import (
+    DEFAULT_REDRAW_INTERVAL,
     EluFeatures,
     ExpDefinitionFeatures,
     IdentityFeatures,
     PerformerFeatures,
     ReluFeatures,
     TaylorFeatures,
-    DEFAULT_REDRAW_INTERVAL,
     draw_random_features,
     set_feature_step,
 )
 from vqattn.functional import linear_attention
+
 from model_helpers import tiny_model
+from references_kernel import (
+    exp_definition_kernel,
+    favor_features,
+    naive_favor_attention,
+    naive_linear_attention,
+    taylor_kernel,
+)
 
 F64 = torch.float64
 

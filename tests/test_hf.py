@@ -11,10 +11,11 @@ pytest.importorskip("transformers")
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, GPT2Config  # noqa: E402
 
-from model_helpers import NAMES, SMALL_KWARGS  # noqa: E402
 from vqattn.feature_maps import set_feature_step  # noqa: E402
-from vqattn.model import GPT  # noqa: E402
 from vqattn.hf import VQAttnByteTokenizer, VQAttnConfig, VQAttnForCausalLM  # noqa: E402
+from vqattn.model import GPT  # noqa: E402
+
+from model_helpers import NAMES, SMALL_KWARGS  # noqa: E402
 
 VOCAB = 256
 

@@ -1,8 +1,9 @@
 import pytest
 import torch
 
-from references_kernel import naive_kernel_attention, naive_softmax_attention
 from vqattn.functional import kernel_attention, softmax_attention
+
+from references_kernel import naive_kernel_attention, naive_softmax_attention
 
 F64 = torch.float64
 

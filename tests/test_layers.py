@@ -8,10 +8,11 @@ import math
 import pytest
 import torch
 
-from model_helpers import NAMES, VQ_NAMES, layer_in_chunks, layer_kwargs, scramble_short_conv
 from vqattn.functional import vq_attention
 from vqattn.layers import ATTENTIONS, Attention, build_attention, rope_rotate
 from vqattn.modules.rope import rope_rotate_keeping
+
+from model_helpers import NAMES, VQ_NAMES, layer_in_chunks, layer_kwargs, scramble_short_conv
 
 DIM, HEADS = 16, 2
 

@@ -1,8 +1,9 @@
 import pytest
 import torch
 
-from references_kernel import naive_linear_attention
 from vqattn.functional import LinearState, linear_attention
+
+from references_kernel import naive_linear_attention
 
 F64 = torch.float64
 

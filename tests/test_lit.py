@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vqattn.model import IGNORE_INDEX
-from vqattn.train.mqar import MQARDataModule
 from vqattn.layers import ATTENTIONS
+from vqattn.model import IGNORE_INDEX
 from vqattn.train.lit import LitLM, SummedNLL, warmup_cosine
+from vqattn.train.mqar import MQARDataModule
 
 TINY = dict(vocab_size=256, seq_len=32, n_layer=2, n_head=2, n_embd=32)
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_helpers import NAMES
-from vqattn.ops import nonfinite
 from vqattn.model import GPT, GPTConfig
+from vqattn.ops import nonfinite
 
+from model_helpers import NAMES
 
 VQ_KWARGS = {"num_codes": 8, "block_len": 4}
 CASES = NAMES + ["vq_soft_learned_temperature", "vq_hard_rope_slow"]

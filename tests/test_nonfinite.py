@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_helpers import SMALL_KWARGS
 from vqattn.functional import softmax_attention, vq_assign, vq_attention, window_attention
 from vqattn.layers import build_attention
+
+from model_helpers import SMALL_KWARGS
 
 F64 = torch.float64
 ASSIGN_WINDOW = [("hard", False), ("hard", True), ("soft", False), ("soft", True)]

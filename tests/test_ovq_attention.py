@@ -11,11 +11,11 @@ from vqattn.ops import graphs
 from vqattn.ops.ovq import (
     OVQState,
     chunk_ovq_attention,
+    memory,
     naive_ovq_attention,
     ovq_attention,
     recurrent_ovq_attention,
 )
-from vqattn.ops.ovq import memory
 from vqattn.ops.ovq.memory import assign_block
 from vqattn.ops.ovq.naive import _assign_online
 from vqattn.ops.vq import RECURRENT_MAX_LEN

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_helpers import layer_in_chunks
 from vqattn.layers import OnlineVQAttention, build_attention, rope_rotate
 from vqattn.ops.ovq import naive_ovq_attention
+
+from model_helpers import layer_in_chunks
 
 DIM, HEADS, L, S = 16, 2, 4, 6
 OPTIONS = [

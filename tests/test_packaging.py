@@ -4,10 +4,10 @@ vqattn.analysis; the trainer's configs ship inside the package."""
 import ast
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "vqattn"

@@ -29,7 +29,7 @@ def test_row_r_of_batch_i_plus_1_starts_where_row_r_of_batch_i_ended():
     length = batches.length  # 1000 // 3 = 333 bytes per stream
     streams = torch.arange(3)[:, None]
     for i in range(len(batches) - 1):
-        (x0, y0), (x1, y1) = batches[i], batches[i + 1]
+        (x0, y0), (x1, _) = batches[i], batches[i + 1]
         assert x0.shape == y0.shape == (3, 8)
         assert torch.equal(x1[:, 0], y0[:, -1])  # the byte that ended y_i starts x_{i+1}
         assert torch.equal(x0 // length, streams.expand(3, 8))  # row r stays in stream r

@@ -15,13 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
 from hydra.errors import MissingConfigException
 from hydra.utils import instantiate
 
-from hydra.core.config_store import ConfigStore
-
-from vqattn.train.configs import register
 from vqattn.layers import ATTENTIONS
+from vqattn.train.configs import register
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = str(ROOT / "vqattn" / "train" / "conf")

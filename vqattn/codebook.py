@@ -35,9 +35,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .ops._checks import check_4d, check_choice, check_positive_int
+from .ops.common.statistics import code_slots
 from .ops.precision import autocast_off
 from .ops.vq import Assignment, vq_assign
-from .ops.common.statistics import code_slots
 from .ops.vq.assign import row_tiles
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)

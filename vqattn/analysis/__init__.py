@@ -22,8 +22,14 @@ from collections.abc import Callable, Iterable
 import torch
 from torchmetrics import Metric
 
-from ..feature_maps import (ExpDefinitionFeatures, FeatureMap, QKFeatures, TaylorFeatures, draw_random_features,
-                            favor_logits)
+from ..feature_maps import (
+    ExpDefinitionFeatures,
+    FeatureMap,
+    QKFeatures,
+    TaylorFeatures,
+    draw_random_features,
+    favor_logits,
+)
 from ..ops._checks import check_positive_int
 
 # ---------------------------------------------------------------------------------------------- sparsity

@@ -21,6 +21,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
+from ..feature_maps import draw_random_features  # noqa: E402
+from ..ops.linear import linear_attention  # noqa: E402
+from ..ops.softmax import softmax_attention  # noqa: E402
+from ..ops.vq import vq_attention  # noqa: E402
 from . import (  # noqa: E402
     approximation_error_curves,
     codebook_kernel_features,
@@ -31,10 +35,6 @@ from . import (  # noqa: E402
     sparsity_linear_decay,
     sparsity_relu2,
 )
-from ..feature_maps import draw_random_features  # noqa: E402
-from ..ops.linear import linear_attention  # noqa: E402
-from ..ops.softmax import softmax_attention  # noqa: E402
-from ..ops.vq import vq_attention  # noqa: E402
 
 F64 = torch.float64
 

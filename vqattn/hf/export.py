@@ -19,6 +19,7 @@ from .configuration import VQAttnConfig
 from .modeling import VQAttnForCausalLM
 from .tokenizer import VQAttnByteTokenizer
 
+
 def load_checkpoint(path: str | Path) -> VQAttnForCausalLM:
     """The model of the trainer checkpoint at ``path`` (eval mode), or a one-line ValueError when the file is not
     a vqattn trainer checkpoint."""

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from ..modules.rope import rope_rotate
 from .base import Attention, AttentionOutput, AttentionState, CachedAttention, KVCache
-from .vq import VQAttention, VQHardAttention, VQSoftAttention
 from .linear import EluLinearAttention, FeatureMapAttention, PerformerAttention, TaylorAttention
 from .ovq import OnlineVQAttention
 from .quadratic import (
@@ -35,6 +34,7 @@ from .quadratic import (
     SoftmaxAttention,
     WindowAttention,
 )
+from .vq import VQAttention, VQHardAttention, VQSoftAttention
 
 ATTENTIONS: dict[str, type[Attention]] = {
     "softmax": SoftmaxAttention,

@@ -69,7 +69,8 @@ class EluLinearAttention(FeatureMapAttention):
 
 
 class TaylorAttention(FeatureMapAttention):
-    """Second-order Taylor kernel 1 + s q·k + (s q·k)²/2 with s = 1/√D (M = 1 + D + D(D+1)/2 features: each symmetric product once)."""
+    """Second-order Taylor kernel 1 + s q·k + (s q·k)²/2 with s = 1/√D (M = 1 + D + D(D+1)/2 features: each
+    symmetric product once)."""
 
     def _make_features(self, head_dim, layer_idx, *, order=2, **kwargs):
         return TaylorFeatures(order, scale=head_dim**-0.5, **kwargs)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-
 from ..codebook import Codebook
 from ..modules.rope import pair_dims, rope_frequencies, rope_rotate_keeping
 from ..ops._checks import check_choice, check_positive_int

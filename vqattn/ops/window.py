@@ -33,13 +33,13 @@ from .blocks import (
     window_start,
     window_tail,
 )
+from .common.forms import FORMS, decoding, form_of, pick_form
+from .common.window_codes import WindowCodeInputs, window_code_attention
 from .nonfinite import may_be_nonfinite, nonfinite_keys, window_poison, zero_rows
 from .precision import autocast_off
 from .triton import require_triton
 from .triton.decode import fused_decode_step, needs_grad
 from .triton.window_codes import fused_window_code_attention, unsupported
-from .common.forms import FORMS, decoding, form_of, pick_form
-from .common.window_codes import WindowCodeInputs, window_code_attention
 
 
 @dataclass

@@ -31,10 +31,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig
 
+from ..utils import available_cores, idle_cores
 from .checks import check_config, check_resumable, cpu_processes_warning, raw_window_warning, unknown_option
 from .configs import config_groups, register
 from .launch import DDP_ARGV, ddp_child_argv
-from ..utils import available_cores, idle_cores
 
 log = logging.getLogger("train")
 register()
@@ -90,8 +90,7 @@ def build(cfg: DictConfig, run_dir: Path, started: float | None = None):
     ``started``: the ``time.perf_counter()`` at which the run began (the wall time counts from it)."""
     from lightning.pytorch.callbacks import LambdaCallback, LearningRateMonitor
 
-    from .callbacks import (GracefulInterrupt, LastCheckpoint, ParamSummary, RNGState, StepProgressBar,
-                            TokenThroughput)
+    from .callbacks import GracefulInterrupt, LastCheckpoint, ParamSummary, RNGState, StepProgressBar, TokenThroughput
     from .lit import read_checkpoint
     from .loggers import RunCSVLogger, extra_loggers
 
@@ -166,8 +165,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
 def _train(cfg: DictConfig, run_dir: Path) -> dict:
     import lightning as L
 
-    from .callbacks import GracefulInterrupt, TokenThroughput
     from ..utils import tune_cpu_allocator
+    from .callbacks import GracefulInterrupt, TokenThroughput
 
     start = time.perf_counter()
     tune_cpu_allocator()  # CPU steps reuse freed memory instead of page-faulting every temporary again

@@ -77,8 +77,8 @@ def register() -> None:
     import lightning
 
     from ..layers import ATTENTIONS, Attention
-    from .lit import OptimConfig
     from ..model import GPTConfig
+    from .lit import OptimConfig
 
     cs = ConfigStore.instance()
     cs.store(group="schema", name="model", node=_dataclass_defaults(GPTConfig))

@@ -34,7 +34,6 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from .streams import CarriedValBatches, StreamBatches
 
-
 # The loaders below resume from trainer.global_step (see module docstring), which Lightning cannot see.
 warnings.filterwarnings("ignore", message=".*resuming from a checkpoint that ended before the epoch ended.*")
 

@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from torchmetrics import Metric
 
-from .carry import CarriedState
 from ..feature_maps import set_feature_step
 from ..model import GPT, IGNORE_INDEX, GPTConfig
+from .carry import CarriedState
 
 LN2 = math.log(2.0)
 

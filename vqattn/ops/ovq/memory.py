@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from ..graphs import can_graph, replay_graphed
 from ..common.statistics import Assignment, code_means, code_statistics, log_counts
+from ..graphs import can_graph, replay_graphed
 
 
 class _LaggedSum(torch.autograd.Function):

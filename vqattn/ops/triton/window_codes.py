@@ -147,8 +147,9 @@ if triton is not None:
                          BS: tl.constexpr, HAS_CODES: tl.constexpr, PER_BLOCK: tl.constexpr, DOT: tl.constexpr,
                          PREC: tl.constexpr):
         """Gradients of one query block. DKW and DV_ (2, B·H, T, ·) float32 take the window gradients of key
-        block blk − back at its own rows of slice ``back`` (``dkw_slice``, ``dv_slice`` elements apart); DCB (B·H, nb, S, DC), DCNT (B·H, nb, S), DSUM (B·H, nb, S, DV) float32 the
-        block's share of the codebook's gradient and its cache's gradients."""
+        block blk − back at its own rows of slice ``back`` (``dkw_slice``, ``dv_slice`` elements apart); DCB
+        (B·H, nb, S, DC), DCNT (B·H, nb, S), DSUM (B·H, nb, S, DV) float32 the block's share of the codebook's
+        gradient and its cache's gradients."""
         blk, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // H, bh % H
         nb = tl.cdiv(T, L)

@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-
 import torch
 
 from .._checks import check_choice, check_positive_int, compute_dtype

@@ -35,12 +35,12 @@ from ..blocks import (
     window_start,
     window_tail,
 )
-from ..nonfinite import zero_assignment_rows
 from ..common.statistics import Assignment, cat_time, code_counts, code_statistics, map_time
+from ..common.window_codes import WindowCodeInputs, window_code_attention
+from ..nonfinite import zero_assignment_rows
 from .fused import fused_causal
 from .mixture import mixture_attention
 from .state import Inputs, VQState
-from ..common.window_codes import WindowCodeInputs, window_code_attention
 
 
 class Group(NamedTuple):

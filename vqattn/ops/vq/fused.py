@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from ..blocks import pad_to_blocks
-from ..triton.window_codes import fused_window_code_attention
 from ..common.statistics import Assignment, code_statistics, map_time
+from ..triton.window_codes import fused_window_code_attention
 
 
 def lagged_prefix(stats: torch.Tensor) -> torch.Tensor:

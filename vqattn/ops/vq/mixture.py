@@ -6,9 +6,9 @@ from typing import NamedTuple
 
 import torch
 
-from ..precision import autocast_off
 from ..common.cache import CacheUpdates, LogitGradients, code_logits_of, read_cache, read_cache_backward
 from ..common.window_codes import floored_exp_
+from ..precision import autocast_off
 
 
 class MixtureInputs(NamedTuple):
