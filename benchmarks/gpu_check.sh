@@ -37,8 +37,8 @@ stage() {  # stage NAME MAX_SECONDS COMMAND...: run it if the budget holds MAX_S
 layers="python benchmarks/layer_speed.py --device cuda --autocast bf16 --dim 1024 --heads 16 --tokens 65536 --reps 5 --rounds 1"
 ops="python benchmarks/attention_speed.py --device cuda --dtype bfloat16 --heads 16 --reps 5 --rounds 1 --modes default"
 decode="python benchmarks/decode_speed.py --device cuda --lengths 1024 4096 8192 32768 --steps 20 --new-tokens 32"
-stage tests 150 python -m pytest -o addopts="" -q -p no:cacheprovider tests/test_triton.py
-stage tests_ovq 90 python -m pytest -o addopts="" -q -p no:cacheprovider tests/test_triton_ovq.py
+stage tests 150 python -m pytest -o addopts="" -q -p no:cacheprovider tests/ops/test_triton.py
+stage tests_ovq 90 python -m pytest -o addopts="" -q -p no:cacheprovider tests/ops/test_triton_ovq.py
 stage layers_ovq_triton 120 $layers --lengths 8192 32768 --layers softmax ovq --impl triton
 stage decode_fused 120 $decode --methods softmax window vq_hard ovq
 stage layers_codes64 150 $layers --lengths 8192 32768 --layers softmax vq_hard vq_soft --num-codes 64

@@ -7,7 +7,7 @@ registered attention layer (``attention.kwargs`` = the layer's own keyword defau
 conf/ extend these nodes and set only what a configuration deliberately changes, each with a comment
 saying why; every key still exists in the composed config, so any default can be overridden from the
 command line (``model.qk_norm=true``, ``attention.kwargs.num_codes=128``, ``trainer.precision=bf16-mixed``).
-tests/test_configs.py fails when a conf/ value differs from the default it shadows without being listed
+tests/train/test_configs.py fails when a conf/ value differs from the default it shadows without being listed
 as deliberate.
 """
 

@@ -15,7 +15,7 @@ from vqattn.model import GPT, GPTConfig
 from model_helpers import decode_in_chunks, layer_kwargs, scramble_short_conv
 
 # The layers with module state updated in the step (codebook statistics, online memory); the window and performer ops
-# compile in one graph and match eager in tests/test_ops_compile.py and tests/test_feature_maps.py.
+# compile in one graph and match eager in tests/ops/test_ops_compile.py and tests/layers/test_feature_maps.py.
 COMPILED = ["vq_hard", "vq_soft", "ovq"]
 
 
@@ -76,8 +76,8 @@ def test_the_trainer_flag_compiles_the_model_in_place():
 @pytest.mark.slow
 # Each name costs about seven cold compilations (a minute on 2 cores). vq_soft decodes through vq_hard's recurrent
 # and block forms (its assignment holds weights instead of an index, which its compiled training covers). The window
-# op's decoding forms are checked eagerly in tests/test_window_attention.py, and its block form compiles in one graph
-# in tests/test_ops_compile.py; compiled window decoding is not checked here.
+# op's decoding forms are checked eagerly in tests/ops/test_window_attention.py, and its block form compiles in one graph
+# in tests/ops/test_ops_compile.py; compiled window decoding is not checked here.
 @pytest.mark.parametrize("name", ["vq_hard"])
 def test_compiled_decoding_matches_eager(name):
     """A compiled model decodes prompts of several lengths, in chunks of every size (the recurrent form, folding a

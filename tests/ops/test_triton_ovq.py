@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_helpers import DEVICE, compare, leaves, nan_empty, needs_triton, rel_rms  # noqa: F401 (a fixture)
 
 from vqattn.ops.common.forms import pick_form
 from vqattn.ops.ovq import naive_ovq_attention, ovq_attention
@@ -18,6 +17,8 @@ from vqattn.ops.triton.decode import fused_decode_step
 from vqattn.ops.triton.online_slots import fused_online_slots
 from vqattn.ops.vq import vq_attention
 from vqattn.ops.window import window_attention
+
+from triton_helpers import DEVICE, compare, leaves, nan_empty, needs_triton, rel_rms  # noqa: F401 (a fixture)
 
 pytestmark = [needs_triton, pytest.mark.usefixtures("nan_empty")]
 B, H, D, S, L = 1, 2, 16, 8, 16

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_helpers import DEVICE, compare, leaves, nan_empty, needs_triton, rel_rms  # noqa: F401 (a fixture)
 
 from vqattn.layers import build_attention
 from vqattn.ops.vq import naive_vq_attention, vq_assign, vq_attention
 from vqattn.ops.window import window_attention
 
 from references import ref_window_attention
+from triton_helpers import DEVICE, compare, leaves, nan_empty, needs_triton, rel_rms  # noqa: F401 (a fixture)
 
 pytestmark = [needs_triton, pytest.mark.usefixtures("nan_empty")]
 B, H, D, DV, S, L = 2, 2, 16, 8, 24, 32

@@ -17,7 +17,7 @@ from vqattn.train.configs import register, signature_defaults
 from vqattn.train.data import StdlibDataModule
 from vqattn.train.lit import LitLM, OptimConfig
 
-CONF = Path(__file__).resolve().parents[1] / "vqattn" / "train" / "conf"
+CONF = Path(__file__).resolve().parents[2] / "vqattn" / "train" / "conf"
 register()
 
 # (group, option) -> keys the option deliberately sets away from the Python default; each carries a comment

@@ -13,7 +13,7 @@ from vqattn.layers import ATTENTIONS
 from vqattn.train.report import draw_recall_vs_state, recall_cells, recall_table
 from vqattn.train.report import main as report
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("far_recall", ROOT / "benchmarks" / "far_recall.py")
 far_recall = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(far_recall)

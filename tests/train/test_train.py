@@ -22,7 +22,7 @@ from hydra.utils import instantiate
 from vqattn.layers import ATTENTIONS
 from vqattn.train.configs import register
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONF = str(ROOT / "vqattn" / "train" / "conf")
 register()
 ATTENTION_OPTIONS = sorted(name.removesuffix(".yaml") for name in ConfigStore.instance().list("attention"))

@@ -19,7 +19,7 @@ from vqattn.model import GPT, GPTConfig
 
 from model_helpers import NAMES, layer_kwargs, scramble_short_conv
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # Logits are O(1); bf16 rounding of the projections/MLP inputs gives errors of a few 1e-2 after two layers.
 LOGIT_ATOL = 0.1
 
