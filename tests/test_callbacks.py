@@ -283,13 +283,14 @@ def test_threads_auto_takes_the_idle_cores_unless_omp_num_threads_chose(monkeypa
 @pytest.mark.parametrize("threads", [2, 1])
 def test_a_run_that_slows_down_gets_one_hint_about_threads(monkeypatch, caplog, threads):
     clock = FakeClock()
-    throughput = TokenThroughput(window_size=3, clock=clock)
+    throughput = TokenThroughput(window_size=4, clock=clock)  # the median of 3 steps
     trainer = SimpleNamespace(world_size=1, is_global_zero=True)
     module = SimpleNamespace(log_dict=lambda *args, **kwargs: None)
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     throughput.on_train_start(trainer, module)
     with caplog.at_level("WARNING", logger="train"):
-        for seconds in [1.0] * 5 + [3.0] * 3 + [9.0] * 4:  # 3x slower (no hint), then 6x and 9x (one hint)
+        # steps of 1 s; one step of 60 s (a moment of other work: no hint); 3 s (no hint); then 6 s (one hint)
+        for seconds in [1.0] * 6 + [60.0] + [1.0] * 6 + [3.0] * 6 + [6.0] * 8:
             clock.now += seconds
             throughput.on_train_batch_end(trainer, module, None, (torch.zeros(2, 32),), 0)
     hints = [r.getMessage() for r in caplog.records]

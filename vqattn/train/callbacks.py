@@ -6,7 +6,9 @@ bar, training-only token throughput, and a model summary without the FLOPs colum
 from __future__ import annotations
 
 import logging
+import math
 import signal
+import statistics
 import time
 from collections import deque
 from pathlib import Path
@@ -217,9 +219,10 @@ class TokenThroughput(Callback):
     counts). The three totals go into the checkpoint, so a resumed run continues them: results.json and the
     summary line describe the whole run, tokens T = T_before + T_now and seconds likewise, not the resumed part.
 
-    When the rate over a full window falls ``slowdown`` times below the best one of the run, with more than one
-    intra-op thread, rank 0 logs one hint: other work that took a core after the run chose its threads (threads=auto
-    counts the idle cores at the start) stalls every thread, and fewer threads can be many times faster.
+    When the median step of a full window takes ``slowdown`` times as long as the fastest window's median, with more
+    than one intra-op thread, rank 0 logs one hint: other work that took a core after the run chose its threads
+    (threads=auto counts the idle cores at the start) stalls every thread, and fewer threads can be many times
+    faster. The median ignores a few slow steps (a moment of other work, a checkpoint); lasting load moves it.
 
     ``clock`` is the timer in seconds (``time.perf_counter``); tests pass one they advance themselves.
     """
@@ -227,10 +230,10 @@ class TokenThroughput(Callback):
     def __init__(self, window_size: int = 50, *, clock=time.perf_counter, started: float | None = None,
                  slowdown: float = 4.0):
         self.clock, self.slowdown = clock, slowdown
-        self.best_rate, self.hinted = 0.0, False
+        self.fastest_step, self.hinted = math.inf, False  # the fastest window's median step (s); hint given
         self.started = clock() if started is None else started
         self.window: deque[tuple[float, int]] = deque(maxlen=window_size)  # (training clock, tokens so far)
-        self.tokens = 0  # this process's training tokens in this process
+        self.tokens = 0  # this process's training tokens since it started (its part of the run)
         self._seconds, self._since = 0.0, None  # training seconds so far; _since: the training clock runs since then
         self.tokens_before, self.wall_before = 0, 0.0  # all ranks' tokens and the wall time of the parts resumed from
         self._world_size = 1
@@ -270,17 +273,19 @@ class TokenThroughput(Callback):
             pl_module.log_dict({"train/device/items_per_sec": rate, "train/items_per_sec": rate * trainer.world_size},
                                on_step=True, on_epoch=False)
             if len(self.window) == self.window.maxlen:
-                self._hint_if_slowed(trainer, rate)
+                self._hint_if_slowed(trainer)
 
-    def _hint_if_slowed(self, trainer, rate: float) -> None:
-        self.best_rate = max(self.best_rate, rate)
-        if self.hinted or rate * self.slowdown > self.best_rate or torch.get_num_threads() == 1:
+    def _hint_if_slowed(self, trainer) -> None:
+        times = [t for t, _ in self.window]
+        step = statistics.median(b - a for a, b in zip(times, times[1:]))
+        self.fastest_step = min(self.fastest_step, step)
+        if self.hinted or step < self.slowdown * self.fastest_step or torch.get_num_threads() == 1:
             return
         self.hinted = True
         if trainer.is_global_zero:
             train_log.warning("training runs %.0fx slower than earlier in this run: if other work took a core, fewer "
                               "threads can be many times faster (Ctrl-C, then resume with threads=1)",
-                              self.best_rate / rate)
+                              step / self.fastest_step)
 
     def totals(self, world_size: int) -> tuple[int, float]:
         """All ranks' training tokens and the training time (s) of the whole run, resumed parts included."""
