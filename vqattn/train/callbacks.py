@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import Checkpoint, ModelSummary, TQDMProgressBar
-from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_summary import get_human_readable_count
 
 log = logging.getLogger("lightning.pytorch.callbacks.model_summary")  # where Lightning's summary goes
