@@ -89,7 +89,7 @@ def test_core_depends_on_torch_alone_and_extras_hold_the_trainer():
     train = {req.split(">")[0].split("<")[0].split("=")[0] for req in project["optional-dependencies"]["train"]}
     assert {"lightning", "torchmetrics", "datasets", "hydra-core", "matplotlib", "numpy"} <= train
     assert set(project["optional-dependencies"]["dev"]) >= {"vqattn[train]"}
-    assert project["scripts"]["vqattn-train"] == "vqattn.train.cli:main"
+    assert project["scripts"]["vqattn-train"] == "vqattn.train.entry:main"  # it imports the trainer itself
 
 
 def test_every_config_file_ships_as_package_data():
