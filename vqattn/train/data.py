@@ -213,17 +213,24 @@ def stdlib_files(max_bytes: int) -> tuple[Path, list[Path]]:
     tests, idle_test), which are large, repetitive and vary between builds.
     """
     root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
     files, total = [], 0
-    for path in sorted(root.rglob("*.py")):
-        if skip.intersection(path.relative_to(root).parts) or not path.is_file():
-            continue
+    for path in sorted(_python_files(root, skip={"site-packages", "dist-packages", "test", "tests", "idle_test",
+                                                 "__pycache__"})):
         size = path.stat().st_size
         if total + size > max_bytes:
             break
         files.append(path)
         total += size
     return root, files
+
+
+def _python_files(root: Path, skip: set[str]):
+    """The ``.py`` files under root, never entering a directory named in ``skip``: site-packages alone is larger than
+    the standard library, and a ``pip install`` running meanwhile removes directories from it mid-walk."""
+    for directory, subdirectories, names in os.walk(root):
+        subdirectories[:] = [name for name in subdirectories if name not in skip]
+        yield from (path for path in (Path(directory) / name for name in names if name.endswith(".py"))
+                    if path.is_file())
 
 
 class StdlibDataModule(ByteDataModule):
