@@ -27,8 +27,8 @@ README = ROOT / "README.md"
 DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
 NO_TEST = "<!-- no-test -->"
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
-# Commands that cannot run inside the suite: installing packages, and the test suite itself.
-NOT_RUN = (("pip", "install"), ("python", "-m", "pytest"), ("bash", ".ci/run"))
+# Commands that cannot run inside the suite: installing packages, the test suite itself, and its lint step.
+NOT_RUN = (("pip", "install"), ("python", "-m", "pytest"), ("bash", ".ci/run"), ("ruff", "check"))
 SHORT_TRAIN = ["trainer.max_steps=2"]
 PLACEHOLDER = "DATE/TIME"  # README paths that name a run dir the user reads off their own run
 TIMEOUT = 600
