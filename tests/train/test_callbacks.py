@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vqattn.train import cli, launch
+from vqattn.train import cli, launch, lifecycle
 from vqattn.train.callbacks import GracefulInterrupt, ParamSummary, RNGState, StepProgressBar, TokenThroughput
 from vqattn.train.lit import model_config, read_checkpoint
 from vqattn.train.loggers import RunCSVLogger, extra_loggers
@@ -98,7 +98,7 @@ def test_restore_environ_undoes_only_the_changes(monkeypatch):
     before = dict(os.environ)
     os.environ["VQATTN_CHANGED"] = "new"
     os.environ["VQATTN_ADDED"] = "x"
-    cli._restore_environ(before)
+    lifecycle.restore_environ(before)
     assert os.environ["VQATTN_CHANGED"] == "old" and "VQATTN_ADDED" not in os.environ
     assert os.environ["VQATTN_KEEP"] == "1"
 
@@ -126,8 +126,8 @@ def test_model_errors_name_the_model_key():
 
 
 def test_user_errors_are_one_line_and_bugs_are_not():
-    assert cli._user_error(ValueError("data.x must be 1\nmore")) == "ValueError: data.x must be 1"
-    assert cli._user_error(RuntimeError("a bug")) is None
+    assert lifecycle.user_error(ValueError("data.x must be 1\nmore")) == "ValueError: data.x must be 1"
+    assert lifecycle.user_error(RuntimeError("a bug")) is None
 
 
 def test_mqar_report_ranks_by_recall_accuracy():
@@ -146,7 +146,7 @@ def test_extra_loggers_are_built_from_their_target_with_the_run_dir(tmp_path):
     assert logger.save_dir == str(tmp_path) and logger.name == "extra"
     [logger] = extra_loggers(OmegaConf.create({"csv": {**node, "save_dir": str(tmp_path / "x")}}), tmp_path)
     assert logger.save_dir == str(tmp_path / "x")
-    with pytest.raises(ValueError, match="logger.bad must be a logger config with a _target_"):
+    with pytest.raises(ValueError, match="logger.bad must be a config with a _target_"):
         extra_loggers(OmegaConf.create({"bad": 1}), tmp_path)
 
 
@@ -247,7 +247,8 @@ def test_the_step_bar_of_a_resumed_run_continues_its_elapsed_time(monkeypatch):
     monkeypatch.setattr(callbacks, "time", SimpleNamespace(time=lambda: 5000.0))  # the bar's clock reads 5000 s
     totals = TokenThroughput()
     totals.wall_before = 600.0  # the parts resumed from, restored from the checkpoint
-    bar = StepProgressBar(run_totals=totals)
+    bar = StepProgressBar()
+    bar.run_totals = totals
     bar.train_progress_bar = tqdm(file=io.StringIO())
     bar._reset(SimpleNamespace(max_steps=10, global_step=4))
     assert bar.train_progress_bar.start_t == 4400.0  # elapsed: 600 s at the resumed step

@@ -3,6 +3,7 @@
 import dataclasses
 import inspect
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning
 import pytest
@@ -104,7 +105,48 @@ def test_default_config_builds_the_python_default_model():
     assert dataclasses.replace(module.model.config, attention_kwargs={}) == GPTConfig()
     for (name, a), (_, b) in zip(module.model.state_dict().items(), plain.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
-    assert module.optim == dataclasses.asdict(OptimConfig())
+    python = LitLM(model={})  # LitLM's own optimizer and schedule: OptimConfig's over the run's max_steps
+    python.trainer = module.trainer = SimpleNamespace(max_steps=compose_cfg().trainer.max_steps)
+    assert learning_rates(module) == learning_rates(python)
+
+
+def learning_rates(module, steps: int | None = None) -> list[list[float]]:
+    """Each parameter group's (lr, weight_decay) at every step of the module's optimizer and schedule."""
+    configured = module.configure_optimizers()
+    optimizer, scheduler = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
+    out = []
+    for _ in range(steps or module.trainer.max_steps + 1):
+        out.append([(group["lr"], group["weight_decay"]) for group in optimizer.param_groups])
+        optimizer.step()
+        scheduler.step()
+    return out
+
+
+def test_the_optim_keys_reach_the_optimizer_and_its_schedule():
+    cfg = compose_cfg("model=tiny", "optim.lr=0.001", "optim.weight_decay=0.2", "optim.betas=[0.8,0.9]",
+                      "optim.warmup_steps=4", "optim.min_lr_ratio=0.5", "optim.total_steps=10", "trainer.max_steps=30")
+    module = instantiate(cfg.module, _convert_="all")
+    optimizer = module.configure_optimizers()["optimizer"]
+    assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["betas"] == (0.8, 0.9)
+    rates = learning_rates(module, steps=12)
+    assert [wd for _, wd in rates[0]] == [0.2, 0.0]  # matrices decay; norms, biases and codebooks do not
+    lr = [group[0][0] for group in rates]
+    assert lr[:4] == pytest.approx([0.00025, 0.0005, 0.00075, 0.001])  # warmup over 4 steps
+    assert lr[10:] == pytest.approx([0.0005, 0.0005])  # min_lr_ratio * lr from total_steps on, not max_steps
+    assert all(a > b for a, b in zip(lr[4:10], lr[5:11]))  # cosine decay in between
+
+
+# callback -> keys set away from the callback class's defaults, each with a comment in conf/callbacks/default.yaml
+CALLBACKS_DELIBERATE = {"lr_monitor": {"logging_interval"}}
+
+
+def test_callbacks_differ_from_python_only_where_declared():
+    callbacks = compose_cfg().callbacks
+    assert set(callbacks) == {"lr_monitor", "throughput", "progress_bar", "model_summary"}
+    for name, node in callbacks.items():
+        assert differing_keys(node, signature_defaults(get_class(node._target_))) == \
+            CALLBACKS_DELIBERATE.get(name, set()), name
+    assert compose_cfg("callbacks=none").callbacks == {}
 
 
 def test_signature_defaults_follow_the_kwargs_chain():

@@ -157,6 +157,31 @@ def test_compile_says_it_is_compiling_before_the_first_step(tmp_path, caplog):
     assert "compiling the model" in caplog.text
 
 
+@pytest.mark.parametrize("overrides,expected", [
+    ([], {"LearningRateMonitor", "TokenThroughput", "StepProgressBar", "ParamSummary"}),
+    (["~callbacks.lr_monitor", "trainer.enable_progress_bar=false"], {"TokenThroughput", "ParamSummary"}),
+    (["callbacks=none", "+callbacks.stop={_target_: lightning.pytorch.callbacks.EarlyStopping, monitor: val_bpb}"],
+     {"EarlyStopping"}),
+])
+def test_callbacks_are_the_group_plus_what_resuming_needs(tmp_path, overrides, expected):
+    from vqattn.train import cli
+
+    _, _, trainer = cli.build(cfg_for(*AS_USERS_HAVE_IT, *overrides), tmp_path)
+    names = {type(c).__name__ for c in trainer.callbacks}
+    assert {"LastCheckpoint", "RNGState", "GracefulInterrupt"} <= names  # every run has them
+    # what Lightning adds itself where no bar or summary is given (Rich ones when rich is installed)
+    lightning_own = {"ModelCheckpoint", "TQDMProgressBar", "ModelSummary", "RichProgressBar", "RichModelSummary"}
+    assert names - {"LastCheckpoint", "RNGState", "GracefulInterrupt"} - lightning_own == expected
+
+
+def test_another_optimizer_is_one_override(tmp_path):
+    from vqattn.train import cli
+
+    module, _, _ = cli.build(cfg_for(*FAST, "optimizer._target_=torch.optim.Adam", "optim.lr=0.003"), tmp_path)
+    optimizer = module.configure_optimizers()["optimizer"]
+    assert type(optimizer) is torch.optim.Adam and optimizer.defaults["lr"] == 0.003
+
+
 def test_more_than_one_device_needs_a_multi_process_strategy():
     from vqattn.train.checks import check_config
 
@@ -526,13 +551,13 @@ def write_bad_checkpoints(cwd: Path) -> None:
 
 @pytest.mark.parametrize("overrides,message", CONFIG_ERRORS, ids=[message for _, message in CONFIG_ERRORS])
 def test_config_errors_are_one_line_messages(tmp_path, monkeypatch, overrides, message):
-    from vqattn.train import cli
+    from vqattn.train import cli, lifecycle
 
     write_bad_checkpoints(tmp_path)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(Exception) as info:
         cli.train(cfg_for(*FAST, *overrides), tmp_path / "run")
-    line = cli._user_error(info.value)  # what the command line prints after "error: ", else the traceback
+    line = lifecycle.user_error(info.value)  # what the command line prints after "error: ", else the traceback
     assert line is not None and message in line and "\n" not in line, repr(info.value)
     assert not (tmp_path / "run").exists()  # nothing was written before the check
 

@@ -1,6 +1,7 @@
 """Trainer parts of train.py that Lightning does not ship as such, each a small callback on Lightning's public
 hooks: per-rank RNG state in checkpoints, a graceful Ctrl-C, one last.ckpt save per step, a run-long progress
-bar, training-only token throughput, and a model summary without the FLOPs column.
+bar, training-only token throughput, and a model summary without the FLOPs column; and
+:func:`instantiate_callbacks`, which builds the ``callbacks`` config group.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch import Callback
-from lightning.pytorch.callbacks import Checkpoint, ModelSummary, TQDMProgressBar
+from lightning.pytorch.callbacks import Checkpoint, ModelSummary, ProgressBar, TQDMProgressBar
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_summary import get_human_readable_count
@@ -153,15 +154,19 @@ class StepProgressBar(TQDMProgressBar):
     """The TQDM bar counting the run's optimizer steps (global_step of max_steps).
 
     Lightning's bar counts the current epoch's batches and loses its total after a mid-epoch resume ("81/?");
-    this one continues a resumed run at its step, with the run's total, and with ``run_totals`` (the run's
-    TokenThroughput) at the run's elapsed time: the wall time of the parts it resumes from plus this one's. Its
-    metrics are this run's: a resumed run shows no validation result until its own first validation.
+    this one continues a resumed run at its step, with the run's total, and, when the trainer has a TokenThroughput
+    callback (``run_totals``), at the run's elapsed time: the wall time of the parts it resumes from plus this one's.
+    Its metrics are this run's: a resumed run shows no validation result until its own first validation.
     """
 
-    def __init__(self, run_totals: TokenThroughput | None = None, **kwargs):
+    def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.run_totals = run_totals
+        self.run_totals: TokenThroughput | None = None  # the trainer's, found at setup
         self._restored: dict = {}  # metrics a resumed run starts with, shown once this run has measured them
+
+    def setup(self, trainer, pl_module, stage):
+        super().setup(trainer, pl_module, stage)
+        self.run_totals = next((c for c in trainer.callbacks if isinstance(c, TokenThroughput)), None)
 
     def _reset(self, trainer) -> None:
         bar = self.train_progress_bar
@@ -320,3 +325,21 @@ class ParamSummary(ModelSummary):
                   f"{get_human_readable_count(total_parameters):<10}Total params",
                   f"{model_size:<10,.3f}Total estimated model params size (MB)"]
         log.info("\n" + "\n".join(lines))
+
+
+def instantiate_callbacks(cfg, trainer_cfg, started: float | None = None) -> list[Callback]:
+    """The callbacks the ``callbacks`` group names (conf/callbacks), each built from its ``_target_``, less a
+    progress bar with ``trainer.enable_progress_bar=false`` and a model summary with
+    ``trainer.enable_model_summary=false`` (Lightning refuses them there); a TokenThroughput's wall time counts from
+    ``started`` (the ``time.perf_counter()`` at which the run began), when given."""
+    from .configs import instantiate_targets
+
+    callbacks = []
+    for callback in instantiate_targets(cfg, "callbacks"):
+        if (isinstance(callback, ProgressBar) and trainer_cfg.enable_progress_bar is False
+                or isinstance(callback, ModelSummary) and trainer_cfg.enable_model_summary is False):
+            continue
+        if isinstance(callback, TokenThroughput) and started is not None:
+            callback.started = started
+        callbacks.append(callback)
+    return callbacks

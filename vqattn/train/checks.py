@@ -26,8 +26,11 @@ def _device_count(devices) -> int | None:
 
 def check_config(cfg: DictConfig) -> None:
     """Explain settings that cannot work before anything is built."""
+    from .lit import OptimConfig
+
     positive_int("trainer.max_steps", cfg.trainer.max_steps)
     positive_int("checkpoint_every", cfg.checkpoint_every)
+    OptimConfig(**OmegaConf.to_container(cfg.optim))  # one line naming optim.KEY for a value out of range
     devices = _device_count(cfg.trainer.devices)
     if cfg.trainer.strategy == "auto" and devices is not None and devices > 1:
         # Lightning would pick a multi-process strategy itself, without the launch handling of trainer=ddp

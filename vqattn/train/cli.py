@@ -2,8 +2,9 @@
 
 Hydra composes vqattn/train/conf/config.yaml on the schema vqattn.train.configs registers (see docs/training.md
 and the README); every run writes into its Hydra run dir: results.json, metrics.csv, hparams.yaml,
-checkpoints/last.ckpt, train.log and .hydra/. Ctrl-C stops after the current step, saves the checkpoint and
-prints the command that resumes the run in the same run dir.
+checkpoints/last.ckpt, train.log and .hydra/. :func:`train` is the task: build, fit, validate, summarize;
+:mod:`vqattn.train.lifecycle` wraps it (Ctrl-C saves the step and prints the resume command, one-line errors,
+cleanup, the environment).
 
 Multi-GPU (``trainer=ddp trainer.devices=N``): Lightning re-launches the command once per extra local rank;
 :mod:`vqattn.train.launch` makes those processes compose rank 0's config and write into rank 0's run dir.
@@ -17,9 +18,6 @@ import logging
 import os
 import platform
 import resource
-import shlex
-import shutil
-import signal
 import sys
 import time
 import warnings
@@ -35,26 +33,20 @@ from ..utils import available_cores, idle_cores
 from .checks import check_config, check_resumable, cpu_processes_warning, raw_window_warning, unknown_option
 from .configs import config_groups, register
 from .launch import DDP_ARGV, ddp_child_argv
+from .lifecycle import (
+    INTERRUPTED_STATUS,
+    USER_ERROR_STATUS,
+    Aborted,
+    Interrupted,
+    hold_interrupts,
+    interrupt_held,
+    is_rank_zero,
+    task_started,
+    task_wrapper,
+)
 
 log = logging.getLogger("train")
 register()
-# What a run writes before it has anything worth keeping (a checkpoint, results.json): a failed run dir holding
-# only these is removed.
-RUN_FILES = {".hydra", "train.log", "hparams.yaml", "metrics.csv", "checkpoints", "tensorboard", "wandb"}
-_task_started = False  # whether Hydra got as far as running the job (so its errors are the job's, not the config's)
-_held_interrupt = False  # a Ctrl-C that came while Hydra was setting a job up (see _hold_interrupt)
-
-
-class Interrupted(Exception):
-    """Training stopped on Ctrl-C after saving its checkpoint; ``step`` is the global step it holds."""
-
-    def __init__(self, step: int):
-        super().__init__(f"interrupted at step {step}")
-        self.step = step
-
-
-class Aborted(Exception):
-    """A second Ctrl-C stopped training mid-step (or Ctrl-C came before training started): nothing new saved."""
 
 
 def peak_memory_mb(device: torch.device) -> tuple[float, str]:
@@ -70,10 +62,6 @@ def device_name(device: torch.device) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
-def trainer_log_every(cfg: DictConfig) -> int:
-    return cfg.trainer.log_every_n_steps or 50  # Lightning's default when unset
-
-
 def instantiate_module(cfg: DictConfig):
     """The LitLM, with an attention layer's error named by the key the user types (attention.kwargs.num_codes)."""
     try:
@@ -86,17 +74,17 @@ def instantiate_module(cfg: DictConfig):
 
 
 def build(cfg: DictConfig, run_dir: Path, started: float | None = None):
-    """Module, data (loaded now, so data errors come before any training output) and a Trainer with its callbacks;
-    ``started``: the ``time.perf_counter()`` at which the run began (the wall time counts from it)."""
-    from lightning.pytorch.callbacks import LambdaCallback, LearningRateMonitor
+    """Module, data (loaded now, so data errors come before any training output) and a Trainer with its callbacks
+    and loggers; ``started``: the ``time.perf_counter()`` at which the run began (the wall time counts from it)."""
+    from lightning.pytorch.callbacks import LambdaCallback
 
-    from .callbacks import GracefulInterrupt, LastCheckpoint, ParamSummary, RNGState, StepProgressBar, TokenThroughput
+    from .callbacks import GracefulInterrupt, LastCheckpoint, RNGState, instantiate_callbacks
     from .lit import read_checkpoint
     from .loggers import RunCSVLogger, extra_loggers
 
     check_config(cfg)
     for warning in (cpu_processes_warning(cfg, available_cores(), torch.cuda.is_available()), raw_window_warning(cfg)):
-        if warning is not None and _is_rank_zero():
+        if warning is not None and is_rank_zero():
             log.warning("%s", warning)
     checkpoint = read_checkpoint(cfg.ckpt_path) if cfg.ckpt_path else None
     module = instantiate_module(cfg)  # model errors first: model.seq_len, not data's
@@ -105,15 +93,11 @@ def build(cfg: DictConfig, run_dir: Path, started: float | None = None):
     resume_step = int(checkpoint["global_step"]) if checkpoint is not None else 0
     datamodule = hydra.utils.instantiate(cfg.data)
     datamodule.setup("fit")
-    throughput = TokenThroughput(window_size=max(2, trainer_log_every(cfg)), started=started)
-    callbacks = [LastCheckpoint(run_dir / "checkpoints", cfg.checkpoint_every), LearningRateMonitor("step"),
-                 throughput, RNGState(), GracefulInterrupt()]
+    # The checkpoint, its RNG states and Ctrl-C's saved step are what resuming rests on: every run has them.
+    callbacks = [LastCheckpoint(run_dir / "checkpoints", cfg.checkpoint_every), RNGState(), GracefulInterrupt(),
+                 *instantiate_callbacks(cfg.get("callbacks"), cfg.trainer, started)]
     if cfg.compile:  # the first steps compile the model: say so before the bar sits at 0/N
         callbacks.append(LambdaCallback(on_fit_start=_say_compiling))
-    if cfg.trainer.enable_progress_bar is not False:
-        callbacks.append(StepProgressBar(run_totals=throughput))
-    if cfg.trainer.enable_model_summary is not False:
-        callbacks.append(ParamSummary())
     loggers = [RunCSVLogger(run_dir, resume_step), *extra_loggers(cfg.get("logger"), run_dir)]
     trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers, callbacks=callbacks)
     return module, datamodule, trainer
@@ -132,7 +116,7 @@ def run_threads(threads: int | str | None) -> int | None:
         if "OMP_NUM_THREADS" in os.environ:
             return None
         chosen = min(idle_cores(), torch.get_num_threads())
-        if _is_rank_zero():
+        if is_rank_zero():
             log.info("threads=auto: %d of %d cores idle, training with %d thread%s", chosen, available_cores(),
                      chosen, "s" * (chosen != 1))
         return chosen
@@ -190,11 +174,12 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
         raise Interrupted(interrupt.interrupted_at)
     if module.last_validation is None or module.last_validation["step"] != trainer.global_step:
         trainer.validate(module, datamodule=datamodule, verbose=False)
-    throughput = next(c for c in trainer.callbacks if isinstance(c, TokenThroughput))
     results = summarize(cfg, module, datamodule, trainer, run_dir)
-    tokens, seconds = throughput.totals(trainer.world_size)
-    results["tokens_per_sec"], results["train_tokens"] = tokens / max(seconds, 1e-9), tokens
-    results["wall_seconds"] = throughput.wall_seconds()
+    throughput = next((c for c in trainer.callbacks if isinstance(c, TokenThroughput)), None)
+    if throughput is not None:  # callbacks.throughput (dropped with ~callbacks.throughput or callbacks=none)
+        tokens, seconds = throughput.totals(trainer.world_size)
+        results["tokens_per_sec"], results["train_tokens"] = tokens / max(seconds, 1e-9), tokens
+        results["wall_seconds"] = throughput.wall_seconds()
     if trainer.global_rank == 0:
         (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
         log.info("%s", summary_text(results, run_dir))
@@ -240,34 +225,15 @@ def summarize(cfg: DictConfig, module, datamodule, trainer, run_dir: Path) -> di
 
 
 def summary_text(r: dict, run_dir: Path) -> str:
-    """The readable end of a run: the headline metric, speed, and where the files are."""
+    """The readable end of a run: the headline metric, speed (with callbacks.throughput), and where the files are."""
     head = (f"recall accuracy {r['recall_acc']:.4f} (val bpb {r['val_bpb']:.4f})" if r["headline"] == "recall_acc"
             else f"val bpb {r['val_bpb']:.4f} (val acc {r['val_acc']:.4f})")
-    return (f"done: {r['attention']}, {r['steps']} steps in {r['wall_seconds'] / 60:.1f} min: {head}, "
-            f"{r['tokens_per_sec']:,.0f} tokens/s\nrun dir {run_dir}: results.json, metrics.csv, hparams.yaml, "
-            f"checkpoints/last.ckpt, train.log")
-
-
-def resume_command(run_dir: Path) -> str:
-    """The command that resumes this job from its last checkpoint, in the same run dir."""
-    keep = [o for o in HydraConfig.get().overrides.task if not o.startswith(("ckpt_path=", "hydra.run.dir="))]
-    args = [*keep, f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}", f"hydra.run.dir={run_dir}"]
-    return shlex.join(["python", sys.argv[0], *args])
-
-
-def _user_error(err: BaseException) -> str | None:
-    """The one-line message for a configuration, data or checkpoint problem, else None (a bug: show the traceback)."""
-    from lightning.fabric.utilities.exceptions import MisconfigurationException
-
-    from .data import DataUnavailableError
-
-    if isinstance(err, InstantiationException):
-        err = err.__cause__ or err
-        if isinstance(err, TypeError):  # e.g. +data.foo=1: an argument the target does not take
-            return f"{type(err).__name__}: {err}"
-    if isinstance(err, (ValueError, FileNotFoundError, DataUnavailableError, MisconfigurationException)):
-        return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-    return None
+    done = f"done: {r['attention']}, {r['steps']} steps"
+    if r["tokens_per_sec"] is not None:
+        done += f" in {r['wall_seconds'] / 60:.1f} min"
+        head += f", {r['tokens_per_sec']:,.0f} tokens/s"
+    return (f"{done}: {head}\nrun dir {run_dir}: results.json, metrics.csv, hparams.yaml, checkpoints/last.ckpt, "
+            "train.log")
 
 
 def quiet_console() -> None:
@@ -291,93 +257,18 @@ def quiet_console() -> None:
     warnings.filterwarnings("ignore", message=r".*is smaller than the logging interval.*")
 
 
-def _restore_environ(before: dict[str, str]) -> None:
-    """Undo this job's environment changes (Lightning's MASTER_PORT, LOCAL_RANK, ..., VQATTN_DDP_ARGV), so that the
-    next job of a sweep launches fresh ranks."""
-    for key in set(os.environ) - set(before):
-        del os.environ[key]
-    for key, value in before.items():
-        if os.environ.get(key) != value:
-            os.environ[key] = value
-
-
-def _discard_failed_run(run_dir: Path) -> None:
-    """Remove the run dir of a run that failed or was stopped before saving anything (it holds only RUN_FILES and
-    rank logs, no checkpoint), and its parents left empty (outputs/DATE/) up to the working directory."""
-    if not run_dir.is_dir() or (run_dir / "checkpoints" / "last.ckpt").exists():
-        return
-    if any(p.name not in RUN_FILES and not (p.name.startswith("rank") and p.suffix == ".log") for p in run_dir.iterdir()):
-        return
-    shutil.rmtree(run_dir, ignore_errors=True)
-    cwd = Path.cwd().resolve()
-    for parent in run_dir.resolve().parents:
-        if parent == cwd or cwd not in parent.parents:
-            break
-        try:
-            parent.rmdir()  # only when empty
-        except OSError:
-            break
-
-
-def _log_to_file(message: str) -> None:
-    """Record message in train.log only (the console gets it once, on stderr)."""
-    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, message, None, None)
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.FileHandler):
-            handler.handle(record)
-
-
-def _is_rank_zero() -> bool:
-    return os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0"
-
-
-def _hold_interrupt(signum, frame) -> None:
-    """SIGINT handler while Hydra composes the config and makes a job's run dir: a KeyboardInterrupt raised there
-    would leave that dir behind, since only the job knows it. The Ctrl-C is held and raised as the job starts."""
-    global _held_interrupt
-    _held_interrupt = True
-
-
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def hydra_main(cfg: DictConfig) -> float:
-    global _task_started, _held_interrupt
-    _task_started = True
+    """One job: Hydra's return value is the run's headline metric (a sweeper's objective)."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    env = dict(os.environ)
-    held = signal.signal(signal.SIGINT, signal.default_int_handler)  # the run dir is known: Ctrl-C raises
-    try:
-        if _held_interrupt:
-            _held_interrupt = False
-            raise KeyboardInterrupt
-        quiet_console()
-        results = train(cfg, run_dir)
-        return results.get("recall_acc", results["val_bpb"])
-    except Interrupted as stop:
-        if _is_rank_zero():  # one message, from rank 0
-            print(f"\ninterrupted at step {stop.step}: saved {run_dir / 'checkpoints' / 'last.ckpt'}\n"
-                  f"resume with:\n  {resume_command(run_dir)}", file=sys.stderr)
-        raise SystemExit(128 + signal.SIGINT) from None
-    except (Aborted, KeyboardInterrupt) as stop:
-        _discard_failed_run(run_dir)
-        checkpoint = run_dir / "checkpoints" / "last.ckpt"
-        if _is_rank_zero():
-            saved = f"the last checkpoint is {checkpoint}" if checkpoint.exists() else "nothing was saved"
-            print(f"\n{str(stop) or 'interrupted'}: {saved}", file=sys.stderr)
-        raise SystemExit(128 + signal.SIGINT) from None
-    except Exception as err:
-        message = _user_error(err)
-        if message is not None:
-            _log_to_file(f"error: {message}")
-        _discard_failed_run(run_dir)
-        if message is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(2) from None
-    finally:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        _restore_environ(env)
-        signal.signal(signal.SIGINT, held)  # a multirun's next job is set up under the same handler
+    results = run_job(cfg, run_dir)
+    return results.get("recall_acc", results["val_bpb"])
+
+
+@task_wrapper
+def run_job(cfg: DictConfig, run_dir: Path) -> dict:
+    quiet_console()
+    return train(cfg, run_dir)
 
 
 def main() -> None:
@@ -387,25 +278,21 @@ def main() -> None:
     reports other command lines it cannot compose (an unknown key) itself with exit status 1; that is a
     configuration error like those train() finds, so it exits 2 as they do. Ctrl-C at any point exits 130.
     """
-    # Also when SIGINT was ignored: a shell without job control starts background jobs (`python train.py &` in a
-    # script) that way, and Ctrl-C (or `kill -INT`) should still mean "stop", from the first line on.
-    previous = signal.signal(signal.SIGINT, _hold_interrupt)
-    try:
-        sys.argv = ddp_child_argv(sys.argv, os.environ)
-        unknown = unknown_option(sys.argv[1:], config_groups())
-        if unknown is not None:
-            print(f"error: {unknown}", file=sys.stderr)
-            raise SystemExit(2)
-        hydra_main()
-    except SystemExit as exit:
-        if exit.code == 1 and not _task_started:
-            raise SystemExit(2) from None
-        raise
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if _held_interrupt:  # Ctrl-C while Hydra composed the config, or after the last job of a multirun
-        print("\ninterrupted" + ("" if _task_started else ": nothing was saved"), file=sys.stderr)
-        raise SystemExit(128 + signal.SIGINT)
+    with hold_interrupts():
+        try:
+            sys.argv = ddp_child_argv(sys.argv, os.environ)
+            unknown = unknown_option(sys.argv[1:], config_groups())
+            if unknown is not None:
+                print(f"error: {unknown}", file=sys.stderr)
+                raise SystemExit(USER_ERROR_STATUS)
+            hydra_main()
+        except SystemExit as exit:
+            if exit.code == 1 and not task_started():
+                raise SystemExit(USER_ERROR_STATUS) from None
+            raise
+    if interrupt_held():  # Ctrl-C while Hydra composed the config, or after the last job of a multirun
+        print("\ninterrupted" + ("" if task_started() else ": nothing was saved"), file=sys.stderr)
+        raise SystemExit(INTERRUPTED_STATUS)
 
 
 if __name__ == "__main__":

@@ -55,6 +55,21 @@ def _dataclass_defaults(cls) -> dict:
     return {k: _plain(v) for k, v in dataclasses.asdict(cls()).items()}
 
 
+def instantiate_targets(cfg, group: str, overrides=lambda node: {}) -> list:
+    """Each entry of a group of named objects (``logger``, ``callbacks``: {name: {_target_: ..., arg: ...}}), built
+    with ``hydra.utils.instantiate(node, **overrides(node))``; a one-line ValueError for an entry without
+    ``_target_``."""
+    import hydra
+    from omegaconf import DictConfig
+
+    built = []
+    for name, node in (cfg or {}).items():
+        if not isinstance(node, DictConfig) or "_target_" not in node:
+            raise ValueError(f"{group}.{name} must be a config with a _target_, got {node!r}")
+        built.append(hydra.utils.instantiate(node, **overrides(node)))
+    return built
+
+
 def data_classes() -> dict[str, type]:
     """The data modules conf/data/ builds, by schema name."""
     from . import data, mqar

@@ -37,9 +37,10 @@ def bucket_edges(seq_len: int, multiple: int) -> list[int]:
     return edges
 
 
-def stream_bits(model: GPT, streams: torch.Tensor, segment: int) -> torch.Tensor:
+def stream_bits(model: GPT, streams: torch.Tensor, segment: int, edit_state=None) -> torch.Tensor:
     """The NLL in bits of every next byte of ``streams`` (N, length + 1) uint8 or long, read in segments of
-    ``segment`` tokens with the carried state: (N, length), float64."""
+    ``segment`` tokens with the carried state: (N, length), float64. ``edit_state`` (GPTState -> GPTState), when
+    given, changes the carried state between segments (benchmarks/length_ablations.py)."""
     idx = streams.long()
     state, bits = None, []
     with torch.inference_mode():
@@ -49,7 +50,7 @@ def stream_bits(model: GPT, streams: torch.Tensor, segment: int) -> torch.Tensor
             out = model(x, state=state, return_state=True)
             nll = F.cross_entropy(out.logits.double().transpose(1, 2), y, reduction="none")  # (N, segment)
             bits.append(nll / math.log(2))
-            state = out.state
+            state = out.state if edit_state is None else edit_state(out.state)
     return torch.cat(bits, 1)
 
 

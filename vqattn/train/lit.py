@@ -1,16 +1,18 @@
 """The LightningModule that trains ``vqattn.model.GPT``.
 
 loss = NLL + aux_weight * aux, where NLL is the mean next-token cross-entropy (nats) over labelled positions
-and aux is the model's summed auxiliary (codebook commitment) loss. AdamW with linear warmup then cosine
-decay to ``min_lr_ratio * lr``; gradient clipping is the Trainer's ``gradient_clip_val``.
+and aux is the model's summed auxiliary (codebook commitment) loss. The optimizer and its schedule are partials
+(lightning-hydra-template's ``_partial_`` targets, conf/optimizer and conf/scheduler): by default AdamW with
+linear warmup then cosine decay to ``min_lr_ratio * lr`` (:class:`OptimConfig`); gradient clipping is the
+Trainer's ``gradient_clip_val``. Every metric goes through ``self.log``.
 
 Logged: train_loss, train_nll, train_aux, train_bpb, and after each validation (one row at step =
 global_step) val_loss, val_bpb, val_acc (next-byte accuracy; recall accuracy for MQAR, whose labels are the
 answers only), per bucket of positions A..B of the validation windows val_bpb_pos_A_B and val_acc_pos_A_B
 (``position_edges``; does the model use its context?) and the codebook usage stats (codebook_perplexity,
 codebook_dead_codes, codebook_quant_error).
-The trainer (vqattn.train.cli) adds Lightning's LearningRateMonitor for the learning rate and TokenThroughput
-(vqattn.train.callbacks) for tokens per second.
+The trainer's callbacks (conf/callbacks) add Lightning's LearningRateMonitor for the learning rate and
+TokenThroughput (vqattn.train.callbacks) for tokens per second.
 With ``carry_state`` each training step continues the previous step's rows from their detached state (vqattn.train.carry;
 the data must then be consecutive segments, ``data.stream``). A datamodule with a second validation loader (the
 carried pass, ``data.val_carried``) adds val_loss_carried, val_bpb_carried and val_acc_carried.
@@ -20,8 +22,10 @@ the codebook EMA and feature redraws stay identical across DDP ranks, as they mu
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import lightning as L
@@ -113,11 +117,23 @@ def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int, min_lr_rati
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def warmup_cosine_schedule(optimizer: torch.optim.Optimizer, *, warmup_steps: int, min_lr_ratio: float,
+                           total_steps: int | None = None, max_steps: int | None = None):
+    """LambdaLR of :func:`warmup_cosine`, stepped every optimizer step; the cosine horizon is ``total_steps``, or
+    the run's ``max_steps`` when that is None."""
+    horizon = total_steps or max_steps
+    if horizon is None or horizon <= 0:
+        raise ValueError("the cosine schedule needs trainer.max_steps > 0 or optim.total_steps")
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
+        warmup_cosine, warmup_steps=warmup_steps, total_steps=horizon, min_lr_ratio=min_lr_ratio))
+
+
 @dataclass
 class OptimConfig:
-    """AdamW and its schedule: linear warmup over ``warmup_steps``, then cosine decay to ``min_lr_ratio * lr`` at
-    ``total_steps`` (the cosine horizon; None = trainer.max_steps; fix it to stop early and resume on the same
-    schedule)."""
+    """The ``optim`` keys a command line sets: AdamW's lr, weight_decay and betas, and the schedule: linear warmup
+    over ``warmup_steps``, then cosine decay to ``min_lr_ratio * lr`` at ``total_steps`` (the cosine horizon;
+    None = trainer.max_steps; fix it to stop early and resume on the same schedule). conf/optimizer and
+    conf/scheduler read them; :meth:`optimizer` and :meth:`scheduler` are the same partials, for Python."""
 
     lr: float = 2e-3
     weight_decay: float = 0.1
@@ -144,6 +160,15 @@ class OptimConfig:
                 ok = False
             if not ok:
                 raise ValueError(f"optim.{key} must be {allowed}, got {value!r}")
+
+    def optimizer(self) -> Callable:
+        """torch.optim.AdamW with these values, waiting for its parameter groups."""
+        return functools.partial(torch.optim.AdamW, lr=self.lr, weight_decay=self.weight_decay, betas=self.betas)
+
+    def scheduler(self, max_steps: int | None = None) -> Callable:
+        """:func:`warmup_cosine_schedule` with these values and the run's ``max_steps``, waiting for the optimizer."""
+        return functools.partial(warmup_cosine_schedule, warmup_steps=self.warmup_steps,
+                                 min_lr_ratio=self.min_lr_ratio, total_steps=self.total_steps, max_steps=max_steps)
 
 
 def model_config(model: dict) -> GPTConfig:
@@ -196,7 +221,10 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> GPT:
 class LitLM(L.LightningModule):
     """Args:
         model: GPTConfig keyword arguments (a plain dict, so it is saved in the checkpoint's hyperparameters).
-        optim: OptimConfig keyword arguments (missing ones take OptimConfig's defaults).
+        optimizer: ``params -> Optimizer`` (a partial, e.g. of torch.optim.AdamW), given two parameter groups:
+            matrices, then norms, biases, scalars and codebooks with weight_decay 0; None: ``OptimConfig().optimizer()``.
+        scheduler: ``optimizer -> LRScheduler`` (a partial), stepped every optimizer step; None:
+            ``OptimConfig().scheduler(trainer.max_steps)``, warmup then cosine decay over the run.
         aux_weight: weight of the auxiliary (commitment) loss.
         compile: ``torch.compile`` the model (in place: checkpoints keep the eager parameter names).
         carry_state: train on consecutive segments, each step starting from the previous step's detached state.
@@ -209,9 +237,9 @@ class LitLM(L.LightningModule):
             then doubling), the buckets the windows reach.
     """
 
-    def __init__(self, model: dict, optim: dict | None = None, aux_weight: float = 1.0, compile: bool = False,
-                 carry_state: bool = False, carry_segments: int | None = 16,
-                 position_edges: list[int] | None = None):
+    def __init__(self, model: dict, optimizer: Callable | None = None, scheduler: Callable | None = None,
+                 aux_weight: float = 1.0, compile: bool = False, carry_state: bool = False,
+                 carry_segments: int | None = 16, position_edges: list[int] | None = None):
         super().__init__()
         if carry_segments is not None and (isinstance(carry_segments, bool) or not isinstance(carry_segments, int)
                                            or carry_segments < 1):
@@ -219,11 +247,13 @@ class LitLM(L.LightningModule):
         if carry_state and model.get("pos_emb", GPTConfig.pos_emb) == "learned":
             raise ValueError("carry_state=true needs model.pos_emb=rope or none: carried positions grow past "
                              "model.seq_len, which learned absolute positions cannot encode")
-        self.save_hyperparameters()
+        # The partials are not plain values: a checkpoint (loaded with weights_only) cannot hold them.
+        self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         self.model = GPT(model_config(model))
         if compile:
             self.model.compile()
-        self.optim = asdict(OptimConfig(**(optim or {})))
+        self.optimizer = optimizer or OptimConfig().optimizer()
+        self.scheduler = scheduler
         self.aux_weight = aux_weight
         self.val_nll = SummedNLL(DEFAULT_POSITION_EDGES if position_edges is None else position_edges)
         self.val_nll_carried = SummedNLL()
@@ -299,33 +329,23 @@ class LitLM(L.LightningModule):
             metrics.update({f"val_{k}{suffix}": float(v) for k, v in vals.items() if k != "by_position"})
         self.val_carry.reset()
         metrics.update({f"codebook_{k}": float(v) for k, v in self.model.codebook_stats().items()})
-        for key, value in metrics.items():  # progress bar and callback_metrics; the logger row is written below
-            self.log(key, value, prog_bar=key.startswith("val_") and "_carried" not in key, logger=False, sync_dist=True)
         metrics.update({f"val_{k}_pos_{name}": bucket[k] for name, bucket in by_position.items() for k in ("bpb", "acc")})
-        # Written at global_step, the number of optimizer steps done (Lightning's own step for epoch-end logging
-        # is the last batch index, 199 for the validation after 200 steps).
-        if not self.trainer.sanity_checking:
-            for logger in self.loggers:  # metrics.csv and any logger=... the run adds
-                logger.log_metrics(metrics, step=self.global_step)
+        for key, value in metrics.items():  # identical on every rank already: sync_dist only keeps Lightning quiet
+            self.log(key, value, prog_bar=key.startswith("val_") and "_carried" not in key and "_pos_" not in key,
+                     sync_dist=True)
+        # The row's step is global_step, the number of optimizer steps done (Lightning's own step for epoch-end
+        # logging is the last batch index, 199 for the validation after 200 steps); a logged "step" sets it.
+        self.log("step", float(self.global_step), sync_dist=True)
         self.last_validation = {"step": self.global_step, **metrics, "by_position": by_position}
 
     def configure_optimizers(self):
-        o = self.optim
-        total = o["total_steps"] or self.trainer.max_steps
-        if total is None or total <= 0:
-            raise ValueError("the cosine schedule needs trainer.max_steps > 0 or optim.total_steps")
         # Matrices decay; norms, biases, scalars (e.g. learned temperatures) and codebooks do not.
         decay, no_decay = [], []
         for name, p in self.model.named_parameters():
             (decay if p.ndim >= 2 and "codebook" not in name else no_decay).append(p)
-        opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": o["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=o["lr"], betas=tuple(o["betas"]),
-        )
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda step: warmup_cosine(step, warmup_steps=o["warmup_steps"], total_steps=total,
-                                            min_lr_ratio=o["min_lr_ratio"]))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        optimizer = self.optimizer([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}])
+        scheduler = (self.scheduler or OptimConfig().scheduler(self.trainer.max_steps))(optimizer)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # The carried state travels with the checkpoint, every rank's (saving is a collective under DDP: see
     # vqattn.train.carry), so that a resumed run continues its rows from the state it stopped with.

@@ -11,11 +11,12 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-import hydra
 from lightning.pytorch.core.saving import save_hparams_to_yaml
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
+
+from .configs import instantiate_targets
 
 
 class RunCSVLogger(Logger):
@@ -102,10 +103,5 @@ class RunCSVLogger(Logger):
 
 def extra_loggers(cfg: DictConfig | None, run_dir: Path) -> list[Logger]:
     """The loggers the ``logger`` group names, each built from its ``_target_``; ``save_dir: null`` is the run dir."""
-    loggers = []
-    for name, node in (cfg or {}).items():
-        if not isinstance(node, DictConfig) or "_target_" not in node:
-            raise ValueError(f"logger.{name} must be a logger config with a _target_, got {node!r}")
-        overrides = {"save_dir": str(run_dir)} if node.get("save_dir", "unset") is None else {}
-        loggers.append(hydra.utils.instantiate(node, **overrides))
-    return loggers
+    return instantiate_targets(cfg, "logger", lambda node: {"save_dir": str(run_dir)}
+                               if node.get("save_dir", "unset") is None else {})

@@ -1,0 +1,188 @@
+"""The run's lifecycle around the training task, as lightning-hydra-template's ``task_wrapper``: Ctrl-C, the
+one-line errors, the cleanup of a run that saved nothing, the environment, and the resume message.
+
+:func:`task_wrapper` wraps ``task(cfg, run_dir) -> dict`` (vqattn.train.cli.train). Around it:
+- **Ctrl-C.** From the command line's first line on, a SIGINT is held (:func:`hold_interrupts`) while Hydra
+  composes the config and makes the job's run dir, and raised as the job starts, when the run dir is known. During
+  training GracefulInterrupt finishes the step and saves it: the wrapper prints the command that resumes the run
+  in the same run dir. A second Ctrl-C, or one before training, stops at once.
+- **Errors.** A configuration, data or checkpoint problem is one line (``error: ...``, exit status 2) in the
+  console and in train.log; anything else is a bug and keeps its traceback (so does everything with
+  ``HYDRA_FULL_ERROR=1``).
+- **Cleanup.** A run that stops before saving a checkpoint or results.json leaves no run dir behind.
+- **Environment.** What the job changed in ``os.environ`` (Lightning's MASTER_PORT, LOCAL_RANK, ...) is undone and
+  the process group destroyed, so the next job of a multirun launches fresh ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import shlex
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("train")
+# What a run writes before it has anything worth keeping (a checkpoint, results.json): a failed run dir holding
+# only these is removed.
+RUN_FILES = {".hydra", "train.log", "hparams.yaml", "metrics.csv", "checkpoints", "tensorboard", "wandb"}
+INTERRUPTED_STATUS = 128 + signal.SIGINT
+USER_ERROR_STATUS = 2
+
+
+class Interrupted(Exception):
+    """Training stopped on Ctrl-C after saving its checkpoint; ``step`` is the global step it holds."""
+
+    def __init__(self, step: int):
+        super().__init__(f"interrupted at step {step}")
+        self.step = step
+
+
+class Aborted(Exception):
+    """A second Ctrl-C stopped training mid-step (or Ctrl-C came before training started): nothing new saved."""
+
+
+class _Signals:
+    task_started = False  # whether Hydra got as far as running a job (so its errors are the job's, not the config's)
+    held_interrupt = False  # a Ctrl-C that came while Hydra was setting a job up
+
+
+def _hold(signum, frame) -> None:
+    _Signals.held_interrupt = True
+
+
+@contextlib.contextmanager
+def hold_interrupts():
+    """The command line's SIGINT handler while Hydra composes the config and makes a job's run dir: a
+    KeyboardInterrupt raised there would leave that dir behind, since only the job knows it. Installed also when
+    SIGINT was ignored: a shell without job control starts background jobs (``python train.py &`` in a script) that
+    way, and Ctrl-C (or ``kill -INT``) should still mean "stop"."""
+    previous = signal.signal(signal.SIGINT, _hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def task_started() -> bool:
+    return _Signals.task_started
+
+
+def interrupt_held() -> bool:
+    """Whether a Ctrl-C came while no job was running (during composition, or after a multirun's last job)."""
+    return _Signals.held_interrupt
+
+
+def is_rank_zero() -> bool:
+    return os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0"
+
+
+def task_wrapper(task):
+    """``task(cfg, run_dir)`` inside the run's lifecycle (module docstring): Ctrl-C and errors end it with
+    SystemExit (130, or 2 for a user error); the environment is restored however it ends."""
+
+    @functools.wraps(task)
+    def wrapped(cfg, run_dir: Path):
+        _Signals.task_started = True
+        env = dict(os.environ)
+        held = signal.signal(signal.SIGINT, signal.default_int_handler)  # the run dir is known: Ctrl-C raises
+        try:
+            if _Signals.held_interrupt:
+                _Signals.held_interrupt = False
+                raise KeyboardInterrupt
+            return task(cfg, run_dir)
+        except Interrupted as stop:
+            if is_rank_zero():  # one message, from rank 0
+                print(f"\ninterrupted at step {stop.step}: saved {run_dir / 'checkpoints' / 'last.ckpt'}\n"
+                      f"resume with:\n  {resume_command(run_dir)}", file=sys.stderr)
+            raise SystemExit(INTERRUPTED_STATUS) from None
+        except (Aborted, KeyboardInterrupt) as stop:
+            discard_failed_run(run_dir)
+            checkpoint = run_dir / "checkpoints" / "last.ckpt"
+            if is_rank_zero():
+                saved = f"the last checkpoint is {checkpoint}" if checkpoint.exists() else "nothing was saved"
+                print(f"\n{str(stop) or 'interrupted'}: {saved}", file=sys.stderr)
+            raise SystemExit(INTERRUPTED_STATUS) from None
+        except Exception as err:
+            message = user_error(err)
+            if message is not None:
+                _log_to_file(f"error: {message}")
+            discard_failed_run(run_dir)
+            if message is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
+                raise
+            print(f"error: {message}", file=sys.stderr)
+            raise SystemExit(USER_ERROR_STATUS) from None
+        finally:
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+            restore_environ(env)
+            signal.signal(signal.SIGINT, held)  # a multirun's next job is set up under the same handler
+
+    return wrapped
+
+
+def resume_command(run_dir: Path) -> str:
+    """The command that resumes this job from its last checkpoint, in the same run dir."""
+    from hydra.core.hydra_config import HydraConfig
+
+    keep = [o for o in HydraConfig.get().overrides.task if not o.startswith(("ckpt_path=", "hydra.run.dir="))]
+    args = [*keep, f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}", f"hydra.run.dir={run_dir}"]
+    return shlex.join(["python", sys.argv[0], *args])
+
+
+def user_error(err: BaseException) -> str | None:
+    """The one-line message for a configuration, data or checkpoint problem, else None (a bug: show the traceback)."""
+    from hydra.errors import InstantiationException
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    from .data import DataUnavailableError
+
+    if isinstance(err, InstantiationException):
+        err = err.__cause__ or err
+        if isinstance(err, TypeError):  # e.g. +data.foo=1: an argument the target does not take
+            return f"{type(err).__name__}: {err}"
+    if isinstance(err, (ValueError, FileNotFoundError, DataUnavailableError, MisconfigurationException)):
+        return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    return None
+
+
+def restore_environ(before: dict[str, str]) -> None:
+    """Undo this job's environment changes (Lightning's MASTER_PORT, LOCAL_RANK, ..., VQATTN_DDP_ARGV), so that the
+    next job of a sweep launches fresh ranks."""
+    for key in set(os.environ) - set(before):
+        del os.environ[key]
+    for key, value in before.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
+
+
+def discard_failed_run(run_dir: Path) -> None:
+    """Remove the run dir of a run that failed or was stopped before saving anything (it holds only RUN_FILES and
+    rank logs, no checkpoint), and its parents left empty (outputs/DATE/) up to the working directory."""
+    if not run_dir.is_dir() or (run_dir / "checkpoints" / "last.ckpt").exists():
+        return
+    if any(p.name not in RUN_FILES and not (p.name.startswith("rank") and p.suffix == ".log") for p in run_dir.iterdir()):
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cwd = Path.cwd().resolve()
+    for parent in run_dir.resolve().parents:
+        if parent == cwd or cwd not in parent.parents:
+            break
+        try:
+            parent.rmdir()  # only when empty
+        except OSError:
+            break
+
+
+def _log_to_file(message: str) -> None:
+    """Record message in train.log only (the console gets it once, on stderr)."""
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, message, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
