@@ -32,12 +32,13 @@ def ref_assignment_log_weights(k, codebook, assign, temperature):
 
 
 def ref_vq_attention(q, k, v, codebook, *, causal, assign="hard", temperature=1.0, block_len=None, scale=None,
-                     exact_window=False):
+                     exact_window=False, q_rot=None, k_rot=None, memory_cap=None):
     """Codebook attention as one (T, T) softmax.
 
     Pair (i, j) has logit log Σ_s exp(scale q_i·c_s) Δ_js. Causal: j ≤ i, and j is "in the window" of i when
     block(j) ≥ block(i) − 1. Hard keys in the window use the straight-through key c_z + (k − sg k); everywhere
-    else hard keys carry no gradient. ``exact_window`` uses scale q_i·k_j in the window.
+    else hard keys carry no gradient. ``exact_window`` uses scale q_i·k_j in the window (q_rot_i·k_rot_j when
+    given). ``memory_cap`` M: the n_i = L·max(0, block(i) − 1) keys before the window weigh min(1, M / n_i) times.
     """
     B, H, T, D = q.shape
     scale = D**-0.5 if scale is None else scale
@@ -54,8 +55,12 @@ def ref_vq_attention(q, k, v, codebook, *, causal, assign="hard", temperature=1.
     pos = torch.arange(T)
     in_window = (pos[None, :] // L) >= (pos[:, None] // L) - 1  # (Tq, Tk)
     future = pos[None, :] > pos[:, None]
+    if memory_cap is not None:
+        before_window = (pos // L - 1).clamp(min=0).double() * L  # (Tq,) n_i
+        weight = torch.where(before_window > memory_cap, memory_cap / before_window.clamp(min=1), 1.0)
+        mixture = mixture + weight.log().to(mixture.dtype)[:, None]
     if exact_window:
-        near = scale * torch.einsum("bhid,bhjd->bhij", q, k)
+        near = scale * torch.einsum("bhid,bhjd->bhij", q if q_rot is None else q_rot, k if k_rot is None else k_rot)
     elif assign == "hard":
         z = log_w.argmax(-1)  # (B, H, T)
         c_z = c[torch.arange(H)[None, :, None], z]  # (B, H, T, D)

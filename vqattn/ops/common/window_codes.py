@@ -40,6 +40,7 @@ class WindowCodeInputs(NamedTuple):
         logits q·c_{z_j}, gathered instead of multiplied, with the straight-through gradient to window_keys.
     window_queries (N, nb, L, D): other queries for the window logits (RoPE: rotated queries and keys score the
         window, the unrotated queries score the position-free codes).
+    code_bias (nb, 1, 1): a bias on every block's code logits, log min(1, M / n_b) (:mod:`.memory_cap`), or None.
     """
 
     queries: torch.Tensor
@@ -55,13 +56,14 @@ class WindowCodeInputs(NamedTuple):
     codebook: torch.Tensor | None = None
     window_codes: torch.Tensor | None = None
     window_queries: torch.Tensor | None = None
+    code_bias: torch.Tensor | None = None
 
 
 class WindowCodeAttention(torch.autograd.Function):
     """Softmax attention of every block's queries over two key groups, with one shared max:
 
         window  logits  qw·wkᵀ + window_bias        (N, nb, L, 2L)   values  wv            (N, nb, 2L, Dv)
-        codes   logits  q·cᵀ + log n_b              (N, nb, L, S)    values  C_b / n_b     (N, S, Dv) per block
+        codes   logits  q·cᵀ + log n_b + bias_b     (N, nb, L, S)    values  C_b / n_b     (N, S, Dv) per block
 
     (:class:`WindowCodeInputs`; qw = window_queries or queries). Hand-written forward and backward
     (flash-attention style: dS = P ⊙ (dP − rowsum(dO ⊙ O))): the two groups are never concatenated and only the
@@ -142,6 +144,8 @@ def _read_codes(x: WindowCodeInputs, code_logits, m, loop: bool):
     tiny = torch.finfo(x.counts.dtype).tiny
     log_n = torch.where(x.counts > 0, x.counts.clamp_min(tiny).log(), float("-inf"))  # log 0 = −inf
     p = code_logits.add_(log_n.unsqueeze(-2))  # (N, nb, L, S)
+    if x.code_bias is not None:  # a constant of the positions: the saved p carries it into every gradient
+        p.add_(x.code_bias)
     torch.maximum(m, p.amax(-1, keepdim=True), out=m)
     floored_exp_(p.sub_(m))
     z_codes = p.sum(-1, keepdim=True)
@@ -190,11 +194,11 @@ def window_code_attention(inputs: WindowCodeInputs, loop: bool):
     None and None without codes."""
     B, H, nb, W, Dv = inputs.window_values.shape
     flat = {f: None if x is None else x.reshape(B * H, *x.shape[2:])
-            for f, x in inputs._asdict().items() if f not in ("window_bias", "codebook")}
+            for f, x in inputs._asdict().items() if f not in ("window_bias", "codebook", "code_bias")}
     codebook = inputs.codebook
     if codebook is not None:  # (H, S, D) shared by the batch, or (B, H, nb, S, D) per sequence and block
         codebook = codebook.flatten(0, 1) if codebook.dim() == 5 else codebook.expand(B, *codebook.shape).flatten(0, 1)
-    x = WindowCodeInputs(**flat, window_bias=inputs.window_bias, codebook=codebook)
+    x = WindowCodeInputs(**flat, window_bias=inputs.window_bias, codebook=codebook, code_bias=inputs.code_bias)
     out, last, pending = WindowCodeAttention.apply(loop, *x)
     unflat = lambda t: None if t is None else t.view(B, H, *t.shape[1:])  # noqa: E731
     return out.view(B, H, -1, Dv), unflat(last), unflat(pending)

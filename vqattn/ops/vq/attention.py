@@ -57,7 +57,8 @@ def vq_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, codebook: to
                  assign: str = "hard", temperature: float | torch.Tensor = 1.0, block_len: int | None = None,
                  scale: float | None = None, exact_window: bool = False, state: VQState | None = None,
                  return_state: bool = False, assignment: Assignment | None = None, q_rot: torch.Tensor | None = None,
-                 k_rot: torch.Tensor | None = None, impl: str = "auto", schedule: str | Schedule = "auto"):
+                 k_rot: torch.Tensor | None = None, impl: str = "auto", schedule: str | Schedule = "auto",
+                 memory_cap: int | None = None):
     """Codebook attention (see :mod:`vqattn.ops.vq` for the math, :func:`naive_vq_attention` for the definition).
 
     Args:
@@ -94,6 +95,10 @@ def vq_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, codebook: to
             to rounding.
         schedule: how the chunk form runs its blocks (:class:`~vqattn.ops.blocks.Schedule`): "auto", "loop"
             or "cumsum"; never changes the result.
+        memory_cap: causal only: the codes weigh as if they held at most this many keys, a bias
+            log min(1, memory_cap / n) on their logits where n keys lie before the query's window
+            (:mod:`vqattn.ops.common.memory_cap`); set it to the training length to read past it. None: no bound.
+            Not with the soft mixture window (``exact_window=False``).
 
     Returns:
         out (B, H, T, Dv) in the input dtype, or (out, state) when ``return_state``. Computed in float32 for
@@ -101,17 +106,19 @@ def vq_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, codebook: to
         or infinite entry makes NaN exactly the outputs of the queries that see it (and a state's later ones).
     """
     validate(q, k, v, codebook, causal=causal, assign=assign, block_len=block_len, exact_window=exact_window,
-             state=state, return_state=return_state, impl=impl, q_rot=q_rot, k_rot=k_rot, assignment=assignment)
+             state=state, return_state=return_state, impl=impl, q_rot=q_rot, k_rot=k_rot, assignment=assignment,
+             memory_cap=memory_cap)
     form = _form(impl, q, k, v, causal=causal, assign=assign, exact_window=exact_window, block_len=block_len,
                  state=state)
     in_dtype = q.dtype
     if form == "naive":
         return _naive(q, k, v, codebook, compute_dtype(in_dtype), causal=causal, assign=assign,
                       temperature=temperature, block_len=block_len, scale=scale, exact_window=exact_window,
-                      assignment=assignment, q_rot=q_rot, k_rot=k_rot)
+                      assignment=assignment, q_rot=q_rot, k_rot=k_rot, memory_cap=memory_cap)
     x, state, poison = prepare(q, k, v, codebook, form=form, causal=causal, assign=assign, temperature=temperature,
                                block_len=block_len, scale=scale, exact_window=exact_window, state=state,
-                               assignment=assignment, q_rot=q_rot, k_rot=k_rot, schedule=as_schedule(schedule))
+                               assignment=assignment, q_rot=q_rot, k_rot=k_rot, schedule=as_schedule(schedule),
+                               memory_cap=memory_cap)
     if not causal:
         return _poisoned(_non_causal(x), poison).to(in_dtype)
     fused_step = form == "triton" and decoding(q, state) and not needs_grad(

@@ -35,6 +35,7 @@ from ..blocks import (
     window_start,
     window_tail,
 )
+from ..common.memory_cap import block_memory_bias
 from ..common.statistics import Assignment, cat_time, code_counts, code_statistics, map_time
 from ..common.window_codes import WindowCodeInputs, window_code_attention
 from ..nonfinite import zero_assignment_rows
@@ -73,9 +74,10 @@ class Carry(NamedTuple):
     pending: torch.Tensor | None = None
 
 
-def _window_group(g: Group, carry: Carry, *, c, L: int, loop: bool, gathered: bool, scale: float):
-    """Window (raw keys, or gathered code logits when ``gathered``) plus codes (c scaled); the block b−1 leaving
-    block b's window enters the cache after block b (lag 2)."""
+def _window_group(g: Group, carry: Carry, *, c, L: int, loop: bool, gathered: bool, scale: float, code_bias=None):
+    """Window (raw keys, or gathered code logits when ``gathered``) plus codes (c scaled, their logits biased by
+    ``code_bias`` (n,) per block when given); the block b−1 leaving block b's window enters the cache after block b
+    (lag 2)."""
     n, S = g.q.shape[2] // L, c.shape[1]
     # The value sums enter from the group's own blocks (and the carried pending ones), so the (n·L, S) weights are
     # never copied shifted by a block, nor their gradient shifted back.
@@ -94,7 +96,8 @@ def _window_group(g: Group, carry: Carry, *, c, L: int, loop: bool, gathered: bo
         window_values=group_windows(g.v, g.v_before, L), counts=cache_counts, sums=carry.sums,
         add_values=blocks(g.v, L), add_index=index, add_weights=weights, pending=carry.pending, codebook=c,
         window_codes=group_windows(g.a.index, g.a_before.index, L) if gathered else None,
-        window_queries=None if g.window_q is None else blocks(g.window_q, L))
+        window_queries=None if g.window_q is None else blocks(g.window_q, L),
+        code_bias=None if code_bias is None else code_bias.view(n, 1, 1))
     out, sums, pending = window_code_attention(inputs, loop)
     return out, Carry(cache_counts[:, :, -1], tail, sums, pending)
 
@@ -109,14 +112,15 @@ def _mixture_group(g: Group, carry: Carry, *, c, L: int, loop: bool):
     return out, Carry(run, carry.tail, sums)
 
 
-def _causal(x: Inputs, *, L: int, counts0, sums0, fold_blocks: int):
+def _causal(x: Inputs, *, L: int, counts0, sums0, fold_blocks: int, first_block: int = 0):
     """The block algorithm, group by group, over x (:class:`~vqattn.ops.vq.state.Inputs`): q (B, H, T, Dc),
     codebook (H, S, Dc), the window's keys x.window_k (B, H, T, D) and its queries q_rot when they are not q (RoPE;
     Dc may then differ from D); x.assignment the keys' Assignment, or None to assign each group's keys k (so no
     (T, S) tensor exists at once); counts0/sums0: the cache before position 0; x.bad (B, H, T): the rows of the
     assignment to zero (non-finite keys), zeroed group by group, so that a soft assignment's (T, S) weights are never
-    copied whole to mask them. L: the block length this call runs. Returns out (B, H, T, Dv) and the cache after the
-    first ``fold_blocks`` blocks."""
+    copied whole to mask them. L: the block length this call runs; ``first_block``: the index in the sequence of
+    its first block (the memory cap's n_b). Returns out (B, H, T, Dv) and the cache after the first ``fold_blocks``
+    blocks."""
     q, k, v, c, a, bad, scale = x.q, x.k, x.v, x.codebook, x.assignment, x.bad, x.scale
     window_k, window_q, assign, exact_window, schedule = x.window_k, x.q_rot, x.assign, x.exact_window, x.schedule
     B, H, T, D = q.shape
@@ -153,7 +157,9 @@ def _causal(x: Inputs, *, L: int, counts0, sums0, fold_blocks: int):
         if mixture:
             out, carry = _mixture_group(g, carry, c=scaled_c, L=L, loop=loop)
         else:
-            out, carry = _window_group(g, carry, c=scaled_c, L=L, loop=loop, gathered=gathered, scale=scale)
+            bias = block_memory_bias(first_block + b0, b1 - b0, L, x.memory_cap, device=q.device, dtype=q.dtype)
+            out, carry = _window_group(g, carry, c=scaled_c, L=L, loop=loop, gathered=gathered, scale=scale,
+                                       code_bias=bias)
         outs.append(out)
         fold = size_min(size_max(fold_blocks - b0, 0), b1 - b0) * L
         if fold:
@@ -162,11 +168,13 @@ def _causal(x: Inputs, *, L: int, counts0, sums0, fold_blocks: int):
     return time_range(cat_groups(outs), 0, T), fold_counts, fold_sums
 
 
-def _fused_causal(x: Inputs, *, L: int, counts0, sums0, fold_blocks: int):
+def _fused_causal(x: Inputs, *, L: int, counts0, sums0, fold_blocks: int, first_block: int = 0):
     """:func:`_causal` by :func:`.fused.fused_causal`, which takes no ``bad`` rows (the soft mixture window, the
     only kernel that would leak them, runs the chunk form)."""
     return fused_causal(x.q, x.k, x.v, x.codebook, x.assignment, L=L, scale=x.scale, exact_window=x.exact_window,
-                        counts0=counts0, sums0=sums0, fold_blocks=fold_blocks, window_k=x.window_k, window_q=x.q_rot)
+                        counts0=counts0, sums0=sums0, fold_blocks=fold_blocks, window_k=x.window_k, window_q=x.q_rot,
+                        memory_bias=block_memory_bias(first_block, -(-x.q.shape[2] // L), L, x.memory_cap,
+                                                      device=x.q.device, dtype=counts0.dtype))
 
 
 def block_bytes(B: int, H: int, L: int, S: int, element_size: int) -> int:
@@ -203,7 +211,8 @@ def chunk_form(x: Inputs, state: VQState | None, *, return_state: bool, fused: b
     if fused:
         x = x._replace(assignment=x.assign_keys(x.k) if x.assignment is None else x.assignment)
         causal, L_run = _fused_causal, L
-    out, counts, sums = causal(x, L=L_run, counts0=counts0, sums0=sums0, fold_blocks=keep // L if return_state else 0)
+    out, counts, sums = causal(x, L=L_run, counts0=counts0, sums0=sums0, fold_blocks=keep // L if return_state else 0,
+                               first_block=start // L)
     out = time_range(out, out.shape[2] - T, out.shape[2])
     if not return_state:
         return out, None

@@ -34,12 +34,13 @@ def straight_through_keys(k: torch.Tensor, codebook: torch.Tensor, index: torch.
 
 
 def fused_causal(q, k, v, c, a: Assignment, *, L: int, scale: float, exact_window: bool, counts0, sums0,
-                 fold_blocks: int, window_k, window_q=None):
+                 fold_blocks: int, window_k, window_q=None, memory_bias=None):
     """The fused form of :func:`~vqattn.ops.vq.chunk._causal`: q (B, H, T, Dc), c (H, S, Dc), window_k
     (B, H, T, D) the window's keys and window_q its queries (None: q); ``a`` the keys' Assignment (in float32 or
     float64); counts0 (B, H, S), sums0 (B, H, S, Dv) the cache before position 0 (float32). q, k, v and the window's
-    tensors may be half precision: the kernel accumulates in float32. Returns out (B, H, T, Dv) and the cache
-    after the first ``fold_blocks`` blocks."""
+    tensors may be half precision: the kernel accumulates in float32. ``memory_bias`` (nb,): the codes' logit bias
+    per block (``memory_cap``), applied as a factor e^bias on the block's cache counts and sums, or None. Returns out
+    (B, H, T, Dv) and the cache after the first ``fold_blocks`` blocks."""
     T, S = q.shape[2], c.shape[1]
     nb = -(-T // L)
     stats_dtype = counts0.dtype
@@ -48,8 +49,12 @@ def fused_causal(q, k, v, c, a: Assignment, *, L: int, scale: float, exact_windo
     counts, sums = code_statistics(padded, pad_to_blocks(v.to(stats_dtype), L), S, nb)  # (B, H, nb, S[, Dv])
     if not exact_window:  # hard: the window scores the keys' codes (straight-through to k)
         window_k = straight_through_keys(k, c.to(k.dtype), a.index)
+    cache_counts, cache_sums = counts0.unsqueeze(2) + lagged_prefix(counts), sums0.unsqueeze(2) + lagged_prefix(sums)
+    if memory_bias is not None:  # e^bias n and e^bias C: the logit gains the bias, the mean value stays
+        weight = memory_bias.exp()[:, None]
+        cache_counts, cache_sums = cache_counts * weight, cache_sums * weight[..., None]
     out = fused_window_code_attention(
         q if window_q is None else window_q, window_k, v, scale=scale, block_len=L, qc=q, codebook=c,
-        counts=counts0.unsqueeze(2) + lagged_prefix(counts), sums=sums0.unsqueeze(2) + lagged_prefix(sums))
+        counts=cache_counts, sums=cache_sums)
     fold = min(fold_blocks, nb)
     return out, counts0 + counts[:, :, :fold].sum(2), sums0 + sums[:, :, :fold].sum(2)

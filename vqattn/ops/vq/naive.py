@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..blocks import DEFAULT_BLOCK_LEN
+from ..common.memory_cap import query_memory_bias
 from .assign import Assignment, mixture_logits
 
 
@@ -42,7 +43,7 @@ def _through_codes(code_logits, k, c, *, assign, temperature, assignment):
 
 def naive_vq_attention(q, k, v, codebook, *, causal: bool, assign: str = "hard", temperature=1.0,
                        block_len: int = DEFAULT_BLOCK_LEN, scale: float | None = None, exact_window: bool = False,
-                       q_rot=None, k_rot=None, assignment: Assignment | None = None):
+                       q_rot=None, k_rot=None, assignment: Assignment | None = None, memory_cap: int | None = None):
     """Codebook attention (see :mod:`vqattn.ops.vq`) as one softmax over the keys.
 
     Query i scores key j by log Σ_s e^{σ q_i·c_s} Δ_js (the key read through the codes). Causal: j ≤ i, and keys
@@ -50,7 +51,8 @@ def naive_vq_attention(q, k, v, codebook, *, causal: bool, assign: str = "hard",
     by σ q_i·k̂_j with the straight-through code key k̂_j = c_{z_j} + (k_j − sg(k_j)) (hard), or by the same
     mixture (soft). With ``q_rot``, ``k_rot`` (RoPE-rotated q and k) the exact window scores σ q_rot_i·k_rot_j.
     ``assignment``: the keys' Assignment, Δ given instead of computed from k; with it and q_rot, k_rot, q and the
-    codebook may have another width Dc than k (the codes scored on Dc dims).
+    codebook may have another width Dc than k (the codes scored on Dc dims). ``memory_cap`` M: the keys before the
+    window, n_i = max(0, block(i) − 1)·L of them, get the bias log min(1, M / n_i) (causal, not the mixture window).
     q, k: (B, H, T, D), v: (B, H, T, Dv), codebook (H, S, D) or (S, D) -> (B, H, T, Dv).
     """
     B, H, T, _ = q.shape
@@ -70,5 +72,7 @@ def naive_vq_attention(q, k, v, codebook, *, causal: bool, assign: str = "hard",
         window = scale * q @ k_hat.transpose(-1, -2)
     else:
         window = through_codes
-    logits = torch.where(in_window, window, through_codes).masked_fill(j > i, float("-inf"))
+    bias = query_memory_bias(T, block_len, memory_cap, device=q.device, dtype=q.dtype)  # (T, 1) or None
+    memory = through_codes if bias is None else through_codes + bias
+    logits = torch.where(in_window, window, memory).masked_fill(j > i, float("-inf"))
     return torch.softmax(logits, -1) @ v

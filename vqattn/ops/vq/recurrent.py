@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..blocks import attend_one, window_start, window_tail
+from ..common.memory_cap import memory_scale
 from ..common.statistics import Assignment, cat_time, code_means, code_statistics, log_counts, map_time
 from ..nonfinite import zero_assignment_rows
 from ..triton.decode import fused_decode_step
@@ -30,32 +31,36 @@ def _window_logits(q, keys, c, window: Assignment, code_logits, exact_window: bo
     return mixture_logits(code_logits, window.weights)
 
 
-def _attend(q, keys, values, c, window: Assignment, state: VQState, *, scale, exact_window, q_window):
+def _attend(q, keys, values, c, window: Assignment, state: VQState, *, scale, exact_window, q_window, weight):
     """One query's softmax over its window (keys, values (B, H, W, ·) with its ``window`` assignment) and the
-    codes c (H, S, Dc) with the state's cache: out (B, H, 1, Dv)."""
+    codes c (H, S, Dc) with the state's cache, whose counts weigh ``weight`` times (``memory_cap``): out
+    (B, H, 1, Dv)."""
     q = q * scale
     code_logits = q @ c.transpose(-1, -2)  # (B, H, 1, S)
     q_window = q if q_window is None else q_window * scale
     return attend_one(_window_logits(q_window, keys, c, window, code_logits, exact_window), values,
-                      code_logits + log_counts(state.counts).unsqueeze(2), code_means(state.counts, state.sums))
+                      code_logits + log_counts(state.counts * weight).unsqueeze(2),
+                      code_means(state.counts, state.sums))
 
 
-def _attend_fused(q, keys, values, c, window: Assignment, state: VQState, *, scale, exact_window, q_window):
+def _attend_fused(q, keys, values, c, window: Assignment, state: VQState, *, scale, exact_window, q_window, weight):
     """:func:`_attend` as one Triton kernel (:mod:`vqattn.ops.triton.decode`), forward only; the hard window scores
     its keys' codes. The soft mixture window has no fused form (the form picker keeps it recurrent)."""
     window_keys = keys if exact_window else straight_through_keys(keys, c.to(keys.dtype), window.index)
     return fused_decode_step(q if q_window is None else q_window, window_keys, values, scale=scale, qc=q,
-                             codebook=c, counts=state.counts, sums=state.sums)
+                             codebook=c, counts=state.counts * weight, sums=state.sums * weight)
 
 
-def _step(q, k, v, c, a: Assignment, state: VQState, *, scale, exact_window, q_window=None, fused=False):
+def _step(q, k, v, c, a: Assignment, state: VQState, *, scale, exact_window, q_window=None, fused=False,
+          memory_cap=None):
     """One token: q, k (B, H, 1, D), v (B, H, 1, Dv), ``a`` its assignment -> out (B, H, 1, Dv), new state. k is the
     window key (RoPE: rotated) and q_window, when given, the window's query; q scores the codes. ``fused``: the
     attention in one Triton kernel."""
     keys, values = torch.cat([state.keys, k], 2), torch.cat([state.values, v], 2)
     window = cat_time(state.assignment, a)
+    weight = memory_scale(window_start(state.length, state.block_len), memory_cap)
     out = (_attend_fused if fused else _attend)(q, keys, values, c, window, state, scale=scale,
-                                                exact_window=exact_window, q_window=q_window)
+                                                exact_window=exact_window, q_window=q_window, weight=weight)
     L, length = state.block_len, state.length + 1
     drop = window_start(length, L) - window_start(state.length, L)  # 0, or a whole block leaving the window
     counts, sums = state.counts, state.sums
@@ -79,6 +84,7 @@ def recurrent_form(x: Inputs, state: VQState | None, fused: bool = False):
         token = slice(t, t + 1)
         out, state = _step(x.q[:, :, token], x.window_k[:, :, token], x.v[:, :, token], x.codebook,
                            map_time(lambda w: w[:, :, token], a), state, scale=x.scale, exact_window=x.exact_window,
-                           q_window=None if x.q_rot is None else x.q_rot[:, :, token], fused=fused)
+                           q_window=None if x.q_rot is None else x.q_rot[:, :, token], fused=fused,
+                           memory_cap=x.memory_cap)
         outs.append(out)
     return torch.cat(outs, 2), state

@@ -12,6 +12,7 @@ import torch
 from .._checks import check_4d, check_choice, check_positive_int, check_qkv, check_same_device_dtype, compute_dtype
 from ..blocks import DEFAULT_BLOCK_LEN, Schedule
 from ..common.forms import FORMS
+from ..common.memory_cap import check_memory_cap
 from ..common.statistics import Assignment, map_time
 from ..nonfinite import may_be_nonfinite, nonfinite_keys, visible_poison, zero_rows
 from ..triton import require_triton
@@ -74,6 +75,7 @@ class Inputs(NamedTuple):
     scale: float
     exact_window: bool
     schedule: Schedule
+    memory_cap: int | None = None
 
     @property
     def window_k(self) -> torch.Tensor:
@@ -141,7 +143,7 @@ def _check_code_width(q, k, q_rot, assignment) -> None:
 
 
 def validate(q, k, v, codebook, *, causal, assign, block_len, exact_window, state, return_state, impl, q_rot,
-              k_rot, assignment) -> None:
+              k_rot, assignment, memory_cap=None) -> None:
     check_qkv(q, k, v, causal=causal, same_dim=False)  # q's D is the codes' width: _check_code_width
     _check_rotated(q, k, q_rot, k_rot, causal=causal, exact_window=exact_window)
     _check_codebook(codebook, q, k)
@@ -156,6 +158,11 @@ def validate(q, k, v, codebook, *, causal, assign, block_len, exact_window, stat
     if not causal and (exact_window or state is not None or return_state or impl in ("recurrent", "triton")):
         raise ValueError("exact_window, state, return_state and impl='recurrent' or 'triton' need causal=True "
                          "(non-causal attention has no window)")
+    check_memory_cap(memory_cap)
+    if memory_cap is not None and (not causal or assign == "soft" and not exact_window):
+        raise ValueError("memory_cap bounds the causal memory behind a raw window: it needs causal=True, and "
+                         "exact_window=True for assign='soft' (the mixture window reads the previous block through "
+                         "the memory)")
     if impl == "naive" and (state is not None or return_state):
         raise ValueError("impl='naive' takes no state and returns none; use impl='chunk' or 'recurrent'")
     if impl == "triton":
@@ -201,7 +208,7 @@ def _keys_assignment(assignment: Assignment | None, dtype, x: Inputs, *, whole: 
 
 def prepare(q, k, v, codebook, *, form: str, causal: bool, assign: str, temperature, block_len, scale,
             exact_window: bool, state: VQState | None, assignment: Assignment | None, q_rot, k_rot,
-            schedule: Schedule):
+            schedule: Schedule, memory_cap: int | None = None):
     """The validated arguments of a call that ``form`` computes (not naive) as :class:`Inputs`, the ``state`` in
     the compute dtype, and the poison (B, H, T, 1) that makes NaN the outputs that see a non-finite key, or None."""
     dtype = compute_dtype(q.dtype)
@@ -216,6 +223,6 @@ def prepare(q, k, v, codebook, *, form: str, causal: bool, assign: str, temperat
     L = block_len or (state.block_len if state is not None else DEFAULT_BLOCK_LEN)
     x = Inputs(q, k, v, c, None, q_rot, k_rot, bad, assign, temperature, L,
                k.shape[-1] ** -0.5 if scale is None else scale,  # k's D: q's may be the codes' narrower width
-               exact_window, schedule)
+               exact_window, schedule, memory_cap)
     whole = not causal or state is not None or form == "recurrent"
     return x._replace(assignment=_keys_assignment(assignment, dtype, x, whole=whole)), state, poison

@@ -1,0 +1,47 @@
+"""A bound on the compressed memory's weight: the fix for reading past the training length.
+
+Query i reads its window of raw keys and the memory (codes or slots) that holds the n_i older keys, each code s
+with logit σ q·c_s + log n_is and its mean value. With ``memory_cap`` M the memory weighs as if it held at most M
+keys: every memory logit gets the bias
+
+    log min(1, M / n_i),    n_i = window_start(i) = max(0, block(i) − 1)·L, the keys before query i's window,
+
+which keeps each code's share of the memory and its mean value, and only stops the memory's total weight growing
+without bound against the window's. A model trained on sequences of T ≤ M tokens never sees the bias (n_i < T);
+past T the memory's log-counts stay in the range of training (docs/evaluation.md measures why this matters). It is
+a function of the positions alone, so it needs no gradient, and every form applies it to the same keys: the block
+forms per block (all queries of block b share n_b), the recurrent forms per token, the naive forms per query.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def check_memory_cap(memory_cap) -> None:
+    if memory_cap is not None and (isinstance(memory_cap, bool) or not isinstance(memory_cap, int) or memory_cap < 1):
+        raise ValueError(f"memory_cap must be a positive int (keys) or None (no bound), got {memory_cap!r}")
+
+
+def memory_scale(keys_in_memory: int, memory_cap: int | None) -> float:
+    """min(1, M / n): the factor on the memory's counts and value sums for a query whose memory holds n keys."""
+    return 1.0 if memory_cap is None or keys_in_memory <= memory_cap else memory_cap / keys_in_memory
+
+
+def block_memory_bias(first_block: int, num_blocks: int, block_len: int, memory_cap: int | None, *,
+                      device, dtype) -> torch.Tensor | None:
+    """log min(1, M / n_b) (num_blocks,) for the blocks first_block.. of block_len keys (their memory holds the
+    blocks ≤ b − 2: n_b = max(0, b − 1)·L); None when no block's memory exceeds M (the bias is then 0)."""
+    last = first_block + num_blocks - 1
+    if memory_cap is None or max(0, last - 1) * block_len <= memory_cap:
+        return None
+    n = (torch.arange(first_block, last + 1, device=device, dtype=torch.float64) - 1).clamp_min(0) * block_len
+    return (math.log(memory_cap) - n.clamp_min(1).log()).clamp_max(0).to(dtype)
+
+
+def query_memory_bias(T: int, block_len: int, memory_cap: int | None, *, device, dtype) -> torch.Tensor | None:
+    """log min(1, M / n_i) (T, 1) for queries 0..T−1 (the naive forms: n_i = max(0, i // L − 1)·L), or None."""
+    bias = block_memory_bias(0, -(-T // block_len), block_len, memory_cap, device=device, dtype=dtype)
+    return None if bias is None else bias.repeat_interleave(block_len)[:T, None]
