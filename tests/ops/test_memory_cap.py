@@ -101,3 +101,65 @@ def test_bad_caps_are_one_line_errors(kwargs, message):
     kw = {**dict(causal=True, assign="hard", block_len=L), **kwargs}
     with pytest.raises(ValueError, match=message):
         vq_attention(tensors["q"], tensors["k"], tensors["v"], tensors["codebook"], **kw)
+
+
+OVQ_FORMS = {  # ovq_attention's impl; the chunk form's schedules through chunk_ovq_attention
+    "chunk-loop": dict(schedule=Schedule("loop", 3)),
+    "chunk-cumsum": dict(schedule=Schedule("cumsum", 3)),
+    "recurrent": dict(impl="recurrent"),
+    "triton": dict(impl="triton"),
+}
+
+
+def ovq_inputs(T=110, *, dtype=F64, given: str = "online"):
+    tensors, grad = inputs(T, dtype=dtype)
+    g = torch.Generator().manual_seed(1)
+    extra = {}
+    if given == "weights":  # a given soft assignment, with gradients
+        extra["slot_weights"] = torch.rand(1, 2, T, 6, generator=g, dtype=F64).to(dtype)
+    return dict(q=tensors["q"], k=tensors["k"], v=tensors["v"], q_mem=tensors["q_rot"], k_mem=tensors["k_rot"],
+                **extra), grad
+
+
+@pytest.mark.parametrize("form", OVQ_FORMS)
+@pytest.mark.parametrize("given", ["online", "weights"])
+def test_every_ovq_form_matches_the_definition(form, given):
+    from vqattn.ops.ovq import chunk_ovq_attention, ovq_attention
+
+    dtype = torch.float32 if form == "triton" else F64
+    tensors, grad = ovq_inputs(dtype=dtype, given=given)
+    kw = dict(num_slots=6, block_len=L, memory_cap=CAP)
+
+    def run_ovq(**forms):
+        leaves = {n: x.detach().clone().requires_grad_() for n, x in tensors.items()}
+        out = (chunk_ovq_attention if "schedule" in forms else ovq_attention)(**leaves, **kw, **forms)
+        out.backward(grad.to(out.dtype))
+        return [out.detach().double()] + [leaves[n].grad.double() for n in sorted(leaves)]
+
+    got, ref = run_ovq(**OVQ_FORMS[form]), run_ovq(impl="naive")
+    uncapped = ovq_attention(**tensors, num_slots=6, block_len=L, impl="naive")
+    assert (ref[0] - uncapped.double()).abs().max() > 1e-3  # the cap is active at this length
+    assert max(relative_errors(got, ref)) < (1e-4 if dtype == torch.float32 else 1e-10)
+
+
+@pytest.mark.parametrize("impl", ["chunk", "recurrent"])
+def test_chunked_ovq_calls_continue_the_capped_state(impl):
+    from vqattn.ops.ovq import ovq_attention
+
+    tensors, _ = ovq_inputs(T=150)
+    kw = dict(num_slots=6, block_len=L, memory_cap=CAP, impl=impl)
+    whole = ovq_attention(**tensors, **kw)
+    state, parts = None, []
+    for a, b in ((0, 45), (45, 96), (96, 150)):
+        out, state = ovq_attention(**{n: x[:, :, a:b] for n, x in tensors.items()}, state=state, return_state=True,
+                                   **kw)
+        parts.append(out)
+    torch.testing.assert_close(torch.cat(parts, 2), whole, rtol=1e-10, atol=1e-12)
+
+
+def test_ovq_bad_cap_is_one_line_error():
+    from vqattn.ops.ovq import ovq_attention
+
+    tensors, _ = ovq_inputs(T=20)
+    with pytest.raises(ValueError, match="memory_cap must be a positive int"):
+        ovq_attention(**tensors, num_slots=6, block_len=L, memory_cap=-3)

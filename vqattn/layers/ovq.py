@@ -10,6 +10,7 @@ from ..codebook import Codebook
 from ..modules.rope import rope_rotate_keeping
 from ..ops._checks import check_choice, check_positive_int
 from ..ops.blocks import DEFAULT_BLOCK_LEN
+from ..ops.common.memory_cap import check_memory_cap
 from ..ops.ovq import IMPLS as OVQ_IMPLS
 from ..ops.ovq import ovq_attention
 from .base import Attention
@@ -48,13 +49,17 @@ class OnlineVQAttention(Attention):
         threshold: float = 0.1,
         memory_rope: bool = True,
         codebook: dict | None = None,
+        memory_cap: int | None = None,
         impl: str = "auto",
         **attention_kwargs,
     ):
-        """``impl``: the op's form (``ovq_attention``'s: "auto" runs the Triton kernels on CUDA where they apply);
+        """``memory_cap``: the slots weigh as if they held at most this many keys (``ovq_attention``'s; the trainer
+        sets the training length, so that a model reads past it: docs/evaluation.md); None: no bound;
+        ``impl``: the op's form (``ovq_attention``'s: "auto" runs the Triton kernels on CUDA where they apply);
         ``attention_kwargs`` go to :class:`Attention`."""
         super().__init__(dim, num_heads, **attention_kwargs)
         check_positive_int("num_slots", num_slots)
+        check_memory_cap(memory_cap)
         check_positive_int("block_len", block_len)
         check_choice("slots_by", slots_by, SLOTS_BY)
         check_choice("impl", impl, OVQ_IMPLS)
@@ -66,6 +71,7 @@ class OnlineVQAttention(Attention):
                              f"slots_by={slots_by!r}")
         self.num_slots, self.block_len, self.slots_by, self.impl = num_slots, block_len, slots_by, impl
         self.threshold, self.memory_rope = float(threshold), memory_rope
+        self.memory_cap = memory_cap
         self.codebook = Codebook(num_heads, num_slots, self.head_dim, assign="hard", **(codebook or {})) \
             if slots_by == "codebook" else None
         # Mean occupied slots per sequence and head after the last forward (read by usage_stats, outside a step).
@@ -91,6 +97,7 @@ class OnlineVQAttention(Attention):
             q_mem=q_mem,
             k_mem=k_mem,
             state=state,
+            memory_cap=self.memory_cap,
             impl=self.impl,
             return_state=True,  # its memory gives usage_stats; the few statistics it costs are O(T·Dh)
         )

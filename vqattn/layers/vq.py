@@ -8,6 +8,7 @@ from ..codebook import Codebook
 from ..modules.rope import pair_dims, rope_frequencies, rope_rotate_keeping
 from ..ops._checks import check_choice, check_positive_int
 from ..ops.blocks import DEFAULT_BLOCK_LEN
+from ..ops.common.memory_cap import check_memory_cap
 from ..ops.vq import IMPLS as VQ_IMPLS
 from ..ops.vq import vq_attention
 from .base import Attention, op_result
@@ -57,13 +58,21 @@ class VQAttention(Attention):
         exact_window: bool = True,
         cache_scores: str = "slow",
         codebook: dict | None = None,
+        memory_cap: int | None = None,
         impl: str = "auto",
         **attention_kwargs,
     ):
         """``codebook``: extra :class:`~vqattn.codebook.Codebook` kwargs (learning, decay, commitment, ...);
+        ``memory_cap``: the codes weigh as if they held at most this many keys (``vq_attention``'s; the trainer sets
+        the training length, so that a model reads past it: docs/evaluation.md); None: no bound;
         ``impl``: the op's form (``vq_attention``'s: "auto" runs the Triton kernel on CUDA where it applies);
         ``attention_kwargs`` go to :class:`Attention`."""
         super().__init__(dim, num_heads, **attention_kwargs)
+        check_memory_cap(memory_cap)
+        if memory_cap is not None and self.assign == "soft" and not exact_window:
+            raise ValueError("memory_cap needs exact_window=True with soft assignment (the mixture window reads the "
+                             "previous block through the codes): pass memory_cap=None or exact_window=True")
+        self.memory_cap = memory_cap
         if self.rope and not exact_window:
             raise ValueError(
                 f"{type(self).__name__} with rope=True needs exact_window=True: RoPE is applied only inside the "
@@ -104,6 +113,7 @@ class VQAttention(Attention):
             state=state,
             return_state=return_state,
             assignment=assignment,  # computed once, by the codebook, from the raw keys and codes
+            memory_cap=self.memory_cap,
             impl=self.impl,
             **rotated,
         )

@@ -107,4 +107,6 @@ def register() -> None:
         kwargs = signature_defaults(cls, stop=Attention)
         if "block_len" in kwargs:  # the root key block_len (conf/config.yaml) sets every attention that has one
             kwargs["block_len"] = "${block_len}"
+        if "memory_cap" in kwargs:  # the compressed memory weighs at most the training length's keys
+            kwargs["memory_cap"] = "${memory_cap}"
         cs.store(group="attention", name=name, node={"name": name, "kwargs": kwargs})

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..blocks import blocks, group_windows, loops, pad_to_blocks, window_bias, window_start, window_tail
+from ..common.memory_cap import block_memory_bias
 from ..common.statistics import Assignment, code_statistics
 from ..common.window_codes import WindowCodeInputs, window_code_attention
 from ..triton.online_slots import fused_online_slots
@@ -57,10 +58,11 @@ def chunk_forward(x: Inputs, state: OVQState | None, return_state: bool,
     q, k, v, q_mem, k_mem, weights, slots = map(pad, (x.q, x.k, x.v, x.q_mem, x.k_mem, x.slot_weights, x.slots))
     if slots is None and weights is None:
         slots = (fused_online_slots if fused else online_slots)(k_mem, state.counts, state.key_sums, L, x.threshold)
+    bias = block_memory_bias(start // L, q.shape[2] // L, L, x.memory_cap, device=q.device, dtype=x.dtype)
     if fused:
-        out = fused_memory_attention(x, state, q, k, v, q_mem, k_mem, slots, weights)
+        out = fused_memory_attention(x, state, q, k, v, q_mem, k_mem, slots, weights, bias)
     else:
-        out = _block_attention(x, state, q, k, v, q_mem, k_mem, slots, weights, shared_queries)
+        out = _block_attention(x, state, q, k, v, q_mem, k_mem, slots, weights, shared_queries, bias)
     out = out[:, :, x.k.shape[2] - T : x.k.shape[2]]
     if not return_state:
         return out, None
@@ -73,10 +75,10 @@ def chunk_forward(x: Inputs, state: OVQState | None, return_state: bool,
                          length, L)
 
 
-def _block_attention(x: Inputs, state: OVQState, q, k, v, q_mem, k_mem, slots, weights,
-                     shared_queries: bool) -> torch.Tensor:
+def _block_attention(x: Inputs, state: OVQState, q, k, v, q_mem, k_mem, slots, weights, shared_queries: bool,
+                     memory_bias=None) -> torch.Tensor:
     """out (B, H, T, Dv) of block-padded inputs (T = nb·L) whose keys go to ``slots`` or with ``weights``, after
-    the memory of ``state``: the PyTorch block kernel."""
+    the memory of ``state``: the PyTorch block kernel; ``memory_bias`` (nb,) on the slot logits (``memory_cap``)."""
     (B, H, _, D), L, S, Dv = q.shape, x.block_len, x.num_slots, v.shape[-1]
     nb = q.shape[2] // L
     counts, key_sums = code_statistics(Assignment(weights, slots), k_mem, S, nb)  # (B, H, nb, S), (.., S, D)
@@ -92,5 +94,6 @@ def _block_attention(x: Inputs, state: OVQState, q, k, v, q_mem, k_mem, slots, w
         add_index=None if slots is None else blocks(slots, L),
         add_weights=None if weights is None else blocks(weights, L), pending=torch.zeros_like(state.value_sums),
         codebook=key_means,
-        window_queries=None if shared_queries else blocks(q * x.scale, L))
+        window_queries=None if shared_queries else blocks(q * x.scale, L),
+        code_bias=None if memory_bias is None else memory_bias.view(nb, 1, 1))
     return window_code_attention(inputs, loop)[0]

@@ -20,10 +20,12 @@ from .memory import lagged_sum
 from .state import Inputs, OVQState
 
 
-def fused_memory_attention(x: Inputs, state: OVQState, q, k, v, q_mem, k_mem, slots, weights) -> torch.Tensor:
+def fused_memory_attention(x: Inputs, state: OVQState, q, k, v, q_mem, k_mem, slots, weights,
+                           memory_bias=None) -> torch.Tensor:
     """out (B, H, T, Dv) of block-padded q, k, q_mem, k_mem (B, H, T, D) and v (B, H, T, Dv) (T = nb·L, any
     supported dtype) whose keys go to ``slots`` (B, H, T) or with ``weights`` (B, H, T, S), after the memory of
-    ``state``. The statistics are in x.dtype (float32 for half-precision inputs)."""
+    ``state``. The statistics are in x.dtype (float32 for half-precision inputs). ``memory_bias`` (nb,): the slot
+    logits' bias per block (``memory_cap``), a factor e^bias on the block's counts and value sums, or None."""
     D, Dv, S, L = k_mem.shape[-1], v.shape[-1], x.num_slots, x.block_len
     nb = k_mem.shape[2] // L
     loop = loops(x.schedule, q.device)
@@ -32,5 +34,8 @@ def fused_memory_attention(x: Inputs, state: OVQState, q, k, v, q_mem, k_mem, sl
     counts = lagged_sum(counts, state.counts, 2, loop)
     key_means = lagged_sum(key_sums, state.key_sums, 2, loop, counts=counts)
     value_sums = lagged_sum(value_sums, state.value_sums, 2, loop)
+    if memory_bias is not None:  # e^bias n and e^bias V: the logit gains the bias, the mean value stays
+        weight = memory_bias.exp()[:, None]
+        counts, value_sums = counts * weight, value_sums * weight[..., None]
     return fused_window_code_attention(q, k, v, scale=x.scale, block_len=L, qc=q_mem, codebook=key_means,
                                        counts=counts, sums=value_sums)

@@ -4,8 +4,11 @@ O(T·(L + S)·D) tensor work plus O(T·S) Python steps per batch·head: for test
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from ..common.memory_cap import memory_scale
 from .state import prepare
 
 
@@ -47,10 +50,11 @@ def _block_weights(block: slice, x, counts, key_sums) -> torch.Tensor:
 
 
 def naive_ovq_attention(q, k, v, *, num_slots: int, block_len: int | None = None, scale: float | None = None,
-                        threshold: float | None = None, slots=None, slot_weights=None, q_mem=None, k_mem=None):
+                        threshold: float | None = None, slots=None, slot_weights=None, q_mem=None, k_mem=None,
+                        memory_cap: int | None = None):
     """The semantics of :func:`~vqattn.ops.ovq.ovq_attention` (same arguments, no state) as a loop over tokens."""
     x = prepare(q, k, v, num_slots=num_slots, block_len=block_len, scale=scale, threshold=threshold, slots=slots,
-                slot_weights=slot_weights, q_mem=q_mem, k_mem=k_mem, state=None)
+                slot_weights=slot_weights, q_mem=q_mem, k_mem=k_mem, state=None, memory_cap=memory_cap)
     (B, H, T, D), L, S = x.q.shape, x.block_len, num_slots
     counts, key_sums = x.q.new_zeros(B, H, S), x.q.new_zeros(B, H, S, D)
     value_sums = x.q.new_zeros(B, H, S, x.v.shape[-1])
@@ -70,7 +74,8 @@ def naive_ovq_attention(q, k, v, *, num_slots: int, block_len: int | None = None
         key_means = torch.where(occupied.unsqueeze(-1), key_sums / safe, 0.0)
         value_means = torch.where(occupied.unsqueeze(-1), value_sums / safe, 0.0)
         memory_logits = torch.where(occupied, x.scale * (key_means @ x.q_mem[:, :, i].unsqueeze(-1)).squeeze(-1)
-                                    + torch.where(occupied, safe.squeeze(-1), 1.0).log(), float("-inf"))
+                                    + torch.where(occupied, safe.squeeze(-1), 1.0).log()
+                                    + math.log(memory_scale(max(0, b - 1) * L, memory_cap)), float("-inf"))
         p = torch.softmax(torch.cat([window_logits, memory_logits], -1), -1)
         W = window_logits.shape[-1]
         outs.append((p[..., :W].unsqueeze(-2) @ x.v[:, :, window]).squeeze(-2)

@@ -7,9 +7,12 @@ which holds exactly the blocks before it) and absorbed, once: the chunked algori
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..blocks import attend_one, window_start, window_tail
+from ..common.memory_cap import memory_scale
 from ..common.statistics import code_means
 from ..triton.decode import fused_decode_step
 from .memory import assign_block, memory_logits, statistics
@@ -33,15 +36,22 @@ def _attend(x: Inputs, token: slice, state: OVQState, keys, values) -> torch.Ten
     """The token's softmax over its window (keys, values (B, H, W, ·), its own last) and the state's memory."""
     mem_logits, mem_values = memory_logits(x.q_mem[:, :, token] * x.scale, state.counts, state.key_sums,
                                            state.value_sums)
+    mem_logits = mem_logits + math.log(_memory_weight(x, state))
     return attend_one((x.q[:, :, token] * x.scale) @ keys.transpose(-1, -2), values, mem_logits, mem_values)
 
 
 def _attend_fused(x: Inputs, token: slice, state: OVQState, keys, values) -> torch.Tensor:
     """:func:`_attend` as one Triton kernel (:mod:`vqattn.ops.triton.decode`) with the slots' mean keys as each
     sequence's codebook; forward only."""
+    weight = _memory_weight(x, state)
     return fused_decode_step(x.q[:, :, token], keys, values, scale=x.scale, qc=x.q_mem[:, :, token],
-                             codebook=code_means(state.counts, state.key_sums), counts=state.counts,
-                             sums=state.value_sums)
+                             codebook=code_means(state.counts, state.key_sums), counts=state.counts * weight,
+                             sums=state.value_sums * weight)
+
+
+def _memory_weight(x: Inputs, state: OVQState) -> float:
+    """min(1, M / n) for the next token, whose memory holds n = window_start(p) keys (``memory_cap`` M)."""
+    return memory_scale(window_start(state.length, state.block_len), x.memory_cap)
 
 
 def _step(x: Inputs, t: int, state: OVQState, fused: bool) -> tuple[torch.Tensor, OVQState]:

@@ -12,6 +12,7 @@ import torch
 from .._checks import check_4d, check_positive_int, check_qkv, check_same_device_dtype, compute_dtype
 from ..blocks import DEFAULT_BLOCK_LEN, Schedule, as_schedule
 from ..common.forms import FORMS
+from ..common.memory_cap import check_memory_cap
 from ..triton import require_triton
 from ..triton.window_codes import unsupported
 
@@ -88,6 +89,7 @@ class Inputs(NamedTuple):
     separate_keys: bool  # whether k_mem was given (then the state keeps it)
     schedule: Schedule  # how the chunked form reads the slots' value sums (never what it computes)
     dtype: torch.dtype  # of the memory's statistics and the state: float32 for half precision, else the inputs'
+    memory_cap: int | None = None  # the memory weighs as if it held at most this many keys (vqattn.ops.common)
 
 
 def _check_threshold(threshold, online: bool) -> float:
@@ -157,12 +159,13 @@ def _check_triton(q, v, block_len, state) -> None:
 
 
 def prepare(q, k, v, *, num_slots, block_len, scale, threshold, slots, slot_weights, q_mem, k_mem,
-            state, schedule="auto", fused=False) -> Inputs:
+            state, schedule="auto", fused=False, memory_cap=None) -> Inputs:
     """Validate every argument (ValueError naming it) and cast the tensors to the compute dtype (float32 for half
     precision, float64 stays float64), or for the Triton form (``fused``) keep q, k, v, q_mem, k_mem as they are.
     Call with autocast off."""
     check_qkv(q, k, v, causal=True)
     check_positive_int("num_slots", num_slots)
+    check_memory_cap(memory_cap)
     if block_len is not None:
         check_positive_int("block_len", block_len)
     for name, x, like in (("q_mem", q_mem, q), ("k_mem", k_mem, k)):
@@ -187,4 +190,4 @@ def prepare(q, k, v, *, num_slots, block_len, scale, threshold, slots, slot_weig
     q, k, v = keep(q), keep(k), keep(v)
     return Inputs(q, k, v, q if q_mem is None else keep(q_mem), k if k_mem is None else keep(k_mem), slots,
                   cast(slot_weights), num_slots, L, q.shape[-1] ** -0.5 if scale is None else float(scale),
-                  threshold, k_mem is not None, as_schedule(schedule), dtype)
+                  threshold, k_mem is not None, as_schedule(schedule), dtype, memory_cap)
