@@ -65,3 +65,29 @@ def test_command_writes_the_table_json_and_plot(tmp_path, capsys):
     assert "| ovq |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main([str(out / "length_eval.json")])  # not a checkpoint: argparse's one-line error, exit status 2
+
+
+@pytest.mark.parametrize("name", ["vq_hard", "ovq"])
+def test_the_ablations_edit_only_the_memory(name, monkeypatch):
+    """benchmarks/length_ablations.py: capping the total count keeps every code's mean value; emptying the memory
+    empties it; the raw window is left alone."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import length_ablations
+
+    torch.manual_seed(0)
+    model = tiny_model(name).eval()
+    T = model.config.seq_len
+    state = model(torch.randint(0, 17, (2, 3 * T)), return_state=True).state
+    capped = length_ablations.between_segments("cap_T", T)(state)
+    emptied = length_ablations.between_segments("no_memory", T)(state)
+    for before, after, empty in zip(state.layers, capped.layers, emptied.layers):
+        names = length_ablations.MEMORY_FIELDS[type(before.inner)]
+        n, n_capped = before.inner.counts, after.inner.counts
+        assert n.sum(-1).max() > T and n_capped.sum(-1).max() <= T + 1e-3
+        for field in names[1:]:
+            mean = getattr(before.inner, field) / n.clamp(min=1e-9)[..., None]
+            torch.testing.assert_close(getattr(after.inner, field) / n_capped.clamp(min=1e-9)[..., None], mean)
+        assert all(getattr(empty.inner, f).abs().max() == 0 for f in names)
+        assert torch.equal(after.inner.keys, before.inner.keys)

@@ -1,6 +1,6 @@
 """Length generalisation: bits per byte by absolute position, read past the training length with the carried state.
 
-    python -m vqattn.train.length_eval CKPT                  # 16x the training length, 8 streams, plot + json
+    python -m vqattn.train.length_eval CKPT                  # 16x the training length, 32 streams, plot + json
     python -m vqattn.train.length_eval CKPT --multiple 32 --text notes.txt --out length_eval/
 
 Each stream is a contiguous stretch of held-out text, ``multiple`` times the checkpoint's ``model.seq_len`` (T)
@@ -72,7 +72,7 @@ def default_held_out() -> bytes:
     return StdlibDataModule()._load()[1]
 
 
-def length_eval(model: GPT, text: bytes, *, multiple: int = 16, streams: int = 8) -> dict:
+def length_eval(model: GPT, text: bytes, *, multiple: int = 16, streams: int = 32) -> dict:
     """Bits per byte by bucket of absolute position (:func:`bucket_edges`) when ``model`` reads ``streams``
     stretches of ``text`` to ``multiple`` times its training length. Returns {"attention", "seq_len", "streams",
     "edges", "bpb"} with one bpb per bucket [edges[i], edges[i + 1])."""
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m vqattn.train.length_eval", description=__doc__.splitlines()[0])
     p.add_argument("ckpt", help="a trainer checkpoint (OUT/checkpoints/last.ckpt)")
     p.add_argument("--multiple", type=int, default=16, help="stream length in training lengths (default 16)")
-    p.add_argument("--streams", type=int, default=8, help="held-out stretches averaged (default 8)")
+    p.add_argument("--streams", type=int, default=32, help="held-out stretches averaged (default 32)")
     p.add_argument("--text", default=None, help="held-out text file (default: the default corpus's validation split)")
     p.add_argument("--out", default="length_eval", help="directory for length_eval.json and length_eval.png")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

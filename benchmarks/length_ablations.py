@@ -1,0 +1,119 @@
+"""Why do compressed memories degrade past the training length? Evaluation-time ablations on trained checkpoints.
+
+    python benchmarks/length_ablations.py OUT/window/checkpoints/last.ckpt OUT/vq_hard/checkpoints/last.ckpt ...
+
+Every checkpoint reads the same held-out streams as ``python -m vqattn.train.length_eval`` (16 training lengths,
+in segments of T with the carried state) once per ablation; the table has one row per (checkpoint, ablation), the
+bits per byte of each doubling bucket of absolute positions, and the change from the first bucket to the last.
+Between two segments an ablation edits the carried compressed memory (the vq layers' per-code counts and value
+sums, the ovq layer's per-slot counts and key and value sums; raw windows and KV caches are left alone), or it
+changes the model before the streams run:
+
+- ``carried``: no change, the baseline.
+- ``no_memory``: the memory emptied after every segment: each segment sees only its own past and the raw window
+  carried into it (what the window layer keeps), i.e. the memory's contribution past T removed.
+- ``cap_T``: the memory's total count scaled down to at most T keys (counts and sums alike, so every code's mean
+  value is unchanged): the log-count bias stays in the range of training, the content does not.
+- ``decay_0.5``: counts and sums halved after every segment: older keys fade, as in an EMA codebook.
+- ``float64``: the whole model in float64 (long sums in high precision).
+- ``slots_x4`` (ovq): four times the slots; ``no_memory_rope`` (ovq): the memory scored with unrotated q and k.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+
+from vqattn.model import GPTState
+from vqattn.ops.ovq.state import OVQState
+from vqattn.ops.vq.state import VQState
+from vqattn.train.length_eval import bucket_edges, default_held_out, held_out_streams, stream_bits
+from vqattn.train.lit import load_model
+
+MEMORY_FIELDS = {VQState: ("counts", "sums"), OVQState: ("counts", "key_sums", "value_sums")}
+
+
+def edit_memory(state: GPTState, scale_of) -> GPTState:
+    """The state with every layer's memory fields multiplied by ``scale_of(counts)`` (B, H, 1) (broadcast)."""
+    layers = []
+    for layer in state.layers:
+        inner = layer.inner
+        names = MEMORY_FIELDS.get(type(inner))
+        if names is not None:
+            scale = scale_of(inner.counts)  # (B, H, 1)
+            inner = dataclasses.replace(inner, **{n: getattr(inner, n) * (scale if n == "counts" else scale[..., None])
+                                                  for n in names})
+        layers.append(dataclasses.replace(layer, inner=inner))
+    return GPTState(state.pos, layers)
+
+
+def between_segments(name: str, seq_len: int):
+    """The state edit an ablation applies after every segment (None: no edit)."""
+    if name == "no_memory":
+        return lambda s: edit_memory(s, lambda n: torch.zeros_like(n[..., :1]))
+    if name == "cap_T":
+        return lambda s: edit_memory(s, lambda n: (seq_len / n.sum(-1, keepdim=True).clamp(min=1)).clamp(max=1))
+    if name == "decay_0.5":
+        return lambda s: edit_memory(s, lambda n: torch.full_like(n[..., :1], 0.5))
+    return None
+
+
+def ablated_model(model, name: str):
+    """The model an ablation reads with (a copy when it changes the model)."""
+    if name == "float64":
+        return copy.deepcopy(model).double()
+    if name in ("slots_x4", "no_memory_rope"):
+        model = copy.deepcopy(model)
+        for block in model.blocks:
+            if name == "slots_x4":
+                block.attn.num_slots *= 4
+            else:
+                block.attn.memory_rope = False
+    return model
+
+
+def ablations_for(model) -> list[str]:
+    names = ["carried"]
+    if model.config.attention in ("vq_hard", "vq_soft", "ovq"):
+        names += ["no_memory", "cap_T", "decay_0.5", "float64"]
+    if model.config.attention == "ovq":
+        names += ["slots_x4", "no_memory_rope"]
+    return names
+
+
+def evaluate(model, streams: torch.Tensor, name: str, edges: list[int]) -> list[float]:
+    T = model.config.seq_len
+    bits = stream_bits(ablated_model(model, name), streams, T, between_segments(name, T)).mean(0)
+    return [bits[a:b].mean().item() for a, b in zip(edges[:-1], edges[1:])]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("ckpts", nargs="+")
+    p.add_argument("--multiple", type=int, default=16)
+    p.add_argument("--streams", type=int, default=32)
+    p.add_argument("--only", nargs="*", default=None, help="run only these ablations")
+    args = p.parse_args(argv)
+    text = default_held_out()
+    rows = []
+    for path in args.ckpts:
+        model = load_model(path)
+        edges = bucket_edges(model.config.seq_len, args.multiple)
+        streams = held_out_streams(text, edges[-1], args.streams)
+        for name in ablations_for(model):
+            if args.only and name not in args.only and name != "carried":
+                continue
+            bpb = evaluate(model, streams, name, edges)
+            rows.append((model.config.attention, name, bpb))
+            print(f"| {Path(path).parts[-3]} | {name} | " + " | ".join(f"{x:.3f}" for x in bpb)
+                  + f" | {100 * (bpb[-1] / bpb[0] - 1):+.1f}% |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
