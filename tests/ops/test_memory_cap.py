@@ -163,3 +163,4 @@ def test_ovq_bad_cap_is_one_line_error():
     tensors, _ = ovq_inputs(T=20)
     with pytest.raises(ValueError, match="memory_cap must be a positive int"):
         ovq_attention(**tensors, num_slots=6, block_len=L, memory_cap=-3)
+

@@ -181,3 +181,14 @@ def test_several_loggers_compose_together():
     loggers = compose_cfg("logger=[tensorboard,wandb]").logger
     assert set(loggers) == {"tensorboard", "wandb"} and loggers.wandb.name == compose_cfg().attention.name
     assert compose_cfg().logger == {}  # the default: metrics.csv alone
+
+
+def test_the_memory_layers_get_the_training_length_as_memory_cap():
+    for name in ("vq_hard", "vq_soft", "ovq"):
+        assert ATTENTIONS[name](32, 2).memory_cap is None  # the layers' Python default: no bound
+        cfg = compose_cfg(f"attention={name}", "model.seq_len=96")
+        assert cfg.attention.kwargs.memory_cap == 96
+        assert instantiate(cfg.module, _convert_="all").model.blocks[0].attn.memory_cap == 96
+    assert compose_cfg("attention=ovq", "memory_cap=null").attention.kwargs.memory_cap is None
+    with pytest.raises(ValueError, match="memory_cap needs exact_window=True"):
+        ATTENTIONS["vq_soft"](32, 2, memory_cap=64, exact_window=False, rope=False)
