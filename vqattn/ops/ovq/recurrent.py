@@ -36,7 +36,9 @@ def _attend(x: Inputs, token: slice, state: OVQState, keys, values) -> torch.Ten
     """The token's softmax over its window (keys, values (B, H, W, ·), its own last) and the state's memory."""
     mem_logits, mem_values = memory_logits(x.q_mem[:, :, token] * x.scale, state.counts, state.key_sums,
                                            state.value_sums)
-    mem_logits = mem_logits + math.log(_memory_weight(x, state))
+    weight = _memory_weight(x, state)
+    if weight != 1:  # no extra pass while the cap is not reached
+        mem_logits = mem_logits + math.log(weight)
     return attend_one((x.q[:, :, token] * x.scale) @ keys.transpose(-1, -2), values, mem_logits, mem_values)
 
 
@@ -44,9 +46,10 @@ def _attend_fused(x: Inputs, token: slice, state: OVQState, keys, values) -> tor
     """:func:`_attend` as one Triton kernel (:mod:`vqattn.ops.triton.decode`) with the slots' mean keys as each
     sequence's codebook; forward only."""
     weight = _memory_weight(x, state)
+    counts, sums = (state.counts, state.value_sums) if weight == 1 else (state.counts * weight,
+                                                                         state.value_sums * weight)
     return fused_decode_step(x.q[:, :, token], keys, values, scale=x.scale, qc=x.q_mem[:, :, token],
-                             codebook=code_means(state.counts, state.key_sums), counts=state.counts * weight,
-                             sums=state.value_sums * weight)
+                             codebook=code_means(state.counts, state.key_sums), counts=counts, sums=sums)
 
 
 def _memory_weight(x: Inputs, state: OVQState) -> float:

@@ -38,17 +38,18 @@ def _attend(q, keys, values, c, window: Assignment, state: VQState, *, scale, ex
     q = q * scale
     code_logits = q @ c.transpose(-1, -2)  # (B, H, 1, S)
     q_window = q if q_window is None else q_window * scale
+    counts = state.counts if weight == 1 else state.counts * weight  # no extra pass while the cap is not reached
     return attend_one(_window_logits(q_window, keys, c, window, code_logits, exact_window), values,
-                      code_logits + log_counts(state.counts * weight).unsqueeze(2),
-                      code_means(state.counts, state.sums))
+                      code_logits + log_counts(counts).unsqueeze(2), code_means(state.counts, state.sums))
 
 
 def _attend_fused(q, keys, values, c, window: Assignment, state: VQState, *, scale, exact_window, q_window, weight):
     """:func:`_attend` as one Triton kernel (:mod:`vqattn.ops.triton.decode`), forward only; the hard window scores
     its keys' codes. The soft mixture window has no fused form (the form picker keeps it recurrent)."""
     window_keys = keys if exact_window else straight_through_keys(keys, c.to(keys.dtype), window.index)
+    counts, sums = (state.counts, state.sums) if weight == 1 else (state.counts * weight, state.sums * weight)
     return fused_decode_step(q if q_window is None else q_window, window_keys, values, scale=scale, qc=q,
-                             codebook=c, counts=state.counts * weight, sums=state.sums * weight)
+                             codebook=c, counts=counts, sums=sums)
 
 
 def _step(q, k, v, c, a: Assignment, state: VQState, *, scale, exact_window, q_window=None, fused=False,
