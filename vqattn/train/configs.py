@@ -17,7 +17,9 @@ import dataclasses
 import inspect
 from pathlib import Path
 
+import hydra
 from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig
 
 _PLAIN = (type(None), bool, int, float, str)
 
@@ -59,9 +61,6 @@ def instantiate_targets(cfg, group: str, overrides=lambda node: {}) -> list:
     """Each entry of a group of named objects (``logger``, ``callbacks``: {name: {_target_: ..., arg: ...}}), built
     with ``hydra.utils.instantiate(node, **overrides(node))``; a one-line ValueError for an entry without
     ``_target_``."""
-    import hydra
-    from omegaconf import DictConfig
-
     built = []
     for name, node in (cfg or {}).items():
         if not isinstance(node, DictConfig) or "_target_" not in node:

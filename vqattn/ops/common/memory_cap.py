@@ -30,6 +30,16 @@ def memory_scale(keys_in_memory: int, memory_cap: int | None) -> float:
     return 1.0 if memory_cap is None or keys_in_memory <= memory_cap else memory_cap / keys_in_memory
 
 
+def weigh_memory(counts: torch.Tensor, sums: torch.Tensor, weight):
+    """The memory's counts and value sums times its weight min(1, M / n), for the kernels that add log n themselves
+    (the Triton forms): the logit gains log weight, every mean value stays. ``weight``: a float (one query: returned
+    as they are at 1), or (nb,) per block of counts (..., nb, S) and sums (..., nb, S, Dv)."""
+    if isinstance(weight, float):
+        return (counts, sums) if weight == 1 else (counts * weight, sums * weight)
+    weight = weight[:, None]
+    return counts * weight, sums * weight[..., None]
+
+
 def block_memory_bias(first_block: int, num_blocks: int, block_len: int, memory_cap: int | None, *,
                       device, dtype) -> torch.Tensor | None:
     """log min(1, M / n_b) (num_blocks,) for the blocks first_block.. of block_len keys (their memory holds the

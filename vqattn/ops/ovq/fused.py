@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..blocks import loops
+from ..common.memory_cap import weigh_memory
 from ..common.statistics import Assignment, code_statistics
 from ..triton.window_codes import fused_window_code_attention
 from .memory import lagged_sum
@@ -34,8 +35,7 @@ def fused_memory_attention(x: Inputs, state: OVQState, q, k, v, q_mem, k_mem, sl
     counts = lagged_sum(counts, state.counts, 2, loop)
     key_means = lagged_sum(key_sums, state.key_sums, 2, loop, counts=counts)
     value_sums = lagged_sum(value_sums, state.value_sums, 2, loop)
-    if memory_bias is not None:  # e^bias n and e^bias V: the logit gains the bias, the mean value stays
-        weight = memory_bias.exp()[:, None]
-        counts, value_sums = counts * weight, value_sums * weight[..., None]
+    if memory_bias is not None:
+        counts, value_sums = weigh_memory(counts, value_sums, memory_bias.exp())
     return fused_window_code_attention(q, k, v, scale=x.scale, block_len=L, qc=q_mem, codebook=key_means,
                                        counts=counts, sums=value_sums)

@@ -12,7 +12,7 @@ import math
 import torch
 
 from ..blocks import attend_one, window_start, window_tail
-from ..common.memory_cap import memory_scale
+from ..common.memory_cap import memory_scale, weigh_memory
 from ..common.statistics import code_means
 from ..triton.decode import fused_decode_step
 from .memory import assign_block, memory_logits, statistics
@@ -45,9 +45,7 @@ def _attend(x: Inputs, token: slice, state: OVQState, keys, values) -> torch.Ten
 def _attend_fused(x: Inputs, token: slice, state: OVQState, keys, values) -> torch.Tensor:
     """:func:`_attend` as one Triton kernel (:mod:`vqattn.ops.triton.decode`) with the slots' mean keys as each
     sequence's codebook; forward only."""
-    weight = _memory_weight(x, state)
-    counts, sums = (state.counts, state.value_sums) if weight == 1 else (state.counts * weight,
-                                                                         state.value_sums * weight)
+    counts, sums = weigh_memory(state.counts, state.value_sums, _memory_weight(x, state))
     return fused_decode_step(x.q[:, :, token], keys, values, scale=x.scale, qc=x.q_mem[:, :, token],
                              codebook=code_means(state.counts, state.key_sums), counts=counts, sums=sums)
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..blocks import pad_to_blocks
+from ..common.memory_cap import weigh_memory
 from ..common.statistics import Assignment, code_statistics, map_time
 from ..triton.window_codes import fused_window_code_attention
 
@@ -50,9 +51,8 @@ def fused_causal(q, k, v, c, a: Assignment, *, L: int, scale: float, exact_windo
     if not exact_window:  # hard: the window scores the keys' codes (straight-through to k)
         window_k = straight_through_keys(k, c.to(k.dtype), a.index)
     cache_counts, cache_sums = counts0.unsqueeze(2) + lagged_prefix(counts), sums0.unsqueeze(2) + lagged_prefix(sums)
-    if memory_bias is not None:  # e^bias n and e^bias C: the logit gains the bias, the mean value stays
-        weight = memory_bias.exp()[:, None]
-        cache_counts, cache_sums = cache_counts * weight, cache_sums * weight[..., None]
+    if memory_bias is not None:
+        cache_counts, cache_sums = weigh_memory(cache_counts, cache_sums, memory_bias.exp())
     out = fused_window_code_attention(
         q if window_q is None else window_q, window_k, v, scale=scale, block_len=L, qc=q, codebook=c,
         counts=cache_counts, sums=cache_sums)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..blocks import attend_one, window_start, window_tail
-from ..common.memory_cap import memory_scale
+from ..common.memory_cap import memory_scale, weigh_memory
 from ..common.statistics import Assignment, cat_time, code_means, code_statistics, log_counts, map_time
 from ..nonfinite import zero_assignment_rows
 from ..triton.decode import fused_decode_step
@@ -47,7 +47,7 @@ def _attend_fused(q, keys, values, c, window: Assignment, state: VQState, *, sca
     """:func:`_attend` as one Triton kernel (:mod:`vqattn.ops.triton.decode`), forward only; the hard window scores
     its keys' codes. The soft mixture window has no fused form (the form picker keeps it recurrent)."""
     window_keys = keys if exact_window else straight_through_keys(keys, c.to(keys.dtype), window.index)
-    counts, sums = (state.counts, state.sums) if weight == 1 else (state.counts * weight, state.sums * weight)
+    counts, sums = weigh_memory(state.counts, state.sums, weight)
     return fused_decode_step(q if q_window is None else q_window, window_keys, values, scale=scale, qc=q,
                              codebook=c, counts=counts, sums=sums)
 
