@@ -7,6 +7,7 @@ import torch
 from vqattn.functional import softmax_attention, vq_attention
 from vqattn.ops.vq import DEFAULT_BLOCK_LEN
 
+from memory_helpers import largest_tensor
 from references import ref_softmax_attention, ref_vq_attention
 
 F64 = torch.float64
@@ -209,28 +210,11 @@ def test_half_precision_is_computed_in_fp32(dtype, assign):
     torch.testing.assert_close(out.double(), ref, atol=2 * torch.finfo(dtype).eps, rtol=2 * torch.finfo(dtype).eps)
 
 
-def test_no_t_by_t_tensor_in_causal_path(monkeypatch):
+def test_no_t_by_t_tensor_in_causal_path():
     """Every intermediate of the causal path is O(T·(L + S)), never T×T."""
     T, L, S = 512, 16, 8
     q, k, v, c = make_inputs(B=1, H=1, T=T, D=4, S=S)
-    biggest = 0
-
-    def track(func, types, args=(), kwargs=None):
-        nonlocal biggest
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor):
-                biggest = max(biggest, t.numel())
-        return out
-
-    from torch.overrides import TorchFunctionMode
-
-    class Track(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            return track(func, types, args, kwargs)
-
-    with Track():
-        vq_attention(q, k, v, c, causal=True, block_len=L, assign="soft")
+    biggest = largest_tensor(lambda: vq_attention(q, k, v, c, causal=True, block_len=L, assign="soft"))
     assert biggest <= T * (2 * L + S)
     assert biggest < T * T // 4
 

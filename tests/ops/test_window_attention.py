@@ -6,6 +6,7 @@ import torch
 from vqattn.functional import WindowState, window_attention
 from vqattn.ops.blocks import DEFAULT_BLOCK_LEN, RECURRENT_MAX_LEN, group_windows
 
+from memory_helpers import largest_tensor
 from references import ref_softmax_attention, ref_window_attention
 
 F64 = torch.float64
@@ -137,23 +138,9 @@ def test_autocast_and_half_inputs():
 
 
 def test_no_t_by_t_tensor():
-    from torch.overrides import TorchFunctionMode
-
     T, L = 512, 16
     q, k, v = make_qkv(B=1, H=1, T=T, D=4, Dv=4)
-    biggest = 0
-
-    class Track(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            nonlocal biggest
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else [out]:
-                if isinstance(t, torch.Tensor):
-                    biggest = max(biggest, t.numel())
-            return out
-
-    with Track():
-        window_attention(q, k, v, block_len=L)
+    biggest = largest_tensor(lambda: window_attention(q, k, v, block_len=L))
     assert biggest <= T * 2 * L
 
 
