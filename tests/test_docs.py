@@ -8,6 +8,7 @@ keep those rare. A README command this file cannot shorten fails its test, so a 
 Most of each process is imports and start-up, so the independent ones start together and each test awaits its own.
 """
 
+import json
 import os
 import re
 import shlex
@@ -263,3 +264,13 @@ def test_readme_command_runs(command_runs, index):
         assert len(list(form.out.glob("*/results.json"))) == 2, report(result)
     elif form.out is not None:
         assert (form.out / "results.json").exists(), report(result)
+    if form.argv is not None and form.argv[1:3] == ["-m", "vqattn.train.report"]:
+        check_report(Path(resolve(form, command_runs.forms[:index])[3]))
+
+
+def check_report(sweep: Path) -> None:
+    """The report of a sweep: a table row per run, with its throughput, and the validation curves drawn."""
+    table = (sweep / "report.md").read_text()
+    names = [json.loads(path.read_text())["attention"] for path in sweep.glob("*/results.json")]
+    assert len(names) == 2 and all(f"| {name} |" in table for name in names) and "tokens/s" in table, table
+    assert (sweep / "val_bpb.png").read_bytes()[:4] == b"\x89PNG"

@@ -53,13 +53,14 @@ def test_autocast_training_step_matches_fp32(name, short_conv):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("attention", ["vq_hard", "vq_soft"])
-def test_train_py_runs_bf16_mixed_on_cpu(attention, tmp_path):
-    run_dir = tmp_path / attention
-    cmd = [sys.executable, str(ROOT / "train.py"), "experiment=tiny", f"attention={attention}",
+def test_train_py_runs_bf16_mixed_on_cpu(tmp_path):
+    # one sweep of both codebook attentions: one process start-up
+    cmd = [sys.executable, str(ROOT / "train.py"), "-m", "experiment=tiny", "attention=vq_hard,vq_soft",
            "trainer.precision=bf16-mixed", "trainer.accelerator=cpu", "trainer.max_steps=6",
-           "trainer.val_check_interval=6", "trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}"]
+           "trainer.val_check_interval=6", "trainer.enable_progress_bar=false", f"hydra.sweep.dir={tmp_path}"]
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    results = json.loads((run_dir / "results.json").read_text())
-    assert 0 < results["val_bpb"] < 9
+    for run in ("0_vq_hard", "1_vq_soft"):
+        results = json.loads((tmp_path / run / "results.json").read_text())
+        assert results["attention"] == run[2:] and 0 < results["val_bpb"] < 9, run
+        assert "precision: bf16-mixed" in (tmp_path / run / ".hydra" / "config.yaml").read_text()

@@ -1,4 +1,5 @@
-"""train.py end to end: Hydra configs, resume, DDP, sweeps + report, local text, error messages."""
+"""train.py end to end: Hydra configs, resume, DDP, local text, error messages (a sweep and its report: the README's
+commands, tests/test_docs.py)."""
 
 import csv
 import importlib.abc
@@ -491,30 +492,12 @@ def test_ddp_two_cpu_processes_share_one_run_dir_and_stay_in_sync(ddp_runs, atte
     assert (out / "rank1.log").exists()
 
 
-@pytest.mark.slow
-def test_sweep_then_report(tmp_path):
-    out = tmp_path / "OUT"
-    proc = run_script(["-m", *FAST, "attention=softmax,vq_hard", "trainer.max_steps=10", "trainer.val_check_interval=5",
-                       f"hydra.sweep.dir={out}"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    runs = sorted(p.parent.name for p in out.rglob("results.json"))
-    assert runs == ["0_softmax", "1_vq_hard"]
-    rep = subprocess.run([sys.executable, "-m", "vqattn.train.report", str(out)], cwd=ROOT, capture_output=True, text=True)
-    assert rep.returncode == 0, rep.stderr
-    table = (out / "report.md").read_text()
-    assert "| softmax |" in table and "| vq_hard |" in table and "tokens/s" in table
-    assert (out / "val_bpb.png").read_bytes()[:4] == b"\x89PNG"
-
-
-@pytest.mark.slow
 def test_local_text_file(tmp_path):
     text = tmp_path / "notes.txt"
     text.write_text("".join(f"line {i}: the quick brown fox\n" for i in range(300)))
-    out = tmp_path / "OUT"
-    proc = run_script([*FAST, "data=text", f"data.path={text}", "attention=softmax", "trainer.max_steps=5",
-                       f"hydra.run.dir={out}"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert read_results(out)["data"] == "TextDataModule"
+    results, _ = run_inprocess(tmp_path, "OUT", "data=text", f"data.path={text}", "attention=softmax",
+                               "trainer.max_steps=5")
+    assert results["data"] == "TextDataModule" and results["steps"] == 5
 
 
 CONFIG_ERRORS = [
