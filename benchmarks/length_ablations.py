@@ -73,7 +73,7 @@ def ablated_model(model, name: str):
             if name == "slots_x4":
                 block.attn.num_slots *= 4
             else:
-                block.attn.memory_rope = False
+                block.attn.memory_rope, block.attn.memory_raw_from = False, 0
     return model
 
 

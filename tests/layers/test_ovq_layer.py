@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from vqattn.layers import OnlineVQAttention, build_attention, rope_rotate
+from vqattn.modules.rope import rope_frequencies
 from vqattn.ops.ovq import naive_ovq_attention
 
 from model_helpers import layer_in_chunks
@@ -16,6 +17,7 @@ DIM, HEADS, L, S = 16, 2, 4, 6
 OPTIONS = [
     dict(rope=False),
     dict(rope=True),
+    dict(rope=True, memory_rope="fast"),  # the memory rotates the fast pairs only
     dict(rope=True, memory_rope=False),
     dict(rope=True, slots_by="codebook"),
     dict(rope=True, qk_norm="l2", threshold=0.2),
@@ -34,6 +36,16 @@ def heads(layer, x):
     return layer.q_norm(q), layer.k_norm(k), v
 
 
+def rotate_fast_pairs(layer, z, memory_rope):
+    """z with RoPE on the pairs that turn by at least a radian across the raw window (2L) ("fast") or on none."""
+    if memory_rope is False:
+        return z
+    dh = z.shape[-1]
+    fast = rope_frequencies(dh, layer.rope_base).repeat(2) * 2 * L >= 1  # (Dh,): pair m of dims m and m + Dh/2
+    assert 0 < int(fast.sum()) < dh  # the test's shapes mix rotated and raw pairs
+    return torch.where(fast, rope_rotate(z, 0, layer.rope_base), z)
+
+
 @pytest.mark.parametrize("options", OPTIONS, ids=str)
 def test_layer_is_the_naive_op_on_its_heads(options):
     layer = make(**options)
@@ -45,8 +57,9 @@ def test_layer_is_the_naive_op_on_its_heads(options):
         kwargs["slots"] = ((k.unsqueeze(-2) - layer.codebook.codes.unsqueeze(1)) ** 2).sum(-1).argmin(-1)
     else:
         kwargs["threshold"] = layer.threshold
-    if options.get("memory_rope") is False:
-        kwargs.update(q_mem=q, k_mem=k)
+    memory_rope = options.get("memory_rope", True)
+    if options["rope"] and memory_rope is not True:
+        kwargs.update(q_mem=rotate_fast_pairs(layer, q, memory_rope), k_mem=rotate_fast_pairs(layer, k, memory_rope))
     out = naive_ovq_attention(rotate(q), rotate(k), v, **kwargs)
     expected = layer.proj(out.transpose(1, 2).reshape(x.shape))
     torch.testing.assert_close(layer(x).output, expected, rtol=0, atol=1e-12)
@@ -86,7 +99,8 @@ def test_codebook_assignment_learns_the_codebook_and_returns_its_loss():
 
 
 def test_state_floats_counts_every_option():
-    for options, raw in ((dict(rope=True), 2), (dict(rope=True, memory_rope=False), 3)):
+    for options, raw in ((dict(rope=True), 2), (dict(rope=True, memory_rope="fast"), 3),
+                         (dict(rope=True, memory_rope=False), 3), (dict(rope=False, memory_rope="fast"), 2)):
         layer = make(**options)
         t = 11
         _, _, state = layer(torch.randn(2, t, DIM, dtype=torch.float64), return_state=True)
@@ -100,6 +114,8 @@ def test_state_floats_counts_every_option():
     (dict(num_slots=0), "num_slots"),
     (dict(block_len=0), "block_len"),
     (dict(slots_by="kmeans"), "slots_by"),
+    (dict(memory_rope="slow"), "memory_rope"),
+    (dict(memory_rope=1), "memory_rope"),
     (dict(threshold=-0.1), "threshold"),
     (dict(threshold="0.5"), "threshold"),
     (dict(codebook={"decay": 0.9}), "codebook"),

@@ -7,7 +7,7 @@ import math
 import torch
 
 from ..codebook import Codebook
-from ..modules.rope import rope_rotate_keeping
+from ..modules.rope import rope_rotate_keeping, slow_pair_start, with_raw_pairs
 from ..ops._checks import check_choice, check_positive_int
 from ..ops.blocks import DEFAULT_BLOCK_LEN
 from ..ops.common.memory_cap import check_memory_cap
@@ -29,9 +29,13 @@ class OnlineVQAttention(Attention):
     :class:`~vqattn.codebook.Codebook` over the unrotated keys (``codebook``: its extra kwargs); its commitment loss
     is the layer's ``aux_loss``.
 
-    With RoPE, the window uses rotated q and k. ``memory_rope=True`` (default) sums the rotated keys per slot, so the
-    fast-turning RoPE pairs of far keys average out and the slow ones keep coarse positions; ``False`` scores the
-    memory with the unrotated q and k (the state then keeps the window's unrotated keys too).
+    With RoPE, the window uses rotated q and k; ``memory_rope`` says which RoPE pairs the memory's q and k rotate.
+    ``True`` (default): every pair, so the slot means are sums of rotated keys: the fast-turning pairs of far keys
+    average out and the slow ones keep coarse positions, which far recall uses. ``"fast"``: only the pairs that turn
+    by a radian or more across the raw window (``slow_pair_start``), whose angles all occur within a training
+    sequence; the slow pairs score position-free, so past the training length no memory score meets an angle that
+    training never produced (it reads past that length evenly, and recalls less: docs/evaluation.md). ``False``:
+    unrotated q and k. Other than ``True``, the state keeps the window's memory keys too.
 
     ``qk_norm="l2"`` (unit q and k, q times a learned scale) makes the relative threshold and the slot means
     independent of the keys' norms. Decoding keeps the memory (S counts, S·(Dh + Dh) sums per head) and under
@@ -47,7 +51,7 @@ class OnlineVQAttention(Attention):
         block_len: int = DEFAULT_BLOCK_LEN,
         slots_by: str = "online",
         threshold: float = 0.1,
-        memory_rope: bool = True,
+        memory_rope: bool | str = True,
         codebook: dict | None = None,
         memory_cap: int | None = None,
         impl: str = "auto",
@@ -62,6 +66,9 @@ class OnlineVQAttention(Attention):
         check_memory_cap(memory_cap)
         check_positive_int("block_len", block_len)
         check_choice("slots_by", slots_by, SLOTS_BY)
+        if not isinstance(memory_rope, bool) and memory_rope != "fast":
+            raise ValueError(f"memory_rope must be True (every RoPE pair), False (none) or 'fast' (the pairs that turn "
+                             f"by a radian or more across the raw window), got {memory_rope!r}")
         check_choice("impl", impl, OVQ_IMPLS)
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or math.isnan(threshold) \
                 or threshold < 0:
@@ -71,6 +78,9 @@ class OnlineVQAttention(Attention):
                              f"slots_by={slots_by!r}")
         self.num_slots, self.block_len, self.slots_by, self.impl = num_slots, block_len, slots_by, impl
         self.threshold, self.memory_rope = float(threshold), memory_rope
+        # the first of the memory's unrotated RoPE pairs: a Python int, so that slicing by it is static under compile
+        self.memory_raw_from = slow_pair_start(self.head_dim, self.rope_base, 2 * block_len) \
+            if memory_rope == "fast" else self.head_dim // 2 if memory_rope else 0
         self.memory_cap = memory_cap
         self.codebook = Codebook(num_heads, num_slots, self.head_dim, assign="hard", **(codebook or {})) \
             if slots_by == "codebook" else None
@@ -83,8 +93,10 @@ class OnlineVQAttention(Attention):
             # A decoding step (eval, with a state) records no statistics, as in the vq layers.
             _, assignment, aux_loss = self.codebook(k, record=self.training or state is None)
             slots = assignment.index
-        if self.rope and not self.memory_rope:  # the memory is scored with the unrotated q and k
-            (q, q_mem), (k, k_mem) = (rope_rotate_keeping(x, pos, self.rope_base) for x in (q, k))
+        if self.separate_memory_keys:  # the memory's q and k leave the pairs from memory_raw_from on unrotated
+            first = self.memory_raw_from
+            (q, q_raw), (k, k_raw) = (rope_rotate_keeping(x, pos, self.rope_base, first) for x in (q, k))
+            q_mem, k_mem = with_raw_pairs(q, q_raw, first), with_raw_pairs(k, k_raw, first)
         else:
             q, k = self.rotate(q, pos), self.rotate(k, pos)
         out, op_state = ovq_attention(
@@ -105,6 +117,11 @@ class OnlineVQAttention(Attention):
             self.last_occupied.copy_(op_state.occupied.float().mean())
         return out, aux_loss, op_state if return_state else None
 
+    @property
+    def separate_memory_keys(self) -> bool:
+        """Whether the memory scores other q and k than the window's (RoPE, and some pairs left unrotated)."""
+        return self.rope and self.memory_raw_from < self.head_dim // 2
+
     def usage_stats(self) -> dict[str, float]:
         """Mean occupied slots after the last forward, and the codebook's usage (slots_by="codebook"). Reads the
         device (call it outside the training step)."""
@@ -113,5 +130,5 @@ class OnlineVQAttention(Attention):
 
     def _op_state_floats(self, seq_len: int) -> int:
         window = min(seq_len, 2 * self.block_len)  # raw keys and values (and unrotated memory keys)
-        raw = (3 if self.rope and not self.memory_rope else 2) * window * self.dim
+        raw = (3 if self.separate_memory_keys else 2) * window * self.dim
         return self.num_heads * self.num_slots * (2 * self.head_dim + 1) + raw

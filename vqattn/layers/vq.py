@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from ..codebook import Codebook
-from ..modules.rope import pair_dims, rope_frequencies, rope_rotate_keeping
+from ..modules.rope import pair_dims, rope_rotate_keeping, slow_pair_start
 from ..ops._checks import check_choice, check_positive_int
 from ..ops.blocks import DEFAULT_BLOCK_LEN
 from ..ops.common.memory_cap import check_memory_cap
@@ -14,12 +14,6 @@ from ..ops.vq import vq_attention
 from .base import Attention, op_result
 
 CACHE_SCORES = ("all", "slow")
-
-
-def slow_pair_start(head_dim: int, rope_base: float, window: int) -> int:
-    """m0: the first RoPE pair (m, m + Dh/2) that turns by less than one radian over ``window`` tokens,
-    θ_m·window < 1. θ_m = base^(−2m/Dh) falls with m, so the slow pairs are m0 .. Dh/2 − 1 (on the host, float64)."""
-    return int((rope_frequencies(head_dim, rope_base) * window >= 1).sum())
 
 
 class VQAttention(Attention):

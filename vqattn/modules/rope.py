@@ -43,6 +43,14 @@ def rope_cos_sin(start: int, length: int, head_dim: int, base: float, device: to
                                 torch.is_inference_mode_enabled())
 
 
+def slow_pair_start(head_dim: int, base: float, window: int) -> int:
+    """m0: the first RoPE pair (m, m + Dh/2) that turns by less than one radian over ``window`` tokens,
+    θ_m·window < 1. θ_m = base^(−2m/Dh) falls with m, so the slow pairs are m0 .. Dh/2 − 1 (on the host, float64).
+    A pair that turns by a radian or more within the window turns through every angle well inside the training
+    length, whereas a slow pair meets angles past that length it never met in training."""
+    return int((rope_frequencies(head_dim, base) * window >= 1).sum())
+
+
 def rope_rotate(x: torch.Tensor, start: int, base: float) -> torch.Tensor:
     """Rotary position embedding of x: (B, H, T, D) at absolute positions start..start+T-1.
 
@@ -67,6 +75,16 @@ def pair_dims(x: torch.Tensor, first_pair: int) -> torch.Tensor:
     (m, m + D/2) with m ≥ first_pair; x itself for 0. A static slice: no host read, so it compiles into one graph
     and never synchronises a GPU; one slice of the (..., 2, D/2) view, not a cat of two."""
     return x if first_pair == 0 else x.unflatten(-1, (2, x.shape[-1] // 2))[..., first_pair:].flatten(-2)
+
+
+def with_raw_pairs(rotated: torch.Tensor, raw: torch.Tensor, first_pair: int) -> torch.Tensor:
+    """rotated (..., D) with its pairs m ≥ ``first_pair`` taken from ``raw`` (..., D − 2·first_pair), the
+    ``pair_dims`` of the unrotated x (:func:`rope_rotate_keeping`): the fast pairs rotated, the slow ones not."""
+    if first_pair == 0:
+        return raw
+    half = rotated.shape[-1] // 2
+    return torch.cat((rotated.unflatten(-1, (2, half))[..., :first_pair],
+                      raw.unflatten(-1, (2, half - first_pair))), dim=-1).flatten(-2)
 
 
 def _rope(x: torch.Tensor, start: int, base: float, first_pair: int | None):
