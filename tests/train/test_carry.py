@@ -112,24 +112,50 @@ def test_learned_positions_or_random_windows_cannot_carry(tmp_path):
         trainer.fit(LitLM(model=TINY, carry_state=True), datamodule=TextDataModule(path=str(path), seq_len=16))
 
 
-@pytest.mark.parametrize("carry_segments,fresh_steps", [(2, [0, 2, 4]), (None, [0])])
-def test_training_state_starts_afresh_every_carry_segments_steps(tmp_path, carry_segments, fresh_steps):
+@pytest.mark.parametrize("carry_segments,groups,fresh_steps", [
+    (2, 1, [0, 2, 4]),
+    (None, 1, [0]),
+    (1, 2, [0, 1, 2, 3, 4, 5]),  # every 1 x 2 steps: each group's streams read one segment per sequence
+    (2, 2, [0, 1, 4, 5]),  # every 4 steps: groups 0 and 1 start afresh, then each continues its own state
+])
+def test_training_state_starts_afresh_every_carry_segments_steps(tmp_path, carry_segments, groups, fresh_steps):
     path = tmp_path / "t.txt"
     path.write_bytes(b"".join(b"%d: the quick brown fox %d\n" % (i, i * i) for i in range(300)))
     module = LitLM(model=TINY, carry_state=True, carry_segments=carry_segments)
-    fresh = []
+    fresh, groups_read = [], []
     carry_forward = module.carry.forward
 
-    def recording_forward(model, x):
-        if module.carry.state is None and module.carry._stored is None:
+    def recording_forward(model, x, group):
+        if group not in module.carry.states and module.carry._stored is None:
             fresh.append(module.trainer.global_step)
-        return carry_forward(model, x)
+        groups_read.append(group)
+        return carry_forward(model, x, group)
 
     module.carry.forward = recording_forward
     trainer = L.Trainer(max_steps=6, accelerator="cpu", logger=False, enable_progress_bar=False,
                         enable_checkpointing=False, enable_model_summary=False, limit_val_batches=0)
-    trainer.fit(module, datamodule=TextDataModule(path=str(path), seq_len=16, batch_size=2, stream=True))
-    assert fresh == fresh_steps
+    dm = TextDataModule(path=str(path), seq_len=16, batch_size=2, stream=True, stream_groups=groups)
+    trainer.fit(module, datamodule=dm)
+    assert fresh == fresh_steps and groups_read == [step % groups for step in range(6)]
+
+
+def test_stream_groups_hold_one_state_each_and_a_checkpoint_keeps_them_all():
+    model = tiny_model("vq_hard")
+    x = torch.randint(0, 17, (2, 24), generator=torch.Generator().manual_seed(3))
+    carry = CarriedState()
+    for i in range(3):  # segments 0 and 2 continue group 0; segment 1 is group 1's first
+        carry.forward(model, x[:, 8 * i : 8 * (i + 1)], group=i % 2)
+    assert sorted(carry.states) == [0, 1] and carry.states[0].pos == 16 and carry.states[1].pos == 8
+    resumed = CarriedState()
+    resumed.load(carry.gathered(world_size=1), rank=0, world_size=1)
+    step = torch.randint(0, 17, (2, 8), generator=torch.Generator().manual_seed(4))
+    for group in (1, 0):
+        torch.testing.assert_close(resumed.forward(model, step, group=group).logits,
+                                   carry.forward(model, step, group=group).logits, rtol=0, atol=0)
+    _, single = segments(model, x[:, :16], 8)
+    older = CarriedState()  # a checkpoint from before stream groups: one state per rank, not a list
+    older.load({"world_size": 1, "states": [encode(single.state)]}, rank=0, world_size=1)
+    torch.testing.assert_close(older.forward(model, step).logits, single.forward(model, step).logits, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True])

@@ -35,7 +35,8 @@ def test_long_experiments_compose_for_every_attention(experiment, attention):
         block_len = module.model.blocks[0].attn.block_len
         assert block_len <= 64 and compressed_share(cfg.model.seq_len, block_len) > 0.94
     assert (module.carry is not None) == cfg.carry_state
-    assert instantiate(cfg.data).stream == cfg.carry_state
+    data = instantiate(cfg.data)
+    assert data.stream == cfg.carry_state and data.stream_groups == (8 if cfg.carry_state else 1)
 
 
 def test_compressed_share_counts_pairs():
@@ -97,8 +98,9 @@ def test_report_shows_state_floats_and_ranks_mqar_by_recall():
 
 @pytest.mark.slow
 def test_resume_with_carried_state_20_plus_20_equals_40_straight(tmp_path):
-    common = ["carry_state=true", "attention=vq_hard", "optim.total_steps=40", "trainer.val_check_interval=20",
-              "checkpoint_every=20"]
+    # two stream groups: the checkpoint at step 20 holds both groups' states, mid-sequence (a reset every 32 steps)
+    common = ["carry_state=true", "data.stream_groups=2", "attention=vq_hard", "optim.total_steps=40",
+              "trainer.val_check_interval=20", "checkpoint_every=20"]
     first, a = run_inprocess(tmp_path, "a", *common, "trainer.max_steps=20")
     ckpt = a / "checkpoints" / "last.ckpt"
     resumed, b = run_inprocess(tmp_path, "b", *common, "trainer.max_steps=40", f"ckpt_path={ckpt}")
@@ -136,7 +138,8 @@ def test_ddp_carried_run_resumes_exactly(tmp_path):
         runs[name] = json.loads((tmp_path / name / "results.json").read_text())
     stored = torch.load(tmp_path / "a" / "checkpoints" / "last.ckpt", weights_only=True)["carry_state"]
     assert stored["world_size"] == 2 and len(stored["states"]) == 2  # both ranks' rows are kept, and differ
-    counts = [s["fields"]["layers"][0]["fields"]["inner"]["fields"]["counts"] for s in stored["states"]]
+    # each rank's states by stream group: one group here
+    counts = [s[0]["fields"]["layers"][0]["fields"]["inner"]["fields"]["counts"] for s in stored["states"]]
     assert counts[0].shape == counts[1].shape and not torch.equal(*counts)
     assert runs["b"]["world_size"] == 2 and runs["b"]["steps"] == 8
     for key in ("val_loss", "val_loss_carried"):

@@ -48,6 +48,27 @@ def test_a_row_reads_its_stream_as_a_ring_of_consecutive_bytes():
         assert steps.count(-59) in (200 // 60, 200 // 60 + 1)  # 200 bytes read: 3 or 4 wraps, by the phase
 
 
+def test_stream_groups_are_read_in_turn_each_continuing_itself():
+    groups = 3
+    batches = positions(n=3000, groups=groups)  # 9 streams of 333 bytes, 3 per group
+    length = batches.length
+    assert length == 3000 // 9
+    for i in range(len(batches) - groups):
+        (x0, y0), (x1, _) = batches[i], batches[i + groups]
+        assert torch.equal(x1[:, 0], y0[:, -1])  # batch i + G continues batch i
+        stream = (i % groups) * 3 + torch.arange(3)[:, None]  # group g's rows read streams 3g, 3g + 1, 3g + 2
+        assert torch.equal(x0 // length, stream.expand(3, 8))
+    consecutive = [batches[i][0] // length for i in range(groups)]
+    assert all(not set(a.flatten().tolist()) & set(b.flatten().tolist())  # batch i + 1 reads other streams
+               for a, b in zip(consecutive, consecutive[1:]))
+    one = positions(n=3000)  # G = 1 reads what it read before groups existed: phases drawn for the R streams alone
+    phases = torch.from_numpy(np.random.default_rng(0).integers(0, 1000, size=3))
+    expected = torch.arange(3)[:, None] * 1000 + (phases[:, None] + 5 * 8 + torch.arange(8)) % 1000
+    assert torch.equal(one[5][0], expected)
+    with pytest.raises(ValueError, match="stream_groups"):
+        positions(n=100, groups=5)  # 6 bytes per stream
+
+
 def test_seeds_give_different_phases_and_too_short_streams_are_explained():
     assert not torch.equal(positions(seed=0)[0][0], positions(seed=1)[0][0])
     with pytest.raises(ValueError, match="data.stream"):

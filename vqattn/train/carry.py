@@ -64,31 +64,40 @@ def decode(tree, device: torch.device | str = "cpu"):
 
 
 class CarriedState:
-    """The detached state of one process's batch rows between consecutive segments; ``None`` = fresh start."""
+    """The detached states of one process's batch rows between consecutive segments, one per stream group
+    (``data.stream_groups``: batch i reads group i mod G); a missing group = fresh start."""
 
     def __init__(self):
-        self.state: GPTState | None = None
-        self._stored = None  # an encoded state loaded from a checkpoint, decoded onto the device at first use
+        self.states: dict[int, GPTState] = {}
+        self._stored: list | None = None  # encoded states loaded from a checkpoint, decoded onto the device at first use
+
+    @property
+    def state(self) -> GPTState | None:
+        """The state of group 0 (the only one without stream groups)."""
+        return self.states.get(0)
 
     def reset(self) -> None:
-        self.state, self._stored = None, None
+        self.states, self._stored = {}, None
 
-    def forward(self, model: GPT, x: torch.Tensor) -> GPTOutput:
-        """Run ``model`` on segment x (B, T) continuing the carried state; carry the state after x."""
+    def forward(self, model: GPT, x: torch.Tensor, group: int = 0) -> GPTOutput:
+        """Run ``model`` on segment x (B, T) continuing ``group``'s carried state; carry the state after x."""
         if self._stored is not None:
-            self.state, self._stored = decode(self._stored, x.device), None
-        if self.state is not None and self.state.layers:
-            rows = _batch_rows(self.state)
+            self.states = {g: decode(tree, x.device) for g, tree in enumerate(self._stored) if tree is not None}
+            self._stored = None
+        state = self.states.get(group)
+        if state is not None and state.layers:
+            rows = _batch_rows(state)
             if rows is not None and rows != x.shape[0]:
                 raise ValueError(f"carry_state: the carried state holds {rows} batch rows but this segment has "
                                  f"{x.shape[0]}; every step of a carried run needs the same batch size")
-        out = model(x, state=self.state, return_state=True)
-        self.state = out.state.detached(max_cache=x.shape[1])
+        out = model(x, state=state, return_state=True)
+        self.states[group] = out.state.detached(max_cache=x.shape[1])
         return out
 
     def gathered(self, world_size: int) -> dict:
-        """Every rank's encoded state (a collective under DDP), for the checkpoint."""
-        mine = None if self.state is None else encode(self.state)
+        """Every rank's encoded states, a list by group (a collective under DDP), for the checkpoint."""
+        groups = range(max(self.states, default=-1) + 1)
+        mine = [encode(self.states[g]) if g in self.states else None for g in groups]
         if self._stored is not None:  # loaded but not yet used: keep it
             mine = self._stored
         states = [mine]
@@ -98,13 +107,15 @@ class CarriedState:
         return {"world_size": world_size, "states": states}
 
     def load(self, stored: dict, rank: int, world_size: int) -> None:
-        """Take this rank's state from :meth:`gathered`'s output."""
+        """Take this rank's states from :meth:`gathered`'s output."""
         if stored["world_size"] != world_size:
             raise ValueError(
                 f"carry_state: the checkpoint holds the carried states of {stored['world_size']} ranks but this run "
                 f"has {world_size}; resume a carried run with the same number of devices (its rows differ otherwise)"
             )
-        self.state, self._stored = None, stored["states"][rank]
+        mine = stored["states"][rank]
+        # checkpoints written before stream groups hold one state per rank rather than a list by group
+        self.states, self._stored = {}, mine if isinstance(mine, list) else [mine]
 
 
 def _batch_rows(state: GPTState) -> int | None:

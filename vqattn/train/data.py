@@ -76,8 +76,10 @@ class _LMDataModule(L.LightningDataModule):
         batch_size: sequences per batch and per device.
         seed: seeds the training batches (not the model).
         num_workers: DataLoader workers.
-        stream: training batches are consecutive segments, row r of batch i + 1 continuing row r of batch i
+        stream: training batches are consecutive segments, row r of batch i + G continuing row r of batch i
             (carried-state training, see vqattn.train.streams); byte corpora only.
+        stream_groups: G, with ``stream``: G groups of batch_size streams read in turn, so that consecutive
+            batches come from different text (1: batch i + 1 continues batch i).
         val_carried: validation also runs its windows as consecutive segments with the state carried (a second
             validation loader, reported as val_bpb_carried); byte corpora only.
 
@@ -86,10 +88,10 @@ class _LMDataModule(L.LightningDataModule):
     """
 
     def __init__(self, seq_len: int = 256, batch_size: int = 8, seed: int = 0, num_workers: int = 0,
-                 stream: bool = False, val_carried: bool = False):
+                 stream: bool = False, stream_groups: int = 1, val_carried: bool = False):
         super().__init__()
-        self.stream, self.val_carried = stream, val_carried
-        for name, value in (("seq_len", seq_len), ("batch_size", batch_size)):
+        self.stream, self.stream_groups, self.val_carried = stream, stream_groups, val_carried
+        for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("stream_groups", stream_groups)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"data.{name} must be a positive int, got {value!r}")
         self.seq_len, self.batch_size, self.seed, self.num_workers = seq_len, batch_size, seed, num_workers
@@ -197,7 +199,7 @@ class ByteDataModule(_LMDataModule):
 
         rank, world = self._rank_world()
         return StreamBatches(self.train_data, seq_len=self.seq_len, batch_size=self.batch_size, rank=rank,
-                             world_size=world, seed=self.seed, num_batches=length)
+                             world_size=world, seed=self.seed, num_batches=length, groups=self.stream_groups)
 
     def _train_batch(self, rng):
         offsets = rng.integers(0, len(self.train_data) - self.seq_len, size=self.batch_size)

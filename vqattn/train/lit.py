@@ -230,8 +230,10 @@ class LitLM(L.LightningModule):
         carry_state: train on consecutive segments, each step starting from the previous step's detached state.
         carry_segments: with ``carry_state``, the carried state starts afresh every ``carry_segments`` optimizer
             steps (None: never), so a training sequence is carry_segments × seq_len tokens (Transformer-VQ's
-            sequence length, made of update-length segments). Without a reset the vq caches' counts grow over the
-            whole run (millions of keys per code) and the model learns cache biases that no evaluation context has.
+            sequence length, made of update-length segments); with G ``data.stream_groups``, every
+            carry_segments × G steps, in which each group's streams advance carry_segments segments. Without a
+            reset the vq caches' counts grow over the whole run (millions of keys per code) and the model learns
+            cache biases that no evaluation context has.
         position_edges: lower edges of the position buckets of the validation metrics (val_bpb_pos_A_B,
             val_acc_pos_A_B for positions A..B of the window); None: DEFAULT_POSITION_EDGES (0, 64, 256, 1024,
             then doubling), the buckets the windows reach.
@@ -259,7 +261,8 @@ class LitLM(L.LightningModule):
         self.val_nll_carried = SummedNLL()
         self.carry = CarriedState() if carry_state else None  # the training rows' state
         self.carry_segments = carry_segments
-        self._carry_reset_step = -1  # the optimizer step whose first micro-batch last reset the carried state
+        self._carry_step, self._carry_micro = -1, 0  # the optimizer step of the last carried batch, its micro-batch
+        self._stream_groups = 1  # the datamodule's stream_groups, read in setup
         self.val_carry = CarriedState()  # the carried validation pass's state
         self.last_validation: dict | None = None  # {"step", "val_loss", "val_bpb", "val_acc", "codebook_..."}
         self.buffer_divergence = 0.0  # set by on_train_end, see rank_divergence
@@ -271,21 +274,31 @@ class LitLM(L.LightningModule):
         if stage == "fit" and self.carry is not None and not getattr(self.trainer.datamodule, "stream", False):
             raise ValueError("carry_state=true trains on consecutive segments: it needs a datamodule with stream=True "
                              "(data.stream=true, a byte corpus), whose row r of batch i + 1 continues row r of batch i")
+        if stage == "fit":
+            self._stream_groups = getattr(self.trainer.datamodule, "stream_groups", 1)
 
     def training_step(self, batch, batch_idx):
         x, y = batch  # (B, T) each
-        step = self.trainer.global_step
-        if self.carry is not None and self.carry_segments and step % self.carry_segments == 0 \
-                and step != self._carry_reset_step:
-            # A function of the global step only (first micro-batch of that step): resumed runs reset alike.
-            self.carry.reset()
-            self._carry_reset_step = step
-        out = self.model(x) if self.carry is None else self.carry.forward(self.model, x)
+        out = self.model(x) if self.carry is None else self._carried_forward(x)
         nll = F.cross_entropy(out.logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE_INDEX)
         loss = nll + self.aux_weight * out.aux_loss
         self.log_dict({"train_loss": loss, "train_nll": nll, "train_aux": out.aux_loss})
         self.log("train_bpb", nll / LN2, prog_bar=True)
         return loss
+
+    def _carried_forward(self, x: torch.Tensor):
+        """The model on training batch x continuing its stream group's carried state. The batch's index (hence its
+        group, index mod G) and the resets are functions of the global step and the micro-batch within it, so a
+        resumed run (which starts at a step's first micro-batch) carries and resets alike."""
+        step, groups = self.trainer.global_step, self._stream_groups
+        if step != self._carry_step:  # the first micro-batch of an optimizer step
+            self._carry_step, self._carry_micro = step, 0
+            if self.carry_segments and step % (self.carry_segments * groups) == 0:
+                self.carry.reset()
+        else:
+            self._carry_micro += 1
+        batch = step * self.trainer.accumulate_grad_batches + self._carry_micro
+        return self.carry.forward(self.model, x, group=batch % groups)
 
     def on_train_batch_start(self, batch, batch_idx):
         set_feature_step(self.model, self.trainer.global_step)  # Performer redraws follow the global step

@@ -1,16 +1,19 @@
 """Consecutive segments of byte streams: the batches of carried-state training and validation (``vqattn.train.carry``).
 
-Training (``data.stream=true``). The training bytes are cut into R = batch_size · world_size equal streams of
-L = len // R bytes (the last len mod R bytes are not used). Global row g = rank · batch_size + r reads stream g
-as a ring: segment i covers positions
+Training (``data.stream=true``). With R = batch_size · world_size rows and G = ``stream_groups``, the training bytes
+are cut into G·R equal streams of L = len // (G·R) bytes (the last len mod G·R bytes are not used). Batch i reads
+group g = i mod G, and its global row r = rank · batch_size + (row on this rank) reads stream g·R + r as a ring:
+that stream's j-th segment, j = i div G, covers positions
 
-    (phase_g + i·T + [0, 1, ..., T]) mod L      x = those bytes [:-1],  y = [1:]
+    (phase_{g,r} + j·T + [0, 1, ..., T]) mod L      x = those bytes [:-1],  y = [1:]
 
-so x of batch i + 1 starts with the byte that ended y of batch i (row r continues row r), and a stream wraps
-from its last byte to its first (one document boundary per pass). The phases phase_g ~ U[0, L) come from the
-data seed, so seeds read different text at each step. Rank k holds rows [k·B, (k+1)·B): its bytes are disjoint
-from every other rank's. Batch i is a pure function of (seed, i, rank, world_size): a run resumed at batch i
-reads what an uninterrupted run reads.
+so x of batch i + G starts with the byte that ended y of batch i (row r continues row r of the same group), and a
+stream wraps from its last byte to its first (one document boundary per pass). With G > 1 consecutive batches come
+from different text: each stream advances every G-th batch, and an optimizer step no longer follows the same R
+documents step after step (G = 1: batch i + 1 continues batch i). The phases phase_{g,r} ~ U[0, L) come from the
+data seed, so seeds read different text at each step. Rank k holds rows [k·B, (k+1)·B) of every group: its bytes
+are disjoint from every other rank's. Batch i is a pure function of (seed, i, rank, world_size, G): a run resumed
+at batch i reads what an uninterrupted run reads.
 
 Validation (``data.val_carried=true``). The N validation windows (the independent pass's own windows, each
 (x, y) of T tokens, consecutive in the text) are dealt in order to R rows, row g taking a run of N // R or
@@ -29,30 +32,34 @@ from ..model import IGNORE_INDEX
 
 
 class StreamBatches(Dataset):
-    """Item i: (x, y) (B, T) long, the i-th consecutive segment of this rank's B streams (module docstring)."""
+    """Item i: (x, y) (B, T) long, the (i div G)-th consecutive segment of this rank's B streams of group i mod G
+    (module docstring)."""
 
     def __init__(self, data: torch.Tensor, *, seq_len: int, batch_size: int, rank: int, world_size: int,
-                 seed: int, num_batches: int):
+                 seed: int, num_batches: int, groups: int = 1):
         rows = batch_size * world_size
-        self.length = len(data) // rows
+        self.length = len(data) // (rows * groups)
         if self.length < seq_len + 1:
             raise ValueError(
-                f"data.stream: {len(data)} training bytes cut into batch_size x world_size = {rows} streams give "
-                f"{self.length} bytes per stream, fewer than seq_len + 1 = {seq_len + 1}; lower data.batch_size or "
-                f"model.seq_len, or give more text"
+                f"data.stream: {len(data)} training bytes cut into batch_size x world_size x stream_groups = "
+                f"{rows * groups} streams give {self.length} bytes per stream, fewer than seq_len + 1 = {seq_len + 1}; "
+                f"lower data.batch_size, data.stream_groups or model.seq_len, or give more text"
             )
-        mine = slice(rank * batch_size, (rank + 1) * batch_size)
-        phases = np.random.default_rng(seed).integers(0, self.length, size=rows)
-        self.data, self.seq_len, self.num_batches = data, seq_len, num_batches
-        self.starts = torch.arange(rows)[mine] * self.length  # (B,) first byte of each stream
-        self.phases = torch.from_numpy(phases[mine])  # (B,)
+        mine = torch.arange(rank * batch_size, (rank + 1) * batch_size)  # (B,) this rank's global rows
+        streams = torch.arange(groups)[:, None] * rows + mine  # (G, B) the stream of each group and row
+        phases = torch.from_numpy(np.random.default_rng(seed).integers(0, self.length, size=rows * groups))
+        self.data, self.seq_len, self.num_batches, self.groups = data, seq_len, num_batches, groups
+        self.starts = streams * self.length  # (G, B) first byte of each stream
+        self.phases = phases[streams]  # (G, B)
 
     def __len__(self) -> int:
         return self.num_batches
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        pos = (self.phases[:, None] + i * self.seq_len + torch.arange(self.seq_len + 1)) % self.length  # (B, T+1)
-        chunk = self.data[self.starts[:, None] + pos].long()
+        group, segment = i % self.groups, i // self.groups
+        offsets = segment * self.seq_len + torch.arange(self.seq_len + 1)  # (T+1,)
+        pos = (self.phases[group, :, None] + offsets) % self.length  # (B, T+1)
+        chunk = self.data[self.starts[group, :, None] + pos].long()
         return chunk[:, :-1], chunk[:, 1:]
 
 
