@@ -153,3 +153,27 @@ def test_compile_step_compiles_once_for_every_prompt_length(name):
     torch.testing.assert_close(first, eager.generate(prompts[0], 9, temperature=0))
     for prompt, got in zip(prompts[1:], later):
         torch.testing.assert_close(got, eager.generate(prompt, 3, temperature=0))
+
+
+@pytest.mark.parametrize("name", ["ovq", "vq_hard"])
+def test_compiled_decoding_past_the_memory_cap_keeps_its_graphs(name):
+    """Past ``memory_cap`` the memory's weight M / n changes with every block; it is a tensor of the graph, not a
+    float that dynamo would specialise (one recompile per decoded block, then eager at the recompile limit)."""
+    graphs = {}
+    for memory_cap in (None, 8):  # block_len 4: 40 tokens fold 10 blocks, the memory passing 8 keys at the 4th
+        compiled = []
+
+        def counting(gm, example_inputs, compiled=compiled):
+            compiled.append(gm)
+            return gm.forward
+
+        torch.manual_seed(0)
+        config = GPTConfig(vocab_size=17, seq_len=64, n_layer=1, n_head=2, n_embd=16, attention=name,
+                           attention_kwargs={**layer_kwargs(name, rope=True), "memory_cap": memory_cap})
+        eager = GPT(config).eval()
+        model = copy.deepcopy(eager).compile_step(backend=counting)
+        torch._dynamo.reset()
+        prompt = torch.randint(0, 17, (1, 5), generator=torch.Generator().manual_seed(5))
+        torch.testing.assert_close(model.generate(prompt, 40, temperature=0), eager.generate(prompt, 40, temperature=0))
+        graphs[memory_cap] = len(compiled)
+    assert graphs[8] == graphs[None]

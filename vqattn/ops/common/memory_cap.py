@@ -25,17 +25,39 @@ def check_memory_cap(memory_cap) -> None:
         raise ValueError(f"memory_cap must be a positive int (keys) or None (no bound), got {memory_cap!r}")
 
 
-def memory_scale(keys_in_memory: int, memory_cap: int | None) -> float:
-    """min(1, M / n): the factor on the memory's counts and value sums for a query whose memory holds n keys."""
-    return 1.0 if memory_cap is None or keys_in_memory <= memory_cap else memory_cap / keys_in_memory
+def memory_scale(keys_in_memory: int, memory_cap: int | None) -> float | torch.Tensor:
+    """min(1, M / n): the factor on the memory's counts and value sums for a query whose memory holds n keys.
+
+    A Python float, or while ``torch.compile`` traces a decoding step a 0-d float32 tensor: there n is the state's
+    symbolic length, and a float of it would be specialised, so every block decoded past M would recompile the step
+    (until the recompile limit sends it back to eager)."""
+    if memory_cap is None:
+        return 1.0
+    if torch.compiler.is_compiling():
+        n = torch.full((), keys_in_memory, dtype=torch.float32)
+        return (memory_cap / n.clamp_min(1)).clamp_max(1)
+    return 1.0 if keys_in_memory <= memory_cap else memory_cap / keys_in_memory
+
+
+def is_unweighed(weight) -> bool:
+    """Whether a :func:`memory_scale` weight is a plain 1: no extra pass while the cap is not reached."""
+    return isinstance(weight, float) and weight == 1
+
+
+def log_weight(weight) -> float | torch.Tensor:
+    """log of a :func:`memory_scale` weight, the bias on the memory's logits."""
+    return math.log(weight) if isinstance(weight, float) else weight.log()
 
 
 def weigh_memory(counts: torch.Tensor, sums: torch.Tensor, weight):
     """The memory's counts and value sums times its weight min(1, M / n), for the kernels that add log n themselves
-    (the Triton forms): the logit gains log weight, every mean value stays. ``weight``: a float (one query: returned
-    as they are at 1), or (nb,) per block of counts (..., nb, S) and sums (..., nb, S, Dv)."""
-    if isinstance(weight, float):
-        return (counts, sums) if weight == 1 else (counts * weight, sums * weight)
+    (the Triton forms): the logit gains log weight, every mean value stays. ``weight``: one query's
+    (:func:`memory_scale`: returned as they are at 1), or (nb,) per block of counts (..., nb, S) and sums
+    (..., nb, S, Dv)."""
+    if is_unweighed(weight):
+        return counts, sums
+    if isinstance(weight, float) or weight.dim() == 0:
+        return counts * weight, sums * weight
     weight = weight[:, None]
     return counts * weight, sums * weight[..., None]
 

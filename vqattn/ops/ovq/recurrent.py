@@ -7,12 +7,10 @@ which holds exactly the blocks before it) and absorbed, once: the chunked algori
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..blocks import attend_one, window_start, window_tail
-from ..common.memory_cap import memory_scale, weigh_memory
+from ..common.memory_cap import is_unweighed, log_weight, memory_scale, weigh_memory
 from ..common.statistics import code_means
 from ..triton.decode import fused_decode_step
 from .memory import assign_block, memory_logits, statistics
@@ -37,8 +35,8 @@ def _attend(x: Inputs, token: slice, state: OVQState, keys, values) -> torch.Ten
     mem_logits, mem_values = memory_logits(x.q_mem[:, :, token] * x.scale, state.counts, state.key_sums,
                                            state.value_sums)
     weight = _memory_weight(x, state)
-    if weight != 1:  # no extra pass while the cap is not reached
-        mem_logits = mem_logits + math.log(weight)
+    if not is_unweighed(weight):
+        mem_logits = mem_logits + log_weight(weight)
     return attend_one((x.q[:, :, token] * x.scale) @ keys.transpose(-1, -2), values, mem_logits, mem_values)
 
 
@@ -50,7 +48,7 @@ def _attend_fused(x: Inputs, token: slice, state: OVQState, keys, values) -> tor
                              codebook=code_means(state.counts, state.key_sums), counts=counts, sums=sums)
 
 
-def _memory_weight(x: Inputs, state: OVQState) -> float:
+def _memory_weight(x: Inputs, state: OVQState) -> float | torch.Tensor:
     """min(1, M / n) for the next token, whose memory holds n = window_start(p) keys (``memory_cap`` M)."""
     return memory_scale(window_start(state.length, state.block_len), x.memory_cap)
 

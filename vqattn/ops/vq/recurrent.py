@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..blocks import attend_one, window_start, window_tail
-from ..common.memory_cap import memory_scale, weigh_memory
+from ..common.memory_cap import is_unweighed, memory_scale, weigh_memory
 from ..common.statistics import Assignment, cat_time, code_means, code_statistics, log_counts, map_time
 from ..nonfinite import zero_assignment_rows
 from ..triton.decode import fused_decode_step
@@ -38,7 +38,7 @@ def _attend(q, keys, values, c, window: Assignment, state: VQState, *, scale, ex
     q = q * scale
     code_logits = q @ c.transpose(-1, -2)  # (B, H, 1, S)
     q_window = q if q_window is None else q_window * scale
-    counts = state.counts if weight == 1 else state.counts * weight  # no extra pass while the cap is not reached
+    counts = state.counts if is_unweighed(weight) else state.counts * weight
     return attend_one(_window_logits(q_window, keys, c, window, code_logits, exact_window), values,
                       code_logits + log_counts(counts).unsqueeze(2), code_means(state.counts, state.sums))
 
