@@ -69,6 +69,13 @@ def test_stream_groups_are_read_in_turn_each_continuing_itself():
         positions(n=100, groups=5)  # 6 bytes per stream
 
 
+@pytest.mark.parametrize("kwargs", [dict(stream=True, stream_groups=0), dict(stream=True, stream_groups=True),
+                                    dict(stream=False, stream_groups=2)])
+def test_bad_stream_groups_raise_value_error(tmp_path, kwargs):
+    with pytest.raises(ValueError, match="data.stream_groups"):
+        text_module(tmp_path, **kwargs)
+
+
 def test_seeds_give_different_phases_and_too_short_streams_are_explained():
     assert not torch.equal(positions(seed=0)[0][0], positions(seed=1)[0][0])
     with pytest.raises(ValueError, match="data.stream"):

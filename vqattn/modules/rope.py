@@ -46,8 +46,8 @@ def rope_cos_sin(start: int, length: int, head_dim: int, base: float, device: to
 def slow_pair_start(head_dim: int, base: float, window: int) -> int:
     """m0: the first RoPE pair (m, m + Dh/2) that turns by less than one radian over ``window`` tokens,
     θ_m·window < 1. θ_m = base^(−2m/Dh) falls with m, so the slow pairs are m0 .. Dh/2 − 1 (on the host, float64).
-    A pair that turns by a radian or more within the window turns through every angle well inside the training
-    length, whereas a slow pair meets angles past that length it never met in training."""
+    A pair that turns by a radian or more within the window turns through every angle within 2π windows, so inside
+    any training length past that; a slow pair meets angles past the training length that it never met in training."""
     return int((rope_frequencies(head_dim, base) * window >= 1).sum())
 
 

@@ -94,6 +94,9 @@ class _LMDataModule(L.LightningDataModule):
         for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("stream_groups", stream_groups)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"data.{name} must be a positive int, got {value!r}")
+        if stream_groups > 1 and not stream:
+            raise ValueError(f"data.stream_groups={stream_groups} groups the streams of data.stream=true (set by "
+                             "carry_state=true); random windows have no streams to group")
         self.seq_len, self.batch_size, self.seed, self.num_workers = seq_len, batch_size, seed, num_workers
         self.val_set: Dataset | None = None
 
