@@ -159,21 +159,21 @@ def test_compile_step_compiles_once_for_every_prompt_length(name):
 def test_compiled_decoding_past_the_memory_cap_keeps_its_graphs(name):
     """Past ``memory_cap`` the memory's weight M / n changes with every block; it is a tensor of the graph, not a
     float that dynamo would specialise (one recompile per decoded block, then eager at the recompile limit)."""
-    graphs = {}
-    for memory_cap in (None, 8):  # block_len 4: 40 tokens fold 10 blocks, the memory passing 8 keys at the 4th
-        compiled = []
+    graphs = []
 
-        def counting(gm, example_inputs, compiled=compiled):
-            compiled.append(gm)
-            return gm.forward
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
 
-        torch.manual_seed(0)
-        config = GPTConfig(vocab_size=17, seq_len=64, n_layer=1, n_head=2, n_embd=16, attention=name,
-                           attention_kwargs={**layer_kwargs(name, rope=True), "memory_cap": memory_cap})
-        eager = GPT(config).eval()
-        model = copy.deepcopy(eager).compile_step(backend=counting)
-        torch._dynamo.reset()
-        prompt = torch.randint(0, 17, (1, 5), generator=torch.Generator().manual_seed(5))
-        torch.testing.assert_close(model.generate(prompt, 40, temperature=0), eager.generate(prompt, 40, temperature=0))
-        graphs[memory_cap] = len(compiled)
-    assert graphs[8] == graphs[None]
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=17, seq_len=64, n_layer=1, n_head=2, n_embd=16, attention=name,
+                       attention_kwargs={**layer_kwargs(name, rope=True), "memory_cap": 8})
+    eager = GPT(config).eval()
+    model = copy.deepcopy(eager).compile_step(backend=counting)
+    torch._dynamo.reset()
+    prompt = torch.randint(0, 17, (1, 5), generator=torch.Generator().manual_seed(5))
+    model.generate(prompt, 9, temperature=0)  # block_len 4: to position 13, whose memory holds 8 keys: no cap yet
+    compiled = len(graphs)
+    past = model.generate(prompt, 24, temperature=0)  # to position 28: 5 more blocks, each past the cap
+    assert len(graphs) == compiled, "decoding past the cap recompiled the step"
+    torch.testing.assert_close(past, eager.generate(prompt, 24, temperature=0))
