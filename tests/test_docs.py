@@ -264,6 +264,9 @@ def test_readme_command_runs(command_runs, index):
         assert len(list(form.out.glob("*/results.json"))) == 2, report(result)
     elif form.out is not None:
         assert (form.out / "results.json").exists(), report(result)
+        results = json.loads((form.out / "results.json").read_text())
+        if "trainer=ddp" in form.argv:  # the ranks' codebook statistics stayed identical
+            assert results["world_size"] == 2 and results["ddp_buffer_divergence"] == 0.0, results
     if form.argv is not None and form.argv[1:3] == ["-m", "vqattn.train.report"]:
         check_report(Path(resolve(form, command_runs.forms[:index])[3]))
 
