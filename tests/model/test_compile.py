@@ -124,13 +124,9 @@ def test_decoding_states_hold_tensors_of_their_own(name):
         assert tensors and all(t.is_contiguous() for t in tensors), [t.stride() for t in tensors]
 
 
-@pytest.mark.parametrize("name", ["softmax", "ovq"])  # a KV cache that grows; a raw window and float settings
-def test_compile_step_compiles_once_for_every_prompt_length(name):
-    """``compile_step`` compiles the one-token step with dynamic shapes: after the first prompt, new prompt lengths
-    and positions reuse its graphs (a counting backend that runs them eagerly: no inductor time), without graph
-    breaks, and ``generate`` samples what the eager model does."""
-    from torch._dynamo.utils import counters
-
+def _counted_step_model(name: str, **kwargs) -> tuple[GPT, GPT, list]:
+    """A small eager model, its copy with ``compile_step`` on a backend that records each graph it is handed and runs
+    it eagerly (no inductor time), and that record. ``kwargs`` go to the attention."""
     graphs = []
 
     def counting(gm, example_inputs):
@@ -139,10 +135,21 @@ def test_compile_step_compiles_once_for_every_prompt_length(name):
 
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=17, seq_len=64, n_layer=1, n_head=2, n_embd=16, attention=name,
-                       attention_kwargs=layer_kwargs(name, rope=True))
+                       attention_kwargs={**layer_kwargs(name, rope=True), **kwargs})
     eager = GPT(config).eval()
     model = copy.deepcopy(eager).compile_step(backend=counting)
     torch._dynamo.reset()
+    return eager, model, graphs
+
+
+@pytest.mark.parametrize("name", ["softmax", "ovq"])  # a KV cache that grows; a raw window and float settings
+def test_compile_step_compiles_once_for_every_prompt_length(name):
+    """``compile_step`` compiles the one-token step with dynamic shapes: after the first prompt, new prompt lengths
+    and positions reuse its graphs (a counting backend that runs them eagerly: no inductor time), without graph
+    breaks, and ``generate`` samples what the eager model does."""
+    from torch._dynamo.utils import counters
+
+    eager, model, graphs = _counted_step_model(name)
     counters.clear()
     prompts = [torch.randint(0, 17, (1, length), generator=torch.Generator().manual_seed(length)) for length in (5, 11, 2)]
     first = model.generate(prompts[0], 9, temperature=0)  # block_len 4: the steps fold blocks into the state
@@ -159,18 +166,7 @@ def test_compile_step_compiles_once_for_every_prompt_length(name):
 def test_compiled_decoding_past_the_memory_cap_keeps_its_graphs(name):
     """Past ``memory_cap`` the memory's weight M / n changes with every block; it is a tensor of the graph, not a
     float that dynamo would specialise (one recompile per decoded block, then eager at the recompile limit)."""
-    graphs = []
-
-    def counting(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch.manual_seed(0)
-    config = GPTConfig(vocab_size=17, seq_len=64, n_layer=1, n_head=2, n_embd=16, attention=name,
-                       attention_kwargs={**layer_kwargs(name, rope=True), "memory_cap": 8})
-    eager = GPT(config).eval()
-    model = copy.deepcopy(eager).compile_step(backend=counting)
-    torch._dynamo.reset()
+    eager, model, graphs = _counted_step_model(name, memory_cap=8)
     prompt = torch.randint(0, 17, (1, 5), generator=torch.Generator().manual_seed(5))
     model.generate(prompt, 9, temperature=0)  # block_len 4: to position 13, whose memory holds 8 keys: no cap yet
     compiled = len(graphs)
