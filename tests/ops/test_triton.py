@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from vqattn.layers import build_attention
+from vqattn.ops.triton.block_caches import block_caches
 from vqattn.ops.vq import naive_vq_attention, vq_assign, vq_attention
 from vqattn.ops.window import window_attention
 
@@ -115,6 +116,43 @@ def test_layers_triton_equals_chunk(name):
         results.append([out, x.grad, *(p.grad for p in layer.parameters() if p.grad is not None)])
     for a, b in zip(*results):
         assert rel_rms(a, b) < 1e-5
+
+
+def ref_block_caches(delta, v, counts0, sums0, block_len, fold):
+    """Block b's cache n_0 + Σ_{b' ≤ b−2} Δ_{b'}ᵀ1, C_0 + Σ_{b' ≤ b−2} Δ_{b'}ᵀV_{b'} by a loop over blocks, and the
+    state after ``fold`` blocks, flattened into one vector. delta (B, H, T, S) float64."""
+    T = v.shape[2]
+    blocks = [slice(t, min(t + block_len, T)) for t in range(0, T, block_len)]
+    count = lambda bs: counts0 + sum((delta[:, :, b].sum(2) for b in bs), torch.zeros_like(counts0))  # noqa: E731
+    total = lambda bs: sums0 + sum((delta[:, :, b].transpose(-1, -2) @ v[:, :, b] for b in bs),  # noqa: E731
+                                   torch.zeros_like(sums0))
+    parts = [x for i in range(len(blocks)) for x in (count(blocks[:max(i - 1, 0)]), total(blocks[:max(i - 1, 0)]))]
+    parts += [count(blocks[:fold]), total(blocks[:fold])]
+    return torch.cat([x.flatten() for x in parts])
+
+
+@pytest.mark.parametrize("assign", ["hard", "soft"])
+@pytest.mark.parametrize("T,fold", [(1, 0), (1, 1), (40, 1), (100, 2), (100, 4)])
+def test_block_caches(assign, T, fold):
+    """Every block's cache and the state after ``fold`` blocks, with the gradients of the values, the soft weights
+    and the initial cache, against a loop over blocks in float64."""
+    g = torch.Generator().manual_seed(T + fold)
+    index = torch.randint(0, S, (B, H, T), generator=g)
+    v, counts0, sums0, weights = leaves((B, H, T, DV), (B, H, S), (B, H, S, DV), (B, H, T, S), generator=g)
+    hard = assign == "hard"
+
+    def ref(v, counts0, sums0, weights):
+        delta = torch.nn.functional.one_hot(index, S).double() if hard else weights
+        return ref_block_caches(delta, v, counts0, sums0, L, fold)
+
+    def fast(v, counts0, sums0, weights):
+        # the kernel's outputs in the reference's order: block by block, then the state
+        n, c, n_fold, c_fold = block_caches(index.to(DEVICE) if hard else None, None if hard else weights, v,
+                                            counts0, sums0, block_len=L, fold=fold)
+        blocks = [x for i in range(n.shape[2]) for x in (n[:, :, i], c[:, :, i])]
+        return torch.cat([x.flatten() for x in blocks + [n_fold, c_fold]])
+
+    compare(ref, fast, [v, counts0, sums0, weights])
 
 
 def test_unsupported_calls_say_why():

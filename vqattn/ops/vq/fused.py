@@ -1,29 +1,21 @@
-"""The fused (Triton) form of causal codebook attention: every block's cache from one per-block prefix, then one
-kernel for the window and the codes (:mod:`vqattn.ops.triton.window_codes`).
+"""The fused (Triton) form of causal codebook attention: every block's cache from one chunked prefix kernel
+(:mod:`vqattn.ops.triton.block_caches`), then one kernel for the window and the codes
+(:mod:`vqattn.ops.triton.window_codes`).
 
 The cache of block b holds the keys of blocks ≤ b−2: its counts n_b = n_0 + Σ_{b' ≤ b−2} Δ_{b'}ᵀ1 and value sums
-C_b = C_0 + Σ_{b' ≤ b−2} Δ_{b'}ᵀ V_{b'}, formed for all blocks at once from the per-block statistics (a scatter-add
-for hard assignments, a product for soft ones) and one cumulative sum, all differentiable, so autograd carries the
-kernel's cache gradients back to the values and the soft weights. The soft mixture window (``exact_window=False``)
-has no fused form: it runs the chunk form.
+C_b = C_0 + Σ_{b' ≤ b−2} Δ_{b'}ᵀ V_{b'}. Both kernels have their own backward, so autograd carries the attention
+kernel's cache gradients back through the prefix to the values, the soft weights and the initial cache. The soft
+mixture window (``exact_window=False``) has no fused form: it runs the chunk form.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from ..blocks import pad_to_blocks
 from ..common.memory_cap import weigh_memory
-from ..common.statistics import Assignment, code_statistics, map_time
+from ..common.statistics import Assignment
+from ..triton.block_caches import block_caches
 from ..triton.window_codes import fused_window_code_attention
-
-
-def lagged_prefix(stats: torch.Tensor) -> torch.Tensor:
-    """Σ_{b' ≤ b−2} stats_{b'} for every block b: (B, H, nb, ...) -> (B, H, nb, ...)."""
-    nb = stats.shape[2]
-    pad = (0, 0) * (stats.dim() - 3) + (2, 0)
-    return F.pad(stats.cumsum(2), pad)[:, :, :nb]
 
 
 def straight_through_keys(k: torch.Tensor, codebook: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -42,19 +34,15 @@ def fused_causal(q, k, v, c, a: Assignment, *, L: int, scale: float, exact_windo
     tensors may be half precision: the kernel accumulates in float32. ``memory_bias`` (nb,): the codes' logit bias
     per block (``memory_cap``), applied as a factor e^bias on the block's cache counts and sums, or None. Returns out
     (B, H, T, Dv) and the cache after the first ``fold_blocks`` blocks."""
-    T, S = q.shape[2], c.shape[1]
-    nb = -(-T // L)
-    stats_dtype = counts0.dtype
-    # Keys after T (padding) enter only the caches of blocks ≥ nb + 1, which no query reads.
-    padded = map_time(lambda x: pad_to_blocks(x, L), a)
-    counts, sums = code_statistics(padded, pad_to_blocks(v.to(stats_dtype), L), S, nb)  # (B, H, nb, S[, Dv])
+    nb = -(-q.shape[2] // L)
     if not exact_window:  # hard: the window scores the keys' codes (straight-through to k)
         window_k = straight_through_keys(k, c.to(k.dtype), a.index)
-    cache_counts, cache_sums = counts0.unsqueeze(2) + lagged_prefix(counts), sums0.unsqueeze(2) + lagged_prefix(sums)
+    fold = min(fold_blocks, nb)
+    cache_counts, cache_sums, counts, sums = block_caches(a.index, a.weights, v, counts0, sums0, block_len=L,
+                                                          fold=fold)
     if memory_bias is not None:
         cache_counts, cache_sums = weigh_memory(cache_counts, cache_sums, memory_bias.exp())
     out = fused_window_code_attention(
         q if window_q is None else window_q, window_k, v, scale=scale, block_len=L, qc=q, codebook=c,
         counts=cache_counts, sums=cache_sums)
-    fold = min(fold_blocks, nb)
-    return out, counts0 + counts[:, :, :fold].sum(2), sums0 + sums[:, :, :fold].sum(2)
+    return out, counts.to(counts0.dtype), sums.to(sums0.dtype)

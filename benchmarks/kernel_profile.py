@@ -1,0 +1,85 @@
+"""Where one forward + backward step spends its GPU time, kernel by kernel (``torch.profiler``).
+
+Profiles the op (``benchmarks/attention_speed.py``'s methods, bf16 inputs) or a layer (``benchmarks/layer_speed.py``'s,
+bf16 autocast) at a shape that fills a GPU, after two warm-up steps, and prints the kernels that took the most
+device time in one step, with their share:
+
+    python benchmarks/kernel_profile.py --what op --method vq_hard_rope --batch 8 --length 8192
+    python benchmarks/kernel_profile.py --what layer --method vq_hard --batch 8 --length 8192 --dim 1024 --heads 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+import torch
+from attention_speed import METHODS, attention
+from layer_speed import build
+from torch.profiler import ProfilerActivity, profile
+
+from vqattn.layers import ATTENTIONS
+
+
+def op_step(args):
+    make = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16).requires_grad_(True)  # noqa: E731
+    B, H, T, D = args.batch, args.heads, args.length, 64
+    q, k, v, codebook = make(B, H, T, D), make(B, H, T, D), make(B, H, T, D), make(H, args.num_codes, D)
+    codebook.requires_grad_(args.method.startswith("vq_soft"))
+    rotated = (make(B, H, T, D), make(B, H, T, D)) if args.method.endswith("_rope") else (None, None)
+
+    def step():
+        out = attention(args.method, q, k, v, codebook, args.block_len, *rotated, args.impl)
+        out.backward(torch.ones_like(out))
+
+    return step
+
+
+def layer_step(args):
+    layer = build(args.method, args.dim, args.heads, args.num_codes, "cuda", torch.float32, args.impl)
+    x = torch.randn(args.batch, args.length, args.dim, device="cuda", requires_grad=True)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out, aux_loss, _ = layer(x)
+            loss = out.float().sum() + aux_loss
+        loss.backward()
+
+    return step
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--what", choices=["op", "layer"], default="op")
+    parser.add_argument("--method", default="vq_hard_rope",
+                        help=f"an op method {METHODS} or a layer {tuple(ATTENTIONS)}")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--length", type=int, default=8192)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--dim", type=int, default=1024, help="the layer's width")
+    parser.add_argument("--num-codes", type=int, default=512)
+    parser.add_argument("--block-len", type=int, default=None)
+    parser.add_argument("--impl", default="auto", choices=["auto", "chunk", "triton"])
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    step = op_step(args) if args.what == "op" else layer_step(args)
+    for _ in range(2):  # warm-up: Triton's compilation and the allocator's pools
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    total = sum(e.self_device_time_total for e in events)
+    print(f"{args.what} {args.method} B={args.batch} T={args.length} H={args.heads} S={args.num_codes} "
+          f"impl={args.impl}: {total / 1000:.2f} ms of kernels in one step")
+    for e in events[:args.top]:
+        print(f"{e.self_device_time_total / 1000:8.2f} ms {100 * e.self_device_time_total / total:5.1f}% "
+              f"x{e.count:<4d} {e.key[:110]}")
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        main()

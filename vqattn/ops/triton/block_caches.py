@@ -1,0 +1,185 @@
+"""Every block's code cache in one pass: the chunked prefix of the fused vq form (fla's ``chunk_fwd_h``).
+
+The cache that block b's queries read holds the keys of blocks ≤ b−2 and what came before the sequence:
+
+    n_b = n_0 + Σ_{b' ≤ b−2} Δ_{b'}ᵀ1        C_b = C_0 + Σ_{b' ≤ b−2} Δ_{b'}ᵀ V_{b'}
+
+with Δ_{b'} (L, S) block b''s assignment (one-hot rows for hard VQ, the soft weights otherwise). One program per
+(tile of codes, batch·head) walks the blocks in order with its tile of the running cache in registers and writes
+each block's cache once, so the per-block statistics, their cumulative sum and the initial cache's broadcast never
+reach memory as separate passes. It also writes the state after the first ``fold`` blocks (n_0 plus those blocks'
+statistics), which a caller continuing the sequence keeps.
+
+The backward walks the blocks in reverse with the running suffix sum of the cache gradients,
+G_j = Σ_{b ≥ j+2} dC_b (plus the state's gradient for j < fold), and writes block j's value gradients Δ_j G_j and,
+for soft weights, their gradient V_j G_jᵀ + Gn_j. A hard key's value gradient comes from the one tile that holds
+its code (a masked store); soft ones add over tiles (atomic adds).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import INTERPRET, triton
+from .window_codes import _dot_dtype, _load_rows, _unit_last, _width
+
+if triton is not None:
+    import triton.language as tl
+
+# Floats of one program's running tile of value sums (codes × value dims) kept in registers.
+TILE_FLOATS = 4096
+
+
+if triton is not None:
+
+    @triton.jit
+    def _assignment_tile(IDX, WTS, bh, rows, codes, T, S, HARD: tl.constexpr):
+        """Δ (L, BS) float32 of the keys ``rows`` to the codes ``codes``: one-hot rows of the hard index (BH, T),
+        or the soft weights (BH, T, S); 0 past T and past S."""
+        inside = rows < T
+        if HARD:
+            index = tl.load(IDX + bh * T + rows, mask=inside, other=-1)
+            return (index[:, None] == codes[None, :]).to(tl.float32)
+        return tl.load(WTS + (bh * T + rows[:, None]) * S + codes[None, :],
+                       mask=inside[:, None] & (codes[None, :] < S), other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _prefix_kernel(IDX, WTS, V, N0, C0, NB, CB, NF, CF, sv_b, sv_h, sv_t, H, T, S, DV, fold,
+                       L: tl.constexpr, BS: tl.constexpr, BDV: tl.constexpr, HARD: tl.constexpr,
+                       DOT: tl.constexpr, PREC: tl.constexpr, F32_PREC: tl.constexpr):
+        tile, bh = tl.program_id(0), tl.program_id(1)
+        nb = tl.cdiv(T, L)
+        codes = tile * BS + tl.arange(0, BS)
+        present = codes < S
+        dv = tl.arange(0, BDV)
+        tile_mask = present[:, None] & (dv[None, :] < DV)
+        sum_offsets = codes[:, None] * DV + dv[None, :]
+        n = tl.load(N0 + bh * S + codes, mask=present, other=0.0)
+        sums = tl.load(C0 + bh * S * DV + sum_offsets, mask=tile_mask, other=0.0)
+        for blk in range(0, nb + 1):
+            if blk < nb:  # n, sums: the keys of blocks ≤ blk − 2
+                tl.store(NB + (bh * nb + blk) * S + codes, n, mask=present)
+                tl.store(CB + (bh * nb + blk) * S * DV + sum_offsets, sums, mask=tile_mask)
+            if blk >= 1:
+                rows = (blk - 1) * L + tl.arange(0, L)
+                w = _assignment_tile(IDX, WTS, bh, rows, codes, T, S, HARD)
+                v = _load_rows(V, sv_b, sv_h, sv_t, bh // H, bh % H, rows, T, DV, BDV, DOT)
+                n += tl.sum(w, 0)
+                sums += tl.dot(tl.trans(w.to(DOT)), v, input_precision=PREC)
+            if blk == fold:
+                tl.store(NF + bh * S + codes, n, mask=present)
+                tl.store(CF + bh * S * DV + sum_offsets, sums, mask=tile_mask)
+
+    @triton.jit
+    def _prefix_backward_kernel(IDX, WTS, V, DNB, DCB, DNF, DCF, DN0, DC0, DVAL, DWTS, sv_b, sv_h, sv_t,
+                                H, T, S, DV, fold, L: tl.constexpr, BS: tl.constexpr, BDV: tl.constexpr,
+                                HARD: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+                                F32_PREC: tl.constexpr):
+        """DVAL (BH, T, DV) float32: written row by row for hard (each row by the tile of its code), added into
+        (zeroed) for soft; DWTS (BH, T, S) float32, soft only."""
+        tile, bh = tl.program_id(0), tl.program_id(1)
+        nb = tl.cdiv(T, L)
+        codes = tile * BS + tl.arange(0, BS)
+        present = codes < S
+        dv = tl.arange(0, BDV)
+        tile_mask = present[:, None] & (dv[None, :] < DV)
+        sum_offsets = codes[:, None] * DV + dv[None, :]
+        g_n = tl.zeros([BS], tl.float32)
+        g_sums = tl.zeros([BS, BDV], tl.float32)
+        for back in range(0, nb):
+            blk = nb - 1 - back
+            if blk + 2 < nb:  # g: the gradient of block blk's statistics, Σ over the caches that hold them
+                g_n += tl.load(DNB + (bh * nb + blk + 2) * S + codes, mask=present, other=0.0)
+                g_sums += tl.load(DCB + (bh * nb + blk + 2) * S * DV + sum_offsets, mask=tile_mask, other=0.0)
+            if blk == fold - 1:
+                g_n += tl.load(DNF + bh * S + codes, mask=present, other=0.0)
+                g_sums += tl.load(DCF + bh * S * DV + sum_offsets, mask=tile_mask, other=0.0)
+            rows = blk * L + tl.arange(0, L)
+            w = _assignment_tile(IDX, WTS, bh, rows, codes, T, S, HARD)
+            d_values = tl.dot(w, g_sums, input_precision=F32_PREC)  # (L, BDV)
+            row_mask = (rows[:, None] < T) & (dv[None, :] < DV)
+            value_offsets = (bh * T + rows[:, None]) * DV + dv[None, :]
+            if HARD:
+                held = tl.sum(w, 1) > 0  # this tile holds the row's code
+                tl.store(DVAL + value_offsets, d_values, mask=row_mask & held[:, None])
+            else:
+                tl.atomic_add(DVAL + value_offsets, d_values, mask=row_mask)
+                v = _load_rows(V, sv_b, sv_h, sv_t, bh // H, bh % H, rows, T, DV, BDV, DOT)
+                d_w = tl.dot(v, tl.trans(g_sums.to(DOT)), input_precision=PREC) + g_n[None, :]
+                tl.store(DWTS + (bh * T + rows[:, None]) * S + codes[None, :], d_w,
+                         mask=(rows[:, None] < T) & present[None, :])
+        # the initial cache is in every block's cache, and in the state
+        for blk in range(0, tl.minimum(nb, 2)):
+            g_n += tl.load(DNB + (bh * nb + blk) * S + codes, mask=present, other=0.0)
+            g_sums += tl.load(DCB + (bh * nb + blk) * S * DV + sum_offsets, mask=tile_mask, other=0.0)
+        if fold == 0:
+            g_n += tl.load(DNF + bh * S + codes, mask=present, other=0.0)
+            g_sums += tl.load(DCF + bh * S * DV + sum_offsets, mask=tile_mask, other=0.0)
+        tl.store(DN0 + bh * S + codes, g_n, mask=present)
+        tl.store(DC0 + bh * S * DV + sum_offsets, g_sums, mask=tile_mask)
+
+
+def _code_tile(dv_width: int) -> int:
+    return max(16, min(64, TILE_FLOATS // dv_width))
+
+
+class BlockCaches(torch.autograd.Function):
+    """See :func:`block_caches`."""
+
+    @staticmethod
+    def forward(ctx, index, weights, v, counts0, sums0, block_len: int, fold: int):
+        B, H, T, DV = v.shape
+        S = counts0.shape[-1]
+        nb = triton.cdiv(T, block_len)
+        hard = index is not None
+        idx = index.contiguous() if hard else v
+        wts = weights.contiguous() if not hard else v
+        v = _unit_last(v)
+        n0, c0 = counts0.float().contiguous(), sums0.float().contiguous()
+        f32 = dict(device=v.device, dtype=torch.float32)
+        cache_n, cache_c = torch.empty(B, H, nb, S, **f32), torch.empty(B, H, nb, S, DV, **f32)
+        fold_n, fold_c = torch.empty(B, H, S, **f32), torch.empty(B, H, S, DV, **f32)
+        # float32 operands (the soft weights, the gradients) multiply in three TF32 products on a GPU (about
+        # float32's accuracy at tensor-core speed), in IEEE float32 for float32 inputs and under the interpreter
+        f32_prec = "ieee" if INTERPRET or v.dtype == torch.float32 else "tf32x3"
+        dot, prec = _dot_dtype(v.dtype) if hard else (tl.float32, f32_prec)
+        BDV = _width(DV)
+        meta = dict(L=block_len, BS=_code_tile(BDV), BDV=BDV, HARD=hard, DOT=dot, PREC=prec, F32_PREC=f32_prec)
+        grid = (triton.cdiv(S, meta["BS"]), B * H)
+        _prefix_kernel[grid](idx, wts, v, n0, c0, cache_n, cache_c, fold_n, fold_c, v.stride(0), v.stride(1),
+                             v.stride(2), H, T, S, DV, fold, **meta)
+        ctx.save_for_backward(idx, wts, v)
+        ctx.meta, ctx.fold, ctx.grid, ctx.S = meta, fold, grid, S
+        ctx.dtypes = (None if hard else weights.dtype, v.dtype, counts0.dtype, sums0.dtype)
+        return cache_n, cache_c, fold_n, fold_c
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_cache_n, d_cache_c, d_fold_n, d_fold_c):
+        idx, wts, v = ctx.saved_tensors
+        B, H, T, DV = v.shape
+        S, hard = ctx.S, ctx.meta["HARD"]
+        nb = triton.cdiv(T, ctx.meta["L"])
+        f32 = dict(device=v.device, dtype=torch.float32)
+        grads_in = [g.float().contiguous() if g is not None else torch.zeros(shape, **f32) for g, shape in
+                    ((d_cache_n, (B, H, nb, S)), (d_cache_c, (B, H, nb, S, DV)), (d_fold_n, (B, H, S)),
+                     (d_fold_c, (B, H, S, DV)))]
+        d_n0, d_c0 = torch.empty(B, H, S, **f32), torch.empty(B, H, S, DV, **f32)
+        d_values = (torch.empty if hard else torch.zeros)(B, H, T, DV, **f32)
+        d_weights = d_values if hard else torch.empty(B, H, T, S, **f32)
+        _prefix_backward_kernel[ctx.grid](idx, wts, v, *grads_in, d_n0, d_c0, d_values, d_weights, v.stride(0),
+                                          v.stride(1), v.stride(2), H, T, S, DV, ctx.fold, **ctx.meta)
+        w_dtype, v_dtype, n_dtype, c_dtype = ctx.dtypes
+        return (None, None if hard else d_weights.to(w_dtype), d_values.to(v_dtype), d_n0.to(n_dtype),
+                d_c0.to(c_dtype), None, None)
+
+
+def block_caches(index, weights, v, counts0, sums0, *, block_len: int, fold: int):
+    """Every block's cache and the state after ``fold`` blocks (see the module doc), differentiable in v, the soft
+    weights and the initial cache.
+
+    index (B, H, T) long (hard) or weights (B, H, T, S) (soft; the other None); v (B, H, T, Dv); counts0 (B, H, S),
+    sums0 (B, H, S, Dv) the cache before position 0. Returns the caches n (B, H, nb, S) and C (B, H, nb, S, Dv)
+    (nb = ⌈T/L⌉) and the state (B, H, S), (B, H, S, Dv) after the first ``fold`` ≤ nb blocks, all float32.
+    """
+    return BlockCaches.apply(index, weights, v, counts0, sums0, block_len, fold)
