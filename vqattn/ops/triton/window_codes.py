@@ -46,6 +46,17 @@ def unsupported(L: int, dims: tuple[int, ...], dtype: torch.dtype) -> str | None
     return None
 
 
+def _launch_configs():
+    """The launch settings the autotuner times on a GPU, once per shape: the backward program holds a dozen (L, ·)
+    float32 tiles, which 4 warps may spill and 8 hold. One setting under the interpreter, which ignores them."""
+    if INTERPRET:
+        return [triton.Config({}, num_warps=4, num_stages=1)]
+    return [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2, 3)]
+
+
+# what a kernel's best launch setting depends on
+TUNING_KEY = ["S", "D", "DC", "DV", "L", "HAS_CODES", "PER_BLOCK"]
+
 if triton is not None:
 
     @triton.jit
@@ -103,6 +114,7 @@ if triton is not None:
         acc = acc * rescale[:, None] + tl.dot(p.to(DOT), values, input_precision=PREC)
         return m_new, z, acc
 
+    @triton.autotune(configs=_launch_configs(), key=TUNING_KEY)
     @triton.jit
     def _forward_kernel(QW, KW, V, QC, CB, CNT, SUM, O, LSE,
                         sqw_b, sqw_h, sqw_t, skw_b, skw_h, skw_t, sv_b, sv_h, sv_t, sqc_b, sqc_h, sqc_t,
@@ -137,6 +149,7 @@ if triton is not None:
         _store_rows(O, so_b, so_h, so_t, b, h, rows, T, DV, acc / z[:, None], BDV)
         tl.store(LSE + bh * T + rows, m + tl.log(z), mask=rows < T)
 
+    @triton.autotune(configs=_launch_configs(), key=TUNING_KEY)
     @triton.jit
     def _backward_kernel(QW, KW, V, QC, CB, CNT, SUM, O, DO, LSE,
                          DQW, DKW, DV_, DQC, DCB, DCNT, DSUM,
@@ -145,7 +158,7 @@ if triton is not None:
                          H, T, S, D, DC, DV, scale,
                          L: tl.constexpr, BD: tl.constexpr, BDC: tl.constexpr, BDV: tl.constexpr,
                          BS: tl.constexpr, HAS_CODES: tl.constexpr, PER_BLOCK: tl.constexpr, DOT: tl.constexpr,
-                         PREC: tl.constexpr):
+                         PREC: tl.constexpr, CODEBOOK_GRAD: tl.constexpr):
         """Gradients of one query block. DKW and DV_ (2, B·H, T, ·) float32 take the window gradients of key
         block blk − back at its own rows of slice ``back`` (``dkw_slice``, ``dv_slice`` elements apart); DCB
         (B·H, nb, S, DC), DCNT (B·H, nb, S), DSUM (B·H, nb, S, DV) float32 the block's share of the codebook's
@@ -187,15 +200,16 @@ if triton is not None:
                 w = tl.where(rows[:, None] < T, w, 0.0)
                 ds_codes = w * (tl.dot(do_dot, tl.trans(means), input_precision=PREC) - delta[:, None])
                 dqc += tl.dot(ds_codes.to(DOT), c, input_precision=PREC) * scale
-                dc = tl.dot(tl.trans(ds_codes.to(DOT)), qc, input_precision=PREC) * scale  # (BS, BDC)
-                # out depends on C_s through the means C_s / n_s, on n_s through them and through log n_s
-                w_n = tl.where(held[None, :], w / n[None, :], 0.0)
-                d_sums = tl.dot(tl.trans(w_n), do, input_precision="ieee")  # (BS, BDV), float32
-                d_counts = -tl.sum(w_n * delta[:, None], 0)
                 codes = s0 + tl.arange(0, BS)
                 present = codes < S
-                tl.store(DCB + (cache * S + codes[:, None]) * DC + dc_cols[None, :], dc,
-                         mask=present[:, None] & (dc_cols[None, :] < DC))
+                if CODEBOOK_GRAD:
+                    dc = tl.dot(tl.trans(ds_codes.to(DOT)), qc, input_precision=PREC) * scale  # (BS, BDC)
+                    tl.store(DCB + (cache * S + codes[:, None]) * DC + dc_cols[None, :], dc,
+                             mask=present[:, None] & (dc_cols[None, :] < DC))
+                # out depends on C_s through the means C_s / n_s, on n_s through them and through log n_s
+                w_n = tl.where(held[None, :], w / n[None, :], 0.0)
+                d_sums = tl.dot(tl.trans(w_n.to(DOT)), do_dot, input_precision=PREC)  # (BS, BDV), float32
+                d_counts = -tl.sum(w_n * delta[:, None], 0)
                 tl.store(DSUM + (cache * S + codes[:, None]) * DV + dv_cols[None, :], d_sums,
                          mask=present[:, None] & (dv_cols[None, :] < DV))
                 tl.store(DCNT + cache * S + codes, d_counts, mask=present)
@@ -263,19 +277,21 @@ class FusedWindowCodes(torch.autograd.Function):
         # the last key block has no next query block to write its second share
         dkw[1, :, (nb - 1) * L:], dv[1, :, (nb - 1) * L:] = 0, 0
         dqc = torch.empty(B, H, T, DC, **f32) if ctx.has_codes else dqw
-        dcb = torch.empty(B * H, nb, S, DC, **f32) if ctx.has_codes else dqw
+        codebook_grad = ctx.has_codes and ctx.needs_input_grad[4]
+        dcb = torch.empty(B * H, nb, S, DC, **f32) if codebook_grad else dqw
         dcnt = torch.empty(B * H, nb, S, **f32) if ctx.has_codes else dqw
         dsum = torch.empty(B * H, nb, S, DV, **f32) if ctx.has_codes else dqw
         _backward_kernel[(nb, B * H)](
             qw, kw, v, qc, cb, cnt, sm, out, grad_out, lse, dqw, dkw, dv, dqc, dcb, dcnt, dsum,
             *_strides(qw), *_strides(kw), *_strides(v), *_strides(qc), *_strides(out), *_strides(grad_out),
-            dkw[0].numel(), dv[0].numel(), H, T, S, D, DC, DV, ctx.scale, **ctx.meta)
+            dkw[0].numel(), dv[0].numel(), H, T, S, D, DC, DV, ctx.scale, CODEBOOK_GRAD=codebook_grad, **ctx.meta)
         # a key block's share from its own query block (slice 0) and from the next one (slice 1)
         grads = [dqw, (dkw[0] + dkw[1]).view(B, H, T, D), (dv[0] + dv[1]).view(B, H, T, DV), None, None, None, None]
         if ctx.has_codes:
-            dcb = dcb.view(B, H, nb, S, DC)  # every block's share; a shared codebook's gradient is their sum
-            grads[3:7] = [dqc, dcb if ctx.meta["PER_BLOCK"] else dcb.sum((0, 2)), dcnt.view(B, H, nb, S),
-                          dsum.view(B, H, nb, S, DV)]
+            if codebook_grad:  # every block's share; a shared codebook's gradient is their sum
+                dcb = dcb.view(B, H, nb, S, DC)
+                grads[4] = dcb if ctx.meta["PER_BLOCK"] else dcb.sum((0, 2))
+            grads[3], grads[5:7] = dqc, [dcnt.view(B, H, nb, S), dsum.view(B, H, nb, S, DV)]
         return (*(None if g is None else g.to(x.dtype) for g, x in zip(grads, (qw, kw, v, qc, cb, cnt, sm))),
                 None, None)
 
