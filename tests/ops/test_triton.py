@@ -74,6 +74,22 @@ def test_vq_attention_large_logits_and_empty_codes(assign, window):
 
 
 @pytest.mark.parametrize("assign,window", [("hard", "rotated"), ("soft", "exact")])
+def test_strided_inputs(assign, window):
+    """q, k, v and the rotated pair as (B, T, H, ·) tensors seen as (B, H, T, ·), the layout of a fused qkv
+    projection: the kernels read them by their strides and write contiguous gradients."""
+
+    def strided(call):
+        def run(*xs):
+            views = [x.transpose(1, 2).contiguous().transpose(1, 2) if x.dim() == 4 else x for x in xs]
+            assert not views[0].is_contiguous()
+            return call(*views)
+        return run
+
+    compare(vq_call(naive_vq_attention, assign, window), strided(vq_call(vq_attention, assign, window, "triton")),
+            vq_inputs(assign, window, 70))
+
+
+@pytest.mark.parametrize("assign,window", [("hard", "rotated"), ("soft", "exact")])
 def test_chunked_calls_equal_one_call(assign, window):
     """A sequence fed as 3 chunks, each continuing the state of the one before, equals one call; the state equals
     the chunk form's."""

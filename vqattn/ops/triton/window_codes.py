@@ -186,7 +186,7 @@ if triton is not None:
             dv = tl.dot(tl.trans(p.to(DOT)), do_dot, input_precision=PREC)
             _store_rows(DKW + back * dkw_slice, 0, T * D, D, 0, bh, cols, T, D, dk, BD)
             _store_rows(DV_ + back * dv_slice, 0, T * DV, DV, 0, bh, cols, T, DV, dv, BDV)
-        _store_rows(DQW, sqw_b, sqw_h, sqw_t, b, h, rows, T, D, dqw, BD)
+        _store_rows(DQW, 0, T * D, D, 0, bh, rows, T, D, dqw, BD)  # DQW, DQC: contiguous float32
         if HAS_CODES:
             qc = _load_rows(QC, sqc_b, sqc_h, sqc_t, b, h, rows, T, DC, BDC, DOT)
             dqc = tl.zeros([L, BDC], tl.float32)
@@ -213,7 +213,7 @@ if triton is not None:
                 tl.store(DSUM + (cache * S + codes[:, None]) * DV + dv_cols[None, :], d_sums,
                          mask=present[:, None] & (dv_cols[None, :] < DV))
                 tl.store(DCNT + cache * S + codes, d_counts, mask=present)
-            _store_rows(DQC, sqc_b, sqc_h, sqc_t, b, h, rows, T, DC, dqc, BDC)
+            _store_rows(DQC, 0, T * DC, DC, 0, bh, rows, T, DC, dqc, BDC)
 
 
 def _width(n: int) -> int:
