@@ -36,7 +36,7 @@ if triton is not None:
     def _assignment_tile(IDX, WTS, bh, rows, codes, T, S, HARD: tl.constexpr):
         """Δ (L, BS) float32 of the keys ``rows`` to the codes ``codes``: one-hot rows of the hard index (BH, T),
         or the soft weights (BH, T, S); 0 past T and past S."""
-        inside = rows < T
+        inside = (rows >= 0) & (rows < T)
         if HARD:
             index = tl.load(IDX + bh * T + rows, mask=inside, other=-1)
             return (index[:, None] == codes[None, :]).to(tl.float32)
@@ -56,19 +56,21 @@ if triton is not None:
         sum_offsets = codes[:, None] * DV + dv[None, :]
         n = tl.load(N0 + bh * S + codes, mask=present, other=0.0)
         sums = tl.load(C0 + bh * S * DV + sum_offsets, mask=tile_mask, other=0.0)
+        # Masks instead of branches keep the loop body straight, so that the compiler can prefetch the next
+        # block's keys while this one is summed.
         for blk in range(0, nb + 1):
-            if blk < nb:  # n, sums: the keys of blocks ≤ blk − 2
-                tl.store(NB + (bh * nb + blk) * S + codes, n, mask=present)
-                tl.store(CB + (bh * nb + blk) * S * DV + sum_offsets, sums, mask=tile_mask)
-            if blk >= 1:
-                rows = (blk - 1) * L + tl.arange(0, L)
-                w = _assignment_tile(IDX, WTS, bh, rows, codes, T, S, HARD)
-                v = _load_rows(V, sv_b, sv_h, sv_t, bh // H, bh % H, rows, T, DV, BDV, DOT)
-                n += tl.sum(w, 0)
-                sums += tl.dot(tl.trans(w.to(DOT)), v, input_precision=PREC)
-            if blk == fold:
-                tl.store(NF + bh * S + codes, n, mask=present)
-                tl.store(CF + bh * S * DV + sum_offsets, sums, mask=tile_mask)
+            blocks = blk + tl.zeros([BS], tl.int32)  # the block index as a vector: masks of one type
+            stored = present & (blocks < nb)  # n, sums: the keys of blocks ≤ blk − 2
+            tl.store(NB + (bh * nb + blk) * S + codes, n, mask=stored)
+            tl.store(CB + (bh * nb + blk) * S * DV + sum_offsets, sums, mask=tile_mask & stored[:, None])
+            rows = (blk - 1) * L + tl.arange(0, L)  # block blk − 1: none for blk = 0
+            w = _assignment_tile(IDX, WTS, bh, rows, codes, T, S, HARD)
+            v = _load_rows(V, sv_b, sv_h, sv_t, bh // H, bh % H, rows, T, DV, BDV, DOT)
+            n += tl.sum(w, 0)
+            sums += tl.dot(tl.trans(w.to(DOT)), v, input_precision=PREC)
+            at_fold = present & (blocks == fold)
+            tl.store(NF + bh * S + codes, n, mask=at_fold)
+            tl.store(CF + bh * S * DV + sum_offsets, sums, mask=tile_mask & at_fold[:, None])
 
     @triton.jit
     def _prefix_backward_kernel(IDX, WTS, V, DNB, DCB, DNF, DCF, DN0, DC0, DVAL, DWTS, sv_b, sv_h, sv_t,
@@ -88,12 +90,16 @@ if triton is not None:
         g_sums = tl.zeros([BS, BDV], tl.float32)
         for back in range(0, nb):
             blk = nb - 1 - back
-            if blk + 2 < nb:  # g: the gradient of block blk's statistics, Σ over the caches that hold them
-                g_n += tl.load(DNB + (bh * nb + blk + 2) * S + codes, mask=present, other=0.0)
-                g_sums += tl.load(DCB + (bh * nb + blk + 2) * S * DV + sum_offsets, mask=tile_mask, other=0.0)
-            if blk == fold - 1:
-                g_n += tl.load(DNF + bh * S + codes, mask=present, other=0.0)
-                g_sums += tl.load(DCF + bh * S * DV + sum_offsets, mask=tile_mask, other=0.0)
+            # g: the gradient of block blk's statistics, the sum over the caches that hold them (masks, not
+            # branches, as in the forward)
+            blocks = blk + tl.zeros([BS], tl.int32)
+            held = present & (blocks + 2 < nb)
+            g_n += tl.load(DNB + (bh * nb + blk + 2) * S + codes, mask=held, other=0.0)
+            g_sums += tl.load(DCB + (bh * nb + blk + 2) * S * DV + sum_offsets, mask=tile_mask & held[:, None],
+                              other=0.0)
+            in_state = present & (blocks == fold - 1)
+            g_n += tl.load(DNF + bh * S + codes, mask=in_state, other=0.0)
+            g_sums += tl.load(DCF + bh * S * DV + sum_offsets, mask=tile_mask & in_state[:, None], other=0.0)
             rows = blk * L + tl.arange(0, L)
             w = _assignment_tile(IDX, WTS, bh, rows, codes, T, S, HARD)
             d_values = tl.dot(w, g_sums, input_precision=F32_PREC)  # (L, BDV)
