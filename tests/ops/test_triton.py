@@ -10,6 +10,7 @@ import torch
 
 from vqattn.layers import build_attention
 from vqattn.ops.triton.block_caches import block_caches
+from vqattn.ops.triton.nearest import nearest_codes
 from vqattn.ops.vq import naive_vq_attention, vq_assign, vq_attention
 from vqattn.ops.window import window_attention
 
@@ -169,6 +170,20 @@ def test_block_caches(assign, T, fold):
         return torch.cat([x.flatten() for x in blocks + [n_fold, c_fold]])
 
     compare(ref, fast, [v, counts0, sums0, weights])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 100])
+def test_nearest_codes(dtype, T):
+    """Every key's nearest code against argmin ‖k − c‖ in float64 (of the keys as the kernel reads them), for keys
+    seen through a (B, T, H, D) layout; a code repeated later in the codebook never wins (ties go to the first)."""
+    g = torch.Generator().manual_seed(T)
+    k = torch.randn(B, T, H, D, generator=g).to(dtype).transpose(1, 2)
+    codebook = torch.randn(H, 80, D, generator=g)  # two tiles of codes, the second one partly filled
+    codebook[:, 70] = codebook[:, 3]
+    expected = torch.cdist(k.double(), codebook.double().unsqueeze(0)).argmin(-1)
+    index = nearest_codes(k.to(DEVICE), codebook.to(DEVICE))
+    assert index.dtype == torch.int64 and torch.equal(index.cpu(), expected)
 
 
 def test_unsupported_calls_say_why():

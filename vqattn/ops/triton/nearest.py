@@ -1,0 +1,70 @@
+"""The hard assignment in one kernel: every key's nearest code, z_j = argmax_s k_j·c_s − ‖c_s‖²/2 (the argmin of
+‖k_j − c_s‖², whose ‖k_j‖² is the same for every code).
+
+One program per (block of keys, batch·head) scores the codes a tile at a time and keeps a running maximum and its
+index, so the (T, S) scores, which PyTorch writes, reads back for the bias and reads again for the maximum, never
+reach memory. Ties go to the first code, as ``torch.max`` and ``argmax`` break them. The scores are float32: IEEE
+products for float32 keys and under the interpreter, and on a GPU for half keys three TF32 products (float32's
+accuracy at tensor-core speed).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import INTERPRET, triton
+from .window_codes import MAX_DIM, SUPPORTED_DTYPES, _load_rows, _unit_last, _width
+
+if triton is not None:
+    import triton.language as tl
+
+KEY_BLOCK = 64
+CODE_TILE = 64
+
+
+if triton is not None:
+
+    @triton.jit
+    def _nearest_kernel(K, C, OUT, sk_b, sk_h, sk_t, H, T, S, D, L: tl.constexpr, BS: tl.constexpr,
+                        BD: tl.constexpr, PREC: tl.constexpr):
+        blk, bh = tl.program_id(0), tl.program_id(1)
+        h = bh % H
+        rows = blk * L + tl.arange(0, L)
+        k = _load_rows(K, sk_b, sk_h, sk_t, bh // H, h, rows, T, D, BD, tl.float32)
+        dims = tl.arange(0, BD)
+        best = tl.full([L], float("-inf"), tl.float32)
+        best_code = tl.zeros([L], tl.int32)
+        for s0 in range(0, S, BS):
+            codes = s0 + tl.arange(0, BS)
+            present = codes < S
+            c = tl.load(C + (h * S + codes[:, None]) * D + dims[None, :],
+                        mask=present[:, None] & (dims[None, :] < D), other=0.0).to(tl.float32)
+            scores = tl.dot(k, tl.trans(c), input_precision=PREC) - 0.5 * tl.sum(c * c, 1)[None, :]
+            scores = tl.where(present[None, :], scores, float("-inf"))
+            tile_best = tl.max(scores, 1)
+            better = tile_best > best  # strictly: a tie keeps the earlier code
+            best_code = tl.where(better, s0 + tl.argmax(scores, 1), best_code)
+            best = tl.where(better, tile_best, best)
+        tl.store(OUT + bh * T + rows, best_code.to(tl.int64), mask=rows < T)
+
+
+def runs_nearest_kernel(k: torch.Tensor) -> bool:
+    """Whether the hard assignment of keys k takes the kernel: CUDA keys of a supported dtype and width, with Triton
+    installed, outside torch.compile."""
+    return (triton is not None and k.is_cuda and k.dtype in SUPPORTED_DTYPES and k.shape[-1] <= MAX_DIM
+            and not torch.compiler.is_compiling())
+
+
+@torch.compiler.disable  # a graph break: compiled graphs keep the PyTorch form, which inductor fuses
+def nearest_codes(k: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """The nearest code of every key: k (B, H, T, D) float16, bfloat16 or float32, codebook (H, S, D) -> index
+    (B, H, T) int64, by the kernel of the module doc."""
+    B, H, T, D = k.shape
+    S = codebook.shape[1]
+    k, codebook = _unit_last(k), codebook.float().contiguous()
+    index = torch.empty(B, H, T, device=k.device, dtype=torch.int64)
+    prec = "ieee" if INTERPRET or k.dtype == torch.float32 else "tf32x3"
+    grid = (triton.cdiv(T, KEY_BLOCK), B * H)
+    _nearest_kernel[grid](k, codebook, index, k.stride(0), k.stride(1), k.stride(2), H, T, S, D, L=KEY_BLOCK,
+                          BS=CODE_TILE, BD=_width(D), PREC=prec)
+    return index
