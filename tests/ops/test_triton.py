@@ -10,6 +10,7 @@ import torch
 
 from vqattn.layers import build_attention
 from vqattn.ops.triton.block_caches import block_caches
+from vqattn.ops.triton.finite import nonfinite_rows
 from vqattn.ops.triton.nearest import nearest_codes
 from vqattn.ops.vq import naive_vq_attention, vq_assign, vq_attention
 from vqattn.ops.window import window_attention
@@ -184,6 +185,18 @@ def test_nearest_codes(dtype, T):
     expected = torch.cdist(k.double(), codebook.double().unsqueeze(0)).argmin(-1)
     index = nearest_codes(k.to(DEVICE), codebook.to(DEVICE))
     assert index.dtype == torch.int64 and torch.equal(index.cpu(), expected)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's inf − inf
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nonfinite_rows(dtype):
+    """The rows with a NaN, +inf or −inf entry, of a strided tensor, against torch.isfinite; large finite entries
+    are not flagged."""
+    x = torch.randn(B, 150, H, D).to(dtype).transpose(1, 2)
+    x[0, 1, 3, 5], x[1, 0, 149, 0], x[1, 1, 64, D - 1] = float("nan"), float("inf"), float("-inf")
+    x[0, 0, 7] = torch.finfo(dtype).max
+    expected = ~torch.isfinite(x).all(-1)
+    assert expected.sum() == 3 and torch.equal(nonfinite_rows(x.to(DEVICE)).cpu(), expected)
 
 
 def test_unsupported_calls_say_why():
