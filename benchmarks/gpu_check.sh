@@ -37,14 +37,15 @@ stage() {  # stage NAME MAX_SECONDS COMMAND...: run it if the budget holds MAX_S
 layers="python benchmarks/layer_speed.py --device cuda --autocast bf16 --dim 1024 --heads 16 --tokens 65536 --reps 5 --rounds 1"
 ops="python benchmarks/attention_speed.py --device cuda --dtype bfloat16 --heads 16 --reps 5 --rounds 1 --modes default"
 decode="python benchmarks/decode_speed.py --device cuda --lengths 1024 4096 8192 32768 --steps 20 --new-tokens 32"
-stage tests 150 python -m pytest -o addopts="" -q -p no:cacheprovider tests/ops/test_triton.py
+stage tests 80 python -m pytest -o addopts="" -q -p no:cacheprovider tests/ops/test_triton.py
+stage layers_triton 130 $layers --lengths 8192 32768 --layers softmax window vq_hard vq_soft
+stage ops_8k 50 $ops --batch 8 --lengths 8192 --methods sdpa vq_hard_rope vq_soft_rope window
+stage ops_32k 50 $ops --batch 2 --lengths 32768 --methods sdpa vq_hard_rope vq_soft_rope window
+stage profile_soft 30 python benchmarks/kernel_profile.py --what op --method vq_soft_rope --batch 8 --length 8192
 stage tests_ovq 90 python -m pytest -o addopts="" -q -p no:cacheprovider tests/ops/test_triton_ovq.py
 stage layers_ovq_triton 120 $layers --lengths 8192 32768 --layers softmax ovq --impl triton
 stage decode_fused 120 $decode --methods softmax window vq_hard ovq
 stage layers_codes64 150 $layers --lengths 8192 32768 --layers softmax vq_hard vq_soft --num-codes 64
-stage layers_triton 200 $layers --lengths 8192 32768 --layers softmax window vq_hard vq_soft
-stage ops_8k 80 $ops --batch 8 --lengths 8192 --methods sdpa vq_hard_rope vq_soft_rope window
-stage ops_32k 80 $ops --batch 2 --lengths 32768 --methods sdpa vq_hard_rope vq_soft_rope window
 stage layers_chunk 150 $layers --lengths 8192 32768 --layers softmax window vq_hard vq_soft ovq --impl chunk
 stage decode_recurrent 90 $decode --methods window vq_hard ovq --step-impl recurrent
 stage layers_compiled 200 $layers --lengths 8192 32768 --layers softmax vq_hard vq_soft window --compile

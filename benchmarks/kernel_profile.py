@@ -19,7 +19,6 @@ from layer_speed import build
 from torch.profiler import ProfilerActivity, profile
 
 from vqattn.layers import ATTENTIONS
-from vqattn.ops.triton import window_codes
 
 
 def op_step(args):
@@ -71,9 +70,6 @@ def main(argv=None) -> None:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    for kernel in (window_codes._forward_kernel, window_codes._backward_kernel):
-        for key, config in getattr(kernel, "cache", {}).items():
-            print(f"autotuned {kernel.base_fn.__name__}: {config} for {key}")
     events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
     events.sort(key=lambda e: e.self_device_time_total, reverse=True)
     total = sum(e.self_device_time_total for e in events)

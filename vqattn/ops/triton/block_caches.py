@@ -125,6 +125,13 @@ if triton is not None:
         tl.store(DC0 + bh * S * DV + sum_offsets, g_sums, mask=tile_mask)
 
 
+def _launch(hard: bool) -> dict:
+    """Launch settings. On an H200 (S = 512, Dv = 64, bf16), once masks replaced the walks' branches, the hard
+    backward walk ran 15% faster with Triton's default prefetching (3 stages) and the soft one 1.7× slower (7.5 to
+    12.6 ms), its float32 weight tiles staged too: the soft walks keep one stage."""
+    return {} if hard else dict(num_stages=1)
+
+
 def _code_tile(dv_width: int) -> int:
     return max(16, min(64, TILE_FLOATS // dv_width))
 
@@ -153,7 +160,7 @@ class BlockCaches(torch.autograd.Function):
         meta = dict(L=block_len, BS=_code_tile(BDV), BDV=BDV, HARD=hard, DOT=dot, PREC=prec, F32_PREC=f32_prec)
         grid = (triton.cdiv(S, meta["BS"]), B * H)
         _prefix_kernel[grid](idx, wts, v, n0, c0, cache_n, cache_c, fold_n, fold_c, v.stride(0), v.stride(1),
-                             v.stride(2), H, T, S, DV, fold, **meta)
+                             v.stride(2), H, T, S, DV, fold, **meta, **_launch(hard))
         ctx.save_for_backward(idx, wts, v)
         ctx.meta, ctx.fold, ctx.grid, ctx.S = meta, fold, grid, S
         ctx.dtypes = (None if hard else weights.dtype, v.dtype, counts0.dtype, sums0.dtype)
@@ -174,7 +181,8 @@ class BlockCaches(torch.autograd.Function):
         d_values = (torch.empty if hard else torch.zeros)(B, H, T, DV, **f32)
         d_weights = d_values if hard else torch.empty(B, H, T, S, **f32)
         _prefix_backward_kernel[ctx.grid](idx, wts, v, *grads_in, d_n0, d_c0, d_values, d_weights, v.stride(0),
-                                          v.stride(1), v.stride(2), H, T, S, DV, ctx.fold, **ctx.meta)
+                                          v.stride(1), v.stride(2), H, T, S, DV, ctx.fold, **ctx.meta,
+                                          **_launch(hard))
         w_dtype, v_dtype, n_dtype, c_dtype = ctx.dtypes
         return (None, None if hard else d_weights.to(w_dtype), d_values.to(v_dtype), d_n0.to(n_dtype),
                 d_c0.to(c_dtype), None, None)
