@@ -16,7 +16,8 @@ changes the model before the streams run:
   value is unchanged): the log-count bias stays in the range of training, the content does not.
 - ``decay_0.5``: counts and sums halved after every segment: older keys fade, as in an EMA codebook.
 - ``float64``: the whole model in float64 (long sums in high precision).
-- ``slots_x4`` (ovq): four times the slots; ``no_memory_rope`` (ovq): the memory scored with unrotated q and k.
+- ``slots_x4`` (ovq): four times the slots; ``no_memory_rope`` (ovq): the memory scored with unrotated q and k;
+  ``rope_clamp_T`` (ovq): the memory's slow RoPE pairs rotated by positions clamped at T (``memory_rope_clamp``).
 """
 
 from __future__ import annotations
@@ -67,11 +68,13 @@ def ablated_model(model, name: str):
     """The model an ablation reads with (a copy when it changes the model)."""
     if name == "float64":
         return copy.deepcopy(model).double()
-    if name in ("slots_x4", "no_memory_rope"):
+    if name in ("slots_x4", "no_memory_rope", "rope_clamp_T"):
         model = copy.deepcopy(model)
         for block in model.blocks:
             if name == "slots_x4":
                 block.attn.num_slots *= 4
+            elif name == "rope_clamp_T":
+                block.attn.memory_rope_clamp = model.config.seq_len
             else:
                 block.attn.memory_rope, block.attn.memory_raw_from = False, 0
     return model
@@ -82,7 +85,7 @@ def ablations_for(model) -> list[str]:
     if model.config.attention in ("vq_hard", "vq_soft", "ovq"):
         names += ["no_memory", "cap_T", "decay_0.5", "float64"]
     if model.config.attention == "ovq":
-        names += ["slots_x4", "no_memory_rope"]
+        names += ["slots_x4", "no_memory_rope", "rope_clamp_T"]
     return names
 
 

@@ -14,11 +14,13 @@ from vqattn.ops.ovq import naive_ovq_attention
 from model_helpers import layer_in_chunks
 
 DIM, HEADS, L, S = 16, 2, 4, 6
+CLAMP = 2 * L + 1
 OPTIONS = [
     dict(rope=False),
     dict(rope=True),
     dict(rope=True, memory_rope="fast"),  # the memory rotates the fast pairs only
     dict(rope=True, memory_rope=False),
+    dict(rope=True, memory_rope_clamp=CLAMP),  # the memory's slow pairs rotate by min(position, CLAMP)
     dict(rope=True, slots_by="codebook"),
     dict(rope=True, qk_norm="l2", threshold=0.2),
 ]
@@ -40,10 +42,22 @@ def rotate_fast_pairs(layer, z, memory_rope):
     """z with RoPE on the pairs that turn by at least a radian across the raw window (2L) ("fast") or on none."""
     if memory_rope is False:
         return z
-    dh = z.shape[-1]
-    fast = rope_frequencies(dh, layer.rope_base).repeat(2) * 2 * L >= 1  # (Dh,): pair m of dims m and m + Dh/2
-    assert 0 < int(fast.sum()) < dh  # the test's shapes mix rotated and raw pairs
-    return torch.where(fast, rope_rotate(z, 0, layer.rope_base), z)
+    return torch.where(fast_pairs(layer, z.shape[-1]), rope_rotate(z, 0, layer.rope_base), z)
+
+
+def fast_pairs(layer, dh):
+    """(Dh,) bool: the dims of the pairs that turn by at least a radian across the raw window (2L)."""
+    fast = rope_frequencies(dh, layer.rope_base).repeat(2) * 2 * L >= 1  # pair m holds dims m and m + Dh/2
+    assert 0 < int(fast.sum()) < dh  # the test's shapes mix both kinds
+    return fast
+
+
+def rotate_clamped(layer, z, clamp):
+    """z with RoPE, its slow pairs rotated at min(position, clamp): token by token, each at its own positions."""
+    fast = fast_pairs(layer, z.shape[-1])
+    tokens = [torch.where(fast, rope_rotate(z[:, :, t:t + 1], t, layer.rope_base),
+                          rope_rotate(z[:, :, t:t + 1], min(t, clamp), layer.rope_base)) for t in range(z.shape[2])]
+    return torch.cat(tokens, 2)
 
 
 @pytest.mark.parametrize("options", OPTIONS, ids=str)
@@ -60,6 +74,8 @@ def test_layer_is_the_naive_op_on_its_heads(options):
     memory_rope = options.get("memory_rope", True)
     if options["rope"] and memory_rope is not True:
         kwargs.update(q_mem=rotate_fast_pairs(layer, q, memory_rope), k_mem=rotate_fast_pairs(layer, k, memory_rope))
+    if "memory_rope_clamp" in options:
+        kwargs.update(q_mem=rotate_clamped(layer, q, CLAMP), k_mem=rotate_clamped(layer, k, CLAMP))
     out = naive_ovq_attention(rotate(q), rotate(k), v, **kwargs)
     expected = layer.proj(out.transpose(1, 2).reshape(x.shape))
     torch.testing.assert_close(layer(x).output, expected, rtol=0, atol=1e-12)
@@ -72,6 +88,19 @@ def test_chunked_decoding_matches_one_call(options):
     full = layer(x).output
     chunked, _ = layer_in_chunks(layer, x, [7, 1, 1, 8, 5 * L + 1 - 17])
     torch.testing.assert_close(chunked, full, rtol=0, atol=1e-12)
+
+
+def test_rope_clamp_changes_nothing_up_to_the_clamp():
+    """A sequence no longer than the clamp computes exactly what the layer without one does, gradients too."""
+    x = torch.randn(2, 3 * L + 1, DIM, dtype=torch.float64)
+    results = []
+    for clamp in (None, 3 * L):
+        layer = make(rope=True, memory_rope_clamp=clamp).train()
+        out = layer(x).output
+        out.square().sum().backward()
+        results.append([out, layer.qkv.weight.grad])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
 
 
 def test_l2_qk_norm_gives_unit_keys_and_a_learned_query_scale():
@@ -100,7 +129,8 @@ def test_codebook_assignment_learns_the_codebook_and_returns_its_loss():
 
 def test_state_floats_counts_every_option():
     for options, raw in ((dict(rope=True), 2), (dict(rope=True, memory_rope="fast"), 3),
-                         (dict(rope=True, memory_rope=False), 3), (dict(rope=False, memory_rope="fast"), 2)):
+                         (dict(rope=True, memory_rope=False), 3), (dict(rope=False, memory_rope="fast"), 2),
+                         (dict(rope=True, memory_rope_clamp=5), 3)):
         layer = make(**options)
         t = 11
         _, _, state = layer(torch.randn(2, t, DIM, dtype=torch.float64), return_state=True)
@@ -116,6 +146,8 @@ def test_state_floats_counts_every_option():
     (dict(slots_by="kmeans"), "slots_by"),
     (dict(memory_rope="slow"), "memory_rope"),
     (dict(memory_rope=1), "memory_rope"),
+    (dict(memory_rope_clamp=0), "memory_rope_clamp"),
+    (dict(memory_rope_clamp=2.5), "memory_rope_clamp"),
     (dict(threshold=-0.1), "threshold"),
     (dict(threshold="0.5"), "threshold"),
     (dict(codebook={"decay": 0.9}), "codebook"),

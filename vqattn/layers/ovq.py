@@ -7,7 +7,7 @@ import math
 import torch
 
 from ..codebook import Codebook
-from ..modules.rope import rope_rotate_keeping, slow_pair_start, with_raw_pairs
+from ..modules.rope import rope_rotate_clamped, rope_rotate_keeping, slow_pair_start, with_raw_pairs
 from ..ops._checks import check_choice, check_positive_int
 from ..ops.blocks import DEFAULT_BLOCK_LEN
 from ..ops.common.memory_cap import check_memory_cap
@@ -35,7 +35,9 @@ class OnlineVQAttention(Attention):
     by a radian or more across the raw window (``slow_pair_start``), whose angles all occur within a training
     sequence; the slow pairs score position-free, so past the training length no memory score meets an angle that
     training never produced (it reads past that length evenly, and recalls less: docs/evaluation.md). ``False``:
-    unrotated q and k. Other than ``True``, the state keeps the window's memory keys too.
+    unrotated q and k. Other than ``True``, the state keeps the window's memory keys too. ``memory_rope_clamp``
+    (with ``True``): the slow pairs rotate by positions clamped there; it reads past the training length worse than
+    no clamp (docs/evaluation.md), and is there for that comparison.
 
     ``qk_norm="l2"`` (unit q and k, q times a learned scale) makes the relative threshold and the slot means
     independent of the keys' norms. Decoding keeps the memory (S counts, S·(Dh + Dh) sums per head) and under
@@ -54,16 +56,23 @@ class OnlineVQAttention(Attention):
         memory_rope: bool | str = True,
         codebook: dict | None = None,
         memory_cap: int | None = None,
+        memory_rope_clamp: int | None = None,
         impl: str = "auto",
         **attention_kwargs,
     ):
         """``memory_cap``: the slots weigh as if they held at most this many keys (``ovq_attention``'s; the trainer
         sets the training length, so that a model reads past it: docs/evaluation.md); None: no bound;
+        ``memory_rope_clamp`` P: with ``memory_rope=True``, the memory's slow pairs (those ``"fast"`` leaves
+        unrotated) rotate by min(position, P) (:func:`~vqattn.modules.rope.rope_rotate_clamped`): up to P nothing
+        changes, and past P no memory score meets a slow-pair angle that positions up to P did not produce. The
+        trainer sets the training length; None: no clamp;
         ``impl``: the op's form (``ovq_attention``'s: "auto" runs the Triton kernels on CUDA where they apply);
         ``attention_kwargs`` go to :class:`Attention`."""
         super().__init__(dim, num_heads, **attention_kwargs)
         check_positive_int("num_slots", num_slots)
         check_memory_cap(memory_cap)
+        if memory_rope_clamp is not None:
+            check_positive_int("memory_rope_clamp", memory_rope_clamp)
         check_positive_int("block_len", block_len)
         check_choice("slots_by", slots_by, SLOTS_BY)
         if not isinstance(memory_rope, bool) and memory_rope != "fast":
@@ -81,7 +90,9 @@ class OnlineVQAttention(Attention):
         # the first of the memory's unrotated RoPE pairs: a Python int, so that slicing by it is static under compile
         self.memory_raw_from = slow_pair_start(self.head_dim, self.rope_base, 2 * block_len) \
             if memory_rope == "fast" else self.head_dim // 2 if memory_rope else 0
-        self.memory_cap = memory_cap
+        self.memory_cap, self.memory_rope_clamp = memory_cap, memory_rope_clamp
+        # the first of the pairs memory_rope_clamp clamps (with memory_rope=True)
+        self.memory_clamped_from = slow_pair_start(self.head_dim, self.rope_base, 2 * block_len)
         self.codebook = Codebook(num_heads, num_slots, self.head_dim, assign="hard", **(codebook or {})) \
             if slots_by == "codebook" else None
         # Mean occupied slots per sequence and head after the last forward (read by usage_stats, outside a step).
@@ -93,10 +104,15 @@ class OnlineVQAttention(Attention):
             # A decoding step (eval, with a state) records no statistics, as in the vq layers.
             _, assignment, aux_loss = self.codebook(k, record=self.training or state is None)
             slots = assignment.index
-        if self.separate_memory_keys:  # the memory's q and k leave the pairs from memory_raw_from on unrotated
+        if self.raw_memory_pairs:  # the memory's q and k leave the pairs from memory_raw_from on unrotated
             first = self.memory_raw_from
             (q, q_raw), (k, k_raw) = (rope_rotate_keeping(x, pos, self.rope_base, first) for x in (q, k))
             q_mem, k_mem = with_raw_pairs(q, q_raw, first), with_raw_pairs(k, k_raw, first)
+        elif self.clamped_memory_pairs:
+            q_mem, k_mem = self._clamped_memory_rotation(q, pos), self._clamped_memory_rotation(k, pos)
+            q, k = self.rotate(q, pos), self.rotate(k, pos)
+            if q_mem is None:  # every position within the clamp: the memory's rotation is the window's
+                q_mem, k_mem = q, k
         else:
             q, k = self.rotate(q, pos), self.rotate(k, pos)
         out, op_state = ovq_attention(
@@ -117,10 +133,27 @@ class OnlineVQAttention(Attention):
             self.last_occupied.copy_(op_state.occupied.float().mean())
         return out, aux_loss, op_state if return_state else None
 
+    def _clamped_memory_rotation(self, x: torch.Tensor, pos: int) -> torch.Tensor | None:
+        """x (B, H, T, Dh) at positions pos.. rotated with the slow pairs clamped at memory_rope_clamp, or None when
+        no position passes it (then it is RoPE's rotation)."""
+        if pos + x.shape[-2] - 1 <= self.memory_rope_clamp:
+            return None
+        return rope_rotate_clamped(x, pos, self.rope_base, self.memory_clamped_from, self.memory_rope_clamp)
+
+    @property
+    def raw_memory_pairs(self) -> bool:
+        """Whether the memory scores some RoPE pairs unrotated (memory_rope "fast" or False)."""
+        return self.rope and self.memory_raw_from < self.head_dim // 2
+
+    @property
+    def clamped_memory_pairs(self) -> bool:
+        """Whether the memory's slow pairs rotate by clamped positions (memory_rope True and a memory_rope_clamp)."""
+        return self.rope and not self.raw_memory_pairs and self.memory_rope_clamp is not None
+
     @property
     def separate_memory_keys(self) -> bool:
-        """Whether the memory scores other q and k than the window's (RoPE, and some pairs left unrotated)."""
-        return self.rope and self.memory_raw_from < self.head_dim // 2
+        """Whether the memory gets q and k of its own (the state then keeps the window's memory keys too)."""
+        return self.raw_memory_pairs or self.clamped_memory_pairs
 
     def usage_stats(self) -> dict[str, float]:
         """Mean occupied slots after the last forward, and the codebook's usage (slots_by="codebook"). Reads the

@@ -87,9 +87,28 @@ def with_raw_pairs(rotated: torch.Tensor, raw: torch.Tensor, first_pair: int) ->
                       raw.unflatten(-1, (2, half - first_pair))), dim=-1).flatten(-2)
 
 
+def rope_rotate_clamped(x: torch.Tensor, start: int, base: float, first_pair: int, max_pos: int) -> torch.Tensor:
+    """:func:`rope_rotate` of x (B, H, T, D) with the pairs m ≥ ``first_pair`` rotated by min(position, max_pos).
+
+    For two positions i ≥ j those pairs turn by θ_m·(min(i, P) − min(j, P)) ∈ [0, θ_m·P]: at positions up to P it is
+    RoPE itself, and past P no such angle leaves the range that positions up to P produce (a slow pair, which turns
+    less than a radian over the raw window, never meets an angle that a training length of P did not)."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    inv_freq = rope_frequencies(x.shape[-1], base, x.device)  # (D/2,)
+    pos = torch.arange(start, start + x.shape[-2], dtype=torch.float64, device=x.device)  # (T,)
+    clamped = torch.arange(x.shape[-1] // 2, device=x.device) >= first_pair  # (D/2,)
+    angle = torch.where(clamped, pos.clamp(max=max_pos)[:, None], pos[:, None]) * inv_freq  # (T, D/2), float64
+    return _rotate_by(x, angle.cos().to(dtype), angle.sin().to(dtype), None)
+
+
 def _rope(x: torch.Tensor, start: int, base: float, first_pair: int | None):
     dtype = torch.promote_types(x.dtype, torch.float32)
     cos, sin = rope_cos_sin(start, x.shape[-2], x.shape[-1], base, x.device, dtype)
+    return _rotate_by(x, cos, sin, first_pair)
+
+
+def _rotate_by(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, first_pair: int | None):
+    """x rotated by the angles with cos and sin (T, D/2) (and, with ``first_pair`` not None, x's raw pair_dims)."""
     if torch.compiler.is_compiling():  # autograd of the formula, which inductor fuses into one kernel
         rotated = _rotate(x, cos, sin, 1.0).to(x.dtype)
         return rotated if first_pair is None else (rotated, pair_dims(x, first_pair))
