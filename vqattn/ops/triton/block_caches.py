@@ -44,33 +44,46 @@ if triton is not None:
                        mask=inside[:, None] & (codes[None, :] < S), other=0.0).to(tl.float32)
 
     @triton.jit
+    def _code_tile_layout(S, DV, BS: tl.constexpr, BDV: tl.constexpr):
+        """This program's tile of codes: their indices (BS,), which of them exist, and the (BS, BDV) mask and
+        offsets of the tile in one (S, DV) matrix of value sums."""
+        codes = tl.program_id(0) * BS + tl.arange(0, BS)
+        present = codes < S
+        dv = tl.arange(0, BDV)
+        return codes, present, present[:, None] & (dv[None, :] < DV), codes[:, None] * DV + dv[None, :]
+
+    @triton.jit
+    def _load_cache(N, C, row, S, DV, codes, offsets, mask, tile_mask):
+        """The tile of cache ``row`` of counts N (·, S) and sums C (·, S, DV), 0 where ``mask`` (BS,) is off."""
+        n = tl.load(N + row * S + codes, mask=mask, other=0.0)
+        sums = tl.load(C + row * S * DV + offsets, mask=tile_mask & mask[:, None], other=0.0)
+        return n, sums
+
+    @triton.jit
+    def _store_cache(N, C, row, S, DV, codes, offsets, n, sums, mask, tile_mask):
+        tl.store(N + row * S + codes, n, mask=mask)
+        tl.store(C + row * S * DV + offsets, sums, mask=tile_mask & mask[:, None])
+
+    @triton.jit
     def _prefix_kernel(IDX, WTS, V, N0, C0, NB, CB, NF, CF, sv_b, sv_h, sv_t, H, T, S, DV, fold,
                        L: tl.constexpr, BS: tl.constexpr, BDV: tl.constexpr, HARD: tl.constexpr,
                        DOT: tl.constexpr, PREC: tl.constexpr, F32_PREC: tl.constexpr):
-        tile, bh = tl.program_id(0), tl.program_id(1)
+        bh = tl.program_id(1)
         nb = tl.cdiv(T, L)
-        codes = tile * BS + tl.arange(0, BS)
-        present = codes < S
-        dv = tl.arange(0, BDV)
-        tile_mask = present[:, None] & (dv[None, :] < DV)
-        sum_offsets = codes[:, None] * DV + dv[None, :]
-        n = tl.load(N0 + bh * S + codes, mask=present, other=0.0)
-        sums = tl.load(C0 + bh * S * DV + sum_offsets, mask=tile_mask, other=0.0)
+        codes, present, tile_mask, offsets = _code_tile_layout(S, DV, BS, BDV)
+        n, sums = _load_cache(N0, C0, bh, S, DV, codes, offsets, present, tile_mask)
         # Masks instead of branches keep the loop body straight, so that the compiler can prefetch the next
         # block's keys while this one is summed.
         for blk in range(0, nb + 1):
             blocks = blk + tl.zeros([BS], tl.int32)  # the block index as a vector: masks of one type
-            stored = present & (blocks < nb)  # n, sums: the keys of blocks ≤ blk − 2
-            tl.store(NB + (bh * nb + blk) * S + codes, n, mask=stored)
-            tl.store(CB + (bh * nb + blk) * S * DV + sum_offsets, sums, mask=tile_mask & stored[:, None])
+            # n, sums: the keys of blocks ≤ blk − 2, block blk's cache
+            _store_cache(NB, CB, bh * nb + blk, S, DV, codes, offsets, n, sums, present & (blocks < nb), tile_mask)
             rows = (blk - 1) * L + tl.arange(0, L)  # block blk − 1: none for blk = 0
             w = _assignment_tile(IDX, WTS, bh, rows, codes, T, S, HARD)
             v = _load_rows(V, sv_b, sv_h, sv_t, bh // H, bh % H, rows, T, DV, BDV, DOT)
             n += tl.sum(w, 0)
             sums += tl.dot(tl.trans(w.to(DOT)), v, input_precision=PREC)
-            at_fold = present & (blocks == fold)
-            tl.store(NF + bh * S + codes, n, mask=at_fold)
-            tl.store(CF + bh * S * DV + sum_offsets, sums, mask=tile_mask & at_fold[:, None])
+            _store_cache(NF, CF, bh, S, DV, codes, offsets, n, sums, present & (blocks == fold), tile_mask)
 
     @triton.jit
     def _prefix_backward_kernel(IDX, WTS, V, DNB, DCB, DNF, DCF, DN0, DC0, DVAL, DWTS, sv_b, sv_h, sv_t,
@@ -79,27 +92,22 @@ if triton is not None:
                                 F32_PREC: tl.constexpr):
         """DVAL (BH, T, DV) float32: written row by row for hard (each row by the tile of its code), added into
         (zeroed) for soft; DWTS (BH, T, S) float32, soft only."""
-        tile, bh = tl.program_id(0), tl.program_id(1)
+        bh = tl.program_id(1)
         nb = tl.cdiv(T, L)
-        codes = tile * BS + tl.arange(0, BS)
-        present = codes < S
+        codes, present, tile_mask, offsets = _code_tile_layout(S, DV, BS, BDV)
         dv = tl.arange(0, BDV)
-        tile_mask = present[:, None] & (dv[None, :] < DV)
-        sum_offsets = codes[:, None] * DV + dv[None, :]
         g_n = tl.zeros([BS], tl.float32)
         g_sums = tl.zeros([BS, BDV], tl.float32)
         for back in range(0, nb):
             blk = nb - 1 - back
             # g: the gradient of block blk's statistics, the sum over the caches that hold them (masks, not
-            # branches, as in the forward)
+            # branches, as in the forward): the caches of blocks ≥ blk + 2, and the state for blocks < fold
             blocks = blk + tl.zeros([BS], tl.int32)
-            held = present & (blocks + 2 < nb)
-            g_n += tl.load(DNB + (bh * nb + blk + 2) * S + codes, mask=held, other=0.0)
-            g_sums += tl.load(DCB + (bh * nb + blk + 2) * S * DV + sum_offsets, mask=tile_mask & held[:, None],
-                              other=0.0)
-            in_state = present & (blocks == fold - 1)
-            g_n += tl.load(DNF + bh * S + codes, mask=in_state, other=0.0)
-            g_sums += tl.load(DCF + bh * S * DV + sum_offsets, mask=tile_mask & in_state[:, None], other=0.0)
+            d_n, d_sums = _load_cache(DNB, DCB, bh * nb + blk + 2, S, DV, codes, offsets, present & (blocks + 2 < nb),
+                                      tile_mask)
+            f_n, f_sums = _load_cache(DNF, DCF, bh, S, DV, codes, offsets, present & (blocks == fold - 1), tile_mask)
+            g_n += d_n + f_n
+            g_sums += d_sums + f_sums
             rows = blk * L + tl.arange(0, L)
             w = _assignment_tile(IDX, WTS, bh, rows, codes, T, S, HARD)
             d_values = tl.dot(w, g_sums, input_precision=F32_PREC)  # (L, BDV)
@@ -116,13 +124,14 @@ if triton is not None:
                          mask=(rows[:, None] < T) & present[None, :])
         # the initial cache is in every block's cache, and in the state
         for blk in range(0, tl.minimum(nb, 2)):
-            g_n += tl.load(DNB + (bh * nb + blk) * S + codes, mask=present, other=0.0)
-            g_sums += tl.load(DCB + (bh * nb + blk) * S * DV + sum_offsets, mask=tile_mask, other=0.0)
+            d_n, d_sums = _load_cache(DNB, DCB, bh * nb + blk, S, DV, codes, offsets, present, tile_mask)
+            g_n += d_n
+            g_sums += d_sums
         if fold == 0:
-            g_n += tl.load(DNF + bh * S + codes, mask=present, other=0.0)
-            g_sums += tl.load(DCF + bh * S * DV + sum_offsets, mask=tile_mask, other=0.0)
-        tl.store(DN0 + bh * S + codes, g_n, mask=present)
-        tl.store(DC0 + bh * S * DV + sum_offsets, g_sums, mask=tile_mask)
+            f_n, f_sums = _load_cache(DNF, DCF, bh, S, DV, codes, offsets, present, tile_mask)
+            g_n += f_n
+            g_sums += f_sums
+        _store_cache(DN0, DC0, bh, S, DV, codes, offsets, g_n, g_sums, present, tile_mask)
 
 
 def _launch(hard: bool) -> dict:
