@@ -45,12 +45,24 @@ from vqattn.functional import ovq_attention, softmax_attention, vq_attention, wi
 from vqattn.utils import tune_cpu_allocator
 
 METHODS = ("sdpa", "vq_hard", "vq_soft", "vq_hard_rope", "vq_soft_rope", "window", "ovq")
+# A peer, asked for by name (not in the default list): flash-linear-attention's chunked simple GLA (its fla-core
+# package on a GPU), on (B, T, H, D) inputs, with a per-head decay.
+PEERS = ("fla_simple_gla",)
+
+
+def peer_attention(q, k, v):
+    from fla.ops.simple_gla import chunk_simple_gla
+
+    log_decay = torch.full((q.shape[2],), -1 / 64, device=q.device, dtype=torch.float32)
+    return chunk_simple_gla(q, k, v, g_gamma=log_decay)[0]
 MODES = ("default", "tuned", "compiled")
 
 
 def attention(method: str, q, k, v, codebook, block_len, q_rot=None, k_rot=None, impl="auto"):
     if method == "sdpa":
         return softmax_attention(q, k, v, causal=True)
+    if method in PEERS:
+        return peer_attention(q, k, v)
     if method == "window":
         return window_attention(q, k, v, block_len=block_len, impl=impl)
     if method == "ovq":
@@ -67,7 +79,8 @@ def child(method: str, T: int, device: str, reps: int, block_len: int | None, co
           S=512, impl="auto", dtype="float32") -> dict:
     torch.manual_seed(0)
     make = lambda *shape: torch.randn(*shape, device=device, dtype=DTYPES[dtype]).requires_grad_(True)  # noqa: E731
-    q, k, v, codebook = make(B, H, T, D), make(B, H, T, D), make(B, H, T, D), make(H, S, D)
+    qkv = (B, T, H, D) if method in PEERS else (B, H, T, D)  # fla's layout
+    q, k, v, codebook = make(*qkv), make(*qkv), make(*qkv), make(H, S, D)
     rotated = (make(B, H, T, D), make(B, H, T, D)) if method.endswith("_rope") else ()
     # As in Transformer-VQ, the hard codebook is an EMA k-means buffer (no gradient); the soft one is learned.
     codebook.requires_grad_(method.startswith("vq_soft"))
@@ -181,7 +194,7 @@ def machine() -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS + PEERS)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--block-lens", type=int, nargs="+", default=[0], help="0 = vq_attention's default")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -5,6 +5,9 @@
 # lease still returns the first tables. Needs torch with CUDA, triton and pytest; the package runs from the tree.
 #
 #     bash benchmarks/gpu_check.sh
+#
+# The peer row (flash-linear-attention's chunk_simple_gla) needs its fla-core wheel in .whl/ (ignored by git; carry
+# it to the GPU machine): pip download --no-deps -d .whl fla-core==0.6.0 (it needs einops, torch and triton).
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu_results}
@@ -39,9 +42,15 @@ ops="python benchmarks/attention_speed.py --device cuda --dtype bfloat16 --heads
 decode="python benchmarks/decode_speed.py --device cuda --lengths 1024 4096 8192 32768 --steps 20 --new-tokens 32"
 stage tests 80 python -m pytest -o addopts="" -q -p no:cacheprovider tests/ops/test_triton.py
 stage layers_triton 130 $layers --lengths 8192 32768 --layers softmax window vq_hard vq_soft
-stage ops_8k 50 $ops --batch 8 --lengths 8192 --methods sdpa vq_hard_rope vq_soft_rope window
-stage ops_32k 50 $ops --batch 2 --lengths 32768 --methods sdpa vq_hard_rope vq_soft_rope window
+if ls .whl/fla_core-*.whl >/dev/null 2>&1 && python -m pip install -q --no-index --no-deps --target /tmp/fla_site \
+    .whl/fla_core-*.whl; then
+  export PYTHONPATH="$PYTHONPATH:/tmp/fla_site"
+  peer="fla_simple_gla"
+fi
+stage ops_8k 90 $ops --batch 8 --lengths 8192 --methods sdpa vq_hard_rope vq_soft_rope window ${peer:-}
+stage ops_32k 60 $ops --batch 2 --lengths 32768 --methods sdpa vq_hard_rope vq_soft_rope window ${peer:-}
 stage profile_soft 30 python benchmarks/kernel_profile.py --what op --method vq_soft_rope --batch 8 --length 8192
+stage profile_layer 40 python benchmarks/kernel_profile.py --what layer --method vq_hard --batch 8 --length 8192
 stage tests_ovq 90 python -m pytest -o addopts="" -q -p no:cacheprovider tests/ops/test_triton_ovq.py
 stage layers_ovq_triton 120 $layers --lengths 8192 32768 --layers softmax ovq --impl triton
 stage decode_fused 120 $decode --methods softmax window vq_hard ovq
