@@ -38,11 +38,11 @@ def fused_causal(q, k, v, c, a: Assignment, *, L: int, scale: float, exact_windo
     if not exact_window:  # hard: the window scores the keys' codes (straight-through to k)
         window_k = straight_through_keys(k, c.to(k.dtype), a.index)
     fold = min(fold_blocks, nb)
-    cache_counts, cache_sums, counts, sums = block_caches(a.index, a.weights, v, counts0, sums0, block_len=L,
-                                                          fold=fold)
+    cache_counts, cache_sums, kept_counts, kept_sums = block_caches(a.index, a.weights, v, counts0, sums0,
+                                                                    block_len=L, fold=fold)
     if memory_bias is not None:
         cache_counts, cache_sums = weigh_memory(cache_counts, cache_sums, memory_bias.exp())
     out = fused_window_code_attention(
         q if window_q is None else window_q, window_k, v, scale=scale, block_len=L, qc=q, codebook=c,
         counts=cache_counts, sums=cache_sums)
-    return out, counts.to(counts0.dtype), sums.to(sums0.dtype)
+    return out, kept_counts.to(counts0.dtype), kept_sums.to(sums0.dtype)
