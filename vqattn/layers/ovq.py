@@ -64,8 +64,8 @@ class OnlineVQAttention(Attention):
         sets the training length, so that a model reads past it: docs/evaluation.md); None: no bound;
         ``memory_rope_clamp`` P: with ``memory_rope=True``, the memory's slow pairs (those ``"fast"`` leaves
         unrotated) rotate by min(position, P) (:func:`~vqattn.modules.rope.rope_rotate_clamped`): up to P nothing
-        changes, and past P no memory score meets a slow-pair angle that positions up to P did not produce. The
-        trainer sets the training length; None: no clamp;
+        changes, and past P no memory score meets a slow-pair angle that positions up to P did not produce (it
+        reads past the training length worse than no clamp: docs/evaluation.md); None: no clamp;
         ``impl``: the op's form (``ovq_attention``'s: "auto" runs the Triton kernels on CUDA where they apply);
         ``attention_kwargs`` go to :class:`Attention`."""
         super().__init__(dim, num_heads, **attention_kwargs)
@@ -87,12 +87,12 @@ class OnlineVQAttention(Attention):
                              f"slots_by={slots_by!r}")
         self.num_slots, self.block_len, self.slots_by, self.impl = num_slots, block_len, slots_by, impl
         self.threshold, self.memory_rope = float(threshold), memory_rope
-        # the first of the memory's unrotated RoPE pairs: a Python int, so that slicing by it is static under compile
-        self.memory_raw_from = slow_pair_start(self.head_dim, self.rope_base, 2 * block_len) \
-            if memory_rope == "fast" else self.head_dim // 2 if memory_rope else 0
-        self.memory_cap, self.memory_rope_clamp = memory_cap, memory_rope_clamp
-        # the first of the pairs memory_rope_clamp clamps (with memory_rope=True)
+        # the first slow pair: "fast" leaves it and those after it unrotated, memory_rope_clamp clamps them
         self.memory_clamped_from = slow_pair_start(self.head_dim, self.rope_base, 2 * block_len)
+        # the first of the memory's unrotated RoPE pairs: a Python int, so that slicing by it is static under compile
+        self.memory_raw_from = self.memory_clamped_from if memory_rope == "fast" \
+            else self.head_dim // 2 if memory_rope else 0
+        self.memory_cap, self.memory_rope_clamp = memory_cap, memory_rope_clamp
         self.codebook = Codebook(num_heads, num_slots, self.head_dim, assign="hard", **(codebook or {})) \
             if slots_by == "codebook" else None
         # Mean occupied slots per sequence and head after the last forward (read by usage_stats, outside a step).

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from . import INTERPRET, triton
-from .window_codes import _dot_dtype, _load_rows, _unit_last, _width
+from . import triton
+from .window_codes import _dot_dtype, _float32_precision, _load_rows, _unit_last, _width
 
 if triton is not None:
     import triton.language as tl
@@ -161,9 +161,7 @@ class BlockCaches(torch.autograd.Function):
         f32 = dict(device=v.device, dtype=torch.float32)
         cache_n, cache_c = torch.empty(B, H, nb, S, **f32), torch.empty(B, H, nb, S, DV, **f32)
         fold_n, fold_c = torch.empty(B, H, S, **f32), torch.empty(B, H, S, DV, **f32)
-        # float32 operands (the soft weights, the gradients) multiply in three TF32 products on a GPU (about
-        # float32's accuracy at tensor-core speed), in IEEE float32 for float32 inputs and under the interpreter
-        f32_prec = "ieee" if INTERPRET or v.dtype == torch.float32 else "tf32x3"
+        f32_prec = _float32_precision(v.dtype)  # the soft weights' and the gradients' products
         dot, prec = _dot_dtype(v.dtype) if hard else (tl.float32, f32_prec)
         BDV = _width(DV)
         meta = dict(L=block_len, BS=_code_tile(BDV), BDV=BDV, HARD=hard, DOT=dot, PREC=prec, F32_PREC=f32_prec)

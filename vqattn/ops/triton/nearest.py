@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from . import INTERPRET, triton
-from .window_codes import MAX_DIM, SUPPORTED_DTYPES, _load_rows, _unit_last, _width
+from . import triton
+from .window_codes import MAX_DIM, SUPPORTED_DTYPES, _float32_precision, _load_rows, _unit_last, _width
 
 if triton is not None:
     import triton.language as tl
@@ -63,8 +63,7 @@ def nearest_codes(k: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     S = codebook.shape[1]
     k, codebook = _unit_last(k), codebook.float().contiguous()
     index = torch.empty(B, H, T, device=k.device, dtype=torch.int64)
-    prec = "ieee" if INTERPRET or k.dtype == torch.float32 else "tf32x3"
     grid = (triton.cdiv(T, KEY_BLOCK), B * H)
     _nearest_kernel[grid](k, codebook, index, k.stride(0), k.stride(1), k.stride(2), H, T, S, D, L=KEY_BLOCK,
-                          BS=CODE_TILE, BD=_width(D), PREC=prec)
+                          BS=CODE_TILE, BD=_width(D), PREC=_float32_precision(k.dtype))
     return index

@@ -230,6 +230,12 @@ def _dot_dtype(dtype: torch.dtype):
     return (tl.bfloat16 if dtype == torch.bfloat16 else tl.float16), "tf32"
 
 
+def _float32_precision(dtype: torch.dtype) -> str:
+    """How float32 operands multiply beside inputs of ``dtype``: three TF32 products on a GPU for half inputs (about
+    float32's accuracy at tensor-core speed), IEEE float32 for float32 inputs and under the interpreter."""
+    return "ieee" if INTERPRET or dtype == torch.float32 else "tf32x3"
+
+
 class FusedWindowCodes(torch.autograd.Function):
     """out (B, H, T, Dv) of the module's attention; see :func:`fused_window_code_attention`."""
 
