@@ -2,9 +2,11 @@
 # One prepared run on a CUDA machine: the Triton tests on the GPU, then the benchmark tables of the fused kernels
 # against softmax attention (SDPA's flash kernel), each table into its own file under ${OUT:-gpu_results}/.
 # Stages run in order of importance while the time budget (GPU_CHECK_SECONDS, default 480) lasts, so a short
-# lease still returns the first tables. Needs torch with CUDA, triton and pytest; the package runs from the tree.
+# lease still returns the first tables. GPU_CHECK_STAGES (names, space-separated) runs only those stages. Needs torch
+# with CUDA, triton and pytest; the package runs from the tree.
 #
 #     bash benchmarks/gpu_check.sh
+#     GPU_CHECK_STAGES="tests profile_layer" bash benchmarks/gpu_check.sh
 #
 # The peer row (flash-linear-attention's chunk_simple_gla) needs its fla-core wheel in .whl/ (ignored by git; carry
 # it to the GPU machine): pip download --no-deps -d .whl fla-core==0.6.0 (it needs einops, torch and triton).
@@ -18,6 +20,9 @@ deadline=$((SECONDS + ${GPU_CHECK_SECONDS:-480}))
 stage() {  # stage NAME MAX_SECONDS COMMAND...: run it if the budget holds MAX_SECONDS more, bounded by them
   local name=$1 limit=$2
   shift 2
+  if [ -n "${GPU_CHECK_STAGES:-}" ] && [[ " $GPU_CHECK_STAGES " != *" $name "* ]]; then
+    return
+  fi
   local left=$((deadline - SECONDS))
   if [ "$left" -lt 20 ]; then
     echo "## $name: skipped, no time left" | tee -a "$out/summary.txt"
@@ -40,7 +45,7 @@ stage() {  # stage NAME MAX_SECONDS COMMAND...: run it if the budget holds MAX_S
 layers="python benchmarks/layer_speed.py --device cuda --autocast bf16 --dim 1024 --heads 16 --tokens 65536 --reps 5 --rounds 1"
 ops="python benchmarks/attention_speed.py --device cuda --dtype bfloat16 --heads 16 --reps 5 --rounds 1 --modes default"
 decode="python benchmarks/decode_speed.py --device cuda --lengths 1024 4096 8192 32768 --steps 20 --new-tokens 32"
-stage tests 80 python -m pytest -o addopts="" -q -p no:cacheprovider tests/ops/test_triton.py
+stage tests 150 python -m pytest -o addopts="" -q -p no:cacheprovider tests/ops/test_triton.py
 stage layers_triton 130 $layers --lengths 8192 32768 --layers softmax window vq_hard vq_soft
 if ls .whl/fla_core-*.whl >/dev/null 2>&1 && python -m pip install -q --no-index --no-deps --target /tmp/fla_site \
     .whl/fla_core-*.whl; then
@@ -51,6 +56,7 @@ stage ops_8k 90 $ops --batch 8 --lengths 8192 --methods sdpa vq_hard_rope vq_sof
 stage ops_32k 60 $ops --batch 2 --lengths 32768 --methods sdpa vq_hard_rope vq_soft_rope window ${peer:-}
 stage profile_soft 30 python benchmarks/kernel_profile.py --what op --method vq_soft_rope --batch 8 --length 8192
 stage profile_layer 40 python benchmarks/kernel_profile.py --what layer --method vq_hard --batch 8 --length 8192
+stage profile_layer_soft 40 python benchmarks/kernel_profile.py --what layer --method vq_soft --batch 8 --length 8192
 stage tests_ovq 90 python -m pytest -o addopts="" -q -p no:cacheprovider tests/ops/test_triton_ovq.py
 stage layers_ovq_triton 120 $layers --lengths 8192 32768 --layers softmax ovq --impl triton
 stage decode_fused 120 $decode --methods softmax window vq_hard ovq
