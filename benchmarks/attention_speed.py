@@ -153,6 +153,15 @@ def measure(method, T, device, reps, block_len, mode, shape: dict):
     return run_child(__file__, [method, str(T), device, str(reps), str(block_len or 0), mode, json.dumps(shape)])
 
 
+def measure_noted(method, T, device, reps, block_len, mode, shape: dict):
+    """:func:`measure`, noting its result on stderr at once: a run cut short by a time limit still tells what it
+    measured before the table is printed."""
+    result = measure(method, T, device, reps, block_len, mode, shape)
+    print(f"# {method} {mode} T={T}: {result['ms']:.2f} ms, peak {result['peak_mb']:.0f} MB", file=sys.stderr,
+          flush=True)
+    return result
+
+
 def run_child(script: str, args: list[str]) -> dict:
     """``script --child *args`` in a fresh process (its allocator and peak RSS its own); the JSON it prints last."""
     result = subprocess.run([sys.executable, script, "--child", *args], capture_output=True, text=True)
@@ -224,7 +233,7 @@ def main():
     print("|" + "---|" * len(header))
     for T in args.lengths:
         for block_len in args.block_lens:
-            rounds = [{(m, mode): measure(m, T, args.device, args.reps, block_len, mode, shape)
+            rounds = [{(m, mode): measure_noted(m, T, args.device, args.reps, block_len, mode, shape)
                        for mode in args.modes for m in args.methods} for _ in range(args.rounds)]
             results = {mode: summarise([{m: r[m, mode] for m in args.methods} for r in rounds], "sdpa")
                        for mode in args.modes}
