@@ -209,9 +209,9 @@ class Codebook(nn.Module):
         # EMA codes are updated in place at the end of the step, so attention gets a copy autograd may keep.
         codes = (self.codes.clone() if self.learning == "ema" else self.codes).to(keys.dtype)
         temperature = self.temperature if self.assign == "soft" else 1.0
-        # The hard assignment gets the keys in their own dtype: vq_assign scores in float32 either way, and half
-        # keys take the GPU kernel's tensor-core products (float32 keys take IEEE ones, four times slower).
-        assignment = vq_assign(keys if self.assign == "soft" else k.detach(), codes, assign=self.assign,
+        # The keys in their own dtype: vq_assign scores in float32 either way, and half keys take the GPU kernels'
+        # tensor-core products (float32 keys take IEEE ones, about four times slower).
+        assignment = vq_assign(k if self.assign == "soft" else k.detach(), codes, assign=self.assign,
                                temperature=temperature)
         if not (record or self.training):
             return CodebookOutput(codes.to(k.dtype), assignment, keys.new_zeros(()))

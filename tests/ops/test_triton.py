@@ -12,6 +12,7 @@ from vqattn.layers import build_attention
 from vqattn.ops.triton.block_caches import block_caches
 from vqattn.ops.triton.finite import nonfinite_rows
 from vqattn.ops.triton.nearest import nearest_codes
+from vqattn.ops.triton.soft_assign import soft_weights
 from vqattn.ops.vq import naive_vq_attention, vq_assign, vq_attention
 from vqattn.ops.window import window_attention
 
@@ -185,6 +186,30 @@ def test_nearest_codes(dtype, T):
     expected = torch.cdist(k.double(), codebook.double().unsqueeze(0)).argmin(-1)
     index = nearest_codes(k.to(DEVICE), codebook.to(DEVICE))
     assert index.dtype == torch.int64 and torch.equal(index.cpu(), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 100])
+def test_soft_weights(dtype, T):
+    """The GMM posterior softmax_s(−‖k − c_s‖²/2τ_h) and the gradients of the keys, the codes and a per-head
+    temperature, against the definition in float64 (of the keys as the kernel reads them, so bfloat16 keys keep
+    float32's tolerance but for their gradient, rounded to bfloat16); 80 codes fill one tile and part of another."""
+    g = torch.Generator().manual_seed(T)
+    k = torch.randn(B, T, H, D, generator=g).to(dtype).double().transpose(1, 2).requires_grad_()
+    codebook, tau = torch.randn(H, 80, D, dtype=torch.float64, generator=g), torch.tensor([0.7, 1.9]).double()
+    codebook.requires_grad_(), tau.requires_grad_()
+    distances = (k.unsqueeze(-2) - codebook[:, None]).square().sum(-1)  # (B, H, T, S)
+    ref = torch.softmax(-distances / (2 * tau[:, None, None]), -1)
+    grad = torch.randn(ref.shape, dtype=torch.float64, generator=g)
+    ref_grads = torch.autograd.grad(ref, (k, codebook, tau), grad)
+    inputs = [k.detach().to(DEVICE, dtype).requires_grad_(), codebook.detach().float().to(DEVICE).requires_grad_(),
+              tau.detach().float().to(DEVICE).requires_grad_()]
+    weights = soft_weights(*inputs)
+    grads = torch.autograd.grad(weights, inputs, grad.to(DEVICE, torch.float32))
+    assert weights.dtype == torch.float32 and grads[0].dtype == dtype and rel_rms(weights, ref) < 1e-5
+    tolerances = (1e-4 if dtype == torch.float32 else 1e-2, 1e-4, 1e-4)
+    for name, fast, exact, tol in zip(("keys", "codes", "temperature"), grads, ref_grads, tolerances):
+        assert rel_rms(fast, exact) < tol, name
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's inf − inf

@@ -48,9 +48,9 @@ if triton is not None:
         tl.store(OUT + bh * T + rows, best_code.to(tl.int64), mask=rows < T)
 
 
-def runs_nearest_kernel(k: torch.Tensor) -> bool:
-    """Whether the hard assignment of keys k takes the kernel: CUDA keys of a supported dtype and width, with Triton
-    installed, outside torch.compile."""
+def runs_assignment_kernels(k: torch.Tensor) -> bool:
+    """Whether the assignment of keys k takes a kernel (this one, or the soft assignment's): CUDA keys of a supported
+    dtype and width, with Triton installed, outside torch.compile."""
     return (triton is not None and k.is_cuda and k.dtype in SUPPORTED_DTYPES and k.shape[-1] <= MAX_DIM
             and not torch.compiler.is_compiling())
 

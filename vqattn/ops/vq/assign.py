@@ -12,7 +12,8 @@ import torch
 from .._checks import check_choice, check_positive_int, compute_dtype
 from ..common.statistics import Assignment, log_counts
 from ..precision import autocast_off
-from ..triton.nearest import nearest_codes, runs_nearest_kernel
+from ..triton.nearest import nearest_codes, runs_assignment_kernels
+from ..triton.soft_assign import soft_weights
 
 ASSIGNMENTS = ("hard", "soft")
 
@@ -104,14 +105,17 @@ def vq_assign(k: torch.Tensor, codebook: torch.Tensor, *, assign: str, temperatu
     """Assignment Δ of keys k (B, H, T, D) to the codes of codebook (H, S, D), computed in float32 (float64
     stays float64) whatever the autocast state. Soft weights carry the autograd graph to k, the codebook and the
     temperature, so an Assignment computed once per layer can be handed to ``vq_attention``. ``tile_rows``: keys
-    whose scores are formed at once (default: :func:`row_tiles`); never changes the result. On a GPU the hard
-    assignment is one Triton kernel (:mod:`vqattn.ops.triton.nearest`).
+    whose scores are formed at once (default: :func:`row_tiles`); never changes the result. On a GPU the
+    assignments are Triton kernels (:mod:`vqattn.ops.triton.nearest`, :mod:`vqattn.ops.triton.soft_assign`).
     """
     check_choice("assign", assign, ASSIGNMENTS)
     if tile_rows is not None:
         check_positive_int("tile_rows", tile_rows)
-    if assign == "hard" and runs_nearest_kernel(k):  # one kernel on a GPU: no (T, S) scores in memory
-        return Assignment(None, nearest_codes(k, codebook))
+    if runs_assignment_kernels(k):  # kernels on a GPU: no (T, S) scores in memory, tensor-core products
+        if assign == "hard":
+            return Assignment(None, nearest_codes(k, codebook))
+        return Assignment(soft_weights(k, codebook, temperature_tensor(temperature, codebook.shape[0], codebook.float())),
+                          None)
     dtype = compute_dtype(k.dtype)
     k, c = k.to(dtype), codebook.to(dtype)  # c: (H, S, D)
     B, H, T, _ = k.shape

@@ -1,0 +1,179 @@
+"""The soft assignment and its gradients in kernels: the GMM posterior of :mod:`vqattn.ops.vq.assign`,
+
+    p_js = softmax_s(x_js),   x_js = (k_j·c_s − ‖c_s‖²/2) / τ_h        (the −‖k_j‖²/2τ of −‖k_j − c_s‖²/2τ cancels)
+
+for keys k (B, H, T, D), codes c (H, S, D) and one temperature τ_h per head.
+
+PyTorch's form writes the (T, S) scores, reads them back for the softmax, and multiplies float32 operands without
+tensor cores; its backward makes three more passes over (T, S) tensors and two more float32 products. Here:
+
+* **forward**: one program per (block of keys, batch·head) walks the code tiles twice, first for the running max and
+  sum of exponentials (an online softmax), then for the normalised weights, which are the only (T, S) write;
+* **keys' gradient**: with g = dL/dp, r_j = Σ_s g_js p_js and the scores' gradient ds_js = p_js (g_js − r_j), one
+  program per key block forms r_j in a first walk, then dk_j = Σ_s ds_js c_s / τ (and, for a learned temperature,
+  its part of dτ_h = −Σ_js ds_js x_js / τ_h);
+* **codes' gradient**: dc_s = (Σ_j ds_js k_j − c_s Σ_j ds_js) / τ, one program per (tile of codes, head, slice of
+  the keys) walking its key blocks, the slices' sums added atomically.
+
+Products of float32 operands take :func:`~vqattn.ops.triton.window_codes._float32_precision`'s precision (three TF32
+products beside half keys on a GPU, IEEE float32 otherwise); everything accumulates in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import triton
+from .window_codes import _float32_precision, _load_rows, _unit_last, _width
+
+if triton is not None:
+    import triton.language as tl
+
+KEY_BLOCK = 64
+CODE_TILE = 64
+# Slices of the keys that the codes' gradient sums separately (then atomically): enough programs to fill a GPU
+# with a few hundred codes, and few additions into each code.
+KEY_SLICES = 16
+
+if triton is not None:
+
+    @triton.jit
+    def _scores(k, C, h, codes, S, D, BD: tl.constexpr, PREC: tl.constexpr):
+        """(k·c_s − ‖c_s‖²/2) for the codes of one tile (−inf past S): k (L, BD) float32, C (H, S, D) float32."""
+        dims = tl.arange(0, BD)
+        present = codes < S
+        c = tl.load(C + (h * S + codes[:, None]) * D + dims[None, :], mask=present[:, None] & (dims[None, :] < D),
+                    other=0.0)
+        scores = tl.dot(k, tl.trans(c), input_precision=PREC) - 0.5 * tl.sum(c * c, 1)[None, :]
+        return tl.where(present[None, :], scores, float("-inf")), c
+
+    @triton.jit
+    def _tile(bh, rows, codes, T, S):
+        """Offsets and mask of a (rows, codes) tile of a contiguous (B·H, T, S) tensor."""
+        return (bh * T + rows[:, None]) * S + codes[None, :], (rows[:, None] < T) & (codes[None, :] < S)
+
+    @triton.jit
+    def _forward_kernel(K, C, TAU, P, sk_b, sk_h, sk_t, H, T, S, D, L: tl.constexpr, BS: tl.constexpr,
+                        BD: tl.constexpr, PREC: tl.constexpr):
+        blk, bh = tl.program_id(0), tl.program_id(1)
+        h = bh % H
+        rows = blk * L + tl.arange(0, L)
+        k = _load_rows(K, sk_b, sk_h, sk_t, bh // H, h, rows, T, D, BD, tl.float32)
+        inv_tau = 1.0 / tl.load(TAU + h)
+        row_max = tl.full([L], float("-inf"), tl.float32)
+        row_sum = tl.zeros([L], tl.float32)
+        for s0 in range(0, S, BS):
+            x = _scores(k, C, h, s0 + tl.arange(0, BS), S, D, BD, PREC)[0] * inv_tau
+            new_max = tl.maximum(row_max, tl.max(x, 1))
+            row_sum = row_sum * tl.exp(row_max - new_max) + tl.sum(tl.exp(x - new_max[:, None]), 1)
+            row_max = new_max
+        for s0 in range(0, S, BS):
+            codes = s0 + tl.arange(0, BS)
+            x = _scores(k, C, h, codes, S, D, BD, PREC)[0] * inv_tau
+            at, mask = _tile(bh, rows, codes, T, S)
+            tl.store(P + at, tl.exp(x - row_max[:, None]) / row_sum[:, None], mask=mask)
+
+    @triton.jit
+    def _key_grad_kernel(K, C, TAU, P, G, DK, R, DTAU, sk_b, sk_h, sk_t, H, T, S, D, L: tl.constexpr,
+                         BS: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr, TAU_GRAD: tl.constexpr):
+        blk, bh = tl.program_id(0), tl.program_id(1)
+        h = bh % H
+        rows = blk * L + tl.arange(0, L)
+        inv_tau = 1.0 / tl.load(TAU + h)
+        r = tl.zeros([L], tl.float32)
+        for s0 in range(0, S, BS):
+            at, mask = _tile(bh, rows, s0 + tl.arange(0, BS), T, S)
+            r += tl.sum(tl.load(G + at, mask=mask, other=0.0) * tl.load(P + at, mask=mask, other=0.0), 1)
+        k = _load_rows(K, sk_b, sk_h, sk_t, bh // H, h, rows, T, D, BD, tl.float32)
+        dk = tl.zeros([L, BD], tl.float32)
+        ds_x = tl.zeros([L], tl.float32)  # Σ_s ds_js (k_j·c_s − ‖c_s‖²/2), for the temperature
+        for s0 in range(0, S, BS):
+            codes = s0 + tl.arange(0, BS)
+            at, mask = _tile(bh, rows, codes, T, S)
+            ds = tl.load(P + at, mask=mask, other=0.0) * (tl.load(G + at, mask=mask, other=0.0) - r[:, None])
+            scores, c = _scores(k, C, h, codes, S, D, BD, PREC)
+            dk += tl.dot(ds, c, input_precision=PREC)
+            if TAU_GRAD:
+                ds_x += tl.sum(ds * tl.where(mask, scores, 0.0), 1)
+        dims = tl.arange(0, BD)
+        tl.store(DK + (bh * T + rows[:, None]) * D + dims[None, :], dk * inv_tau,
+                 mask=(rows[:, None] < T) & (dims[None, :] < D))
+        tl.store(R + bh * T + rows, r, mask=rows < T)
+        if TAU_GRAD:  # dτ = −Σ ds·x / τ with x = scores / τ: this block's part
+            tl.store(DTAU + bh * tl.num_programs(0) + blk, -tl.sum(ds_x, 0) * inv_tau * inv_tau)
+
+    @triton.jit
+    def _code_grad_kernel(K, C, TAU, P, G, R, DC, sk_b, sk_h, sk_t, H, T, S, D, num_blocks, blocks_per_slice,
+                          L: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr):
+        tile, h, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        codes = tile * BS + tl.arange(0, BS)
+        dims = tl.arange(0, BD)
+        acc = tl.zeros([BS, BD], tl.float32)  # Σ_j ds_js k_j
+        ds_sum = tl.zeros([BS], tl.float32)  # Σ_j ds_js
+        first = part * blocks_per_slice
+        for i in range(first, tl.minimum(first + blocks_per_slice, num_blocks)):
+            b, blk = i // tl.cdiv(T, L), i % tl.cdiv(T, L)
+            bh = b * H + h
+            rows = blk * L + tl.arange(0, L)
+            at, mask = _tile(bh, rows, codes, T, S)
+            r = tl.load(R + bh * T + rows, mask=rows < T, other=0.0)
+            ds = tl.load(P + at, mask=mask, other=0.0) * (tl.load(G + at, mask=mask, other=0.0) - r[:, None])
+            k = _load_rows(K, sk_b, sk_h, sk_t, b, h, rows, T, D, BD, tl.float32)
+            acc += tl.dot(tl.trans(ds), k, input_precision=PREC)
+            ds_sum += tl.sum(ds, 0)
+        present = (codes[:, None] < S) & (dims[None, :] < D)
+        ptrs = (h * S + codes[:, None]) * D + dims[None, :]
+        c = tl.load(C + ptrs, mask=present, other=0.0)
+        tl.atomic_add(DC + ptrs, (acc - c * ds_sum[:, None]) / tl.load(TAU + h), mask=present)
+
+
+class SoftAssign(torch.autograd.Function):
+    """p (B, H, T, S) float32 of keys k (B, H, T, D), codes c (H, S, D) float32 and temperatures τ (H,) float32, by
+    the kernels of the module doc."""
+
+    @staticmethod
+    def forward(ctx, k, c, tau):
+        B, H, T, D = k.shape
+        S = c.shape[1]
+        k = _unit_last(k)
+        weights = torch.empty(B, H, T, S, device=k.device, dtype=torch.float32)
+        _forward_kernel[(triton.cdiv(T, KEY_BLOCK), B * H)](
+            k, c, tau, weights, k.stride(0), k.stride(1), k.stride(2), H, T, S, D, L=KEY_BLOCK, BS=CODE_TILE,
+            BD=_width(D), PREC=_float32_precision(k.dtype))
+        ctx.save_for_backward(k, c, tau, weights)
+        return weights
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        k, c, tau, weights = ctx.saved_tensors
+        need_k, need_c, need_tau = ctx.needs_input_grad
+        B, H, T, D = k.shape
+        S = c.shape[1]
+        grad = grad.float().contiguous()
+        blocks = triton.cdiv(T, KEY_BLOCK)
+        shape = dict(L=KEY_BLOCK, BS=CODE_TILE, BD=_width(D), PREC=_float32_precision(k.dtype))
+        strides = k.stride(0), k.stride(1), k.stride(2)
+        grad_k = torch.empty(B, H, T, D, device=k.device, dtype=torch.float32)
+        row_sums = torch.empty(B, H, T, device=k.device, dtype=torch.float32)
+        grad_tau = torch.empty(B, H, blocks, device=k.device, dtype=torch.float32) if need_tau else grad_k
+        _key_grad_kernel[(blocks, B * H)](k, c, tau, weights, grad, grad_k, row_sums, grad_tau, *strides, H, T, S,
+                                          D, TAU_GRAD=need_tau, **shape)
+        grad_c = None
+        if need_c:
+            grad_c = torch.zeros_like(c)
+            slices = min(KEY_SLICES, B * blocks)
+            per_slice = triton.cdiv(B * blocks, slices)
+            _code_grad_kernel[(triton.cdiv(S, CODE_TILE), H, triton.cdiv(B * blocks, per_slice))](
+                k, c, tau, weights, grad, row_sums, grad_c, *strides, H, T, S, D, B * blocks, per_slice, **shape)
+        return (grad_k.to(k.dtype) if need_k else None, grad_c,
+                grad_tau.sum((0, 2)) if need_tau else None)
+
+
+@torch.compiler.disable  # a graph break: compiled graphs keep the PyTorch form, which inductor fuses
+def soft_weights(k: torch.Tensor, codebook: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """p(s | k_j) (B, H, T, S) float32 for keys k (B, H, T, D) float16, bfloat16 or float32, codebook (H, S, D) and
+    temperature (a tensor of 1 or H values), by the kernels of the module doc; differentiable in all three."""
+    H = k.shape[1]
+    tau = temperature.float().reshape(-1).expand(H).contiguous()
+    return SoftAssign.apply(k, codebook.float().contiguous(), tau)
