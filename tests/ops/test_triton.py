@@ -12,6 +12,7 @@ from vqattn.layers import build_attention
 from vqattn.ops.triton.block_caches import block_caches
 from vqattn.ops.triton.finite import nonfinite_rows
 from vqattn.ops.triton.nearest import nearest_codes
+from vqattn.ops.triton.rotation import rotate
 from vqattn.ops.triton.soft_assign import soft_weights
 from vqattn.ops.vq import naive_vq_attention, vq_assign, vq_attention
 from vqattn.ops.window import window_attention
@@ -210,6 +211,52 @@ def test_soft_weights(dtype, T):
     tolerances = (1e-4 if dtype == torch.float32 else 1e-2, 1e-4, 1e-4)
     for name, fast, exact, tol in zip(("keys", "codes", "temperature"), grads, ref_grads, tolerances):
         assert rel_rms(fast, exact) < tol, name
+
+
+@pytest.mark.parametrize("dtype, tol, first_pair", [(torch.float32, 1e-6, None), (torch.float32, 1e-6, 0),
+                                                    (torch.float32, 1e-6, 3), (torch.bfloat16, 1e-2, 3)])
+def test_rotation(dtype, tol, first_pair):
+    """RoPE's rotation of x seen through a (B, T, H, D) layout, and the inverse rotation of a gradient plus the
+    unrotated pairs' gradient (pairs m ≥ first_pair of both halves), against the formula in float64; 70 positions
+    cross a row block, 10 pairs fill part of the kernel's width."""
+    T, Dh, start = 70, 20, 5
+    g = torch.Generator().manual_seed(first_pair or 0)
+    x = torch.randn(B, T, H, Dh, generator=g).to(dtype).transpose(1, 2)
+    angle = torch.arange(start, start + T, dtype=torch.float64)[:, None] * 100.0 ** (-torch.arange(Dh // 2) / 10)
+    cos, sin = angle.cos(), angle.sin()
+
+    def exact(y, sign, raw=None):
+        y1, y2 = y.double().chunk(2, -1)
+        out = torch.cat([y1 * cos - sign * y2 * sin, y2 * cos + sign * y1 * sin], -1)
+        if raw is not None:
+            out.unflatten(-1, (2, Dh // 2))[..., first_pair:] += raw.double().unflatten(-1, (2, -1))
+        return out
+
+    cos32, sin32 = cos.float().to(DEVICE), sin.float().to(DEVICE)
+    rotated = rotate(x.to(DEVICE), cos32, sin32, 1.0)
+    assert rotated.dtype == dtype and rel_rms(rotated, exact(x, 1)) < tol
+    raw = None if first_pair is None else torch.randn(B, H, T, Dh - 2 * first_pair, generator=g).to(dtype)
+    back = rotate(x.to(DEVICE), cos32, sin32, -1.0, None if raw is None else raw.to(DEVICE), first_pair or 0)
+    assert rel_rms(back, exact(x, -1, raw)) < tol
+
+
+def test_rope_takes_the_rotation_kernel(monkeypatch):
+    """rope_rotate_keeping through the kernel (forced where it would not run: a CPU under the interpreter), both
+    outputs and the gradient of x, against the same call in float64 on PyTorch's form."""
+    from vqattn.modules.rope import rope_rotate_keeping
+    from vqattn.ops.triton import rotation
+
+    calls = []
+
+    def keep(kernel: bool):
+        def rotated_and_raw(y):
+            monkeypatch.setattr(rotation, "runs_rotation_kernel", lambda t: kernel and (calls.append(t.dtype) or True))
+            rotated, raw = rope_rotate_keeping(y, 7, 100.0, 2)
+            return torch.cat([rotated.flatten(), raw.flatten() * 3])
+        return rotated_and_raw
+
+    compare(keep(False), keep(True), leaves((B, H, 40, 20)), tol=1e-6)
+    assert calls == [torch.float32] * 2  # the forward and the backward pass took it
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's inf − inf

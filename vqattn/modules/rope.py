@@ -8,6 +8,8 @@ import functools
 import torch
 from torch.autograd.function import once_differentiable
 
+from ..ops.triton import rotation
+
 
 def rope_frequencies(head_dim: int, base: float, device=None) -> torch.Tensor:
     """(head_dim/2,) float64 angle per position of RoPE pair (x_m, x_{m+D/2}): base^(-2m/D)."""
@@ -139,13 +141,18 @@ class _Rotation(torch.autograd.Function):
     def forward(ctx, x, cos, sin, first_pair):
         ctx.save_for_backward(cos, sin)
         ctx.dtype, ctx.first_pair = x.dtype, first_pair
-        rotated = _rotate(x, cos, sin, 1.0).to(x.dtype)
+        if rotation.runs_rotation_kernel(x):  # one pass on a GPU
+            rotated = rotation.rotate(x, cos, sin, 1.0)
+        else:
+            rotated = _rotate(x, cos, sin, 1.0).to(x.dtype)
         return rotated if first_pair is None else (rotated, pair_dims(x, first_pair))
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad, grad_raw=None):
         cos, sin = ctx.saved_tensors
+        if grad.dtype == ctx.dtype and rotation.runs_rotation_kernel(grad):  # the raw part added in the same pass
+            return rotation.rotate(grad, cos, sin, -1.0, grad_raw, ctx.first_pair or 0), None, None, None
         out = _rotate(grad, cos, sin, -1.0)
         if grad_raw is not None:
             raw = out if ctx.first_pair == 0 else out.unflatten(-1, (2, out.shape[-1] // 2))[..., ctx.first_pair:]
