@@ -2,8 +2,9 @@
 # One prepared run on a CUDA machine: the Triton tests on the GPU, then the benchmark tables of the fused kernels
 # against softmax attention (SDPA's flash kernel), each table into its own file under ${OUT:-gpu_results}/.
 # Stages run in order of importance while the time budget (GPU_CHECK_SECONDS, default 480) lasts, so a short
-# lease still returns the first tables. GPU_CHECK_STAGES (names, space-separated) runs only those stages. Needs torch
-# with CUDA, triton and pytest; the package runs from the tree.
+# lease still returns the first tables. GPU_CHECK_STAGES (names, space-separated) runs only those stages, and
+# GPU_CHECK_TESTS (a pytest -k expression) only those tests. Needs torch with CUDA, triton and pytest; the package
+# runs from the tree.
 #
 #     bash benchmarks/gpu_check.sh
 #     GPU_CHECK_STAGES="tests profile_layer" bash benchmarks/gpu_check.sh
@@ -45,23 +46,23 @@ stage() {  # stage NAME MAX_SECONDS COMMAND...: run it if the budget holds MAX_S
 layers="python benchmarks/layer_speed.py --device cuda --autocast bf16 --dim 1024 --heads 16 --tokens 65536 --reps 5 --rounds 1"
 ops="python benchmarks/attention_speed.py --device cuda --dtype bfloat16 --heads 16 --reps 5 --rounds 1 --modes default"
 decode="python benchmarks/decode_speed.py --device cuda --lengths 1024 4096 8192 32768 --steps 20 --new-tokens 32"
-stage tests 150 python -m pytest -o addopts="" -q -p no:cacheprovider tests/ops/test_triton.py
-stage layers_triton 130 $layers --lengths 8192 32768 --layers softmax window vq_hard vq_soft
+stage tests 150 python -m pytest -o addopts="" -q -p no:cacheprovider tests/ops/test_triton.py ${GPU_CHECK_TESTS:+-k "$GPU_CHECK_TESTS"}
+stage layers_triton 200 $layers --lengths 2048 8192 32768 65536 --layers softmax window vq_hard vq_soft
+stage layers_compiled 180 $layers --lengths 8192 32768 --layers softmax vq_hard vq_soft --compile
 if ls .whl/fla_core-*.whl >/dev/null 2>&1 && python -m pip install -q --no-index --no-deps --target /tmp/fla_site \
     .whl/fla_core-*.whl; then
   export PYTHONPATH="$PYTHONPATH:/tmp/fla_site"
   peer="fla_simple_gla"
 fi
-stage ops_8k 90 $ops --batch 8 --lengths 8192 --methods sdpa vq_hard_rope vq_soft_rope window ${peer:-}
+stage ops_8k 120 $ops --batch 8 --lengths 8192 --methods sdpa vq_hard_rope vq_soft_rope window ${peer:-}
 stage ops_32k 60 $ops --batch 2 --lengths 32768 --methods sdpa vq_hard_rope vq_soft_rope window ${peer:-}
-stage profile_soft 30 python benchmarks/kernel_profile.py --what op --method vq_soft_rope --batch 8 --length 8192
-stage profile_layer 40 python benchmarks/kernel_profile.py --what layer --method vq_hard --batch 8 --length 8192
 stage profile_layer_soft 40 python benchmarks/kernel_profile.py --what layer --method vq_soft --batch 8 --length 8192
+stage profile_layer 40 python benchmarks/kernel_profile.py --what layer --method vq_hard --batch 8 --length 8192
+stage profile_soft 30 python benchmarks/kernel_profile.py --what op --method vq_soft_rope --batch 8 --length 8192
 stage tests_ovq 90 python -m pytest -o addopts="" -q -p no:cacheprovider tests/ops/test_triton_ovq.py
 stage layers_ovq_triton 120 $layers --lengths 8192 32768 --layers softmax ovq --impl triton
 stage decode_fused 120 $decode --methods softmax window vq_hard ovq
 stage layers_codes64 150 $layers --lengths 8192 32768 --layers softmax vq_hard vq_soft --num-codes 64
 stage layers_chunk 150 $layers --lengths 8192 32768 --layers softmax window vq_hard vq_soft ovq --impl chunk
 stage decode_recurrent 90 $decode --methods window vq_hard ovq --step-impl recurrent
-stage layers_compiled 200 $layers --lengths 8192 32768 --layers softmax vq_hard vq_soft window --compile
-stage layers_2k_64k 150 $layers --lengths 2048 65536 --layers softmax window vq_hard vq_soft ovq
+stage layers_compiled_window 120 $layers --lengths 8192 32768 --layers softmax window --compile

@@ -93,10 +93,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def measure(args: argparse.Namespace, name: str, T: int) -> dict:
-    return run_child(__file__, [json.dumps({
+    """One layer at one length in a fresh process, noted on stderr at once (a run cut short still tells)."""
+    result = run_child(__file__, [json.dumps({
         "name": name, "T": T, "device": args.device, "reps": args.reps, "dtype": args.dtype, "autocast": args.autocast,
         "dim": args.dim, "num_heads": args.heads, "num_codes": args.num_codes, "compiled": args.compile,
         "tuned_allocator": args.tuned_allocator, "impl": args.impl, "batch": batch_size(args, T)})])
+    print(f"# {name} T={T}: {result['ms']:.2f} ms, peak {result['peak_mb']:.0f} MB", file=sys.stderr, flush=True)
+    return result
 
 
 def batch_size(args: argparse.Namespace, T: int) -> int:

@@ -16,8 +16,8 @@ changes the model before the streams run:
   value is unchanged): the log-count bias stays in the range of training, the content does not.
 - ``decay_0.5``: counts and sums halved after every segment: older keys fade, as in an EMA codebook.
 - ``float64``: the whole model in float64 (long sums in high precision).
-- ``memory_cap_half_T``: the layers' ``memory_cap`` at T/2 instead of T: the memory weighs as if it held at most the
-  keys that a query in the middle of a training window saw.
+- ``memory_cap_T/2``, ``memory_cap_T/4``, ...: the layers' ``memory_cap`` at that fraction of T instead of T (a
+  query in the middle of a training window saw about T/2 keys in memory).
 - ``slots_x4`` (ovq): four times the slots; ``no_memory_rope`` (ovq): the memory scored with unrotated q and k;
   ``rope_clamp_T`` (ovq): the memory's slow RoPE pairs rotated by positions clamped at T (``memory_rope_clamp``).
 """
@@ -70,12 +70,14 @@ def ablated_model(model, name: str):
     """The model an ablation reads with (a copy when it changes the model)."""
     if name == "float64":
         return copy.deepcopy(model).double()
-    if name in ("slots_x4", "no_memory_rope", "rope_clamp_T", "memory_cap_half_T"):
+    if name.startswith("memory_cap_T/"):
         model = copy.deepcopy(model)
         for block in model.blocks:
-            if name == "memory_cap_half_T":
-                block.attn.memory_cap = model.config.seq_len // 2
-            elif name == "slots_x4":
+            block.attn.memory_cap = model.config.seq_len // int(name.split("/")[1])
+    if name in ("slots_x4", "no_memory_rope", "rope_clamp_T"):
+        model = copy.deepcopy(model)
+        for block in model.blocks:
+            if name == "slots_x4":
                 block.attn.num_slots *= 4
             elif name == "rope_clamp_T":
                 block.attn.memory_rope_clamp = model.config.seq_len
@@ -87,7 +89,7 @@ def ablated_model(model, name: str):
 def ablations_for(model) -> list[str]:
     names = ["carried"]
     if model.config.attention in ("vq_hard", "vq_soft", "ovq"):
-        names += ["no_memory", "cap_T", "decay_0.5", "float64", "memory_cap_half_T"]
+        names += ["no_memory", "cap_T", "decay_0.5", "float64", "memory_cap_T/2", "memory_cap_T/4", "memory_cap_T/8"]
     if model.config.attention == "ovq":
         names += ["slots_x4", "no_memory_rope", "rope_clamp_T"]
     return names
