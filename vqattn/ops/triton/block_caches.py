@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from . import triton
-from .window_codes import _dot_dtype, _float32_precision, _load_rows, _unit_last, _width
+from .window_codes import _dot_dtype, _load_rows, _unit_last, _width
 
 if triton is not None:
     import triton.language as tl
@@ -67,7 +67,7 @@ if triton is not None:
     @triton.jit
     def _prefix_kernel(IDX, WTS, V, N0, C0, NB, CB, NF, CF, sv_b, sv_h, sv_t, H, T, S, DV, fold,
                        L: tl.constexpr, BS: tl.constexpr, BDV: tl.constexpr, HARD: tl.constexpr,
-                       DOT: tl.constexpr, PREC: tl.constexpr, F32_PREC: tl.constexpr):
+                       DOT: tl.constexpr, PREC: tl.constexpr):
         bh = tl.program_id(1)
         nb = tl.cdiv(T, L)
         codes, present, tile_mask, offsets = _code_tile_layout(S, DV, BS, BDV)
@@ -88,8 +88,7 @@ if triton is not None:
     @triton.jit
     def _prefix_backward_kernel(IDX, WTS, V, DNB, DCB, DNF, DCF, DN0, DC0, DVAL, DWTS, sv_b, sv_h, sv_t,
                                 H, T, S, DV, fold, L: tl.constexpr, BS: tl.constexpr, BDV: tl.constexpr,
-                                HARD: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-                                F32_PREC: tl.constexpr):
+                                HARD: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
         """DVAL (BH, T, DV) float32: written row by row for hard (each row by the tile of its code), added into
         (zeroed) for soft; DWTS (BH, T, S) float32, soft only."""
         bh = tl.program_id(1)
@@ -110,7 +109,8 @@ if triton is not None:
             g_sums += d_sums + f_sums
             rows = blk * L + tl.arange(0, L)
             w = _assignment_tile(IDX, WTS, bh, rows, codes, T, S, HARD)
-            d_values = tl.dot(w, g_sums, input_precision=F32_PREC)  # (L, BDV)
+            # (L, BDV); a hard row selects one code's gradient, which rounds to DOT exactly as the result would
+            d_values = tl.dot(w.to(DOT), g_sums.to(DOT), input_precision=PREC)
             row_mask = (rows[:, None] < T) & (dv[None, :] < DV)
             value_offsets = (bh * T + rows[:, None]) * DV + dv[None, :]
             if HARD:
@@ -161,10 +161,11 @@ class BlockCaches(torch.autograd.Function):
         f32 = dict(device=v.device, dtype=torch.float32)
         cache_n, cache_c = torch.empty(B, H, nb, S, **f32), torch.empty(B, H, nb, S, DV, **f32)
         fold_n, fold_c = torch.empty(B, H, S, **f32), torch.empty(B, H, S, DV, **f32)
-        f32_prec = _float32_precision(v.dtype)  # the soft weights' and the gradients' products
-        dot, prec = _dot_dtype(v.dtype) if hard else (tl.float32, f32_prec)
+        # Half values multiply in their own type, soft weights and gradient sums rounded to it (as flash attention
+        # rounds its probabilities); float32 values in IEEE float32.
+        dot, prec = _dot_dtype(v.dtype)
         BDV = _width(DV)
-        meta = dict(L=block_len, BS=_code_tile(BDV), BDV=BDV, HARD=hard, DOT=dot, PREC=prec, F32_PREC=f32_prec)
+        meta = dict(L=block_len, BS=_code_tile(BDV), BDV=BDV, HARD=hard, DOT=dot, PREC=prec)
         grid = (triton.cdiv(S, meta["BS"]), B * H)
         _prefix_kernel[grid](idx, wts, v, n0, c0, cache_n, cache_c, fold_n, fold_c, v.stride(0), v.stride(1),
                              v.stride(2), H, T, S, DV, fold, **meta, **_launch(hard))
