@@ -57,9 +57,9 @@ def weigh_memory(counts: torch.Tensor, sums: torch.Tensor, weight):
     if is_unweighed(weight):
         return counts, sums
     if isinstance(weight, float) or weight.dim() == 0:
-        return counts * weight, sums * weight
+        return counts * weight, (sums * weight).to(sums.dtype)
     weight = weight[:, None]
-    return counts * weight, sums * weight[..., None]
+    return counts * weight, (sums * weight[..., None]).to(sums.dtype)
 
 
 def block_memory_bias(first_block: int, num_blocks: int, block_len: int, memory_cap: int | None, *,

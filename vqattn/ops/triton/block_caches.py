@@ -54,15 +54,16 @@ if triton is not None:
 
     @triton.jit
     def _load_cache(N, C, row, S, DV, codes, offsets, mask, tile_mask):
-        """The tile of cache ``row`` of counts N (·, S) and sums C (·, S, DV), 0 where ``mask`` (BS,) is off."""
-        n = tl.load(N + row * S + codes, mask=mask, other=0.0)
-        sums = tl.load(C + row * S * DV + offsets, mask=tile_mask & mask[:, None], other=0.0)
+        """The tile of cache ``row`` of counts N (·, S) and sums C (·, S, DV) (of any float type), 0 where ``mask``
+        (BS,) is off, as float32."""
+        n = tl.load(N + row * S + codes, mask=mask, other=0.0).to(tl.float32)
+        sums = tl.load(C + row * S * DV + offsets, mask=tile_mask & mask[:, None], other=0.0).to(tl.float32)
         return n, sums
 
     @triton.jit
     def _store_cache(N, C, row, S, DV, codes, offsets, n, sums, mask, tile_mask):
         tl.store(N + row * S + codes, n, mask=mask)
-        tl.store(C + row * S * DV + offsets, sums, mask=tile_mask & mask[:, None])
+        tl.store(C + row * S * DV + offsets, sums.to(C.dtype.element_ty), mask=tile_mask & mask[:, None])
 
     @triton.jit
     def _prefix_kernel(IDX, WTS, V, N0, C0, NB, CB, NF, CF, sv_b, sv_h, sv_t, H, T, S, DV, fold,
@@ -141,6 +142,11 @@ def _launch(hard: bool) -> dict:
     return {} if hard else dict(num_stages=1)
 
 
+def cache_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the per-block value sums (and their gradient) beside values of ``dtype``."""
+    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32
+
+
 def _code_tile(dv_width: int) -> int:
     return max(16, min(64, TILE_FLOATS // dv_width))
 
@@ -159,7 +165,10 @@ class BlockCaches(torch.autograd.Function):
         v = _unit_last(v)
         n0, c0 = counts0.float().contiguous(), sums0.float().contiguous()
         f32 = dict(device=v.device, dtype=torch.float32)
-        cache_n, cache_c = torch.empty(B, H, nb, S, **f32), torch.empty(B, H, nb, S, DV, **f32)
+        # Every block's value sums in the values' half type when they have one: the largest tensor of the fused
+        # form, read or written five times a step (the counts, and the running sums, stay float32).
+        cache_c = torch.empty(B, H, nb, S, DV, device=v.device, dtype=cache_dtype(v.dtype))
+        cache_n = torch.empty(B, H, nb, S, **f32)
         fold_n, fold_c = torch.empty(B, H, S, **f32), torch.empty(B, H, S, DV, **f32)
         # Half values multiply in their own type, soft weights and gradient sums rounded to it (as flash attention
         # rounds its probabilities); float32 values in IEEE float32.
@@ -182,7 +191,7 @@ class BlockCaches(torch.autograd.Function):
         S, hard = ctx.S, ctx.meta["HARD"]
         nb = triton.cdiv(T, ctx.meta["L"])
         f32 = dict(device=v.device, dtype=torch.float32)
-        grads_in = [g.float().contiguous() if g is not None else torch.zeros(shape, **f32) for g, shape in
+        grads_in = [g.contiguous() if g is not None else torch.zeros(shape, **f32) for g, shape in
                     ((d_cache_n, (B, H, nb, S)), (d_cache_c, (B, H, nb, S, DV)), (d_fold_n, (B, H, S)),
                      (d_fold_c, (B, H, S, DV)))]
         d_n0, d_c0 = torch.empty(B, H, S, **f32), torch.empty(B, H, S, DV, **f32)

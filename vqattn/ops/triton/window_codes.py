@@ -155,8 +155,8 @@ if triton is not None:
                          PREC: tl.constexpr, CODEBOOK_GRAD: tl.constexpr):
         """Gradients of one query block. DKW and DV_ (2, B·H, T, ·) float32 take the window gradients of key
         block blk − back at its own rows of slice ``back`` (``dkw_slice``, ``dv_slice`` elements apart); DCB
-        (B·H, nb, S, DC), DCNT (B·H, nb, S), DSUM (B·H, nb, S, DV) float32 the block's share of the codebook's
-        gradient and its cache's gradients."""
+        (B·H, nb, S, DC), DCNT (B·H, nb, S) float32 and DSUM (B·H, nb, S, DV) (in the sums' dtype) the block's
+        share of the codebook's gradient and its cache's gradients."""
         blk, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // H, bh % H
         nb = tl.cdiv(T, L)
@@ -204,7 +204,8 @@ if triton is not None:
                 w_n = tl.where(held[None, :], w / n[None, :], 0.0)
                 d_sums = tl.dot(tl.trans(w_n.to(DOT)), do_dot, input_precision=PREC)  # (BS, BDV), float32
                 d_counts = -tl.sum(w_n * delta[:, None], 0)
-                tl.store(DSUM + (cache * S + codes[:, None]) * DV + dv_cols[None, :], d_sums,
+                tl.store(DSUM + (cache * S + codes[:, None]) * DV + dv_cols[None, :],
+                         d_sums.to(DSUM.dtype.element_ty),
                          mask=present[:, None] & (dv_cols[None, :] < DV))
                 tl.store(DCNT + cache * S + codes, d_counts, mask=present)
             _store_rows(DQC, 0, T * DC, DC, 0, bh, rows, T, DC, dqc, BDC)
@@ -281,7 +282,7 @@ class FusedWindowCodes(torch.autograd.Function):
         codebook_grad = ctx.has_codes and ctx.needs_input_grad[4]
         dcb = torch.empty(B * H, nb, S, DC, **f32) if codebook_grad else dqw
         dcnt = torch.empty(B * H, nb, S, **f32) if ctx.has_codes else dqw
-        dsum = torch.empty(B * H, nb, S, DV, **f32) if ctx.has_codes else dqw
+        dsum = torch.empty(B * H, nb, S, DV, device=qw.device, dtype=sm.dtype) if ctx.has_codes else dqw
         _backward_kernel[(nb, B * H)](
             qw, kw, v, qc, cb, cnt, sm, out, grad_out, lse, dqw, dkw, dv, dqc, dcb, dcnt, dsum,
             *_strides(qw), *_strides(kw), *_strides(v), *_strides(qc), *_strides(out), *_strides(grad_out),
