@@ -180,7 +180,7 @@ if triton is not None:
             dv = tl.dot(tl.trans(p.to(DOT)), do_dot, input_precision=PREC)
             _store_rows(DKW + back * dkw_slice, 0, T * D, D, 0, bh, cols, T, D, dk, BD)
             _store_rows(DV_ + back * dv_slice, 0, T * DV, DV, 0, bh, cols, T, DV, dv, BDV)
-        _store_rows(DQW, 0, T * D, D, 0, bh, rows, T, D, dqw, BD)  # DQW, DQC: contiguous float32
+        _store_rows(DQW, 0, T * D, D, 0, bh, rows, T, D, dqw, BD)  # DQW, DQC: contiguous, of q's dtypes
         if HAS_CODES:
             qc = _load_rows(QC, sqc_b, sqc_h, sqc_t, b, h, rows, T, DC, BDC, DOT)
             dqc = tl.zeros([L, BDC], tl.float32)
@@ -274,11 +274,12 @@ class FusedWindowCodes(torch.autograd.Function):
         nb = triton.cdiv(T, L)
         grad_out = _unit_last(grad_out)
         f32 = dict(device=qw.device, dtype=torch.float32)
-        dqw = torch.empty(B, H, T, D, **f32)
+        # dq is whole in one program: written in its own dtype; a key block's two shares add in float32 first
+        dqw = torch.empty(B, H, T, D, device=qw.device, dtype=qw.dtype)
         dkw, dv = torch.empty(2, B * H, T, D, **f32), torch.empty(2, B * H, T, DV, **f32)
         # the last key block has no next query block to write its second share
         dkw[1, :, (nb - 1) * L:], dv[1, :, (nb - 1) * L:] = 0, 0
-        dqc = torch.empty(B, H, T, DC, **f32) if ctx.has_codes else dqw
+        dqc = torch.empty(B, H, T, DC, device=qc.device, dtype=qc.dtype) if ctx.has_codes else dqw
         codebook_grad = ctx.has_codes and ctx.needs_input_grad[4]
         dcb = torch.empty(B * H, nb, S, DC, **f32) if codebook_grad else dqw
         dcnt = torch.empty(B * H, nb, S, **f32) if ctx.has_codes else dqw
