@@ -1,10 +1,13 @@
 """torch.compile (CPU inductor) of the codebook and window ops: one graph (fullgraph=True, so no graph break
-such as a host read of a tensor can creep in), matching eager in outputs and gradients."""
+such as a host read of a tensor can creep in), matching eager in outputs and gradients; the Triton forms (under the
+interpreter) as graph breaks around their kernels."""
 
 import pytest
 import torch
 
 from vqattn.functional import vq_attention, window_attention
+
+from triton_helpers import needs_triton
 
 B, H, T, D, S, L = 2, 2, 37, 8, 16, 8  # T not a multiple of L
 
@@ -19,10 +22,10 @@ def _layer_like(op):
     return f
 
 
-def _check(f, inputs, wrt):
+def _check(f, inputs, wrt, fullgraph=True):
     eager = f(*inputs)
     g_eager = torch.autograd.grad(eager.square().sum(), wrt)
-    compiled = torch.compile(f, fullgraph=True)(*inputs)
+    compiled = torch.compile(f, fullgraph=fullgraph)(*inputs)
     g_compiled = torch.autograd.grad(compiled.square().sum(), wrt)
     torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
     for a, b in zip(g_compiled, g_eager):
@@ -48,3 +51,20 @@ def test_window_attention_compiles_and_matches_eager():
     torch.manual_seed(1)
     x = torch.randn(B, T, 3 * H * D, requires_grad=True)
     _check(_layer_like(lambda q, k, v: window_attention(q, k, v, block_len=L)), (x,), (x,))
+
+
+@pytest.mark.slow
+@needs_triton
+def test_triton_forms_compile_around_their_kernels():
+    """impl="triton" under torch.compile: every kernel launch is a graph break (dynamo does not trace into the
+    kernels' autograd functions), and the compiled call matches eager (soft: the cache walk's gradients reach the
+    weights and the codebook too)."""
+    torch.manual_seed(2)
+    x = torch.randn(B, T, 3 * H * D, requires_grad=True)
+    c = torch.randn(H, S, D, requires_grad=True)
+
+    def op(q, k, v, c):
+        return vq_attention(q, k, v, c, causal=True, assign="soft", block_len=16, exact_window=True,
+                            q_rot=q.flip(-1), k_rot=k.flip(-1), impl="triton")
+
+    _check(_layer_like(op), (x, c), (x, c), fullgraph=False)

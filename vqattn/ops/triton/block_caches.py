@@ -205,6 +205,7 @@ class BlockCaches(torch.autograd.Function):
                 d_c0.to(c_dtype), None, None)
 
 
+@torch.compiler.disable  # a graph break: torch.compile runs the kernels as they are
 def block_caches(index, weights, v, counts0, sums0, *, block_len: int, fold: int):
     """Every block's cache and the state after ``fold`` blocks (see the module doc), differentiable in v, the soft
     weights and the initial cache.
