@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.errors import MissingConfigException
@@ -300,7 +301,9 @@ def test_train_script_writes_results_with_a_clean_console(tmp_path):
     assert results["steps"] == 20 and results["attention"] == "vq_soft" and results["headline"] == "val_bpb"
     assert results["device"].endswith(", 1 threads)")
     assert (out / "checkpoints" / "last.ckpt").exists() and (out / ".hydra" / "config.yaml").exists()
-    assert (out / "hparams.yaml").exists()
+    hparams = yaml.safe_load((out / "hparams.yaml").read_text())  # the module's and the optimisation's settings
+    assert hparams["model"]["attention"] == "vq_soft" and hparams["optimizer"]["_target_"] == "torch.optim.AdamW"
+    assert hparams["optim"]["lr"] > 0 and "_target_" in hparams["scheduler"]
     console = proc.stdout + proc.stderr
     assert not [word for word in NOISE if word in console]
     assert console.count("GPU available") == 1  # Lightning's INFO lines once, not twice

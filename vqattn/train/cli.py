@@ -27,7 +27,7 @@ import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from ..utils import available_cores, idle_cores
 from .checks import check_config, check_resumable, cpu_processes_warning, raw_window_warning, unknown_option
@@ -100,6 +100,12 @@ def build(cfg: DictConfig, run_dir: Path, started: float | None = None):
         callbacks.append(LambdaCallback(on_fit_start=_say_compiling))
     loggers = [RunCSVLogger(run_dir, resume_step), *extra_loggers(cfg.get("logger"), run_dir)]
     trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers, callbacks=callbacks)
+    # The optimizer and scheduler reach the module as partials, which its saved hyperparameters leave out: the
+    # loggers get their settings here (Lightning adds the module's at fit).
+    optimization = {key: OmegaConf.to_container(cfg[key], resolve=True) for key in ("optim", "optimizer", "scheduler")
+                    if cfg.get(key) is not None}
+    for logger in trainer.loggers:
+        logger.log_hyperparams(optimization)
     return module, datamodule, trainer
 
 

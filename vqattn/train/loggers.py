@@ -30,6 +30,7 @@ class RunCSVLogger(Logger):
     def __init__(self, run_dir: str | Path, resume_step: int = 0):
         super().__init__()
         self.run_dir, self.resume_step = Path(run_dir), resume_step
+        self._hparams: dict = {}  # every call's, merged: the run's optimisation settings and the module's
         self.metrics_file_path = self.run_dir / "metrics.csv"
         self._rows: list[dict] = []
         self._keys: list[str] | None = None  # the file's columns, once read or written
@@ -52,8 +53,9 @@ class RunCSVLogger(Logger):
 
     @rank_zero_only
     def log_hyperparams(self, params, *args, **kwargs) -> None:
+        self._hparams.update(dict(params) if params is not None else {})
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        save_hparams_to_yaml(self.run_dir / "hparams.yaml", dict(params) if params is not None else {})
+        save_hparams_to_yaml(self.run_dir / "hparams.yaml", self._hparams)
 
     @rank_zero_only
     def log_metrics(self, metrics: dict, step: int | None = None) -> None:
