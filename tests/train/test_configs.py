@@ -183,12 +183,14 @@ def test_several_loggers_compose_together():
     assert compose_cfg().logger == {}  # the default: metrics.csv alone
 
 
-def test_the_memory_layers_get_the_training_length_as_memory_cap():
+def test_the_memory_layers_get_twice_the_block_as_memory_cap():
     for name in ("vq_hard", "vq_soft", "ovq"):
         assert ATTENTIONS[name](32, 2).memory_cap is None  # the layers' Python default: no bound
-        cfg = compose_cfg(f"attention={name}", "model.seq_len=96")
-        assert cfg.attention.kwargs.memory_cap == 96
-        assert instantiate(cfg.module, _convert_="all").model.blocks[0].attn.memory_cap == 96
+        cfg = compose_cfg(f"attention={name}", "block_len=16")
+        assert cfg.attention.kwargs.memory_cap == 32
+        assert instantiate(cfg.module, _convert_="all").model.blocks[0].attn.memory_cap == 32
+    assert compose_cfg("attention=ovq").attention.kwargs.memory_cap == 128  # the root block_len, 64
     assert compose_cfg("attention=ovq", "memory_cap=null").attention.kwargs.memory_cap is None
+    assert compose_cfg("attention=ovq", "memory_cap=500").attention.kwargs.memory_cap == 500
     with pytest.raises(ValueError, match="memory_cap needs exact_window=True"):
         ATTENTIONS["vq_soft"](32, 2, memory_cap=64, exact_window=False, rope=False)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 _PLAIN = (type(None), bool, int, float, str)
 
@@ -94,6 +94,8 @@ def register() -> None:
     from ..model import GPTConfig
     from .lit import OptimConfig
 
+    # ${vqattn.mul:a,b}, the product of two ints: conf/config.yaml's memory_cap is 2 × block_len
+    OmegaConf.register_new_resolver("vqattn.mul", lambda a, b: int(a) * int(b), replace=True)
     cs = ConfigStore.instance()
     cs.store(group="schema", name="model", node=_dataclass_defaults(GPTConfig))
     cs.store(group="schema", name="optim", node=_dataclass_defaults(OptimConfig))
@@ -106,6 +108,6 @@ def register() -> None:
         kwargs = signature_defaults(cls, stop=Attention)
         if "block_len" in kwargs:  # the root key block_len (conf/config.yaml) sets every attention that has one
             kwargs["block_len"] = "${block_len}"
-        if "memory_cap" in kwargs:  # the compressed memory weighs at most the training length's keys
+        if "memory_cap" in kwargs:  # the compressed memory weighs at most as many keys as the raw window holds
             kwargs["memory_cap"] = "${memory_cap}"
         cs.store(group="attention", name=name, node={"name": name, "kwargs": kwargs})
