@@ -61,7 +61,8 @@ class OnlineVQAttention(Attention):
         **attention_kwargs,
     ):
         """``memory_cap``: the slots weigh as if they held at most this many keys (``ovq_attention``'s; the trainer
-        sets the training length, so that a model reads past it: docs/evaluation.md); None: no bound;
+        sets 2 × block_len, with which a model reads past its training length as the window does and trains
+        better: docs/evaluation.md); None: no bound;
         ``memory_rope_clamp`` P: with ``memory_rope=True``, the memory's slow pairs (those ``"fast"`` leaves
         unrotated) rotate by min(position, P) (:func:`~vqattn.modules.rope.rope_rotate_clamped`): up to P nothing
         changes, and past P no memory score meets a slow-pair angle that positions up to P did not produce (it

@@ -58,7 +58,8 @@ class VQAttention(Attention):
     ):
         """``codebook``: extra :class:`~vqattn.codebook.Codebook` kwargs (learning, decay, commitment, ...);
         ``memory_cap``: the codes weigh as if they held at most this many keys (``vq_attention``'s; the trainer sets
-        the training length, so that a model reads past it: docs/evaluation.md); None: no bound;
+        2 × block_len, with which a model reads past its training length as the window does and trains better:
+        docs/evaluation.md); None: no bound;
         ``impl``: the op's form (``vq_attention``'s: "auto" runs the Triton kernel on CUDA where it applies);
         ``attention_kwargs`` go to :class:`Attention`."""
         super().__init__(dim, num_heads, **attention_kwargs)
