@@ -154,11 +154,14 @@ def measure(method, T, device, reps, block_len, mode, shape: dict):
 
 
 def measure_noted(method, T, device, reps, block_len, mode, shape: dict):
-    """:func:`measure`, noting its result on stderr at once: a run cut short by a time limit still tells what it
-    measured before the table is printed."""
-    result = measure(method, T, device, reps, block_len, mode, shape)
-    print(f"# {method} {mode} T={T}: {result['ms']:.2f} ms, peak {result['peak_mb']:.0f} MB", file=sys.stderr,
-          flush=True)
+    """:func:`measure`, noted (:func:`note`)."""
+    return note(f"{method} {mode} T={T}", measure(method, T, device, reps, block_len, mode, shape))
+
+
+def note(label: str, result: dict) -> dict:
+    """Print one measurement on stderr at once (a run cut short by a time limit still tells what it measured)."""
+    print(f"# {label}: {result.get('ms', float('nan')):.2f} ms, peak {result.get('peak_mb', float('nan')):.0f} MB",
+          file=sys.stderr, flush=True)
     return result
 
 

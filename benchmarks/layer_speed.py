@@ -25,7 +25,7 @@ import json
 import sys
 
 import torch
-from attention_speed import fresh_page_ms_per_mb, machine, run_child, summarise, time_fwd_bwd
+from attention_speed import fresh_page_ms_per_mb, machine, note, run_child, summarise, time_fwd_bwd
 
 from vqattn.layers import ATTENTIONS, build_attention
 from vqattn.utils import tune_cpu_allocator
@@ -93,13 +93,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def measure(args: argparse.Namespace, name: str, T: int) -> dict:
-    """One layer at one length in a fresh process, noted on stderr at once (a run cut short still tells)."""
-    result = run_child(__file__, [json.dumps({
+    """One layer at one length in a fresh process, noted at once (``note``)."""
+    return note(f"{name} T={T}", run_child(__file__, [json.dumps({
         "name": name, "T": T, "device": args.device, "reps": args.reps, "dtype": args.dtype, "autocast": args.autocast,
         "dim": args.dim, "num_heads": args.heads, "num_codes": args.num_codes, "compiled": args.compile,
-        "tuned_allocator": args.tuned_allocator, "impl": args.impl, "batch": batch_size(args, T)})])
-    print(f"# {name} T={T}: {result['ms']:.2f} ms, peak {result['peak_mb']:.0f} MB", file=sys.stderr, flush=True)
-    return result
+        "tuned_allocator": args.tuned_allocator, "impl": args.impl, "batch": batch_size(args, T)})]))
 
 
 def batch_size(args: argparse.Namespace, T: int) -> int:
