@@ -114,8 +114,8 @@ def vq_assign(k: torch.Tensor, codebook: torch.Tensor, *, assign: str, temperatu
     if runs_assignment_kernels(k):  # kernels on a GPU: no (T, S) scores in memory, tensor-core products
         if assign == "hard":
             return Assignment(None, nearest_codes(k, codebook))
-        return Assignment(soft_weights(k, codebook, temperature_tensor(temperature, codebook.shape[0], codebook.float())),
-                          None)
+        tau = temperature_tensor(temperature, codebook.shape[0], codebook.float())  # validated, float32
+        return Assignment(soft_weights(k, codebook, tau), None)
     dtype = compute_dtype(k.dtype)
     k, c = k.to(dtype), codebook.to(dtype)  # c: (H, S, D)
     B, H, T, _ = k.shape
