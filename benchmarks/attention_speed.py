@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -165,11 +166,20 @@ def note(label: str, result: dict) -> dict:
     return result
 
 
+def failure(stderr: str) -> str:
+    """The exception a child died of: the last line naming one (dynamo ends its message with advice), or the last
+    line; for a torch.compile failure, with the user code where it happened."""
+    lines = stderr.strip().splitlines() or [""]
+    raised = [line for line in lines if re.match(r"[\w.]*(Error|Exception|Unsupported)\b", line)]
+    where = [lines[i + 1].strip() for i, line in enumerate(lines[:-1]) if line.startswith("from user code:")]
+    return " at ".join([(raised or lines)[-1], *where[-1:]])
+
+
 def run_child(script: str, args: list[str]) -> dict:
     """``script --child *args`` in a fresh process (its allocator and peak RSS its own); the JSON it prints last."""
     result = subprocess.run([sys.executable, script, "--child", *args], capture_output=True, text=True)
     if result.returncode != 0:
-        return {"ms": float("nan"), "peak_mb": float("nan"), "error": result.stderr.strip().splitlines()[-1:]}
+        return {"ms": float("nan"), "peak_mb": float("nan"), "error": failure(result.stderr)}
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 

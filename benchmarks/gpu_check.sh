@@ -54,8 +54,10 @@ if ls .whl/fla_core-*.whl >/dev/null 2>&1 && python -m pip install -q --no-index
   export PYTHONPATH="$PYTHONPATH:/tmp/fla_site"
   peer="fla_simple_gla"
 fi
-stage ops_8k 120 $ops --batch 8 --lengths 8192 --methods sdpa vq_hard_rope vq_soft_rope window ${peer:-}
-stage ops_32k 60 $ops --batch 2 --lengths 32768 --methods sdpa vq_hard_rope vq_soft_rope window ${peer:-}
+stage ops_8k 120 $ops --batch 8 --lengths 8192 --methods sdpa vq_hard_rope vq_soft_rope window
+stage ops_32k 60 $ops --batch 2 --lengths 32768 --methods sdpa vq_hard_rope vq_soft_rope window
+# fla autotunes every kernel on first use, which takes minutes: a stage of its own, beside SDPA in the same run.
+[ -n "${peer:-}" ] && stage ops_peer 200 $ops --batch 8 --lengths 8192 --methods sdpa $peer
 stage profile_layer_soft 40 python benchmarks/kernel_profile.py --what layer --method vq_soft --batch 8 --length 8192
 stage profile_layer 40 python benchmarks/kernel_profile.py --what layer --method vq_hard --batch 8 --length 8192
 stage profile_soft 30 python benchmarks/kernel_profile.py --what op --method vq_soft_rope --batch 8 --length 8192

@@ -68,3 +68,24 @@ def test_triton_forms_compile_around_their_kernels():
                             q_rot=q.flip(-1), k_rot=k.flip(-1), impl="triton")
 
     _check(_layer_like(op), (x, c), (x, c), fullgraph=False)
+
+
+def test_replaced_records_cross_a_graph_break():
+    """An op's record copied inside a compiled function and alive across a graph break, as it is at every Triton
+    kernel launch, comes out as its class with the fields changed and the rest kept (torch 2.11's dynamo could not
+    rebuild ``_replace``'s copies there)."""
+    from vqattn.ops.blocks import as_schedule
+    from vqattn.ops.common.records import replaced
+    from vqattn.ops.vq.state import Inputs
+
+    def f(q, x):
+        y = replaced(x, q=q * 2, bad=None)
+        torch._dynamo.graph_break()
+        return y, y.q + 1
+
+    q = torch.randn(1, 1, 3, 2)
+    x = Inputs(q, q, q, q, None, None, None, q[..., 0] > 0, "hard", 1.0, 4, 0.5, False, as_schedule("auto"))
+    y, q1 = torch.compile(f)(q, x)
+    assert type(y) is Inputs and y.bad is None and y.assign == "hard" and y.block_len == 4
+    torch.testing.assert_close(y.q, 2 * q)
+    torch.testing.assert_close(q1, 2 * q + 1)

@@ -19,6 +19,7 @@ import torch
 
 from ..blocks import blocks, group_windows, loops, pad_to_blocks, window_bias, window_start, window_tail
 from ..common.memory_cap import block_memory_bias
+from ..common.records import replaced
 from ..common.statistics import Assignment, code_statistics
 from ..common.window_codes import WindowCodeInputs, window_code_attention
 from ..triton.online_slots import fused_online_slots
@@ -34,7 +35,7 @@ def _with_prefix(x: Inputs, state: OVQState) -> Inputs:
         return now if before is None else torch.cat([before.to(now.dtype), now], 2)
 
     zeros = x.q.new_zeros(*x.q.shape[:2], state.keys.shape[2], x.q.shape[-1])
-    return x._replace(q=cat(zeros, x.q), q_mem=cat(zeros, x.q_mem), k=cat(state.keys, x.k), v=cat(state.values, x.v),
+    return replaced(x, q=cat(zeros, x.q), q_mem=cat(zeros, x.q_mem), k=cat(state.keys, x.k), v=cat(state.values, x.v),
                       k_mem=cat(state.memory_keys if x.separate_keys else state.keys, x.k_mem),
                       slots=cat(state.slots, x.slots), slot_weights=cat(state.slot_weights, x.slot_weights))
 

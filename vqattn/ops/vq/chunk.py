@@ -36,6 +36,7 @@ from ..blocks import (
     window_tail,
 )
 from ..common.memory_cap import block_memory_bias
+from ..common.records import replaced
 from ..common.statistics import Assignment, cat_time, code_counts, code_statistics, map_time
 from ..common.window_codes import WindowCodeInputs, window_code_attention
 from ..nonfinite import zero_assignment_rows
@@ -191,7 +192,7 @@ def chunk_form(x: Inputs, state: VQState | None, *, return_state: bool, fused: b
     if x.assign != "soft" or x.exact_window:
         # Only the mixture's window logits read a key's weights directly. Everywhere else they reach the cache
         # alone, which only the queries that see the key read, and the poison makes those NaN anyway.
-        x = x._replace(bad=None)
+        x = replaced(x, bad=None)
     if state is None:
         start = 0
         counts0, sums0 = x.codebook.new_zeros(B, H, S), x.codebook.new_zeros(B, H, S, Dv)  # float32 for a fused q
@@ -201,7 +202,7 @@ def chunk_form(x: Inputs, state: VQState | None, *, return_state: bool, fused: b
         q, window_k, v = prepend_window(x.q, x.window_k, x.v, state.keys, state.values)
         # the keys come assigned: only the window's keys are read
         keys = dict(k_rot=window_k, k=None) if x.k_rot is not None else dict(k=window_k)
-        x = x._replace(q=q, v=v, q_rot=q_rot, bad=None, **keys,
+        x = replaced(x, q=q, v=v, q_rot=q_rot, bad=None, **keys,
                        assignment=cat_time(state.assignment, zero_assignment_rows(x.assignment, x.bad)))
     # Short sequences fit in one block; a shorter block gives the same result with less padding.
     L_run = L if state is not None or return_state else size_min(L, x.v.shape[2])
@@ -209,7 +210,7 @@ def chunk_form(x: Inputs, state: VQState | None, *, return_state: bool, fused: b
     keep = window_start(length, L) - start  # positions leaving the raw window: whole blocks
     causal = _causal
     if fused:
-        x = x._replace(assignment=x.assign_keys(x.k) if x.assignment is None else x.assignment)
+        x = replaced(x, assignment=x.assign_keys(x.k) if x.assignment is None else x.assignment)
         causal, L_run = _fused_causal, L
     out, counts, sums = causal(x, L=L_run, counts0=counts0, sums0=sums0, fold_blocks=keep // L if return_state else 0,
                                first_block=start // L)

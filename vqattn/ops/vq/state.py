@@ -13,6 +13,7 @@ from .._checks import check_4d, check_choice, check_positive_int, check_qkv, che
 from ..blocks import DEFAULT_BLOCK_LEN, Schedule
 from ..common.forms import FORMS
 from ..common.memory_cap import check_memory_cap
+from ..common.records import replaced
 from ..common.statistics import Assignment, map_time
 from ..nonfinite import may_be_nonfinite, nonfinite_keys, visible_poison, zero_rows
 from ..triton import require_triton
@@ -225,4 +226,4 @@ def prepare(q, k, v, codebook, *, form: str, causal: bool, assign: str, temperat
                k.shape[-1] ** -0.5 if scale is None else scale,  # k's D: q's may be the codes' narrower width
                exact_window, schedule, memory_cap)
     whole = not causal or state is not None or form == "recurrent"
-    return x._replace(assignment=_keys_assignment(assignment, dtype, x, whole=whole)), state, poison
+    return replaced(x, assignment=_keys_assignment(assignment, dtype, x, whole=whole)), state, poison
