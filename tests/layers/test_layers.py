@@ -366,7 +366,8 @@ def _masked_attend(layer):
         result = vq_attention(q, k, v, codebook * mask, causal=True, assign=layer.codebook.assign,
                               temperature=layer.codebook.temperature, block_len=layer.block_len,
                               scale=layer.head_dim**-0.5, exact_window=True, state=state, return_state=return_state,
-                              assignment=assignment, q_rot=layer.rotate(q, pos), k_rot=layer.rotate(k, pos))
+                              assignment=assignment, q_rot=layer.rotate(q, pos), k_rot=layer.rotate(k, pos),
+                              memory_cap=layer.memory_cap)
         out, op_state = result if return_state else (result, None)
         return out, aux_loss, op_state
 

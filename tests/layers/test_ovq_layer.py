@@ -66,7 +66,8 @@ def test_layer_is_the_naive_op_on_its_heads(options):
     x = torch.randn(2, 4 * L + 3, DIM, dtype=torch.float64)
     q, k, v = heads(layer, x)
     rotate = (lambda z: rope_rotate(z, 0, layer.rope_base)) if options["rope"] else (lambda z: z)  # noqa: E731
-    kwargs = dict(num_slots=S, block_len=L, scale=(DIM // HEADS) ** -0.5)
+    kwargs = dict(num_slots=S, block_len=L, scale=(DIM // HEADS) ** -0.5, memory_cap=layer.memory_cap)
+    assert layer.memory_cap == 2 * L  # the default, which these 4 blocks and 3 tokens exceed
     if options.get("slots_by") == "codebook":
         kwargs["slots"] = ((k.unsqueeze(-2) - layer.codebook.codes.unsqueeze(1)) ** 2).sum(-1).argmin(-1)
     else:

@@ -185,12 +185,18 @@ def test_several_loggers_compose_together():
 
 def test_the_memory_layers_get_twice_the_block_as_memory_cap():
     for name in ("vq_hard", "vq_soft", "ovq"):
-        assert ATTENTIONS[name](32, 2).memory_cap is None  # the layers' Python default: no bound
+        assert ATTENTIONS[name](32, 2).memory_cap == 128  # the layers' Python default: 2 × their block_len, 64
+        assert ATTENTIONS[name](32, 2, block_len=8, memory_cap=None).memory_cap is None
         cfg = compose_cfg(f"attention={name}", "block_len=16")
-        assert cfg.attention.kwargs.memory_cap == 32
         assert instantiate(cfg.module, _convert_="all").model.blocks[0].attn.memory_cap == 32
-    assert compose_cfg("attention=ovq").attention.kwargs.memory_cap == 128  # the root block_len, 64
-    assert compose_cfg("attention=ovq", "memory_cap=null").attention.kwargs.memory_cap is None
-    assert compose_cfg("attention=ovq", "memory_cap=500").attention.kwargs.memory_cap == 500
+    build = lambda *overrides: instantiate(compose_cfg("attention=ovq", *overrides).module,  # noqa: E731
+                                           _convert_="all").model.blocks[0].attn
+    assert build("memory_cap=null").memory_cap is None
+    assert build("memory_cap=500").memory_cap == 500
+    # the soft mixture window reads the previous block through the codes: no bound by default, an error if asked
+    assert ATTENTIONS["vq_soft"](32, 2, exact_window=False, rope=False).memory_cap is None
     with pytest.raises(ValueError, match="memory_cap needs exact_window=True"):
         ATTENTIONS["vq_soft"](32, 2, memory_cap=64, exact_window=False, rope=False)
+    for bad in (0, 2.5, True, "raw"):
+        with pytest.raises(ValueError, match="memory_cap must be a positive int"):
+            ATTENTIONS["ovq"](32, 2, memory_cap=bad)

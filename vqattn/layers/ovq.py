@@ -10,7 +10,7 @@ from ..codebook import Codebook
 from ..modules.rope import rope_rotate_clamped, rope_rotate_keeping, slow_pair_start, with_raw_pairs
 from ..ops._checks import check_choice, check_positive_int
 from ..ops.blocks import DEFAULT_BLOCK_LEN
-from ..ops.common.memory_cap import check_memory_cap
+from ..ops.common.memory_cap import RAW_WINDOW, layer_memory_cap
 from ..ops.ovq import IMPLS as OVQ_IMPLS
 from ..ops.ovq import ovq_attention
 from .base import Attention
@@ -55,14 +55,14 @@ class OnlineVQAttention(Attention):
         threshold: float = 0.1,
         memory_rope: bool | str = True,
         codebook: dict | None = None,
-        memory_cap: int | None = None,
+        memory_cap: int | str | None = RAW_WINDOW,
         memory_rope_clamp: int | None = None,
         impl: str = "auto",
         **attention_kwargs,
     ):
-        """``memory_cap``: the slots weigh as if they held at most this many keys (``ovq_attention``'s; the trainer
-        sets 2 × block_len, with which a model reads past its training length as the window does and trains
-        better: docs/evaluation.md); None: no bound;
+        """``memory_cap``: the slots weigh as if they held at most this many keys (``ovq_attention``'s); ``"window"``
+        (default): 2 × block_len, the raw window's keys, with which a model reads past its training length as the
+        window does and trains better (docs/evaluation.md); None: no bound;
         ``memory_rope_clamp`` P: with ``memory_rope=True``, the memory's slow pairs (those ``"fast"`` leaves
         unrotated) rotate by min(position, P) (:func:`~vqattn.modules.rope.rope_rotate_clamped`): up to P nothing
         changes, and past P no memory score meets a slow-pair angle that positions up to P did not produce (it
@@ -71,7 +71,6 @@ class OnlineVQAttention(Attention):
         ``attention_kwargs`` go to :class:`Attention`."""
         super().__init__(dim, num_heads, **attention_kwargs)
         check_positive_int("num_slots", num_slots)
-        check_memory_cap(memory_cap)
         if memory_rope_clamp is not None:
             check_positive_int("memory_rope_clamp", memory_rope_clamp)
         check_positive_int("block_len", block_len)
@@ -93,7 +92,7 @@ class OnlineVQAttention(Attention):
         # the first of the memory's unrotated RoPE pairs: a Python int, so that slicing by it is static under compile
         self.memory_raw_from = self.memory_clamped_from if memory_rope == "fast" \
             else self.head_dim // 2 if memory_rope else 0
-        self.memory_cap, self.memory_rope_clamp = memory_cap, memory_rope_clamp
+        self.memory_cap, self.memory_rope_clamp = layer_memory_cap(memory_cap, block_len), memory_rope_clamp
         self.codebook = Codebook(num_heads, num_slots, self.head_dim, assign="hard", **(codebook or {})) \
             if slots_by == "codebook" else None
         # Mean occupied slots per sequence and head after the last forward (read by usage_stats, outside a step).

@@ -8,7 +8,7 @@ from ..codebook import Codebook
 from ..modules.rope import pair_dims, rope_rotate_keeping, slow_pair_start
 from ..ops._checks import check_choice, check_positive_int
 from ..ops.blocks import DEFAULT_BLOCK_LEN
-from ..ops.common.memory_cap import check_memory_cap
+from ..ops.common.memory_cap import RAW_WINDOW, layer_memory_cap
 from ..ops.vq import IMPLS as VQ_IMPLS
 from ..ops.vq import vq_attention
 from .base import Attention, op_result
@@ -52,22 +52,19 @@ class VQAttention(Attention):
         exact_window: bool = True,
         cache_scores: str = "slow",
         codebook: dict | None = None,
-        memory_cap: int | None = None,
+        memory_cap: int | str | None = RAW_WINDOW,
         impl: str = "auto",
         **attention_kwargs,
     ):
         """``codebook``: extra :class:`~vqattn.codebook.Codebook` kwargs (learning, decay, commitment, ...);
-        ``memory_cap``: the codes weigh as if they held at most this many keys (``vq_attention``'s; the trainer sets
-        2 × block_len, with which a model reads past its training length as the window does and trains better:
-        docs/evaluation.md); None: no bound;
+        ``memory_cap``: the codes weigh as if they held at most this many keys (``vq_attention``'s); ``"window"``
+        (default): 2 × block_len, the raw window's keys, with which a model reads past its training length as the
+        window does and trains better (docs/evaluation.md); None: no bound. The soft mixture window
+        (``exact_window=False``) reads the previous block through the codes, so it takes no bound ("window" gives
+        None there);
         ``impl``: the op's form (``vq_attention``'s: "auto" runs the Triton kernel on CUDA where it applies);
         ``attention_kwargs`` go to :class:`Attention`."""
         super().__init__(dim, num_heads, **attention_kwargs)
-        check_memory_cap(memory_cap)
-        if memory_cap is not None and self.assign == "soft" and not exact_window:
-            raise ValueError("memory_cap needs exact_window=True with soft assignment (the mixture window reads the "
-                             "previous block through the codes): pass memory_cap=None or exact_window=True")
-        self.memory_cap = memory_cap
         if self.rope and not exact_window:
             raise ValueError(
                 f"{type(self).__name__} with rope=True needs exact_window=True: RoPE is applied only inside the "
@@ -76,6 +73,13 @@ class VQAttention(Attention):
             )
         if block_len is not None:
             check_positive_int("block_len", block_len)
+        mixture_window = self.assign == "soft" and not exact_window
+        if mixture_window and memory_cap == RAW_WINDOW:
+            memory_cap = None
+        self.memory_cap = layer_memory_cap(memory_cap, block_len or DEFAULT_BLOCK_LEN)
+        if self.memory_cap is not None and mixture_window:
+            raise ValueError("memory_cap needs exact_window=True with soft assignment (the mixture window reads the "
+                             "previous block through the codes): pass memory_cap=None or exact_window=True")
         check_choice("cache_scores", cache_scores, CACHE_SCORES)
         check_choice("impl", impl, VQ_IMPLS)
         self.impl = impl

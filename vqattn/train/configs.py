@@ -94,8 +94,6 @@ def register() -> None:
     from ..model import GPTConfig
     from .lit import OptimConfig
 
-    # ${vqattn.mul:a,b}, the product of two ints: conf/config.yaml's memory_cap is 2 × block_len
-    OmegaConf.register_new_resolver("vqattn.mul", lambda a, b: int(a) * int(b), replace=True)
     cs = ConfigStore.instance()
     cs.store(group="schema", name="model", node=_dataclass_defaults(GPTConfig))
     cs.store(group="schema", name="optim", node=_dataclass_defaults(OptimConfig))

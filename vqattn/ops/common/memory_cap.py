@@ -25,6 +25,22 @@ def check_memory_cap(memory_cap) -> None:
         raise ValueError(f"memory_cap must be a positive int (keys) or None (no bound), got {memory_cap!r}")
 
 
+# A layer's memory_cap (its default): the raw window's size, 2 × block_len keys.
+RAW_WINDOW = "window"
+
+
+def layer_memory_cap(memory_cap, block_len: int) -> int | None:
+    """The op's ``memory_cap`` for a layer's: ``"window"`` is :data:`RAW_WINDOW`'s 2 × block_len keys, with which a
+    model reads past its training length as its raw window does (docs/evaluation.md); an int is that many keys;
+    None: no bound."""
+    if memory_cap == RAW_WINDOW:
+        return 2 * block_len
+    if memory_cap is not None and (isinstance(memory_cap, bool) or not isinstance(memory_cap, int) or memory_cap < 1):
+        raise ValueError(f"memory_cap must be a positive int (keys), {RAW_WINDOW!r} (2 × block_len keys, the "
+                         f"default) or None (no bound), got {memory_cap!r}")
+    return memory_cap
+
+
 def memory_scale(keys_in_memory: int, memory_cap: int | None) -> float | torch.Tensor:
     """min(1, M / n): the factor on the memory's counts and value sums for a query whose memory holds n keys.
 
