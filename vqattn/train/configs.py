@@ -19,7 +19,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 _PLAIN = (type(None), bool, int, float, str)
 

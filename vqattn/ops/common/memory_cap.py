@@ -66,16 +66,12 @@ def log_weight(weight) -> float | torch.Tensor:
 
 
 def weigh_memory(counts: torch.Tensor, sums: torch.Tensor, weight):
-    """The memory's counts and value sums times its weight min(1, M / n), for the kernels that add log n themselves
-    (the Triton forms): the logit gains log weight, every mean value stays. ``weight``: one query's
-    (:func:`memory_scale`: returned as they are at 1), or (nb,) per block of counts (..., nb, S) and sums
-    (..., nb, S, Dv)."""
+    """The memory's counts and value sums times one query's weight min(1, M / n) (:func:`memory_scale`; returned as
+    they are at 1), for the decoding kernels that add log n themselves: the logit gains log weight, every mean value
+    stays. (The block kernel adds the per-block log weight to its code logits instead.)"""
     if is_unweighed(weight):
         return counts, sums
-    if isinstance(weight, float) or weight.dim() == 0:
-        return counts * weight, (sums * weight).to(sums.dtype)
-    weight = weight[:, None]
-    return counts * weight, (sums * weight[..., None]).to(sums.dtype)
+    return counts * weight, (sums * weight).to(sums.dtype)
 
 
 def block_memory_bias(first_block: int, num_blocks: int, block_len: int, memory_cap: int | None, *,

@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 
 from ..blocks import loops
-from ..common.memory_cap import weigh_memory
 from ..common.statistics import Assignment, code_statistics
 from ..triton.window_codes import fused_window_code_attention
 from .memory import lagged_sum
@@ -26,7 +25,7 @@ def fused_memory_attention(x: Inputs, state: OVQState, q, k, v, q_mem, k_mem, sl
     """out (B, H, T, Dv) of block-padded q, k, q_mem, k_mem (B, H, T, D) and v (B, H, T, Dv) (T = nb·L, any
     supported dtype) whose keys go to ``slots`` (B, H, T) or with ``weights`` (B, H, T, S), after the memory of
     ``state``. The statistics are in x.dtype (float32 for half-precision inputs). ``memory_bias`` (nb,): the slot
-    logits' bias per block (``memory_cap``), a factor e^bias on the block's counts and value sums, or None."""
+    logits' bias per block (``memory_cap``), added in the kernel, or None."""
     D, Dv, S, L = k_mem.shape[-1], v.shape[-1], x.num_slots, x.block_len
     nb = k_mem.shape[2] // L
     loop = loops(x.schedule, q.device)
@@ -35,7 +34,5 @@ def fused_memory_attention(x: Inputs, state: OVQState, q, k, v, q_mem, k_mem, sl
     counts = lagged_sum(counts, state.counts, 2, loop)
     key_means = lagged_sum(key_sums, state.key_sums, 2, loop, counts=counts)
     value_sums = lagged_sum(value_sums, state.value_sums, 2, loop)
-    if memory_bias is not None:
-        counts, value_sums = weigh_memory(counts, value_sums, memory_bias.exp())
     return fused_window_code_attention(q, k, v, scale=x.scale, block_len=L, qc=q_mem, codebook=key_means,
-                                       counts=counts, sums=value_sums)
+                                       counts=counts, sums=value_sums, code_bias=memory_bias)

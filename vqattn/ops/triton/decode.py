@@ -67,8 +67,9 @@ if triton is not None:
             qc = _load_rows(QC, sqc_b, sqc_h, sqc_t, b, h, rows, 1, DC, BDC, DOT)
             book = bh if PER_SEQUENCE else h
             for s0 in range(0, S, BS):
-                code_logits, _, _, _, means = _code_tile(CB, CNT, SUM, book, bh, s0, S, DC, DV, qc, scale, BS, BDC,
-                                                         BDV, DOT, PREC)
+                # a memory_cap weight comes in the counts and sums (one per step: weigh_memory), so no bias here
+                code_logits, _, _, _, means = _code_tile(CB, CNT, SUM, book, bh, 0.0, s0, S, DC, DV, qc, scale, BS,
+                                                         BDC, BDV, DOT, PREC)
                 m, z, acc = _online_softmax_step(m, z, acc, code_logits, means, DOT, PREC)
         _store_rows(O, so_b, so_h, so_t, b, h, rows, 1, DV, acc / z[:, None], BDV)
 

@@ -2,16 +2,17 @@
 
 Query i of block b = i // L scores (per batch·head, scale σ)
 
-    window  the keys j ≤ i of blocks b−1 and b        logit σ qw_i·kw_j        value v_j
-    codes   s = 1..S, the cache of blocks ≤ b−2       logit σ qc_i·c_s + log n_bs    value C_bs / n_bs
+    window  the keys j ≤ i of blocks b−1 and b        logit σ qw_i·kw_j                 value v_j
+    codes   s = 1..S, the cache of blocks ≤ b−2       logit σ qc_i·c_s + log n_bs + β_b   value C_bs / n_bs
 
 with one running max, as flash attention does, so neither the (T, T) nor the (T, S) logits reach memory. n_b (S,) and
 C_b (S, Dv) are every block's cache counts and value sums, formed beforehand by a per-block prefix (the state of
-fla's chunk kernels); window attention is the same kernel without codes. The forward kernel stores out and the
-per-query logsumexp; the backward kernel recomputes the probabilities from it and writes, per query block, the
-gradients of its queries, of its window's keys and values (split by which of the two query blocks that read a key
-block they come from, so that no two programs add into one place), of the codebook (summed afterwards), and of its
-cache (dn_b, dC_b), which autograd then carries back through the prefix to the values and the assignment.
+fla's chunk kernels), and β_b the block's memory bias (``memory_cap``'s log min(1, M / n_b), or 0); window attention
+is the same kernel without codes. The forward kernel stores out and the per-query logsumexp; the backward kernel
+recomputes the probabilities from it and writes, per query block, the gradients of its queries, of its window's keys
+and values (split by which of the two query blocks that read a key block they come from, so that no two programs add
+into one place), of the codebook (summed afterwards), and of its cache (dn_b, dC_b), which autograd then carries back
+through the prefix to the values and the assignment.
 
 One program per (query block, batch·head). Loads are cast to ``DOT`` (the input's half type on a GPU, so the
 products run on tensor cores; float32 under the interpreter, whose half-precision products are wrong), every product
@@ -77,12 +78,12 @@ if triton is not None:
         return tl.where(visible, s, float("-inf"))
 
     @triton.jit
-    def _code_tile(CB, CNT, SUM, book, cache, s0, S, DC, DV, qc, scale, BS: tl.constexpr, BDC: tl.constexpr,
+    def _code_tile(CB, CNT, SUM, book, cache, bias, s0, S, DC, DV, qc, scale, BS: tl.constexpr, BDC: tl.constexpr,
                    BDV: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
         """Codes s0..s0+BS of codebook ``book`` (a row of the (·, S, DC) codebook: the head's, or the block's own)
-        read with cache ``cache`` (a row of the (·, S) counts and (·, S, DV) sums): their logits σ qc·c_s + log n_s
-        (rows, BS) (−inf for empty and absent codes), the codes (BS, BDC), their counts (BS,) and their means
-        C_s / n_s (BS, BDV) as DOT."""
+        read with cache ``cache`` (a row of the (·, S) counts and (·, S, DV) sums): their logits
+        σ qc·c_s + log n_s + bias (rows, BS) (−inf for empty and absent codes; ``bias`` the block's memory bias),
+        the codes (BS, BDC), their counts (BS,) and their means C_s / n_s (BS, BDV) as DOT."""
         codes = s0 + tl.arange(0, BS)
         present = codes < S
         dc, dv = tl.arange(0, BDC), tl.arange(0, BDV)
@@ -93,10 +94,18 @@ if triton is not None:
                        mask=present[:, None] & (dv[None, :] < DV), other=0.0)
         held = n > 0
         n_safe = tl.where(held, n, 1.0)
-        logits = tl.dot(qc, tl.trans(c), input_precision=PREC) * scale + tl.log(n_safe)[None, :]
+        logits = tl.dot(qc, tl.trans(c), input_precision=PREC) * scale + (tl.log(n_safe) + bias)[None, :]
         logits = tl.where(held[None, :], logits, float("-inf"))
         means = (sums / n_safe[:, None]).to(DOT)
         return logits, c, n_safe, held, means
+
+    @triton.jit
+    def _block_bias(BIAS, blk, HAS_BIAS: tl.constexpr):
+        """The memory bias of query block ``blk`` on its code logits (``memory_cap``), 0 without one."""
+        bias = 0.0
+        if HAS_BIAS:
+            bias = tl.load(BIAS + blk)
+        return bias
 
     @triton.jit
     def _online_softmax_step(m, z, acc, logits, values, DOT: tl.constexpr, PREC: tl.constexpr):
@@ -111,13 +120,13 @@ if triton is not None:
         return m_new, z, acc
 
     @triton.jit
-    def _forward_kernel(QW, KW, V, QC, CB, CNT, SUM, O, LSE,
+    def _forward_kernel(QW, KW, V, QC, CB, CNT, SUM, BIAS, O, LSE,
                         sqw_b, sqw_h, sqw_t, skw_b, skw_h, skw_t, sv_b, sv_h, sv_t, sqc_b, sqc_h, sqc_t,
                         so_b, so_h, so_t,
                         H, T, S, D, DC, DV, scale,
                         L: tl.constexpr, BD: tl.constexpr, BDC: tl.constexpr, BDV: tl.constexpr,
-                        BS: tl.constexpr, HAS_CODES: tl.constexpr, PER_BLOCK: tl.constexpr, DOT: tl.constexpr,
-                        PREC: tl.constexpr):
+                        BS: tl.constexpr, HAS_CODES: tl.constexpr, PER_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        DOT: tl.constexpr, PREC: tl.constexpr):
         blk, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // H, bh % H
         nb = tl.cdiv(T, L)
@@ -137,22 +146,23 @@ if triton is not None:
             qc = _load_rows(QC, sqc_b, sqc_h, sqc_t, b, h, rows, T, DC, BDC, DOT)
             cache = bh * nb + blk
             book = cache if PER_BLOCK else h
+            bias = _block_bias(BIAS, blk, HAS_BIAS)
             for s0 in range(0, S, BS):
-                code_logits, _, _, _, means = _code_tile(CB, CNT, SUM, book, cache, s0, S, DC, DV, qc, scale, BS,
-                                                         BDC, BDV, DOT, PREC)
+                code_logits, _, _, _, means = _code_tile(CB, CNT, SUM, book, cache, bias, s0, S, DC, DV, qc, scale,
+                                                         BS, BDC, BDV, DOT, PREC)
                 m, z, acc = _online_softmax_step(m, z, acc, code_logits, means, DOT, PREC)
         _store_rows(O, so_b, so_h, so_t, b, h, rows, T, DV, acc / z[:, None], BDV)
         tl.store(LSE + bh * T + rows, m + tl.log(z), mask=rows < T)
 
     @triton.jit
-    def _backward_kernel(QW, KW, V, QC, CB, CNT, SUM, O, DO, LSE,
+    def _backward_kernel(QW, KW, V, QC, CB, CNT, SUM, BIAS, O, DO, LSE,
                          DQW, DKW, DV_, DQC, DCB, DCNT, DSUM,
                          sqw_b, sqw_h, sqw_t, skw_b, skw_h, skw_t, sv_b, sv_h, sv_t, sqc_b, sqc_h, sqc_t,
                          so_b, so_h, so_t, sdo_b, sdo_h, sdo_t, dkw_slice, dv_slice,
                          H, T, S, D, DC, DV, scale,
                          L: tl.constexpr, BD: tl.constexpr, BDC: tl.constexpr, BDV: tl.constexpr,
-                         BS: tl.constexpr, HAS_CODES: tl.constexpr, PER_BLOCK: tl.constexpr, DOT: tl.constexpr,
-                         PREC: tl.constexpr, CODEBOOK_GRAD: tl.constexpr):
+                         BS: tl.constexpr, HAS_CODES: tl.constexpr, PER_BLOCK: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, CODEBOOK_GRAD: tl.constexpr):
         """Gradients of one query block. DKW and DV_ (2, B·H, T, ·) float32 take the window gradients of key
         block blk − back at its own rows of slice ``back`` (``dkw_slice``, ``dv_slice`` elements apart); DCB
         (B·H, nb, S, DC), DCNT (B·H, nb, S) float32 and DSUM (B·H, nb, S, DV) (in the sums' dtype) the block's
@@ -187,9 +197,10 @@ if triton is not None:
             dc_cols, dv_cols = tl.arange(0, BDC), tl.arange(0, BDV)
             cache = bh * nb + blk
             book = cache if PER_BLOCK else h
+            bias = _block_bias(BIAS, blk, HAS_BIAS)
             for s0 in range(0, S, BS):
-                code_logits, c, n, held, means = _code_tile(CB, CNT, SUM, book, cache, s0, S, DC, DV, qc, scale,
-                                                            BS, BDC, BDV, DOT, PREC)
+                code_logits, c, n, held, means = _code_tile(CB, CNT, SUM, book, cache, bias, s0, S, DC, DV, qc,
+                                                            scale, BS, BDC, BDV, DOT, PREC)
                 w = tl.exp(code_logits - lse[:, None])  # the codes' probabilities, 0 for empty codes
                 w = tl.where(rows[:, None] < T, w, 0.0)
                 ds_codes = w * (tl.dot(do_dot, tl.trans(means), input_precision=PREC) - delta[:, None])
@@ -241,7 +252,7 @@ class FusedWindowCodes(torch.autograd.Function):
     """out (B, H, T, Dv) of the module's attention; see :func:`fused_window_code_attention`."""
 
     @staticmethod
-    def forward(ctx, qw, kw, v, qc, codebook, counts, sums, scale: float, L: int):
+    def forward(ctx, qw, kw, v, qc, codebook, counts, sums, code_bias, scale: float, L: int):
         B, H, T, D = qw.shape
         has_codes = codebook is not None
         S, DC = codebook.shape[-2:] if has_codes else (0, 0)
@@ -251,23 +262,25 @@ class FusedWindowCodes(torch.autograd.Function):
         cb = codebook.contiguous() if has_codes else qw
         cnt = counts.contiguous() if has_codes else qw
         sm = sums.contiguous() if has_codes else qw
+        bias = code_bias.float().contiguous() if code_bias is not None else qw
         out = torch.empty(B, H, T, DV, device=v.device, dtype=v.dtype)
         lse = torch.empty(B * H, T, device=qw.device, dtype=torch.float32)
         dot, prec = _dot_dtype(qw.dtype)
         meta = dict(L=L, BD=_width(D), BDC=_width(DC), BDV=_width(DV), BS=CODE_TILE, HAS_CODES=has_codes,
-                    PER_BLOCK=has_codes and codebook.dim() == 5, DOT=dot, PREC=prec)
+                    PER_BLOCK=has_codes and codebook.dim() == 5, HAS_BIAS=has_codes and code_bias is not None,
+                    DOT=dot, PREC=prec)
         grid = (triton.cdiv(T, L), B * H)
-        _forward_kernel[grid](qw, kw, v, qc, cb, cnt, sm, out, lse, *_strides(qw), *_strides(kw), *_strides(v),
+        _forward_kernel[grid](qw, kw, v, qc, cb, cnt, sm, bias, out, lse, *_strides(qw), *_strides(kw), *_strides(v),
                               *_strides(qc), *_strides(out), H, T, S, D, DC, DV, float(scale), **meta,
                               **FORWARD_LAUNCH)
-        ctx.save_for_backward(qw, kw, v, qc, cb, cnt, sm, out, lse)
+        ctx.save_for_backward(qw, kw, v, qc, cb, cnt, sm, bias, out, lse)
         ctx.meta, ctx.scale, ctx.has_codes = meta, float(scale), has_codes
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        qw, kw, v, qc, cb, cnt, sm, out, lse = ctx.saved_tensors
+        qw, kw, v, qc, cb, cnt, sm, bias, out, lse = ctx.saved_tensors
         B, H, T, D = qw.shape
         S, DC = cb.shape[-2:] if ctx.has_codes else (0, 0)
         DV, L = v.shape[-1], ctx.meta["L"]
@@ -285,7 +298,7 @@ class FusedWindowCodes(torch.autograd.Function):
         dcnt = torch.empty(B * H, nb, S, **f32) if ctx.has_codes else dqw
         dsum = torch.empty(B * H, nb, S, DV, device=qw.device, dtype=sm.dtype) if ctx.has_codes else dqw
         _backward_kernel[(nb, B * H)](
-            qw, kw, v, qc, cb, cnt, sm, out, grad_out, lse, dqw, dkw, dv, dqc, dcb, dcnt, dsum,
+            qw, kw, v, qc, cb, cnt, sm, bias, out, grad_out, lse, dqw, dkw, dv, dqc, dcb, dcnt, dsum,
             *_strides(qw), *_strides(kw), *_strides(v), *_strides(qc), *_strides(out), *_strides(grad_out),
             dkw[0].numel(), dv[0].numel(), H, T, S, D, DC, DV, ctx.scale, CODEBOOK_GRAD=codebook_grad, **ctx.meta,
             **BACKWARD_LAUNCH)
@@ -297,20 +310,22 @@ class FusedWindowCodes(torch.autograd.Function):
                 grads[4] = dcb if ctx.meta["PER_BLOCK"] else dcb.sum((0, 2))
             grads[3], grads[5:7] = dqc, [dcnt.view(B, H, nb, S), dsum.view(B, H, nb, S, DV)]
         return (*(None if g is None else g.to(x.dtype) for g, x in zip(grads, (qw, kw, v, qc, cb, cnt, sm))),
-                None, None)
+                None, None, None)
 
 
 @torch.compiler.disable  # a graph break: torch.compile runs the kernels as they are
 def fused_window_code_attention(qw, kw, v, *, scale: float, block_len: int, qc=None, codebook=None, counts=None,
-                                sums=None):
+                                sums=None, code_bias=None):
     """Softmax attention of every query over its window (the keys of its block and the one before, causally) and,
     given ``codebook``, the codes (see the module doc).
 
     qw, kw: (B, H, T, D) the window's queries and keys; v (B, H, T, Dv). qc (B, H, T, Dc) the code queries (qw when
     None), codebook (H, S, Dc) shared by the blocks or (B, H, nb, S, Dc) every block's own (ovq's slot means),
-    counts (B, H, nb, S) and sums (B, H, nb, S, Dv) every block's cache (nb = ⌈T/L⌉, float32). Differentiable in
-    every tensor. Returns out (B, H, T, Dv) in the inputs' dtype.
+    counts (B, H, nb, S) and sums (B, H, nb, S, Dv) every block's cache (nb = ⌈T/L⌉, float32); code_bias (nb,)
+    a bias on every code logit of a query block (``memory_cap``'s log min(1, M / n_b), the same as weighing the
+    block's counts and sums by its exponential) or None. Differentiable in every tensor but code_bias. Returns out
+    (B, H, T, Dv) in the inputs' dtype.
     """
     if codebook is not None and qc is None:
         qc = qw
-    return FusedWindowCodes.apply(qw, kw, v, qc, codebook, counts, sums, scale, block_len)
+    return FusedWindowCodes.apply(qw, kw, v, qc, codebook, counts, sums, code_bias, scale, block_len)

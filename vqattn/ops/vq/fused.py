@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from ..common.memory_cap import weigh_memory
 from ..common.statistics import Assignment
 from ..triton.block_caches import block_caches
 from ..triton.window_codes import fused_window_code_attention
@@ -32,7 +31,7 @@ def fused_causal(q, k, v, c, a: Assignment, *, L: int, scale: float, exact_windo
     (B, H, T, D) the window's keys and window_q its queries (None: q); ``a`` the keys' Assignment (in float32 or
     float64); counts0 (B, H, S), sums0 (B, H, S, Dv) the cache before position 0 (float32). q, k, v and the window's
     tensors may be half precision: the kernel accumulates in float32. ``memory_bias`` (nb,): the codes' logit bias
-    per block (``memory_cap``), applied as a factor e^bias on the block's cache counts and sums, or None. Returns out
+    per block (``memory_cap``), added to the block's code logits in the kernel, or None. Returns out
     (B, H, T, Dv) and the cache after the first ``fold_blocks`` blocks."""
     nb = -(-q.shape[2] // L)
     if not exact_window:  # hard: the window scores the keys' codes (straight-through to k)
@@ -40,9 +39,7 @@ def fused_causal(q, k, v, c, a: Assignment, *, L: int, scale: float, exact_windo
     fold = min(fold_blocks, nb)
     cache_counts, cache_sums, kept_counts, kept_sums = block_caches(a.index, a.weights, v, counts0, sums0,
                                                                     block_len=L, fold=fold)
-    if memory_bias is not None:
-        cache_counts, cache_sums = weigh_memory(cache_counts, cache_sums, memory_bias.exp())
     out = fused_window_code_attention(
         q if window_q is None else window_q, window_k, v, scale=scale, block_len=L, qc=q, codebook=c,
-        counts=cache_counts, sums=cache_sums)
+        counts=cache_counts, sums=cache_sums, code_bias=memory_bias)
     return out, kept_counts.to(counts0.dtype), kept_sums.to(sums0.dtype)
