@@ -2,9 +2,10 @@
 # One prepared run on a CUDA machine: the Triton tests on the GPU, then the benchmark tables of the fused kernels
 # against softmax attention (SDPA's flash kernel), each table into its own file under ${OUT:-gpu_results}/.
 # Stages run in order of importance while the time budget (GPU_CHECK_SECONDS, default 480) lasts, so a short
-# lease still returns the first tables. GPU_CHECK_STAGES (names, space-separated) runs only those stages, and
-# GPU_CHECK_TESTS (a pytest -k expression) only those tests. Needs torch with CUDA, triton and pytest; the package
-# runs from the tree.
+# lease still returns the first tables. GPU_CHECK_STAGES (names, space-separated) runs only those stages,
+# GPU_CHECK_TESTS (a pytest -k expression) only those tests, and GPU_CHECK_LENGTHS and GPU_CHECK_LAYERS set the
+# lengths and layers of the layers_triton table. Needs torch with CUDA, triton and pytest; the package runs from the
+# tree.
 #
 #     bash benchmarks/gpu_check.sh
 #     GPU_CHECK_STAGES="tests profile_layer" bash benchmarks/gpu_check.sh
@@ -47,7 +48,8 @@ layers="python benchmarks/layer_speed.py --device cuda --autocast bf16 --dim 102
 ops="python benchmarks/attention_speed.py --device cuda --dtype bfloat16 --heads 16 --reps 5 --rounds 1 --modes default"
 decode="python benchmarks/decode_speed.py --device cuda --lengths 1024 4096 8192 32768 --steps 20 --new-tokens 32"
 stage tests 150 python -m pytest -o addopts="" -q -p no:cacheprovider tests/ops/test_triton.py ${GPU_CHECK_TESTS:+-k "$GPU_CHECK_TESTS"}
-stage layers_triton 200 $layers --lengths 2048 8192 32768 65536 --layers softmax window vq_hard vq_soft
+stage layers_triton 200 $layers --lengths ${GPU_CHECK_LENGTHS:-2048 8192 32768 65536} \
+  --layers ${GPU_CHECK_LAYERS:-softmax window vq_hard vq_soft}
 stage layers_compiled 180 $layers --lengths 8192 32768 --layers softmax vq_hard vq_soft --compile
 if ls .whl/fla_core-*.whl >/dev/null 2>&1 && python -m pip install -q --no-index --no-deps --target /tmp/fla_site \
     .whl/fla_core-*.whl; then

@@ -122,15 +122,16 @@ def test_bfloat16_inputs(assign, window):
             rounded, dtype=torch.bfloat16, tol=2e-2)
 
 
-@pytest.mark.parametrize("name", ["vq_hard", "vq_soft", "window"])
+@pytest.mark.parametrize("name", ["vq_hard", "vq_soft", "ovq", "window"])
 def test_layers_triton_equals_chunk(name):
-    """The layers with their defaults (RoPE, exact window, slow-pair code scores, the codebook's assignment): the
-    Triton form gives the chunk form's output and parameter gradients."""
+    """The layers with their defaults (RoPE, exact window, slow-pair code scores, the codebook's assignment, the
+    memory bounded at 2 × block_len keys, which the last block's 48 exceed): the Triton form gives the chunk form's
+    output and parameter gradients."""
     results = []
     for impl in ("chunk", "triton"):
         torch.manual_seed(0)
         layer = build_attention(name, dim=32, num_heads=2, rope=True, block_len=16, impl=impl).to(DEVICE)
-        x = torch.randn(1, 50, 32, device=DEVICE, requires_grad=True)
+        x = torch.randn(1, 77, 32, device=DEVICE, requires_grad=True)
         out, aux, _ = layer(x)
         (out.square().sum() + aux).backward()
         results.append([out, x.grad, *(p.grad for p in layer.parameters() if p.grad is not None)])
