@@ -39,7 +39,8 @@ stage() {  # stage NAME MAX_SECONDS COMMAND...: run it if the budget holds MAX_S
 
 {
   date -u
-  git log -1 --format='commit %h %s' 2>/dev/null
+  # a copied tree may carry an older .git than its files: GPU_CHECK_COMMIT names the commit the caller ran
+  if [ -n "${GPU_CHECK_COMMIT:-}" ]; then echo "commit $GPU_CHECK_COMMIT"; else git log -1 --format='commit %h %s' 2>/dev/null; fi
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 } | tee "$out/machine.txt"
