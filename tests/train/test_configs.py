@@ -195,6 +195,8 @@ def test_the_memory_layers_get_twice_the_block_as_memory_cap():
     assert build("memory_cap=500").memory_cap == 500
     # the soft mixture window reads the previous block through the codes: no bound by default, an error if asked
     assert ATTENTIONS["vq_soft"](32, 2, exact_window=False, rope=False).memory_cap is None
+    mixture = compose_cfg("attention=vq_soft", "attention.kwargs.exact_window=false", "model.pos_emb=learned")
+    assert instantiate(mixture.module, _convert_="all").model.blocks[0].attn.memory_cap is None
     with pytest.raises(ValueError, match="memory_cap needs exact_window=True"):
         ATTENTIONS["vq_soft"](32, 2, memory_cap=64, exact_window=False, rope=False)
     for bad in (0, 2.5, True, "raw"):
