@@ -20,8 +20,13 @@ import math
 import torch
 
 
+def _is_bound(memory_cap) -> bool:
+    """Whether ``memory_cap`` is a bound the ops take: None or a positive int."""
+    return memory_cap is None or (isinstance(memory_cap, int) and not isinstance(memory_cap, bool) and memory_cap >= 1)
+
+
 def check_memory_cap(memory_cap) -> None:
-    if memory_cap is not None and (isinstance(memory_cap, bool) or not isinstance(memory_cap, int) or memory_cap < 1):
+    if not _is_bound(memory_cap):
         raise ValueError(f"memory_cap must be a positive int (keys) or None (no bound), got {memory_cap!r}")
 
 
@@ -35,7 +40,7 @@ def layer_memory_cap(memory_cap, block_len: int) -> int | None:
     None: no bound."""
     if memory_cap == RAW_WINDOW:
         return 2 * block_len
-    if memory_cap is not None and (isinstance(memory_cap, bool) or not isinstance(memory_cap, int) or memory_cap < 1):
+    if not _is_bound(memory_cap):
         raise ValueError(f"memory_cap must be a positive int (keys), {RAW_WINDOW!r} (2 × block_len keys, the "
                          f"default) or None (no bound), got {memory_cap!r}")
     return memory_cap
