@@ -23,6 +23,7 @@ OPTIONS = [
     dict(rope=True, memory_rope_clamp=CLAMP),  # the memory's slow pairs rotate by min(position, CLAMP)
     dict(rope=True, slots_by="codebook"),
     dict(rope=True, qk_norm="l2", threshold=0.2),
+    dict(rope=True, memory_decay=0.9),  # forgetting: each block weighs 0.9^L less per later block
 ]
 
 
@@ -66,7 +67,8 @@ def test_layer_is_the_naive_op_on_its_heads(options):
     x = torch.randn(2, 4 * L + 3, DIM, dtype=torch.float64)
     q, k, v = heads(layer, x)
     rotate = (lambda z: rope_rotate(z, 0, layer.rope_base)) if options["rope"] else (lambda z: z)  # noqa: E731
-    kwargs = dict(num_slots=S, block_len=L, scale=(DIM // HEADS) ** -0.5, memory_cap=layer.memory_cap)
+    kwargs = dict(num_slots=S, block_len=L, scale=(DIM // HEADS) ** -0.5, memory_cap=layer.memory_cap,
+                  memory_decay=options.get("memory_decay"))
     assert layer.memory_cap == 2 * L  # the default, which these 4 blocks and 3 tokens exceed
     if options.get("slots_by") == "codebook":
         kwargs["slots"] = ((k.unsqueeze(-2) - layer.codebook.codes.unsqueeze(1)) ** 2).sum(-1).argmin(-1)
@@ -153,6 +155,8 @@ def test_state_floats_counts_every_option():
     (dict(threshold="0.5"), "threshold"),
     (dict(codebook={"decay": 0.9}), "codebook"),
     (dict(qk_norm="layer"), "qk_norm"),
+    (dict(memory_decay=0), "memory_decay"),
+    (dict(memory_decay=0.01), "memory_decay"),  # forgets a block within L keys: too fast for L = 4
 ])
 def test_bad_arguments_raise_value_error(kwargs, match):
     with pytest.raises(ValueError, match=match):

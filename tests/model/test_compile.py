@@ -162,11 +162,12 @@ def test_compile_step_compiles_once_for_every_prompt_length(name):
         torch.testing.assert_close(got, eager.generate(prompt, 3, temperature=0))
 
 
-@pytest.mark.parametrize("name", ["ovq", "vq_hard"])
-def test_compiled_decoding_past_the_memory_cap_keeps_its_graphs(name):
-    """Past ``memory_cap`` the memory's weight M / n changes with every block; it is a tensor of the graph, not a
-    float that dynamo would specialise (one recompile per decoded block, then eager at the recompile limit)."""
-    eager, model, graphs = _counted_step_model(name, memory_cap=8)
+@pytest.mark.parametrize("name,kwargs", [("ovq", {}), ("vq_hard", {}), ("ovq", dict(memory_decay=0.97))])
+def test_compiled_decoding_past_the_memory_cap_keeps_its_graphs(name, kwargs):
+    """Past ``memory_cap`` the memory's weight M / n changes with every block (n its total count with
+    ``memory_decay``); it is a tensor of the graph, not a float that dynamo would specialise (one recompile per
+    decoded block, then eager at the recompile limit)."""
+    eager, model, graphs = _counted_step_model(name, memory_cap=8, **kwargs)
     prompt = torch.randint(0, 17, (1, 5), generator=torch.Generator().manual_seed(5))
     model.generate(prompt, 9, temperature=0)  # block_len 4: to position 13, whose memory holds 8 keys: no cap yet
     compiled = len(graphs)

@@ -202,3 +202,14 @@ def test_the_memory_layers_get_twice_the_block_as_memory_cap():
     for bad in (0, 2.5, True, "raw"):
         with pytest.raises(ValueError, match="memory_cap must be a positive int"):
             ATTENTIONS["ovq"](32, 2, memory_cap=bad)
+
+
+def test_the_root_memory_decay_reaches_the_online_memory():
+    build = lambda *overrides: instantiate(compose_cfg(*overrides).module,  # noqa: E731
+                                           _convert_="all").model.blocks[0].attn
+    assert build("attention=ovq").memory_decay is None
+    assert build("attention=ovq", "memory_decay=0.99").memory_decay == 0.99
+    assert not hasattr(build("attention=vq_hard", "memory_decay=0.99"), "memory_decay")  # only ovq forgets
+    for bad in (0, 1.5, True, "fast"):
+        with pytest.raises(ValueError, match="memory_decay must be a number in"):
+            ATTENTIONS["ovq"](32, 2, memory_decay=bad)

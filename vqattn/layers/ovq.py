@@ -11,6 +11,7 @@ from ..modules.rope import rope_rotate_clamped, rope_rotate_keeping, slow_pair_s
 from ..ops._checks import check_choice, check_positive_int
 from ..ops.blocks import DEFAULT_BLOCK_LEN
 from ..ops.common.memory_cap import RAW_WINDOW, layer_memory_cap
+from ..ops.common.memory_decay import check_memory_decay
 from ..ops.ovq import IMPLS as OVQ_IMPLS
 from ..ops.ovq import ovq_attention
 from .base import Attention
@@ -56,6 +57,7 @@ class OnlineVQAttention(Attention):
         memory_rope: bool | str = True,
         codebook: dict | None = None,
         memory_cap: int | str | None = RAW_WINDOW,
+        memory_decay: float | None = None,
         memory_rope_clamp: int | None = None,
         impl: str = "auto",
         **attention_kwargs,
@@ -63,6 +65,9 @@ class OnlineVQAttention(Attention):
         """``memory_cap``: the slots weigh as if they held at most this many keys (``ovq_attention``'s); ``"window"``
         (default): 2 × block_len, the raw window's keys, with which a model reads past its training length as the
         window does and trains better (docs/evaluation.md); None: no bound;
+        ``memory_decay`` γ: forgetting (``ovq_attention``'s): each block of keys weighs γ^block_len less per later
+        block, so the slots are moving averages over about 1 / (1 − γ) keys, for training with carried state
+        (docs/evaluation.md); None: none;
         ``memory_rope_clamp`` P: with ``memory_rope=True``, the memory's slow pairs (those ``"fast"`` leaves
         unrotated) rotate by min(position, P) (:func:`~vqattn.modules.rope.rope_rotate_clamped`): up to P nothing
         changes, and past P no memory score meets a slow-pair angle that positions up to P did not produce (it
@@ -74,6 +79,7 @@ class OnlineVQAttention(Attention):
         if memory_rope_clamp is not None:
             check_positive_int("memory_rope_clamp", memory_rope_clamp)
         check_positive_int("block_len", block_len)
+        check_memory_decay(memory_decay, block_len)
         check_choice("slots_by", slots_by, SLOTS_BY)
         if not isinstance(memory_rope, bool) and memory_rope != "fast":
             raise ValueError(f"memory_rope must be True (every RoPE pair), False (none) or 'fast' (the pairs that turn "
@@ -93,6 +99,7 @@ class OnlineVQAttention(Attention):
         self.memory_raw_from = self.memory_clamped_from if memory_rope == "fast" \
             else self.head_dim // 2 if memory_rope else 0
         self.memory_cap, self.memory_rope_clamp = layer_memory_cap(memory_cap, block_len), memory_rope_clamp
+        self.memory_decay = memory_decay
         self.codebook = Codebook(num_heads, num_slots, self.head_dim, assign="hard", **(codebook or {})) \
             if slots_by == "codebook" else None
         # Mean occupied slots per sequence and head after the last forward (read by usage_stats, outside a step).
@@ -126,6 +133,7 @@ class OnlineVQAttention(Attention):
             k_mem=k_mem,
             state=state,
             memory_cap=self.memory_cap,
+            memory_decay=self.memory_decay,
             impl=self.impl,
             return_state=True,  # its memory gives usage_stats; the few statistics it costs are O(T·Dh)
         )

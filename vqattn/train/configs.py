@@ -108,4 +108,6 @@ def register() -> None:
             kwargs["block_len"] = "${block_len}"
         if "memory_cap" in kwargs:  # the compressed memory weighs at most as many keys as the raw window holds
             kwargs["memory_cap"] = "${memory_cap}"
+        if "memory_decay" in kwargs:  # the online memory's forgetting, which training with carried state sets
+            kwargs["memory_decay"] = "${memory_decay}"
         cs.store(group="attention", name=name, node={"name": name, "kwargs": kwargs})

@@ -6,7 +6,8 @@ keys: every memory logit gets the bias
 
     log min(1, M / n_i),    n_i = window_start(i) = max(0, block(i) − 1)·L, the keys before query i's window,
 
-which keeps each code's share of the memory and its mean value, and only stops the memory's total weight growing
+(with ``memory_decay``, n_i is the memory's total count, :func:`~.memory_decay.total_count`), which keeps each
+code's share of the memory and its mean value, and only stops the memory's total weight growing
 without bound against the window's. A model trained on sequences of T ≤ M tokens never sees the bias (n_i < T);
 past T the memory's log-counts stay in the range of training (docs/evaluation.md measures why this matters). It is
 a function of the positions alone, so it needs no gradient, and every form applies it to the same keys: the block
@@ -18,6 +19,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from .memory_decay import total_count
 
 
 def _is_bound(memory_cap) -> bool:
@@ -46,16 +49,18 @@ def layer_memory_cap(memory_cap, block_len: int) -> int | None:
     return memory_cap
 
 
-def memory_scale(keys_in_memory: int, memory_cap: int | None) -> float | torch.Tensor:
-    """min(1, M / n): the factor on the memory's counts and value sums for a query whose memory holds n keys.
+def memory_scale(keys_in_memory, memory_cap: int | None) -> float | torch.Tensor:
+    """min(1, M / n): the factor on the memory's counts and value sums for a query whose memory holds n keys (an int
+    or float, or a 0-d tensor from :func:`~vqattn.ops.common.memory_decay.keys_in_memory`).
 
     A Python float, or while ``torch.compile`` traces a decoding step a 0-d float32 tensor: there n is the state's
     symbolic length, and a float of it would be specialised, so every block decoded past M would recompile the step
     (until the recompile limit sends it back to eager)."""
     if memory_cap is None:
         return 1.0
-    if torch.compiler.is_compiling():
-        n = torch.full((), keys_in_memory, dtype=torch.float32)
+    if isinstance(keys_in_memory, torch.Tensor) or torch.compiler.is_compiling():
+        n = keys_in_memory.float() if isinstance(keys_in_memory, torch.Tensor) \
+            else torch.full((), keys_in_memory, dtype=torch.float32)
         return (memory_cap / n.clamp_min(1)).clamp_max(1)
     return 1.0 if keys_in_memory <= memory_cap else memory_cap / keys_in_memory
 
@@ -80,13 +85,15 @@ def weigh_memory(counts: torch.Tensor, sums: torch.Tensor, weight):
 
 
 def block_memory_bias(first_block: int, num_blocks: int, block_len: int, memory_cap: int | None, *,
-                      device, dtype) -> torch.Tensor | None:
+                      device, dtype, decay: float | None = None) -> torch.Tensor | None:
     """log min(1, M / n_b) (num_blocks,) for the blocks first_block.. of block_len keys (their memory holds the
-    blocks ≤ b − 2: n_b = max(0, b − 1)·L); None when no block's memory exceeds M (the bias is then 0)."""
+    blocks ≤ b − 2: n_b = max(0, b − 1)·L, or with forgetting ``decay`` g its total count L·Σ_{j<b−1} g^j,
+    :mod:`.memory_decay`); None when no block's memory exceeds M (the bias is then 0)."""
     last = first_block + num_blocks - 1
-    if memory_cap is None or max(0, last - 1) * block_len <= memory_cap:
+    if memory_cap is None or total_count(max(0, last - 1), block_len, decay) <= memory_cap:
         return None
-    n = (torch.arange(first_block, last + 1, device=device, dtype=torch.float64) - 1).clamp_min(0) * block_len
+    blocks = (torch.arange(first_block, last + 1, device=device, dtype=torch.float64) - 1).clamp_min(0)
+    n = total_count(blocks, block_len, decay)
     return (math.log(memory_cap) - n.clamp_min(1).log()).clamp_max(0).to(dtype)
 
 

@@ -26,28 +26,29 @@ def _run(q, k, v, form, state, return_state, fused=False, **kwargs):
 def chunk_ovq_attention(q, k, v, *, num_slots: int, block_len: int | None = None, scale: float | None = None,
                         threshold: float | None = None, slots=None, slot_weights=None, q_mem=None, k_mem=None,
                         state: OVQState | None = None, return_state: bool = False, schedule="auto",
-                        memory_cap: int | None = None):
+                        memory_cap: int | None = None, memory_decay: float | None = None):
     """The block-parallel form; arguments as :func:`ovq_attention`. A ``state`` is continued by re-running its raw
     window (under 2L tokens) in front of the new ones. ``schedule`` ("auto", "loop", "cumsum"): how the blocks
     read the slots' value sums (:class:`~vqattn.ops.blocks.Schedule`); never what they compute."""
     return _run(q, k, v, chunk_forward, state, return_state, num_slots=num_slots, block_len=block_len, scale=scale,
                 threshold=threshold, slots=slots, slot_weights=slot_weights, q_mem=q_mem, k_mem=k_mem,
-                schedule=schedule, memory_cap=memory_cap)
+                schedule=schedule, memory_cap=memory_cap, memory_decay=memory_decay)
 
 
 def recurrent_ovq_attention(q, k, v, *, num_slots: int, block_len: int | None = None, scale: float | None = None,
                             threshold: float | None = None, slots=None, slot_weights=None, q_mem=None, k_mem=None,
-                            state: OVQState | None = None, return_state: bool = False, memory_cap: int | None = None):
+                            state: OVQState | None = None, return_state: bool = False, memory_cap: int | None = None,
+                            memory_decay: float | None = None):
     """The token-by-token form; arguments as :func:`ovq_attention` (no state: start from an empty memory)."""
     return _run(q, k, v, recurrent_forward, state, return_state, num_slots=num_slots, block_len=block_len,
                 scale=scale, threshold=threshold, slots=slots, slot_weights=slot_weights, q_mem=q_mem, k_mem=k_mem,
-                memory_cap=memory_cap)
+                memory_cap=memory_cap, memory_decay=memory_decay)
 
 
 def ovq_attention(q, k, v, *, num_slots: int, block_len: int | None = None, scale: float | None = None,
                   threshold: float | None = None, slots=None, slot_weights=None, q_mem=None, k_mem=None,
                   impl: str = "auto", state: OVQState | None = None, return_state: bool = False,
-                  memory_cap: int | None = None):
+                  memory_cap: int | None = None, memory_decay: float | None = None):
     """Causal online codebook attention (see the module docstring for the math).
 
     Args:
@@ -71,15 +72,20 @@ def ovq_attention(q, k, v, *, num_slots: int, block_len: int | None = None, scal
         state: an :class:`OVQState` from an earlier call; the inputs then continue that sequence.
         return_state: also return the state after this call.
         memory_cap: the memory weighs as if it held at most this many keys: a bias log min(1, memory_cap / n) on
-            the slot logits, where n keys lie before the query's window (:mod:`vqattn.ops.common.memory_cap`); set
-            it to the training length to read past it. None: no bound.
+            the slot logits, where n keys lie before the query's window (their total count with
+            ``memory_decay``; :mod:`vqattn.ops.common.memory_cap`); the layer's default is 2 × block_len, with which
+            a model reads past its training length as its raw window does. None: no bound.
+        memory_decay: γ in (0, 1]: forgetting. Each block of L keys weighs γ^L less in the memory for every block
+            that joins it later, so the slots' mean keys and values are moving averages over about 1 / (1 − γ) keys
+            (:mod:`vqattn.ops.common.memory_decay`): what a state carried over many segments needs to train as
+            well as independent ones (docs/evaluation.md). None (or 1): the memory keeps every key at full weight.
 
     Returns:
         out (B, H, T, Dv) in the input dtype, or (out, state) when ``return_state``.
     """
     check_choice("impl", impl, IMPLS)
     kwargs = dict(num_slots=num_slots, block_len=block_len, scale=scale, threshold=threshold, slots=slots,
-                  slot_weights=slot_weights, q_mem=q_mem, k_mem=k_mem, memory_cap=memory_cap)
+                  slot_weights=slot_weights, q_mem=q_mem, k_mem=k_mem, memory_cap=memory_cap, memory_decay=memory_decay)
     if impl == "naive":
         if state is not None or return_state:
             raise ValueError("impl='naive' takes no state and returns none; use impl='chunk' or 'recurrent'")

@@ -19,6 +19,7 @@ import torch
 
 from ..blocks import blocks, group_windows, loops, pad_to_blocks, window_bias, window_start, window_tail
 from ..common.memory_cap import block_memory_bias
+from ..common.memory_decay import block_decay, span_blocks, weigh_blocks
 from ..common.records import replaced
 from ..common.statistics import Assignment, code_statistics
 from ..common.window_codes import WindowCodeInputs, window_code_attention
@@ -44,6 +45,9 @@ def chunk_forward(x: Inputs, state: OVQState | None, return_state: bool,
                   fused: bool = False) -> tuple[torch.Tensor, OVQState | None]:
     """out (B, H, T, Dv) of the inputs continuing ``state`` (None: a fresh sequence), and the state after them;
     ``fused``: the assignment and the attention run as Triton kernels."""
+    span = span_blocks(x.decay)
+    if span is not None and x.q.shape[2] > (span - 2) * x.block_len:
+        return _in_spans(x, state, return_state, fused, (span - 2) * x.block_len)
     T = x.q.shape[2]
     L, S = x.block_len, x.num_slots
     shared_queries = x.q_mem is x.q  # then one product serves the window and the slots (and their gradients)
@@ -58,31 +62,44 @@ def chunk_forward(x: Inputs, state: OVQState | None, return_state: bool,
     pad = lambda t: None if t is None else pad_to_blocks(t, L)  # noqa: E731
     q, k, v, q_mem, k_mem, weights, slots = map(pad, (x.q, x.k, x.v, x.q_mem, x.k_mem, x.slot_weights, x.slots))
     if slots is None and weights is None:
-        slots = (fused_online_slots if fused else online_slots)(k_mem, state.counts, state.key_sums, L, x.threshold)
-    bias = block_memory_bias(start // L, q.shape[2] // L, L, x.memory_cap, device=q.device, dtype=x.dtype)
+        slots = (fused_online_slots if fused else online_slots)(k_mem, state.counts, state.key_sums, L, x.threshold,
+                                                                x.decay)
+    nb = q.shape[2] // L
+    bias = block_memory_bias(start // L, nb, L, x.memory_cap, device=q.device, dtype=x.dtype, decay=x.decay)
+    block_weights = None
+    if x.decay is not None:  # the blocks' statistics weigh g^−(b'+1), and block b's memory logits gain (b − 1)·log g
+        block_weights, decay_bias = block_decay(nb, x.decay, device=q.device, dtype=x.dtype)
+        bias = decay_bias if bias is None else bias + decay_bias
     if fused:
-        out = fused_memory_attention(x, state, q, k, v, q_mem, k_mem, slots, weights, bias)
+        out = fused_memory_attention(x, state, q, k, v, q_mem, k_mem, slots, weights, bias, block_weights)
     else:
-        out = _block_attention(x, state, q, k, v, q_mem, k_mem, slots, weights, shared_queries, bias)
+        out = _block_attention(x, state, q, k, v, q_mem, k_mem, slots, weights, shared_queries, bias,
+                               block_weights)
     out = out[:, :, x.k.shape[2] - T : x.k.shape[2]]
     if not return_state:
         return out, None
     keep = window_start(length, L) - start  # whole blocks leave the raw window
     head = lambda t: None if t is None else t[:, :, :keep]  # noqa: E731
-    n, keys, values = statistics(head(slots), head(weights), head(k_mem).to(x.dtype), head(v).to(x.dtype), S)
+    n, keys, values = statistics(head(slots), head(weights), head(k_mem).to(x.dtype), head(v).to(x.dtype), S, L,
+                                 x.decay)
+    memory = (state.counts, state.key_sums, state.value_sums)
+    if x.decay is not None:  # the state's memory has since taken in keep / L blocks
+        memory = tuple(t * x.decay ** (keep // L) for t in memory)
     raw = lambda t: window_tail(t, keep)  # noqa: E731
-    return out, OVQState(state.counts + n, state.key_sums + keys, state.value_sums + values, raw(x.k),
+    return out, OVQState(memory[0] + n, memory[1] + keys, memory[2] + values, raw(x.k),
                          raw(x.v), raw(x.k_mem) if x.separate_keys else None, raw(x.slots), raw(x.slot_weights),
                          length, L)
 
 
 def _block_attention(x: Inputs, state: OVQState, q, k, v, q_mem, k_mem, slots, weights, shared_queries: bool,
-                     memory_bias=None) -> torch.Tensor:
+                     memory_bias=None, block_weights=None) -> torch.Tensor:
     """out (B, H, T, Dv) of block-padded inputs (T = nb·L) whose keys go to ``slots`` or with ``weights``, after
-    the memory of ``state``: the PyTorch block kernel; ``memory_bias`` (nb,) on the slot logits (``memory_cap``)."""
+    the memory of ``state``: the PyTorch block kernel; ``memory_bias`` (nb,) on the slot logits (``memory_cap``,
+    ``memory_decay``), ``block_weights`` (nb,) on the blocks' statistics (``memory_decay``) or None."""
     (B, H, _, D), L, S, Dv = q.shape, x.block_len, x.num_slots, v.shape[-1]
     nb = q.shape[2] // L
     counts, key_sums = code_statistics(Assignment(weights, slots), k_mem, S, nb)  # (B, H, nb, S), (.., S, D)
+    counts, key_sums = weigh_blocks(counts, block_weights), weigh_blocks(key_sums, block_weights)
     # Block b reads the memory of blocks ≤ b − 2 on top of the state's: counts and key sums here, value sums in
     # the kernel's running cache, which takes in block b − 1 after block b.
     loop = loops(x.schedule, q.device)
@@ -91,10 +108,26 @@ def _block_attention(x: Inputs, state: OVQState, q, k, v, q_mem, k_mem, slots, w
     inputs = WindowCodeInputs(
         queries=blocks(q_mem * x.scale, L), window_keys=group_windows(k, k.new_zeros(B, H, L, D), L),
         window_bias=window_bias(nb, L, q.device, q.dtype), window_values=group_windows(v, v.new_zeros(B, H, L, Dv), L),
-        counts=counts, sums=state.value_sums, add_values=blocks(v, L),
+        counts=counts, sums=state.value_sums, add_values=weigh_blocks(blocks(v, L), block_weights),
         add_index=None if slots is None else blocks(slots, L),
         add_weights=None if weights is None else blocks(weights, L), pending=torch.zeros_like(state.value_sums),
         codebook=key_means,
         window_queries=None if shared_queries else blocks(q * x.scale, L),
         code_bias=None if memory_bias is None else memory_bias.view(nb, 1, 1))
     return window_code_attention(inputs, loop)[0]
+
+
+def _in_spans(x: Inputs, state: OVQState | None, return_state: bool, fused: bool,
+              span: int) -> tuple[torch.Tensor, OVQState | None]:
+    """:func:`chunk_forward` over ``span`` tokens at a time, each continuing the state of the last: with forgetting
+    the block weights g^−b' of one pass must stay within float range (:mod:`~vqattn.ops.common.memory_decay`)."""
+    outs = []
+    for start in range(0, x.q.shape[2], span):
+        part = lambda t: None if t is None else t[:, :, start : start + span]  # noqa: E731
+        q, k = part(x.q), part(x.k)
+        piece = replaced(x, q=q, k=k, v=part(x.v), q_mem=q if x.q_mem is x.q else part(x.q_mem),
+                         k_mem=k if x.k_mem is x.k else part(x.k_mem), slots=part(x.slots),
+                         slot_weights=part(x.slot_weights))
+        out, state = chunk_forward(piece, state, True, fused)
+        outs.append(out)
+    return torch.cat(outs, 2), state if return_state else None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..blocks import loops
+from ..common.memory_decay import weigh_blocks
 from ..common.statistics import Assignment, code_statistics
 from ..triton.window_codes import fused_window_code_attention
 from .memory import lagged_sum
@@ -21,15 +22,17 @@ from .state import Inputs, OVQState
 
 
 def fused_memory_attention(x: Inputs, state: OVQState, q, k, v, q_mem, k_mem, slots, weights,
-                           memory_bias=None) -> torch.Tensor:
+                           memory_bias=None, block_weights=None) -> torch.Tensor:
     """out (B, H, T, Dv) of block-padded q, k, q_mem, k_mem (B, H, T, D) and v (B, H, T, Dv) (T = nb·L, any
     supported dtype) whose keys go to ``slots`` (B, H, T) or with ``weights`` (B, H, T, S), after the memory of
     ``state``. The statistics are in x.dtype (float32 for half-precision inputs). ``memory_bias`` (nb,): the slot
-    logits' bias per block (``memory_cap``), added in the kernel, or None."""
+    logits' bias per block (``memory_cap``, ``memory_decay``), added in the kernel, or None; ``block_weights`` (nb,):
+    the blocks' statistics' weights (``memory_decay``) or None."""
     D, Dv, S, L = k_mem.shape[-1], v.shape[-1], x.num_slots, x.block_len
     nb = k_mem.shape[2] // L
     loop = loops(x.schedule, q.device)
     counts, sums = code_statistics(Assignment(weights, slots), torch.cat([k_mem, v], -1).to(x.dtype), S, nb)
+    counts, sums = weigh_blocks(counts, block_weights), weigh_blocks(sums, block_weights)
     key_sums, value_sums = sums.split([D, Dv], -1)  # (B, H, nb, S, ·)
     counts = lagged_sum(counts, state.counts, 2, loop)
     key_means = lagged_sum(key_sums, state.key_sums, 2, loop, counts=counts)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ..common.memory_decay import weigh_blocks
 from ..common.statistics import Assignment, code_means, code_statistics, log_counts
 from ..graphs import can_graph, replay_graphed
 
@@ -104,31 +105,33 @@ def assign_block(keys: torch.Tensor, counts: torch.Tensor, key_sums: torch.Tenso
 
 @torch.no_grad()
 def online_slots(memory_keys: torch.Tensor, counts: torch.Tensor, key_sums: torch.Tensor, L: int,
-                 threshold: float) -> torch.Tensor:
-    """:func:`assign_block` block after block, absorbing each block before the next: memory keys
-    (B, H, nb·L, D) and the memory before them -> (B, H, nb·L) slot indices.
+                 threshold: float, decay: float | None = None) -> torch.Tensor:
+    """:func:`assign_block` block after block, absorbing each block before the next (the memory times ``decay`` g
+    first, :mod:`~vqattn.ops.common.memory_decay`): memory keys (B, H, nb·L, D) and the memory before them ->
+    (B, H, nb·L) slot indices.
 
     One opaque operator to ``torch.compile``, which would otherwise unroll the loop over every block into its
     graph. On a GPU the loop is one CUDA graph (:mod:`~vqattn.ops.graphs`): a few dozen tiny kernels per block."""
-    return _online_slots_op(memory_keys.detach(), counts.detach(), key_sums.detach(), L, threshold)
+    return _online_slots_op(memory_keys.detach(), counts.detach(), key_sums.detach(), L, threshold,
+                            1.0 if decay is None else decay)
 
 
 @torch.library.custom_op("vqattn::ovq_online_slots", mutates_args=())
 def _online_slots_op(memory_keys: torch.Tensor, counts: torch.Tensor, key_sums: torch.Tensor, L: int,
-                     threshold: float) -> torch.Tensor:
+                     threshold: float, decay: float) -> torch.Tensor:
     inputs = (memory_keys, counts, key_sums)
     if can_graph(*inputs):
-        return replay_graphed(_online_slots_loop, inputs, L, threshold)
-    return _online_slots_loop(*inputs, L, threshold)
+        return replay_graphed(_online_slots_loop, inputs, L, threshold, decay)
+    return _online_slots_loop(*inputs, L, threshold, decay)
 
 
 @_online_slots_op.register_fake
-def _(memory_keys, counts, key_sums, L, threshold):
+def _(memory_keys, counts, key_sums, L, threshold, decay):
     return memory_keys.new_empty(memory_keys.shape[:3], dtype=torch.long)
 
 
 def _online_slots_loop(memory_keys: torch.Tensor, counts: torch.Tensor, key_sums: torch.Tensor, L: int,
-                       threshold: float) -> torch.Tensor:
+                       threshold: float, decay: float) -> torch.Tensor:
     B, H, S, D = key_sums.shape
     counts, key_sums = counts.clone(), key_sums.clone()
     offsets = torch.arange(B * H, device=counts.device).view(B, H, 1) * S  # rows of the flattened (B·H·S) slots
@@ -136,6 +139,9 @@ def _online_slots_loop(memory_keys: torch.Tensor, counts: torch.Tensor, key_sums
     for block in memory_keys.split(L, 2):
         slots = assign_block(block, counts, key_sums, threshold)
         rows = (slots + offsets).flatten()
+        if decay != 1:
+            counts.mul_(decay)
+            key_sums.mul_(decay)
         counts.view(-1).index_add_(0, rows, torch.ones_like(rows, dtype=counts.dtype))
         key_sums.view(-1, D).index_add_(0, rows, block.reshape(-1, D))
         out.append(slots)
@@ -143,14 +149,20 @@ def _online_slots_loop(memory_keys: torch.Tensor, counts: torch.Tensor, key_sums
 
 
 def statistics(slots: torch.Tensor | None, slot_weights: torch.Tensor | None, memory_keys: torch.Tensor,
-               values: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               values: torch.Tensor, num_slots: int, block_len: int = 1,
+               decay: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The slots' counts (B, H, S), memory-key sums (B, H, S, D) and value sums (B, H, S, Dv) of the keys
-    (B, H, T, ·) assigned by ``slots`` (B, H, T) or weighted by ``slot_weights`` (B, H, T, S). The keys (and the
-    weights) get gradients: one scatter-add (or product) of the keys and values side by side."""
+    (B, H, T, ·) assigned by ``slots`` (B, H, T) or weighted by ``slot_weights`` (B, H, T, S); with forgetting
+    ``decay`` g, of T / block_len whole blocks, block b' weighing g^(nb−1−b') (the memory after them). The keys (and
+    the weights) get gradients: one scatter-add (or product) of the keys and values side by side."""
     D = memory_keys.shape[-1]
+    nb = memory_keys.shape[2] // block_len if decay is not None and memory_keys.shape[2] else 1
     counts, sums = code_statistics(Assignment(slot_weights, slots), torch.cat([memory_keys, values], -1),
-                                   num_slots, 1)
-    return counts.squeeze(2), *sums.squeeze(2).split([D, values.shape[-1]], -1)
+                                   num_slots, nb)  # (B, H, nb, S), (B, H, nb, S, D + Dv)
+    if decay is not None:
+        weights = decay ** torch.arange(nb - 1, -1, -1, device=counts.device, dtype=torch.float64)
+        counts, sums = weigh_blocks(counts, weights), weigh_blocks(sums, weights)
+    return counts.sum(2), *sums.sum(2).split([D, values.shape[-1]], -1)
 
 
 def memory_logits(q_mem: torch.Tensor, counts: torch.Tensor, key_sums: torch.Tensor,

@@ -9,6 +9,7 @@ import math
 import torch
 
 from ..common.memory_cap import memory_scale
+from ..common.memory_decay import block_factor, total_count
 from .state import prepare
 
 
@@ -51,11 +52,13 @@ def _block_weights(block: slice, x, counts, key_sums) -> torch.Tensor:
 
 def naive_ovq_attention(q, k, v, *, num_slots: int, block_len: int | None = None, scale: float | None = None,
                         threshold: float | None = None, slots=None, slot_weights=None, q_mem=None, k_mem=None,
-                        memory_cap: int | None = None):
+                        memory_cap: int | None = None, memory_decay: float | None = None):
     """The semantics of :func:`~vqattn.ops.ovq.ovq_attention` (same arguments, no state) as a loop over tokens."""
     x = prepare(q, k, v, num_slots=num_slots, block_len=block_len, scale=scale, threshold=threshold, slots=slots,
-                slot_weights=slot_weights, q_mem=q_mem, k_mem=k_mem, state=None, memory_cap=memory_cap)
+                slot_weights=slot_weights, q_mem=q_mem, k_mem=k_mem, state=None, memory_cap=memory_cap,
+                memory_decay=memory_decay)
     (B, H, T, D), L, S = x.q.shape, x.block_len, num_slots
+    g = 1.0 if x.decay is None else x.decay  # the memory's factor per block that joins it
     counts, key_sums = x.q.new_zeros(B, H, S), x.q.new_zeros(B, H, S, D)
     value_sums = x.q.new_zeros(B, H, S, x.v.shape[-1])
     outs = []
@@ -64,9 +67,9 @@ def naive_ovq_attention(q, k, v, *, num_slots: int, block_len: int | None = None
         if i % L == 0 and b >= 2:  # block b − 2 joins the memory, assigned against the memory before it
             block = slice((b - 2) * L, (b - 1) * L)
             w = _block_weights(block, x, counts, key_sums)  # (B, H, L, S)
-            counts = counts + w.sum(2)
-            key_sums = key_sums + w.transpose(-1, -2) @ x.k_mem[:, :, block]
-            value_sums = value_sums + w.transpose(-1, -2) @ x.v[:, :, block]
+            counts = g * counts + w.sum(2)
+            key_sums = g * key_sums + w.transpose(-1, -2) @ x.k_mem[:, :, block]
+            value_sums = g * value_sums + w.transpose(-1, -2) @ x.v[:, :, block]
         window = slice(max(0, (b - 1) * L), i + 1)
         window_logits = x.scale * (x.k[:, :, window] @ x.q[:, :, i].unsqueeze(-1)).squeeze(-1)  # (B, H, W)
         occupied = counts > 0
@@ -75,7 +78,8 @@ def naive_ovq_attention(q, k, v, *, num_slots: int, block_len: int | None = None
         value_means = torch.where(occupied.unsqueeze(-1), value_sums / safe, 0.0)
         memory_logits = torch.where(occupied, x.scale * (key_means @ x.q_mem[:, :, i].unsqueeze(-1)).squeeze(-1)
                                     + torch.where(occupied, safe.squeeze(-1), 1.0).log()
-                                    + math.log(memory_scale(max(0, b - 1) * L, memory_cap)), float("-inf"))
+                                    + math.log(memory_scale(total_count(max(0, b - 1), L, x.decay), memory_cap)),
+                                    float("-inf"))
         p = torch.softmax(torch.cat([window_logits, memory_logits], -1), -1)
         W = window_logits.shape[-1]
         outs.append((p[..., :W].unsqueeze(-2) @ x.v[:, :, window]).squeeze(-2)
@@ -83,9 +87,12 @@ def naive_ovq_attention(q, k, v, *, num_slots: int, block_len: int | None = None
     return torch.stack(outs, 2).to(q.dtype)
 
 
-def naive_online_slots(memory_keys: torch.Tensor, num_slots: int, block_len: int, threshold: float) -> torch.Tensor:
+def naive_online_slots(memory_keys: torch.Tensor, num_slots: int, block_len: int, threshold: float,
+                       memory_decay: float | None = None) -> torch.Tensor:
     """The slots that the definition's online assignment gives memory keys (B, H, T, D) from an empty memory: block
-    after block, each against the memory of the blocks before it -> (B, H, T) long. For checking the fast forms."""
+    after block, each against the memory of the blocks before it (each weighing γ^L less per block after it, with
+    ``memory_decay`` γ) -> (B, H, T) long. For checking the fast forms."""
+    g = block_factor(memory_decay, block_len) or 1.0
     B, H, T, D = memory_keys.shape
     counts = memory_keys.new_zeros(B, H, num_slots)
     key_sums = memory_keys.new_zeros(B, H, num_slots, D)
@@ -96,6 +103,8 @@ def naive_online_slots(memory_keys: torch.Tensor, num_slots: int, block_len: int
                 keys = memory_keys[b, h, start : start + block_len]
                 slots = _assign_online(keys, counts[b, h], key_sums[b, h], threshold)
                 out[b, h, start : start + block_len] = torch.tensor(slots)
+                counts[b, h] *= g
+                key_sums[b, h] *= g
                 for key, slot in zip(keys, slots):
                     counts[b, h, slot] += 1
                     key_sums[b, h, slot] += key

@@ -11,14 +11,17 @@ import torch
 
 from ..blocks import attend_one, window_start, window_tail
 from ..common.memory_cap import is_unweighed, log_weight, memory_scale, weigh_memory
+from ..common.memory_decay import keys_in_memory
 from ..common.statistics import code_means
 from ..triton.decode import fused_decode_step
 from .memory import assign_block, memory_logits, statistics
 from .state import Inputs, OVQState
 
 
-def _absorb(state: OVQState, L: int, threshold: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The state's memory plus its first L raw positions (the block leaving the window): counts, key and value sums."""
+def _absorb(state: OVQState, L: int, threshold: float,
+            decay: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The state's memory (times the forgetting factor ``decay`` g) plus its first L raw positions (the block leaving
+    the window, assigned against the memory before it): counts, key and value sums."""
     dtype = state.counts.dtype  # the raw window may be in half precision (the Triton form)
     memory_keys = (state.keys if state.memory_keys is None else state.memory_keys)[:, :, :L].to(dtype)
     weights = None if state.slot_weights is None else state.slot_weights[:, :, :L]
@@ -27,7 +30,8 @@ def _absorb(state: OVQState, L: int, threshold: float) -> tuple[torch.Tensor, to
         slots = assign_block(memory_keys, state.counts, state.key_sums, threshold)
     n, keys, values = statistics(slots, weights, memory_keys, state.values[:, :, :L].to(dtype),
                                  state.counts.shape[-1])
-    return state.counts + n, state.key_sums + keys, state.value_sums + values
+    g = 1.0 if decay is None else decay
+    return g * state.counts + n, g * state.key_sums + keys, g * state.value_sums + values
 
 
 def _attend(x: Inputs, token: slice, state: OVQState, keys, values) -> torch.Tensor:
@@ -49,8 +53,10 @@ def _attend_fused(x: Inputs, token: slice, state: OVQState, keys, values) -> tor
 
 
 def _memory_weight(x: Inputs, state: OVQState) -> float | torch.Tensor:
-    """min(1, M / n) for the next token, whose memory holds n = window_start(p) keys (``memory_cap`` M)."""
-    return memory_scale(window_start(state.length, state.block_len), x.memory_cap)
+    """min(1, M / n) for the next token, whose memory holds window_start(p) keys of total count n (``memory_cap``
+    M; n is their number without ``memory_decay``)."""
+    L = state.block_len
+    return memory_scale(keys_in_memory(window_start(state.length, L) // L, L, x.decay), x.memory_cap)
 
 
 def _step(x: Inputs, t: int, state: OVQState, fused: bool) -> tuple[torch.Tensor, OVQState]:
@@ -65,7 +71,7 @@ def _step(x: Inputs, t: int, state: OVQState, fused: bool) -> tuple[torch.Tensor
     L = state.block_len
     if window_start(grown.length, L) == window_start(state.length, L):
         return out, grown
-    counts, key_sums, value_sums = _absorb(grown, L, x.threshold)
+    counts, key_sums, value_sums = _absorb(grown, L, x.threshold, x.decay)
     drop = lambda t: window_tail(t, L)  # noqa: E731
     return out, OVQState(counts, key_sums, value_sums, drop(grown.keys), drop(grown.values), drop(grown.memory_keys),
                          drop(grown.slots), drop(grown.slot_weights), grown.length, L)

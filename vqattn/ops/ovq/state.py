@@ -13,6 +13,7 @@ from .._checks import check_4d, check_positive_int, check_qkv, check_same_device
 from ..blocks import DEFAULT_BLOCK_LEN, Schedule, as_schedule
 from ..common.forms import FORMS
 from ..common.memory_cap import check_memory_cap
+from ..common.memory_decay import block_factor, check_memory_decay
 from ..triton import require_triton
 from ..triton.window_codes import unsupported
 
@@ -90,6 +91,12 @@ class Inputs(NamedTuple):
     schedule: Schedule  # how the chunked form reads the slots' value sums (never what it computes)
     dtype: torch.dtype  # of the memory's statistics and the state: float32 for half precision, else the inputs'
     memory_cap: int | None = None  # the memory weighs as if it held at most this many keys (vqattn.ops.common)
+    memory_decay: float | None = None  # γ: each key's weight in the memory shrinks by γ per later key
+
+    @property
+    def decay(self) -> float | None:
+        """g = γ^L, the factor on the memory per block that joins it (None: no forgetting)."""
+        return block_factor(self.memory_decay, self.block_len)
 
 
 def _check_threshold(threshold, online: bool) -> float:
@@ -159,7 +166,7 @@ def _check_triton(q, v, block_len, state) -> None:
 
 
 def prepare(q, k, v, *, num_slots, block_len, scale, threshold, slots, slot_weights, q_mem, k_mem,
-            state, schedule="auto", fused=False, memory_cap=None) -> Inputs:
+            state, schedule="auto", fused=False, memory_cap=None, memory_decay=None) -> Inputs:
     """Validate every argument (ValueError naming it) and cast the tensors to the compute dtype (float32 for half
     precision, float64 stays float64), or for the Triton form (``fused``) keep q, k, v, q_mem, k_mem as they are.
     Call with autocast off."""
@@ -184,10 +191,12 @@ def prepare(q, k, v, *, num_slots, block_len, scale, threshold, slots, slot_weig
     if fused:
         _check_triton(q, v, block_len, state)
     L = block_len or (state.block_len if state is not None else DEFAULT_BLOCK_LEN)
+    check_memory_decay(memory_decay, L)
     dtype = compute_dtype(q.dtype)
     cast = (lambda x: None if x is None else x.to(dtype))  # noqa: E731
     keep = (lambda x: x) if fused else cast  # noqa: E731
     q, k, v = keep(q), keep(k), keep(v)
     return Inputs(q, k, v, q if q_mem is None else keep(q_mem), k if k_mem is None else keep(k_mem), slots,
                   cast(slot_weights), num_slots, L, q.shape[-1] ** -0.5 if scale is None else float(scale),
-                  threshold, k_mem is not None, as_schedule(schedule), dtype, memory_cap)
+                  threshold, k_mem is not None, as_schedule(schedule), dtype, memory_cap,
+                  None if memory_decay is None else float(memory_decay))

@@ -9,7 +9,8 @@ program walks the blocks of its sequence and, per block of L keys k̃ (float32 o
     slot_i    = new_i if opens_i, else the nearest of the occupied slots (at their means k̄_s) and the slots opened
                 in the block (at their opening keys), the lower slot on a tie
 
-then adds the block's keys to the slots' counts n_s and key sums K_s (k̄_s = K_s / n_s). These are the masks of
+then multiplies the slots' counts n_s and key sums K_s by the forgetting factor g (1 without ``memory_decay``) and
+adds the block's keys to them (k̄_s = K_s / n_s). These are the masks of
 :func:`~vqattn.ops.ovq.memory.assign_block`, computed with the same products in the same order, so it chooses the
 same slots. The counts (B·H, S) and key sums (B·H, S, D) live in a float32 scratch copy of the memory before the
 keys, read and written in tiles of ``SLOT_TILE`` slots (a barrier between a block's writes and the next block's
@@ -62,21 +63,21 @@ if triton is not None:
         return best, best_slot
 
     @triton.jit
-    def _absorb(keys, slot, valid, CNT, SUM, S, D, BD: tl.constexpr, BS: tl.constexpr):
-        """n_s += #keys of slot s, K_s += Σ their keys, over the block's ``valid`` keys."""
+    def _absorb(keys, slot, valid, CNT, SUM, S, D, decay, BD: tl.constexpr, BS: tl.constexpr):
+        """n_s ← g·n_s + #keys of slot s, K_s ← g·K_s + Σ their keys, over the block's ``valid`` keys."""
         dims = tl.arange(0, BD)
         for s0 in range(0, S, BS):
             slots = s0 + tl.arange(0, BS)
             hit = ((slot[:, None] == slots[None, :]) & valid[:, None]).to(tl.float32)  # (L, BS) one-hot
             n = tl.load(CNT + slots, mask=slots < S, other=0.0)
-            tl.store(CNT + slots, n + tl.sum(hit, 0), mask=slots < S)
+            tl.store(CNT + slots, n * decay + tl.sum(hit, 0), mask=slots < S)
             mask = (slots[:, None] < S) & (dims[None, :] < D)
             sums = tl.load(SUM + slots[:, None] * D + dims[None, :], mask=mask, other=0.0)
-            sums += tl.dot(tl.trans(hit), keys, input_precision="ieee")
+            sums = sums * decay + tl.dot(tl.trans(hit), keys, input_precision="ieee")
             tl.store(SUM + slots[:, None] * D + dims[None, :], sums, mask=mask)
 
     @triton.jit
-    def _online_slots_kernel(K, CNT, SUM, OUT, sk_b, sk_h, sk_t, H, T, S, D, threshold,
+    def _online_slots_kernel(K, CNT, SUM, OUT, sk_b, sk_h, sk_t, H, T, S, D, threshold, decay,
                              L: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr):
         bh = tl.program_id(0)
         b, h = bh // H, bh % H
@@ -105,18 +106,18 @@ if triton is not None:
             nearest = tl.where(new_score < old_score, opener_slot, old_slot)
             slot = tl.where(opens, new_slot, nearest)
             tl.store(OUT + bh * T + rows, slot.to(tl.int64), mask=valid)
-            _absorb(keys, slot, valid, CNT, SUM, S, D, BD, BS)
+            _absorb(keys, slot, valid, CNT, SUM, S, D, decay, BD, BS)
             m += tl.sum(opens.to(tl.int32), 0)
             tl.debug_barrier()  # the next block reads the slots' statistics that this one wrote
 
 
 @torch.compiler.disable  # a graph break: torch.compile runs the kernel as it is
 def fused_online_slots(memory_keys: torch.Tensor, counts: torch.Tensor, key_sums: torch.Tensor, L: int,
-                       threshold: float) -> torch.Tensor:
+                       threshold: float, decay: float | None = None) -> torch.Tensor:
     """:func:`~vqattn.ops.ovq.memory.online_slots` as one kernel: memory keys (B, H, T, D) (any supported dtype,
     scored in float32) and the memory before them, counts (B, H, S) and key sums (B, H, S, D) with occupied
-    slots 0..m−1 -> (B, H, T) long slot indices. T need not be a multiple of L (the last block is partial). No
-    gradient (the choice is discrete)."""
+    slots 0..m−1 -> (B, H, T) long slot indices; ``decay``: the forgetting factor g per block. T need not be a
+    multiple of L (the last block is partial). No gradient (the choice is discrete)."""
     B, H, T, D = memory_keys.shape
     S = counts.shape[-1]
     keys = _unit_last(memory_keys.detach())
@@ -124,6 +125,7 @@ def fused_online_slots(memory_keys: torch.Tensor, counts: torch.Tensor, key_sums
     cnt = counts.detach().to(torch.float32, copy=True).contiguous()
     sums = key_sums.detach().to(torch.float32, copy=True).contiguous()
     out = torch.empty(B, H, T, device=keys.device, dtype=torch.long)
-    _online_slots_kernel[(B * H,)](keys, cnt, sums, out, *_strides(keys), H, T, S, D, float(threshold), L=L,
+    _online_slots_kernel[(B * H,)](keys, cnt, sums, out, *_strides(keys), H, T, S, D, float(threshold),
+                                   1.0 if decay is None else float(decay), L=L,
                                    BD=_width(D), BS=SLOT_TILE)
     return out
