@@ -56,7 +56,7 @@ def test_stream_groups_are_read_in_turn_each_continuing_itself():
     for i in range(len(batches) - groups):
         (x0, y0), (x1, _) = batches[i], batches[i + groups]
         assert torch.equal(x1[:, 0], y0[:, -1])  # batch i + G continues batch i
-        stream = (i % groups) * 3 + torch.arange(3)[:, None]  # group g's rows read streams 3g, 3g + 1, 3g + 2
+        stream = torch.arange(3)[:, None] * groups + i % groups  # group g's rows read streams g, G + g, 2G + g
         assert torch.equal(x0 // length, stream.expand(3, 8))
     consecutive = [batches[i][0] // length for i in range(groups)]
     assert all(not set(a.flatten().tolist()) & set(b.flatten().tolist())  # batch i + 1 reads other streams
@@ -82,14 +82,24 @@ def test_seeds_give_different_phases_and_too_short_streams_are_explained():
         positions(n=20, seq_len=8, batch_size=3)  # 6 bytes per stream < seq_len + 1
 
 
-def test_ddp_ranks_read_disjoint_streams():
+@pytest.mark.parametrize("groups", [1, 2])
+def test_ddp_ranks_read_disjoint_streams(groups):
     world, b = 3, 2
     seen = []
     for rank in range(world):
-        batches = positions(n=3000, rank=rank, world_size=world, batch_size=b, num_batches=200)  # wraps around
+        batches = positions(n=3000, rank=rank, world_size=world, batch_size=b, num_batches=400, groups=groups)
         seen.append(set(torch.cat([torch.cat(batches[i]).flatten() for i in range(len(batches))]).tolist()))
         assert all(len(s & seen[-1]) == 0 for s in seen[:-1])
-    assert len(set.union(*seen)) == world * b * (3000 // (world * b))  # together they cover every stream
+    streams = world * b * groups  # together they cover every stream (each read around more than once)
+    assert len(set.union(*seen)) == streams * (3000 // streams)
+
+
+def test_a_batch_spreads_over_the_text():
+    """A group's rows read streams G apart: a batch spans the text as random windows do, not 1/G of it."""
+    batches = positions(n=8000, batch_size=4, groups=8)  # 32 streams of 250 bytes
+    for i in range(8):
+        first = batches[i][0][:, 0]
+        assert first.max() - first.min() > 8000 // 2
 
 
 def text_module(tmp_path, **kwargs):
