@@ -161,3 +161,36 @@ def test_bad_decay_is_one_line_error(gamma, message):
     tensors, _ = inputs(20)
     with pytest.raises(ValueError, match=message):
         ovq_attention(**tensors, num_slots=S, block_len=L, memory_decay=gamma)
+
+
+def _memory_with_a_closed_slot():
+    """A memory whose slots 0..2 were opened and slot 1 forgotten to a zero count (float32 underflow after a long
+    stream without a key for it), and a block whose first key is novel."""
+    g = torch.Generator().manual_seed(4)
+    counts = torch.tensor([3.0, 0.0, 2.0, 0.0, 0.0, 0.0]).expand(B, H, S).clone()
+    key_sums = torch.randn(B, H, S, D, generator=g) * counts[..., None]
+    keys = torch.randn(B, H, L, D, generator=g) * 10  # far from every mean: novel
+    return keys, counts, key_sums
+
+
+def test_a_forgotten_slot_stays_closed():
+    """Slots open in order after the last opened one, never in a slot that forgetting closed (the definition, the
+    chunk form's assignment, and the kernel): the first novel key opens slot 3."""
+    from vqattn.ops.ovq.memory import assign_block
+    from vqattn.ops.ovq.naive import _assign_online
+
+    keys, counts, key_sums = _memory_with_a_closed_slot()
+    chunk = assign_block(keys, counts, key_sums, 0.1)
+    assert chunk[0, 0, 0] == 3 and not (chunk == 1).any()
+    naive = torch.tensor(_assign_online(keys[0, 0].double(), counts[0, 0].double(), key_sums[0, 0].double(), 0.1))
+    assert torch.equal(naive, chunk[0, 0])
+
+
+@needs_triton
+def test_a_forgotten_slot_stays_closed_in_the_kernel():
+    from vqattn.ops.ovq.memory import assign_block
+    from vqattn.ops.triton.online_slots import fused_online_slots
+
+    keys, counts, key_sums = _memory_with_a_closed_slot()
+    fused = fused_online_slots(keys.to(DEVICE), counts.to(DEVICE), key_sums.to(DEVICE), L, 0.1).cpu()
+    assert torch.equal(fused, assign_block(keys, counts, key_sums, 0.1))

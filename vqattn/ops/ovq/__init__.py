@@ -23,12 +23,14 @@ So, with W(i) the window,
 
 a Gaussian-mixture regression over the slots next to exact softmax over the window.
 
-**Assignment.** The keys of block j are assigned using M_{j−1}, then absorbed: M_j = M_{j−1} + block j. Block j
+**Assignment.** The keys of block j are assigned using M_{j−1}, then absorbed: M_j = M_{j−1} + block j (g·M_{j−1}
++ block j with ``memory_decay``, :mod:`~vqattn.ops.common.memory_decay`). Block j
 first reaches the queries of block j + 2, so every block is assigned in parallel within itself and causally.
 
 * Given (``slots`` (B, H, T) in [0, S), or ``slot_weights`` (B, H, T, S) ≥ 0): e.g. a learned global codebook's
   hard argmin. The memory is then a prefix sum over blocks.
-* Online (neither given). With the m occupied slots of M_{j−1} (always slots 0..m−1), a key of block j is *novel*
+* Online (neither given). With the slots 0..m−1 of M_{j−1} opened (those with a positive count occupied: all of
+  them, unless ``memory_decay`` took one to a zero count, which closes it for good), a key of block j is *novel*
   when ‖k̃ − k̄_s‖² > ``threshold``·‖k̃‖² for every occupied s (every key is novel when m = 0): the
   threshold is relative, so it means the same at any key scale. Novel keys open slots
   m, m+1, ... in position order while slots remain (a new slot starts at its opening key). Every other key, novel

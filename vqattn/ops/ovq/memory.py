@@ -77,7 +77,8 @@ def _scores(keys: torch.Tensor, centres: torch.Tensor, centre_sq: torch.Tensor) 
 @torch.no_grad()
 def assign_block(keys: torch.Tensor, counts: torch.Tensor, key_sums: torch.Tensor, threshold: float) -> torch.Tensor:
     """Online assignment of one block's memory keys (B, H, L, D) to the slots of the memory before the block
-    (counts (B, H, S), key sums (B, H, S, D); its m occupied slots are 0..m−1): (B, H, L) slot indices.
+    (counts (B, H, S), key sums (B, H, S, D); the slots opened so far are 0..m−1, those with a positive count
+    occupied): (B, H, L) slot indices.
 
     A key is novel when its squared distance to every occupied slot's mean key exceeds ``threshold`` times its
     squared norm (always when m = 0). The novel keys, in position order, open slots m, m+1, ... while slots remain;
@@ -88,7 +89,8 @@ def assign_block(keys: torch.Tensor, counts: torch.Tensor, key_sums: torch.Tenso
     keys = keys.detach()
     S = counts.shape[-1]
     occupied = counts > 0  # (B, H, S)
-    m = occupied.sum(-1, keepdim=True)  # (B, H, 1)
+    # 1 + the last occupied slot: slots open in order, and one that forgetting took to a zero count stays closed
+    m = (occupied * torch.arange(1, S + 1, device=counts.device)).amax(-1, keepdim=True)  # (B, H, 1)
     means = code_means(counts, key_sums)
     old = _scores(keys, means, (means * means).sum(-1).masked_fill(~occupied, float("inf")))
     old_score, old_slot = old.min(-1)  # (B, H, L); min's index is the first (lowest) on a tie

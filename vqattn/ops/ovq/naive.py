@@ -29,7 +29,8 @@ def _assign_online(keys: torch.Tensor, counts: torch.Tensor, key_sums: torch.Ten
     means = {s: key_sums[s] / counts[s] for s in range(S) if counts[s] > 0}
     novel = [all(float(((key - c) ** 2).sum()) > threshold * float((key**2).sum()) for c in means.values())
              for key in keys]
-    slots, centres, free = [None] * len(keys), dict(means), len(means)
+    # slots open in order; one that forgetting took to a zero count stays closed
+    slots, centres, free = [None] * len(keys), dict(means), 1 + max(means, default=-1)
     for j, key in enumerate(keys):  # novel keys open slots in position order while slots remain
         if novel[j] and free < S:
             slots[j], centres[free], free = free, key, free + 1

@@ -3,8 +3,8 @@
 The assignment is sequential over blocks (block j is assigned against the memory M_{j−1}, then absorbed), so one
 program walks the blocks of its sequence and, per block of L keys k̃ (float32 on chip):
 
-    score_is  = ‖k̄_s‖² − 2 k̃_i·k̄_s   (= ‖k̃_i − k̄_s‖² − ‖k̃_i‖²) over the m occupied slots, +inf for empty ones
-    novel_i   = min_s score_is + ‖k̃_i‖² > threshold·‖k̃_i‖²,  or m = 0
+    score_is  = ‖k̄_s‖² − 2 k̃_i·k̄_s   (= ‖k̃_i − k̄_s‖² − ‖k̃_i‖²) over the occupied slots, +inf for empty ones
+    novel_i   = min_s score_is + ‖k̃_i‖² > threshold·‖k̃_i‖²,  or m = 0  (slots 0..m−1 opened so far)
     new_i     = m + #(novel keys before i);  opens_i = novel_i and new_i < S
     slot_i    = new_i if opens_i, else the nearest of the occupied slots (at their means k̄_s) and the slots opened
                 in the block (at their opening keys), the lower slot on a tie
@@ -34,11 +34,13 @@ if triton is not None:
 
     @triton.jit
     def _occupied(CNT, S, BS: tl.constexpr):
-        """m, the number of slots with a positive count (the occupied slots are 0..m−1)."""
+        """m, 1 + the last slot with a positive count: the slots opened so far are 0..m−1 (one that forgetting took
+        to a zero count stays closed)."""
         m = 0
         for s0 in range(0, S, BS):
             slots = s0 + tl.arange(0, BS)
-            m += tl.sum((tl.load(CNT + slots, mask=slots < S, other=0.0) > 0).to(tl.int32), 0)
+            hit = tl.load(CNT + slots, mask=slots < S, other=0.0) > 0
+            m = tl.maximum(m, tl.max(tl.where(hit, slots + 1, 0), 0))
         return m
 
     @triton.jit
