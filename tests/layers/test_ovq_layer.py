@@ -23,7 +23,7 @@ OPTIONS = [
     dict(rope=True, memory_rope_clamp=CLAMP),  # the memory's slow pairs rotate by min(position, CLAMP)
     dict(rope=True, slots_by="codebook"),
     dict(rope=True, qk_norm="l2", threshold=0.2),
-    dict(rope=True, memory_decay=0.9),  # forgetting: each block weighs 0.9^L less per later block
+    dict(rope=True, memory_decay=0.9),  # forgetting: each block keeps 0.9^L of its weight per later block
 ]
 
 

@@ -1,4 +1,5 @@
-"""``memory_decay`` γ: each block of L keys weighs γ^L less in ovq's memory for every block that joins it later.
+"""``memory_decay`` γ: each block of L keys keeps γ^L of its weight in ovq's memory for every block that joins
+it later.
 
 The definition (the naive form) against a direct float64 sum over blocks written here; every other form against the
 definition, outputs and every input's gradient, with online slots, given slot weights, a memory cap, lengths that

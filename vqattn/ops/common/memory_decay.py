@@ -1,7 +1,7 @@
 """Forgetting in the online memory (``memory_decay``): the fix for training with carried state.
 
-With ``memory_decay`` γ (per key, 0 < γ ≤ 1) each block of L keys weighs g = γ^L less for every block that has
-joined the memory after it. Query block b reads the blocks ≤ b − 2:
+With ``memory_decay`` γ (per key, 0 < γ ≤ 1) each block of L keys keeps g = γ^L of its weight for every block
+that has joined the memory after it. Query block b reads the blocks ≤ b − 2:
 
     n_bs = Σ_{b' ≤ b−2} g^{b−2−b'} n_b's,   K_bs = Σ g^{b−2−b'} K_b's,   V_bs = Σ g^{b−2−b'} V_b's
 

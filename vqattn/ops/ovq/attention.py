@@ -75,8 +75,8 @@ def ovq_attention(q, k, v, *, num_slots: int, block_len: int | None = None, scal
             the slot logits, where n keys lie before the query's window (their total count with
             ``memory_decay``; :mod:`vqattn.ops.common.memory_cap`); the layer's default is 2 × block_len, with which
             a model reads past its training length as its raw window does. None: no bound.
-        memory_decay: γ in (0, 1]: forgetting. Each block of L keys weighs γ^L less in the memory for every block
-            that joins it later, so the slots' mean keys and values are moving averages over about 1 / (1 − γ) keys
+        memory_decay: γ in (0, 1]: forgetting. Each block of L keys keeps γ^L of its weight in the memory for
+            every block that joins it later, so the slots' mean keys and values are moving averages over about 1 / (1 − γ) keys
             (:mod:`vqattn.ops.common.memory_decay`): what a state carried over many segments needs to train as
             well as independent ones (docs/evaluation.md). None (or 1): the memory keeps every key at full weight.
 
