@@ -82,6 +82,14 @@ def block_decay(num_blocks: int, factor: float, *, device, dtype) -> tuple[torch
     return (-(b + 1) * log_g).exp().to(dtype), ((b - 1).clamp_min(0) * log_g).to(dtype)
 
 
+def forget(memory: tuple[torch.Tensor, ...], factor: float | None, blocks: int = 1) -> tuple[torch.Tensor, ...]:
+    """The memory's statistics (counts, sums) after ``blocks`` more blocks joined it: each times g^blocks (as they are
+    without forgetting)."""
+    if factor is None:
+        return memory
+    return tuple(t * factor**blocks for t in memory)
+
+
 def weigh_blocks(x: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
     """x (B, H, nb, ...) with block b times weights[b] (:func:`block_decay`); x itself for None."""
     if weights is None:

@@ -19,7 +19,7 @@ import torch
 
 from ..blocks import blocks, group_windows, loops, pad_to_blocks, window_bias, window_start, window_tail
 from ..common.memory_cap import block_memory_bias
-from ..common.memory_decay import block_decay, span_blocks, weigh_blocks
+from ..common.memory_decay import block_decay, forget, span_blocks, weigh_blocks
 from ..common.records import replaced
 from ..common.statistics import Assignment, code_statistics
 from ..common.window_codes import WindowCodeInputs, window_code_attention
@@ -82,9 +82,8 @@ def chunk_forward(x: Inputs, state: OVQState | None, return_state: bool,
     head = lambda t: None if t is None else t[:, :, :keep]  # noqa: E731
     n, keys, values = statistics(head(slots), head(weights), head(k_mem).to(x.dtype), head(v).to(x.dtype), S, L,
                                  x.decay)
-    memory = (state.counts, state.key_sums, state.value_sums)
-    if x.decay is not None:  # the state's memory has since taken in keep / L blocks
-        memory = tuple(t * x.decay ** (keep // L) for t in memory)
+    # the state's memory has since taken in keep / L blocks
+    memory = forget((state.counts, state.key_sums, state.value_sums), x.decay, keep // L)
     raw = lambda t: window_tail(t, keep)  # noqa: E731
     return out, OVQState(memory[0] + n, memory[1] + keys, memory[2] + values, raw(x.k),
                          raw(x.v), raw(x.k_mem) if x.separate_keys else None, raw(x.slots), raw(x.slot_weights),

@@ -11,7 +11,7 @@ import torch
 
 from ..blocks import attend_one, window_start, window_tail
 from ..common.memory_cap import is_unweighed, log_weight, memory_scale, weigh_memory
-from ..common.memory_decay import keys_in_memory
+from ..common.memory_decay import forget, keys_in_memory
 from ..common.statistics import code_means
 from ..triton.decode import fused_decode_step
 from .memory import assign_block, memory_logits, statistics
@@ -30,8 +30,8 @@ def _absorb(state: OVQState, L: int, threshold: float,
         slots = assign_block(memory_keys, state.counts, state.key_sums, threshold)
     n, keys, values = statistics(slots, weights, memory_keys, state.values[:, :, :L].to(dtype),
                                  state.counts.shape[-1])
-    g = 1.0 if decay is None else decay
-    return g * state.counts + n, g * state.key_sums + keys, g * state.value_sums + values
+    counts, key_sums, value_sums = forget((state.counts, state.key_sums, state.value_sums), decay)
+    return counts + n, key_sums + keys, value_sums + values
 
 
 def _attend(x: Inputs, token: slice, state: OVQState, keys, values) -> torch.Tensor:
