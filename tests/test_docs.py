@@ -184,6 +184,13 @@ def python_block_runs(tmp_path_factory, command_runs):
         proc.communicate()
 
 
+def test_this_module_runs_on_one_worker(request):
+    """Under pytest-xdist's loadgroup a group's node ids end in "@group"; without it every worker would start all of
+    this module's commands."""
+    if getattr(request.config.option, "loadgroup", False):
+        assert request.node.nodeid.endswith("@docs"), "xdist_group has no effect: see pyproject.toml's dev extra"
+
+
 def test_the_docs_have_python_blocks_and_readme_commands():
     assert len([name for name, _ in PYTHON_BLOCKS if name.startswith("README.md")]) >= 3
     assert any(argv[:2] == ["python", "train.py"] and "-m" in argv for argv in COMMANDS)
