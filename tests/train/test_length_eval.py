@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from model_helpers import tiny_model
 
 pytest.importorskip("lightning")
-from vqattn.train.length_eval import bucket_edges, length_eval, main, stream_bits  # noqa: E402
+from vqattn.train.length_eval import bucket_edges, change_interval, length_eval, main, stream_bits  # noqa: E402
 
 
 def test_buckets_double_and_end_at_the_stream_length():
@@ -42,12 +42,56 @@ def test_length_eval_reports_one_bpb_per_bucket_and_refuses_what_it_cannot_read(
     result = length_eval(model, text, multiple=4, streams=3)
     assert result["edges"] == [0, T, 2 * T, 4 * T] and len(result["bpb"]) == 3
     assert all(0 < x < 20 for x in result["bpb"])
+    # the first stream alone (float32 sums differ in the last bits from a batch of three)
+    bits = stream_bits(model, torch.tensor(list(text[:4 * T + 1]), dtype=torch.uint8)[None], T)
+    assert result["bpb_by_stream"][0] == pytest.approx([bits[0, a:b].mean().item() for a, b in
+                                                        zip(result["edges"][:-1], result["edges"][1:])], rel=1e-5)
+    by_stream = torch.tensor(result["bpb_by_stream"], dtype=torch.float64)
+    assert result["bpb"] == pytest.approx(by_stream.mean(0).tolist(), rel=1e-12)
     with pytest.raises(ValueError, match="learned absolute positions"):
         length_eval(tiny_model("window", pos_emb="learned"), text)
     with pytest.raises(ValueError, match="held-out text has 100 bytes"):
         length_eval(model, bytes(100), multiple=16)
     with pytest.raises(ValueError, match="streams must be a positive int"):
         length_eval(model, text, streams=0)
+
+
+def _result(by_stream: torch.Tensor, attention: str = "ovq") -> dict:
+    """A length_eval result from per-stream bucket bpb (N, buckets)."""
+    return {"attention": attention, "seq_len": 4, "streams": by_stream.shape[0],
+            "edges": bucket_edges(4, 2 ** (by_stream.shape[1] - 1)), "bpb": by_stream.mean(0).tolist(),
+            "bpb_by_stream": by_stream.tolist()}
+
+
+def test_the_change_interval_is_the_bootstrap_of_the_change_over_streams():
+    torch.manual_seed(0)
+    by_stream = 2 + 0.3 * torch.rand(32, 5, dtype=torch.float64)  # (streams, buckets)
+    got = change_interval(_result(by_stream), resamples=2000, seed=3)
+    bpb = by_stream.mean(0)
+    assert got["change"] == pytest.approx(100 * (bpb[-1] / bpb[0] - 1).item(), rel=1e-12)
+    draws = torch.randint(0, 32, (2000, 32), generator=torch.Generator().manual_seed(3))
+    changes = [100 * (by_stream[row, -1].mean() / by_stream[row, 0].mean() - 1) for row in draws]
+    low, high = torch.quantile(torch.stack(changes), torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    assert (got["low"], got["high"]) == pytest.approx((low, high), rel=1e-10)
+    assert got["low"] < got["change"] < got["high"]
+    more = change_interval(_result(by_stream.repeat(16, 1)), resamples=2000)  # 16x the streams: 1/4 the width
+    assert 0.15 < (more["high"] - more["low"]) / (got["high"] - got["low"]) < 0.35
+
+
+def test_the_paired_interval_cancels_what_both_models_read():
+    """Streams that differ in their own drift (the text) but whose second model reads every bucket 1% better past the
+    first: the difference is -1 point however wide each model's own interval is."""
+    torch.manual_seed(0)
+    text = 2 + 0.5 * torch.rand(32, 5, dtype=torch.float64)  # each stream's own drift, wide
+    better = text * torch.tensor([1, 0.99, 0.99, 0.99, 0.99], dtype=torch.float64)
+    alone, paired = change_interval(_result(better)), change_interval(_result(better), _result(text, "window"))
+    assert alone["high"] - alone["low"] > 5
+    assert paired["change"] == pytest.approx(alone["change"] - change_interval(_result(text))["change"], rel=1e-12)
+    assert paired["low"] < paired["change"] < paired["high"] and paired["high"] - paired["low"] < 0.5
+    assert paired["low"] > -1.5 and paired["high"] < -0.5
+    assert change_interval(_result(text), _result(text)) == {"change": 0.0, "low": 0.0, "high": 0.0}
+    with pytest.raises(ValueError, match="baseline must read the same streams"):
+        change_interval(_result(text), _result(text[:16]))
 
 
 def test_command_writes_the_table_json_and_plot(tmp_path, capsys):
@@ -65,6 +109,13 @@ def test_command_writes_the_table_json_and_plot(tmp_path, capsys):
     assert "| ovq |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main([str(out / "length_eval.json")])  # not a checkpoint: argparse's one-line error, exit status 2
+    args = [str(tmp_path / "last.ckpt"), "--multiple", "4", "--text", str(tmp_path / "held_out.txt")]
+    assert main([*args, "--streams", "2", "--against", str(out / "length_eval.json"), "--out", str(tmp_path / "b")]) == 0
+    assert "| against ovq (points) |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # other streams: the result is written, the comparison refused
+        main([*args, "--streams", "3", "--against", str(out / "length_eval.json"), "--out", str(tmp_path / "c")])
+    assert "baseline must read the same streams" in capsys.readouterr().err
+    assert json.loads((tmp_path / "c" / "length_eval.json").read_text())["streams"] == 3
 
 
 @pytest.mark.parametrize("name", ["vq_hard", "ovq"])

@@ -2,6 +2,7 @@
 
     python -m vqattn.train.length_eval CKPT                  # 16x the training length, 32 streams, plot + json
     python -m vqattn.train.length_eval CKPT --multiple 32 --text notes.txt --out length_eval/
+    python -m vqattn.train.length_eval CKPT --against window_eval/length_eval.json   # the drift against a baseline
 
 Each stream is a contiguous stretch of held-out text, ``multiple`` times the checkpoint's ``model.seq_len`` (T)
 bytes long. It runs through ``GPT.forward(..., state=, return_state=True)`` in segments of T, each continuing the
@@ -9,6 +10,8 @@ state of the one before (a vq or ovq layer's compressed memory and window, a win
 growing KV cache), as decoding would. The result is the bits per byte of every absolute position, averaged over the
 streams and over buckets [0, T), [T, 2T), [2T, 4T), ... that double up to multiple·T, with a plot. A memory that
 generalises keeps the later buckets at the first one's level, as the raw window does up to the text's own drift.
+The change from the first bucket to the last comes with a 95% bootstrap interval over the streams, and, against
+another checkpoint's result on the same streams, as a paired difference (:func:`change_interval`).
 
 Held-out text: the default corpus's validation split (whole files, none of them trained on; see
 ``StdlibDataModule``), or ``--text`` (a UTF-8 or binary file). Learned absolute positions cannot read past T: such a
@@ -84,19 +87,53 @@ def length_eval(model: GPT, text: bytes, *, multiple: int = 16, streams: int = 3
         raise ValueError(f"the model uses learned absolute positions (model.pos_emb=learned): it cannot read past "
                          f"its training length {T}; length generalisation needs pos_emb rope or none")
     edges = bucket_edges(T, multiple)
-    bits = stream_bits(model, held_out_streams(text, edges[-1], streams), T).mean(0)  # (multiple·T,)
-    bpb = [bits[a:b].mean().item() for a, b in zip(edges[:-1], edges[1:])]
-    return {"attention": model.config.attention, "seq_len": T, "streams": streams, "edges": edges, "bpb": bpb}
+    bits = stream_bits(model, held_out_streams(text, edges[-1], streams), T)  # (streams, multiple·T)
+    by_stream = torch.stack([bits[:, a:b].mean(1) for a, b in zip(edges[:-1], edges[1:])], 1)  # (streams, buckets)
+    return {"attention": model.config.attention, "seq_len": T, "streams": streams, "edges": edges,
+            "bpb": by_stream.mean(0).tolist(), "bpb_by_stream": by_stream.tolist()}
 
 
-def table(result: dict) -> str:
-    """The result as a markdown table: one column per bucket, and the last bucket against the first."""
+def last_vs_first(by_stream: torch.Tensor) -> torch.Tensor:
+    """The change of the last bucket's bpb against the first's, in percent, of the mean over streams: (..., N, buckets)
+    -> (...). Every stream has the same positions in a bucket, so the mean of its rows is the bucket's bpb."""
+    bpb = by_stream.mean(-2)
+    return 100 * (bpb[..., -1] / bpb[..., 0] - 1)
+
+
+def change_interval(result: dict, baseline: dict | None = None, *, resamples: int = 10_000, seed: int = 0) -> dict:
+    """The last-vs-first change (percent) with a 95% bootstrap interval over the streams, {"change", "low", "high"}.
+
+    With ``baseline`` (another checkpoint's result on the same streams), the difference of the two changes in
+    percentage points, each resample drawing the same streams for both: the text's own drift, which both models
+    read, cancels in the pair, so the interval measures the models' difference, not the text's."""
+    if baseline is not None and (baseline["edges"], baseline["streams"]) != (result["edges"], result["streams"]):
+        raise ValueError(f"baseline must read the same streams: edges {baseline['edges']} and {baseline['streams']} "
+                         f"streams, against {result['edges']} and {result['streams']}")
+    draws = torch.randint(0, result["streams"], (resamples, result["streams"]),
+                          generator=torch.Generator().manual_seed(seed))  # (resamples, N) stream indices
+    pairs = [result] if baseline is None else [result, baseline]
+    point, resampled = 0.0, torch.zeros(resamples, dtype=torch.float64)
+    for sign, item in zip((1, -1), pairs):
+        by_stream = torch.tensor(item["bpb_by_stream"], dtype=torch.float64)  # (N, buckets)
+        point += sign * last_vs_first(by_stream).item()
+        resampled += sign * last_vs_first(by_stream[draws])
+    low, high = torch.quantile(resampled, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return {"change": point, "low": low, "high": high}
+
+
+def table(result: dict, baseline: dict | None = None) -> str:
+    """The result as a markdown table: one column per bucket, the last bucket against the first with its 95%
+    interval over the streams, and, with ``baseline``, the difference from the baseline's change."""
     edges, bpb = result["edges"], result["bpb"]
     kb = lambda n: f"{n // 1024}k" if n % 1024 == 0 and n else str(n)  # noqa: E731
     head = " | ".join(f"{kb(a)}–{kb(b)}" for a, b in zip(edges[:-1], edges[1:]))
-    change = f"{100 * (bpb[-1] / bpb[0] - 1):+.1f}%"
-    return (f"| attention | {head} | last vs first |\n|---|{'---:|' * (len(bpb) + 1)}\n"
-            f"| {result['attention']} | {' | '.join(f'{x:.3f}' for x in bpb)} | {change} |")
+    spans = [("last vs first (95%)", change_interval(result), "%")]
+    if baseline is not None:
+        spans.append((f"against {baseline['attention']} (points)", change_interval(result, baseline), ""))
+    cells = [f"{c['change']:+.1f}{unit} ({c['low']:+.1f} to {c['high']:+.1f})" for _, c, unit in spans]
+    return (f"| attention | {head} | {' | '.join(name for name, _, _ in spans)} |\n"
+            f"|---|{'---:|' * (len(bpb) + len(spans))}\n"
+            f"| {result['attention']} | {' | '.join(f'{x:.3f}' for x in bpb)} | {' | '.join(cells)} |")
 
 
 def plot(result: dict, path: Path) -> None:
@@ -123,20 +160,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", type=int, default=32, help="held-out stretches averaged (default 32)")
     p.add_argument("--text", default=None, help="held-out text file (default: the default corpus's validation split)")
     p.add_argument("--out", default="length_eval", help="directory for length_eval.json and length_eval.png")
+    p.add_argument("--against", default=None, metavar="JSON",
+                   help="another checkpoint's length_eval.json on the same streams (e.g. the window's): the table adds "
+                        "the difference of the two last-vs-first changes, with its interval")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
     from .lit import load_model
 
     try:
+        baseline = json.loads(Path(args.against).read_text()) if args.against else None
+        if baseline is not None and "bpb_by_stream" not in baseline:
+            raise ValueError(f"--against {args.against} has no bpb_by_stream: write it again with this version")
         text = Path(args.text).read_bytes() if args.text else default_held_out()
         result = length_eval(load_model(args.ckpt, args.device), text, multiple=args.multiple, streams=args.streams)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, json.JSONDecodeError) as err:
         p.error(str(err))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "length_eval.json").write_text(json.dumps(result, indent=1))
     plot(result, out / "length_eval.png")
-    print(table(result))
+    try:
+        print(table(result, baseline))
+    except ValueError as err:  # the result is written: only the comparison is refused
+        p.error(f"wrote {out / 'length_eval.json'}; {err}")
     print(f"wrote {out / 'length_eval.json'} and {out / 'length_eval.png'}")
     return 0
 
