@@ -107,11 +107,17 @@ def test_command_writes_the_table_json_and_plot(tmp_path, capsys):
     assert result["attention"] == "ovq" and len(result["bpb"]) == 3
     assert (out / "length_eval.png").stat().st_size > 0
     assert "| ovq |" in capsys.readouterr().out
-    with pytest.raises(SystemExit):
-        main([str(out / "length_eval.json")])  # not a checkpoint: argparse's one-line error, exit status 2
+    (tmp_path / "old.json").write_text(json.dumps({k: v for k, v in result.items() if k != "bpb_by_stream"}))
+    for bad in ("last.ckpt.json", "old.json", "held_out.txt"):  # missing, written without per-stream bpb, not json
+        with pytest.raises(SystemExit):  # argparse's one-line error, exit status 2
+            main([str(tmp_path / "last.ckpt"), "--against", str(tmp_path / bad)])
+        assert "usage:" in capsys.readouterr().err
     args = [str(tmp_path / "last.ckpt"), "--multiple", "4", "--text", str(tmp_path / "held_out.txt")]
     assert main([*args, "--streams", "2", "--against", str(out / "length_eval.json"), "--out", str(tmp_path / "b")]) == 0
-    assert "| against ovq (points) |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| against ovq (points) |" in printed
+    assert main([str(tmp_path / "b" / "length_eval.json"), "--against", str(out / "length_eval.json")]) == 0
+    assert capsys.readouterr().out == printed.split("\nwrote ")[0] + "\n"  # the saved results compared again
     with pytest.raises(SystemExit):  # other streams: the result is written, the comparison refused
         main([*args, "--streams", "3", "--against", str(out / "length_eval.json"), "--out", str(tmp_path / "c")])
     assert "baseline must read the same streams" in capsys.readouterr().err

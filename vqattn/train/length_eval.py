@@ -3,6 +3,7 @@
     python -m vqattn.train.length_eval CKPT                  # 16x the training length, 32 streams, plot + json
     python -m vqattn.train.length_eval CKPT --multiple 32 --text notes.txt --out length_eval/
     python -m vqattn.train.length_eval CKPT --against window_eval/length_eval.json   # the drift against a baseline
+    python -m vqattn.train.length_eval length_eval/length_eval.json --against window_eval/length_eval.json
 
 Each stream is a contiguous stretch of held-out text, ``multiple`` times the checkpoint's ``model.seq_len`` (T)
 bytes long. It runs through ``GPT.forward(..., state=, return_state=True)`` in segments of T, each continuing the
@@ -153,9 +154,19 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def read_result(path: str) -> dict:
+    """A length_eval.json, checked to hold the per-stream bpb that intervals need."""
+    result = json.loads(Path(path).read_text())
+    if not isinstance(result, dict) or "bpb_by_stream" not in result:
+        raise ValueError(f"{path} is not a length_eval.json with bpb_by_stream (older versions wrote none): "
+                         f"run its checkpoint again")
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m vqattn.train.length_eval", description=__doc__.splitlines()[0])
-    p.add_argument("ckpt", help="a trainer checkpoint (OUT/checkpoints/last.ckpt)")
+    p.add_argument("ckpt", help="a trainer checkpoint (OUT/checkpoints/last.ckpt), or a length_eval.json to print its "
+                                "table again (with --against: compare two saved results without reading the text)")
     p.add_argument("--multiple", type=int, default=16, help="stream length in training lengths (default 16)")
     p.add_argument("--streams", type=int, default=32, help="held-out stretches averaged (default 32)")
     p.add_argument("--text", default=None, help="held-out text file (default: the default corpus's validation split)")
@@ -168,9 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     from .lit import load_model
 
     try:
-        baseline = json.loads(Path(args.against).read_text()) if args.against else None
-        if baseline is not None and "bpb_by_stream" not in baseline:
-            raise ValueError(f"--against {args.against} has no bpb_by_stream: write it again with this version")
+        baseline = read_result(args.against) if args.against else None
+        if args.ckpt.endswith(".json"):
+            print(table(read_result(args.ckpt), baseline))
+            return 0
         text = Path(args.text).read_bytes() if args.text else default_held_out()
         result = length_eval(load_model(args.ckpt, args.device), text, multiple=args.multiple, streams=args.streams)
     except (ValueError, FileNotFoundError, json.JSONDecodeError) as err:
