@@ -114,10 +114,18 @@ def test_command_writes_the_table_json_and_plot(tmp_path, capsys):
         assert "usage:" in capsys.readouterr().err
     args = [str(tmp_path / "last.ckpt"), "--multiple", "4", "--text", str(tmp_path / "held_out.txt")]
     assert main([*args, "--streams", "2", "--against", str(out / "length_eval.json"), "--out", str(tmp_path / "b")]) == 0
-    printed = capsys.readouterr().out
-    assert "| against ovq (points) |" in printed
-    assert main([str(tmp_path / "b" / "length_eval.json"), "--against", str(out / "length_eval.json")]) == 0
-    assert capsys.readouterr().out == printed.split("\nwrote ")[0] + "\n"  # the saved results compared again
+    printed = capsys.readouterr().out.splitlines()
+    assert "| against ovq (points) |" in printed[0] and printed[2].startswith("| ovq |")
+    # the saved results again, a row each labelled by its directory, plotted together
+    saved = [str(out / "length_eval.json"), str(tmp_path / "b" / "length_eval.json")]
+    assert main([*saved, "--against", str(out / "length_eval.json"), "--plot", str(tmp_path / "ab.png")]) == 0
+    again = capsys.readouterr().out.splitlines()
+    assert again[:2] == printed[:2] and again[3] == printed[2].replace("| ovq |", "| b |")
+    assert again[2].startswith("| eval |") and again[2].endswith("| +0.00 (+0.00 to +0.00) |")  # itself: exactly 0
+    assert (tmp_path / "ab.png").stat().st_size > 0
+    for mixed in ([saved[0], str(tmp_path / "last.ckpt")], [str(tmp_path / "last.ckpt"), "--plot", "x.png"]):
+        with pytest.raises(SystemExit):
+            main(mixed)
     with pytest.raises(SystemExit):  # other streams: the result is written, the comparison refused
         main([*args, "--streams", "3", "--against", str(out / "length_eval.json"), "--out", str(tmp_path / "c")])
     assert "baseline must read the same streams" in capsys.readouterr().err

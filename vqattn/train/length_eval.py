@@ -3,7 +3,8 @@
     python -m vqattn.train.length_eval CKPT                  # 16x the training length, 32 streams, plot + json
     python -m vqattn.train.length_eval CKPT --multiple 32 --text notes.txt --out length_eval/
     python -m vqattn.train.length_eval CKPT --against window_eval/length_eval.json   # the drift against a baseline
-    python -m vqattn.train.length_eval length_eval/length_eval.json --against window_eval/length_eval.json
+    python -m vqattn.train.length_eval a/length_eval.json b/length_eval.json --against window_eval/length_eval.json \
+        --plot ab.png                                         # saved results: a row each, plotted together
 
 Each stream is a contiguous stretch of held-out text, ``multiple`` times the checkpoint's ``model.seq_len`` (T)
 bytes long. It runs through ``GPT.forward(..., state=, return_state=True)`` in segments of T, each continuing the
@@ -122,31 +123,37 @@ def change_interval(result: dict, baseline: dict | None = None, *, resamples: in
     return {"change": point, "low": low, "high": high}
 
 
-def table(result: dict, baseline: dict | None = None) -> str:
-    """The result as a markdown table: one column per bucket, the last bucket against the first with its 95%
-    interval over the streams, and, with ``baseline``, the difference from the baseline's change."""
-    edges, bpb = result["edges"], result["bpb"]
+def table(results: list[dict], baseline: dict | None = None, labels: list[str] | None = None) -> str:
+    """Results on the same buckets as a markdown table, a row each (labelled by ``labels`` or the attention): one
+    column per bucket, the last bucket against the first with its 95% interval over the streams, and, with
+    ``baseline``, the difference from the baseline's change."""
+    edges, labels = results[0]["edges"], labels or [r["attention"] for r in results]
     kb = lambda n: f"{n // 1024}k" if n % 1024 == 0 and n else str(n)  # noqa: E731
     head = " | ".join(f"{kb(a)}–{kb(b)}" for a, b in zip(edges[:-1], edges[1:]))
-    spans = [("last vs first (95%)", change_interval(result), "%")]
-    if baseline is not None:
-        spans.append((f"against {baseline['attention']} (points)", change_interval(result, baseline), ""))
-    cells = [f"{c['change']:+.1f}{unit} ({c['low']:+.1f} to {c['high']:+.1f})" for _, c, unit in spans]
-    return (f"| attention | {head} | {' | '.join(name for name, _, _ in spans)} |\n"
-            f"|---|{'---:|' * (len(bpb) + len(spans))}\n"
-            f"| {result['attention']} | {' | '.join(f'{x:.3f}' for x in bpb)} | {' | '.join(cells)} |")
+    spans = ["last vs first (95%)"] + ([] if baseline is None else [f"against {baseline['attention']} (points)"])
+    lines = [f"| attention | {head} | {' | '.join(spans)} |", f"|---|{'---:|' * (len(edges) - 1 + len(spans))}"]
+    for label, result in zip(labels, results):
+        if result["edges"] != edges:
+            raise ValueError(f"{label} has buckets {result['edges']}, the first result {edges}: compare one length")
+        changes = [(change_interval(result), 1, "%")]  # a percent to one decimal, a difference in points to two
+        if baseline is not None:
+            changes.append((change_interval(result, baseline), 2, ""))
+        cells = [f"{c['change']:+.{n}f}{unit} ({c['low']:+.{n}f} to {c['high']:+.{n}f})" for c, n, unit in changes]
+        lines.append(f"| {label} | {' | '.join(f'{x:.3f}' for x in result['bpb'])} | {' | '.join(cells)} |")
+    return "\n".join(lines)
 
 
-def plot(result: dict, path: Path) -> None:
-    """bpb per bucket against the bucket's end position (log scale), saved to ``path``."""
+def plot(results: list[dict], path: Path, labels: list[str] | None = None) -> None:
+    """bpb per bucket against the bucket's end position (log scale), a line per result, saved to ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(result["edges"][1:], result["bpb"], marker="o", label=result["attention"])
-    ax.axvline(result["seq_len"], color="gray", linestyle=":", label="training length")
+    for label, result in zip(labels or [r["attention"] for r in results], results):
+        ax.plot(result["edges"][1:], result["bpb"], marker="o", label=label)
+    ax.axvline(results[0]["seq_len"], color="gray", linestyle=":", label="training length")
     ax.set(xscale="log", xlabel="absolute position (bucket end, bytes)", ylabel="bits per byte")
     ax.legend()
     fig.tight_layout()
@@ -163,10 +170,19 @@ def read_result(path: str) -> dict:
     return result
 
 
+def compare_saved(paths: list[str], baseline: dict | None, plot_path: str | None) -> str:
+    """The table (and, given ``plot_path``, the plot) of saved results, each row labelled by its directory."""
+    results, labels = [read_result(path) for path in paths], [Path(path).resolve().parent.name for path in paths]
+    summary = table(results, baseline, labels)
+    if plot_path is not None:
+        plot(results, Path(plot_path), labels)
+    return summary
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m vqattn.train.length_eval", description=__doc__.splitlines()[0])
-    p.add_argument("ckpt", help="a trainer checkpoint (OUT/checkpoints/last.ckpt), or a length_eval.json to print its "
-                                "table again (with --against: compare two saved results without reading the text)")
+    p.add_argument("ckpt", nargs="+", help="a trainer checkpoint (OUT/checkpoints/last.ckpt), or saved length_eval.json "
+                                           "files: their table (a row each) without reading the text again")
     p.add_argument("--multiple", type=int, default=16, help="stream length in training lengths (default 16)")
     p.add_argument("--streams", type=int, default=32, help="held-out stretches averaged (default 32)")
     p.add_argument("--text", default=None, help="held-out text file (default: the default corpus's validation split)")
@@ -174,25 +190,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--against", default=None, metavar="JSON",
                    help="another checkpoint's length_eval.json on the same streams (e.g. the window's): the table adds "
                         "the difference of the two last-vs-first changes, with its interval")
+    p.add_argument("--plot", default=None, metavar="PNG", help="with saved length_eval.json files: plot them together")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
     from .lit import load_model
 
+    saved = [path.endswith(".json") for path in args.ckpt]
     try:
         baseline = read_result(args.against) if args.against else None
-        if args.ckpt.endswith(".json"):
-            print(table(read_result(args.ckpt), baseline))
+        if any(saved):
+            if not all(saved):
+                raise ValueError("give one checkpoint, or saved length_eval.json files only")
+            print(compare_saved(args.ckpt, baseline, args.plot))
             return 0
+        if len(args.ckpt) > 1 or args.plot:
+            raise ValueError("one checkpoint at a time (its plot goes to --out); several inputs and --plot compare "
+                             "saved length_eval.json files")
         text = Path(args.text).read_bytes() if args.text else default_held_out()
-        result = length_eval(load_model(args.ckpt, args.device), text, multiple=args.multiple, streams=args.streams)
+        result = length_eval(load_model(args.ckpt[0], args.device), text, multiple=args.multiple,
+                             streams=args.streams)
     except (ValueError, FileNotFoundError, json.JSONDecodeError) as err:
         p.error(str(err))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "length_eval.json").write_text(json.dumps(result, indent=1))
-    plot(result, out / "length_eval.png")
+    plot([result], out / "length_eval.png")
     try:
-        print(table(result, baseline))
+        print(table([result], baseline))
     except ValueError as err:  # the result is written: only the comparison is refused
         p.error(f"wrote {out / 'length_eval.json'}; {err}")
     print(f"wrote {out / 'length_eval.json'} and {out / 'length_eval.png'}")
