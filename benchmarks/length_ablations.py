@@ -20,6 +20,12 @@ changes the model before the streams run:
   query in the middle of a training window saw about T/2 keys in memory).
 - ``slots_x4`` (ovq): four times the slots; ``no_memory_rope`` (ovq): the memory scored with unrotated q and k;
   ``rope_clamp_T`` (ovq): the memory's slow RoPE pairs rotated by positions clamped at T (``memory_rope_clamp``).
+- ``memory_decay_T`` (ovq): the layers' ``memory_decay`` at exp(−1/T), a horizon of T keys, so that past T a slot's
+  mean weighs about as many recent keys as in training instead of every key since the start.
+
+``--only`` runs just the ablations named (``carried`` included only if named). ``--out DIR`` writes every row as
+``DIR/<run>_<ablation>/length_eval.json`` in ``length_eval``'s format, so ``python -m vqattn.train.length_eval
+DIR/*/length_eval.json --against WINDOW.json`` gives each one's change with its interval, paired with the window.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import json
+import math
 import sys
 from pathlib import Path
 
@@ -35,7 +43,7 @@ import torch
 from vqattn.model import GPTState
 from vqattn.ops.ovq.state import OVQState
 from vqattn.ops.vq.state import VQState
-from vqattn.train.length_eval import bucket_edges, default_held_out, held_out_streams, stream_bits
+from vqattn.train.length_eval import default_held_out, length_eval
 from vqattn.train.lit import load_model
 
 MEMORY_FIELDS = {VQState: ("counts", "sums"), OVQState: ("counts", "key_sums", "value_sums")}
@@ -74,10 +82,12 @@ def ablated_model(model, name: str):
         model = copy.deepcopy(model)
         for block in model.blocks:
             block.attn.memory_cap = model.config.seq_len // int(name.split("/")[1])
-    if name in ("slots_x4", "no_memory_rope", "rope_clamp_T"):
+    if name in ("slots_x4", "no_memory_rope", "rope_clamp_T", "memory_decay_T"):
         model = copy.deepcopy(model)
         for block in model.blocks:
-            if name == "slots_x4":
+            if name == "memory_decay_T":
+                block.attn.memory_decay = math.exp(-1 / model.config.seq_len)
+            elif name == "slots_x4":
                 block.attn.num_slots *= 4
             elif name == "rope_clamp_T":
                 block.attn.memory_rope_clamp = model.config.seq_len
@@ -91,14 +101,14 @@ def ablations_for(model) -> list[str]:
     if model.config.attention in ("vq_hard", "vq_soft", "ovq"):
         names += ["no_memory", "cap_T", "decay_0.5", "float64", "memory_cap_T/2", "memory_cap_T/4", "memory_cap_T/8"]
     if model.config.attention == "ovq":
-        names += ["slots_x4", "no_memory_rope", "rope_clamp_T"]
+        names += ["slots_x4", "no_memory_rope", "rope_clamp_T", "memory_decay_T"]
     return names
 
 
-def evaluate(model, streams: torch.Tensor, name: str, edges: list[int]) -> list[float]:
-    T = model.config.seq_len
-    bits = stream_bits(ablated_model(model, name), streams, T, between_segments(name, T)).mean(0)
-    return [bits[a:b].mean().item() for a, b in zip(edges[:-1], edges[1:])]
+def evaluate(model, text: bytes, name: str, multiple: int, streams: int) -> dict:
+    """length_eval's result for the model read with ablation ``name``."""
+    edit = between_segments(name, model.config.seq_len)
+    return length_eval(ablated_model(model, name), text, multiple=multiple, streams=streams, edit_state=edit)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,21 +116,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("ckpts", nargs="+")
     p.add_argument("--multiple", type=int, default=16)
     p.add_argument("--streams", type=int, default=32)
-    p.add_argument("--only", nargs="*", default=None, help="run only these ablations")
+    p.add_argument("--only", nargs="*", default=None, help="run only these ablations (carried only if named)")
+    p.add_argument("--text", default=None, help="held-out text file (default: the default corpus's validation split)")
+    p.add_argument("--out", default=None, help="write every row as OUT/<run>_<ablation>/length_eval.json")
     args = p.parse_args(argv)
-    text = default_held_out()
-    rows = []
+    text = Path(args.text).read_bytes() if args.text else default_held_out()
     for path in args.ckpts:
-        model = load_model(path)
-        edges = bucket_edges(model.config.seq_len, args.multiple)
-        streams = held_out_streams(text, edges[-1], args.streams)
+        model, run = load_model(path), Path(path).parts[-3]
         for name in ablations_for(model):
-            if args.only and name not in args.only and name != "carried":
+            if args.only is not None and name not in args.only:
                 continue
-            bpb = evaluate(model, streams, name, edges)
-            rows.append((model.config.attention, name, bpb))
-            print(f"| {Path(path).parts[-3]} | {name} | " + " | ".join(f"{x:.3f}" for x in bpb)
+            result = evaluate(model, text, name, args.multiple, args.streams)
+            bpb = result["bpb"]
+            print(f"| {run} | {name} | " + " | ".join(f"{x:.3f}" for x in bpb)
                   + f" | {100 * (bpb[-1] / bpb[0] - 1):+.1f}% |", flush=True)
+            if args.out is not None:
+                out = Path(args.out) / f"{run}_{name.replace('/', '_')}"
+                out.mkdir(parents=True, exist_ok=True)
+                (out / "length_eval.json").write_text(json.dumps(result, indent=1))
     return 0
 
 

@@ -94,11 +94,15 @@ def test_the_paired_interval_cancels_what_both_models_read():
         change_interval(_result(text), _result(text[:16]))
 
 
+def _checkpoint(model, path):
+    torch.save({"global_step": 3, "hyper_parameters": {"model": dataclasses.asdict(model.config)},
+                "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}}, path)
+
+
 def test_command_writes_the_table_json_and_plot(tmp_path, capsys):
     torch.manual_seed(0)
     model = tiny_model("ovq")
-    torch.save({"global_step": 3, "hyper_parameters": {"model": dataclasses.asdict(model.config)},
-                "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}}, tmp_path / "last.ckpt")
+    _checkpoint(model, tmp_path / "last.ckpt")
     (tmp_path / "held_out.txt").write_bytes(bytes(range(17)) * 30)
     out = tmp_path / "eval"
     assert main([str(tmp_path / "last.ckpt"), "--multiple", "4", "--streams", "2", "--text",
@@ -136,11 +140,7 @@ def test_command_writes_the_table_json_and_plot(tmp_path, capsys):
 def test_the_ablations_edit_only_the_memory(name, monkeypatch):
     """benchmarks/length_ablations.py: capping the total count keeps every code's mean value; emptying the memory
     empties it; the raw window is left alone."""
-    from pathlib import Path
-
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    import length_ablations
-
+    length_ablations = _length_ablations(monkeypatch)
     torch.manual_seed(0)
     model = tiny_model(name).eval()
     T = model.config.seq_len
@@ -156,3 +156,38 @@ def test_the_ablations_edit_only_the_memory(name, monkeypatch):
             torch.testing.assert_close(getattr(after.inner, field) / n_capped.clamp(min=1e-9)[..., None], mean)
         assert all(getattr(empty.inner, f).abs().max() == 0 for f in names)
         assert torch.equal(after.inner.keys, before.inner.keys)
+
+
+def _length_ablations(monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import length_ablations
+
+    return length_ablations
+
+
+def test_the_ablations_write_length_eval_results(tmp_path, monkeypatch, capsys):
+    """--only runs just the ablations named; --out writes each as a length_eval.json: "carried" is length_eval's own
+    result, and memory_decay_T reads the same streams with the layers' memory_decay at exp(-1/T)."""
+    torch.manual_seed(0)
+    model = tiny_model("ovq").eval()
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    _checkpoint(model, tmp_path / "run" / "checkpoints" / "last.ckpt")
+    (tmp_path / "held_out.txt").write_bytes(bytes(range(17)) * 30)
+    length_ablations = _length_ablations(monkeypatch)
+    assert length_ablations.main([str(tmp_path / "run" / "checkpoints" / "last.ckpt"), "--multiple", "4",
+                                  "--streams", "2", "--text", str(tmp_path / "held_out.txt"), "--only", "carried",
+                                  "memory_decay_T", "--out", str(tmp_path / "ablations")]) == 0
+    assert sorted(p.name for p in (tmp_path / "ablations").iterdir()) == ["run_carried", "run_memory_decay_T"]
+    assert len(capsys.readouterr().out.splitlines()) == 2
+    carried, decayed = (json.loads((tmp_path / "ablations" / f"run_{n}" / "length_eval.json").read_text())
+                        for n in ("carried", "memory_decay_T"))
+    expected = length_eval(model, (tmp_path / "held_out.txt").read_bytes(), multiple=4, streams=2)
+    torch.testing.assert_close(torch.tensor(carried["bpb_by_stream"]), torch.tensor(expected["bpb_by_stream"]),
+                               rtol=1e-5, atol=1e-5)  # a loaded copy: float32 in the last bits
+    model.blocks[0].attn.memory_decay = model.blocks[1].attn.memory_decay = math.exp(-1 / model.config.seq_len)
+    forgetting = length_eval(model, (tmp_path / "held_out.txt").read_bytes(), multiple=4, streams=2)
+    torch.testing.assert_close(torch.tensor(decayed["bpb_by_stream"]), torch.tensor(forgetting["bpb_by_stream"]),
+                               rtol=1e-5, atol=1e-5)
+    assert decayed["bpb"] != pytest.approx(carried["bpb"], rel=1e-6)

@@ -77,10 +77,11 @@ def default_held_out() -> bytes:
     return StdlibDataModule()._load()[1]
 
 
-def length_eval(model: GPT, text: bytes, *, multiple: int = 16, streams: int = 32) -> dict:
+def length_eval(model: GPT, text: bytes, *, multiple: int = 16, streams: int = 32, edit_state=None) -> dict:
     """Bits per byte by bucket of absolute position (:func:`bucket_edges`) when ``model`` reads ``streams``
     stretches of ``text`` to ``multiple`` times its training length. Returns {"attention", "seq_len", "streams",
-    "edges", "bpb"} with one bpb per bucket [edges[i], edges[i + 1])."""
+    "edges", "bpb", "bpb_by_stream"} with one bpb per bucket [edges[i], edges[i + 1]), and every stream's
+    (streams, buckets). ``edit_state`` as in :func:`stream_bits`."""
     for name, value in (("multiple", multiple), ("streams", streams)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -89,7 +90,7 @@ def length_eval(model: GPT, text: bytes, *, multiple: int = 16, streams: int = 3
         raise ValueError(f"the model uses learned absolute positions (model.pos_emb=learned): it cannot read past "
                          f"its training length {T}; length generalisation needs pos_emb rope or none")
     edges = bucket_edges(T, multiple)
-    bits = stream_bits(model, held_out_streams(text, edges[-1], streams), T)  # (streams, multiple·T)
+    bits = stream_bits(model, held_out_streams(text, edges[-1], streams), T, edit_state)  # (streams, multiple·T)
     by_stream = torch.stack([bits[:, a:b].mean(1) for a, b in zip(edges[:-1], edges[1:])], 1)  # (streams, buckets)
     return {"attention": model.config.attention, "seq_len": T, "streams": streams, "edges": edges,
             "bpb": by_stream.mean(0).tolist(), "bpb_by_stream": by_stream.tolist()}
