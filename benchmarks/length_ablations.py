@@ -34,7 +34,6 @@ import argparse
 import copy
 import dataclasses
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -43,7 +42,7 @@ import torch
 from vqattn.model import GPTState
 from vqattn.ops.ovq.state import OVQState
 from vqattn.ops.vq.state import VQState
-from vqattn.train.length_eval import default_held_out, length_eval
+from vqattn.train.length_eval import default_held_out, length_eval, read_with_memory_decay
 from vqattn.train.lit import load_model
 
 MEMORY_FIELDS = {VQState: ("counts", "sums"), OVQState: ("counts", "key_sums", "value_sums")}
@@ -82,12 +81,12 @@ def ablated_model(model, name: str):
         model = copy.deepcopy(model)
         for block in model.blocks:
             block.attn.memory_cap = model.config.seq_len // int(name.split("/")[1])
-    if name in ("slots_x4", "no_memory_rope", "rope_clamp_T", "memory_decay_T"):
+    if name == "memory_decay_T":
+        return read_with_memory_decay(model, "T")
+    if name in ("slots_x4", "no_memory_rope", "rope_clamp_T"):
         model = copy.deepcopy(model)
         for block in model.blocks:
-            if name == "memory_decay_T":
-                block.attn.memory_decay = math.exp(-1 / model.config.seq_len)
-            elif name == "slots_x4":
+            if name == "slots_x4":
                 block.attn.num_slots *= 4
             elif name == "rope_clamp_T":
                 block.attn.memory_rope_clamp = model.config.seq_len

@@ -11,7 +11,14 @@ import torch.nn.functional as F
 from model_helpers import tiny_model
 
 pytest.importorskip("lightning")
-from vqattn.train.length_eval import bucket_edges, change_interval, length_eval, main, stream_bits  # noqa: E402
+from vqattn.train.length_eval import (  # noqa: E402
+    bucket_edges,
+    change_interval,
+    length_eval,
+    main,
+    read_with_memory_decay,
+    stream_bits,
+)
 
 
 def test_buckets_double_and_end_at_the_stream_length():
@@ -191,3 +198,26 @@ def test_the_ablations_write_length_eval_results(tmp_path, monkeypatch, capsys):
     torch.testing.assert_close(torch.tensor(decayed["bpb_by_stream"]), torch.tensor(forgetting["bpb_by_stream"]),
                                rtol=1e-5, atol=1e-5)
     assert decayed["bpb"] != pytest.approx(carried["bpb"], rel=1e-6)
+
+
+def test_reading_with_memory_decay_sets_the_ovq_layers_of_a_copy(tmp_path, capsys):
+    torch.manual_seed(0)
+    model = tiny_model("ovq").eval()
+    forgetting = read_with_memory_decay(model, "T")
+    assert [b.attn.memory_decay for b in forgetting.blocks] == [math.exp(-1 / model.config.seq_len)] * 2
+    assert [b.attn.memory_decay for b in model.blocks] == [None, None]
+    assert [b.attn.memory_decay for b in read_with_memory_decay(model, 0.99).blocks] == [0.99, 0.99]
+    with pytest.raises(ValueError, match="memory_decay applies to ovq layers; this model's attention is vq_hard"):
+        read_with_memory_decay(tiny_model("vq_hard"), "T")
+    with pytest.raises(ValueError, match="memory_decay=1e-09 forgets too fast"):
+        read_with_memory_decay(model, 1e-9)
+    _checkpoint(model, tmp_path / "last.ckpt")
+    (tmp_path / "held_out.txt").write_bytes(bytes(range(17)) * 30)
+    args = [str(tmp_path / "last.ckpt"), "--multiple", "4", "--streams", "2", "--text", str(tmp_path / "held_out.txt")]
+    assert main([*args, "--memory-decay", "T", "--out", str(tmp_path / "T")]) == 0
+    got = json.loads((tmp_path / "T" / "length_eval.json").read_text())
+    expected = length_eval(forgetting, (tmp_path / "held_out.txt").read_bytes(), multiple=4, streams=2)
+    assert got["bpb"] == pytest.approx(expected["bpb"], rel=1e-5)
+    with pytest.raises(SystemExit):
+        main([*args, "--memory-decay", "slow"])
+    assert "argument --memory-decay: a number in (0, 1] or T, got 'slow'" in capsys.readouterr().err

@@ -23,6 +23,7 @@ checkpoint is a one-line error.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import sys
@@ -32,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..model import GPT
+from ..ops.common.memory_decay import check_memory_decay
 
 
 def bucket_edges(seq_len: int, multiple: int) -> list[int]:
@@ -96,6 +98,22 @@ def length_eval(model: GPT, text: bytes, *, multiple: int = 16, streams: int = 3
             "bpb": by_stream.mean(0).tolist(), "bpb_by_stream": by_stream.tolist()}
 
 
+def read_with_memory_decay(model: GPT, memory_decay: float | str) -> GPT:
+    """A copy of ``model`` whose ovq layers forget with ``memory_decay`` γ (the layer option), or with exp(−1/T) for
+    ``"T"``: a horizon of the training length, so that far past T a slot averages about as many recent keys as
+    training showed it rather than every key since the stream began (docs/evaluation.md measures it)."""
+    layers = [block.attn for block in model.blocks if hasattr(block.attn, "memory_decay")]
+    if not layers:
+        raise ValueError(f"memory_decay applies to ovq layers; this model's attention is {model.config.attention}")
+    gamma = math.exp(-1 / model.config.seq_len) if memory_decay == "T" else memory_decay
+    model = copy.deepcopy(model)
+    for block in model.blocks:
+        if hasattr(block.attn, "memory_decay"):
+            check_memory_decay(gamma, block.attn.block_len)
+            block.attn.memory_decay = gamma
+    return model
+
+
 def last_vs_first(by_stream: torch.Tensor) -> torch.Tensor:
     """The change of the last bucket's bpb against the first's, in percent, of the mean over streams: (..., N, buckets)
     -> (...). Every stream has the same positions in a bucket, so the mean of its rows is the bucket's bpb."""
@@ -151,12 +169,12 @@ def plot(results: list[dict], path: Path, labels: list[str] | None = None) -> No
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = plt.subplots(figsize=(7.5, 3.5))
     for label, result in zip(labels or [r["attention"] for r in results], results):
         ax.plot(result["edges"][1:], result["bpb"], marker="o", label=label)
     ax.axvline(results[0]["seq_len"], color="gray", linestyle=":", label="training length")
     ax.set(xscale="log", xlabel="absolute position (bucket end, bytes)", ylabel="bits per byte")
-    ax.legend()
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the lines, not over them
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -169,6 +187,14 @@ def read_result(path: str) -> dict:
         raise ValueError(f"{path} is not a length_eval.json with bpb_by_stream (older versions wrote none): "
                          f"run its checkpoint again")
     return result
+
+
+def memory_decay_arg(text: str) -> float | str:
+    """--memory-decay's value: "T" or a number."""
+    try:
+        return text if text == "T" else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number in (0, 1] or T, got {text!r}") from None
 
 
 def compare_saved(paths: list[str], baseline: dict | None, plot_path: str | None) -> str:
@@ -191,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--against", default=None, metavar="JSON",
                    help="another checkpoint's length_eval.json on the same streams (e.g. the window's): the table adds "
                         "the difference of the two last-vs-first changes, with its interval")
+    p.add_argument("--memory-decay", default=None, metavar="GAMMA|T", type=memory_decay_arg,
+                   help="read with the ovq layers' memory_decay set to GAMMA, or T for exp(-1/T): a horizon of the "
+                        "training length (an ovq model trained without forgetting reads far past T better with it)")
     p.add_argument("--plot", default=None, metavar="PNG", help="with saved length_eval.json files: plot them together")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
@@ -208,8 +237,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("one checkpoint at a time (its plot goes to --out); several inputs and --plot compare "
                              "saved length_eval.json files")
         text = Path(args.text).read_bytes() if args.text else default_held_out()
-        result = length_eval(load_model(args.ckpt[0], args.device), text, multiple=args.multiple,
-                             streams=args.streams)
+        model = load_model(args.ckpt[0], args.device)
+        if args.memory_decay is not None:
+            model = read_with_memory_decay(model, args.memory_decay)
+        result = length_eval(model, text, multiple=args.multiple, streams=args.streams)
     except (ValueError, FileNotFoundError, json.JSONDecodeError) as err:
         p.error(str(err))
     out = Path(args.out)
