@@ -3,6 +3,7 @@
     python -m vqattn.train.length_eval CKPT                  # 16x the training length, 32 streams, plot + json
     python -m vqattn.train.length_eval CKPT --multiple 32 --text notes.txt --out length_eval/
     python -m vqattn.train.length_eval CKPT --against window_eval/length_eval.json   # the drift against a baseline
+    python -m vqattn.train.length_eval CKPT --memory-decay T      # ovq read with forgetting on a horizon of T keys
     python -m vqattn.train.length_eval a/length_eval.json b/length_eval.json --against window_eval/length_eval.json \
         --plot ab.png                                         # saved results: a row each, plotted together
 
