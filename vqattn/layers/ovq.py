@@ -66,7 +66,8 @@ class OnlineVQAttention(Attention):
         (default): 2 × block_len, the raw window's keys, with which a model reads past its training length as the
         window does and trains better (docs/evaluation.md); None: no bound;
         ``memory_decay`` γ: forgetting (``ovq_attention``'s): each block of keys keeps γ^block_len of its weight per
-        later block, so the slots are moving averages over about 1 / (1 − γ) keys, for training with carried state
+        later block, so the slots are moving averages over about 1 / (1 − γ) keys, for training with carried state,
+        or set on a trained model (the attribute) to read far past its training length T with γ = e^(−1/T)
         (docs/evaluation.md); None: none;
         ``memory_rope_clamp`` P: with ``memory_rope=True``, the memory's slow pairs (those ``"fast"`` leaves
         unrotated) rotate by min(position, P) (:func:`~vqattn.modules.rope.rope_rotate_clamped`): up to P nothing
