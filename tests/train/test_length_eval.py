@@ -217,7 +217,7 @@ def test_reading_with_memory_decay_sets_the_ovq_layers_of_a_copy(tmp_path, capsy
     assert main([*args, "--memory-decay", "T", "--out", str(tmp_path / "T")]) == 0
     got = json.loads((tmp_path / "T" / "length_eval.json").read_text())
     expected = length_eval(forgetting, (tmp_path / "held_out.txt").read_bytes(), multiple=4, streams=2)
-    assert got["bpb"] == pytest.approx(expected["bpb"], rel=1e-5)
+    assert got["bpb"] == pytest.approx(expected["bpb"], rel=1e-5) and got["memory_decay"] == "T"
     with pytest.raises(SystemExit):
         main([*args, "--memory-decay", "slow"])
     assert "argument --memory-decay: a number in (0, 1] or T, got 'slow'" in capsys.readouterr().err

@@ -103,8 +103,7 @@ def read_with_memory_decay(model: GPT, memory_decay: float | str) -> GPT:
     """A copy of ``model`` whose ovq layers forget with ``memory_decay`` γ (the layer option), or with exp(−1/T) for
     ``"T"``: a horizon of the training length, so that far past T a slot averages about as many recent keys as
     training showed it rather than every key since the stream began (docs/evaluation.md measures it)."""
-    layers = [block.attn for block in model.blocks if hasattr(block.attn, "memory_decay")]
-    if not layers:
+    if not any(hasattr(block.attn, "memory_decay") for block in model.blocks):
         raise ValueError(f"memory_decay applies to ovq layers; this model's attention is {model.config.attention}")
     gamma = math.exp(-1 / model.config.seq_len) if memory_decay == "T" else memory_decay
     model = copy.deepcopy(model)
@@ -242,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.memory_decay is not None:
             model = read_with_memory_decay(model, args.memory_decay)
         result = length_eval(model, text, multiple=args.multiple, streams=args.streams)
+        if args.memory_decay is not None:
+            result["memory_decay"] = args.memory_decay  # what the model was read with, not trained with
     except (ValueError, FileNotFoundError, json.JSONDecodeError) as err:
         p.error(str(err))
     out = Path(args.out)
