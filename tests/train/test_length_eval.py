@@ -125,8 +125,10 @@ def test_command_writes_the_table_json_and_plot(tmp_path, capsys):
         assert "usage:" in capsys.readouterr().err
     args = [str(tmp_path / "last.ckpt"), "--multiple", "4", "--text", str(tmp_path / "held_out.txt")]
     assert main([*args, "--streams", "2", "--against", str(out / "length_eval.json"), "--out", str(tmp_path / "b")]) == 0
-    printed = capsys.readouterr().out.splitlines()
+    captured = capsys.readouterr()
+    printed = captured.out.splitlines()
     assert "| against ovq (points) |" in printed[0] and printed[2].startswith("| ovq |")
+    assert "note: 2 streams" not in captured.err  # 2 × 129 bytes fit in 510: disjoint
     # the saved results again, a row each labelled by its directory, plotted together
     saved = [str(out / "length_eval.json"), str(tmp_path / "b" / "length_eval.json")]
     assert main([*saved, "--against", str(out / "length_eval.json"), "--plot", str(tmp_path / "ab.png")]) == 0
@@ -140,6 +142,8 @@ def test_command_writes_the_table_json_and_plot(tmp_path, capsys):
     with pytest.raises(SystemExit):  # other streams: the result is written, the comparison refused
         main([*args, "--streams", "3", "--against", str(out / "length_eval.json"), "--out", str(tmp_path / "c")])
     assert "baseline must read the same streams" in capsys.readouterr().err
+    assert main([*args, "--streams", "9", "--out", str(tmp_path / "d")]) == 0  # 9 × 129 bytes in 510: overlapping
+    assert "note: 9 streams of 128 bytes overlap in 510 bytes" in capsys.readouterr().err
     assert json.loads((tmp_path / "c" / "length_eval.json").read_text())["streams"] == 3
 
 

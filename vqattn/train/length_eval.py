@@ -254,6 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:  # the result is written: only the comparison is refused
         p.error(f"wrote {out / 'length_eval.json'}; {err}")
     print(f"wrote {out / 'length_eval.json'} and {out / 'length_eval.png'}")
+    if args.streams * (result["edges"][-1] + 1) > len(text):  # evenly spaced streams then share text
+        print(f"note: {args.streams} streams of {result['edges'][-1]} bytes overlap in {len(text)} bytes of held-out "
+              f"text, so they are not independent draws and the intervals are approximate (too narrow, if anything); "
+              f"a longer --text gives disjoint streams", file=sys.stderr)
     return 0
 
 
