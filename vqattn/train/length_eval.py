@@ -73,6 +73,11 @@ def held_out_streams(text: bytes, length: int, count: int) -> torch.Tensor:
     return torch.stack([data[o:o + length + 1] for o in offsets.tolist()])
 
 
+def streams_overlap(text_len: int, length: int, count: int) -> bool:
+    """Whether :func:`held_out_streams`' ``count`` evenly spaced stretches of length + 1 bytes share text."""
+    return count * (length + 1) > text_len
+
+
 def default_held_out() -> bytes:
     """The default corpus's validation split (by file, never trained on)."""
     from .data import StdlibDataModule
@@ -254,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:  # the result is written: only the comparison is refused
         p.error(f"wrote {out / 'length_eval.json'}; {err}")
     print(f"wrote {out / 'length_eval.json'} and {out / 'length_eval.png'}")
-    if args.streams * (result["edges"][-1] + 1) > len(text):  # evenly spaced streams then share text
+    if streams_overlap(len(text), result["edges"][-1], args.streams):
         print(f"note: {args.streams} streams of {result['edges'][-1]} bytes overlap in {len(text)} bytes of held-out "
               f"text, so they are not independent draws and the intervals are approximate (too narrow, if anything); "
               f"a longer --text gives disjoint streams", file=sys.stderr)
