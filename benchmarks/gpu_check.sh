@@ -65,9 +65,10 @@ stage profile_layer_soft 40 python benchmarks/kernel_profile.py --what layer --m
 stage profile_layer 40 python benchmarks/kernel_profile.py --what layer --method vq_hard --batch 8 --length 8192
 stage profile_soft 30 python benchmarks/kernel_profile.py --what op --method vq_soft_rope --batch 8 --length 8192
 stage tests_ovq 90 python -m pytest -o addopts="" -q -p no:cacheprovider tests/ops/test_triton_ovq.py
-# the kernels with memory_cap and memory_decay (their forms against the definitions; the rest of these files is CPU)
-stage tests_cap_decay 90 python -m pytest -o addopts="" -q -p no:cacheprovider tests/ops/test_memory_cap.py \
-  tests/ops/test_memory_decay.py -k "triton or kernel"
+# the Triton tests outside those two files (memory_cap, memory_decay, the float32 range, under torch.compile; the
+# rest of these files is CPU)
+stage tests_elsewhere 120 python -m pytest -o addopts="" -q -p no:cacheprovider tests/ops/test_memory_cap.py \
+  tests/ops/test_memory_decay.py tests/ops/test_numerical_range.py tests/ops/test_ops_compile.py -k "triton or kernel"
 stage layers_ovq_triton 120 $layers --lengths 8192 32768 --layers softmax ovq --impl triton
 stage decode_fused 120 $decode --methods softmax window vq_hard ovq
 stage layers_codes64 150 $layers --lengths 8192 32768 --layers softmax vq_hard vq_soft --num-codes 64

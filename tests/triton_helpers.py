@@ -13,6 +13,19 @@ needs_triton = pytest.mark.skipif(triton is None or (DEVICE == "cpu" and not INT
                                   reason="needs triton, and a GPU or TRITON_INTERPRET=1")
 
 
+def on_kernel_device(fn):
+    """fn run on DEVICE (the GPU when there is one: the kernels take no CPU tensors there), taking and returning CPU
+    tensors; autograd carries the gradients back across the moves."""
+
+    def move(x):
+        return x.to(DEVICE) if isinstance(x, torch.Tensor) else x
+
+    def run(*args, **kwargs):
+        return fn(*map(move, args), **{n: move(x) for n, x in kwargs.items()}).cpu()
+
+    return run
+
+
 @pytest.fixture
 def nan_empty(monkeypatch):
     """torch.empty filled with NaN, so that a kernel that leaves part of a buffer unwritten shows up."""

@@ -9,6 +9,7 @@ from vqattn.functional import vq_attention
 from vqattn.ops.blocks import Schedule
 
 from references import ref_vq_attention
+from triton_helpers import DEVICE, needs_triton, on_kernel_device
 
 F64 = torch.float64
 L, CAP = 16, 40  # the bias starts at block 4 (n = 48 > 40 keys before the window)
@@ -17,7 +18,7 @@ FORMS = {
     "chunk-loop": dict(impl="chunk", schedule=Schedule("loop", 3)),
     "chunk-cumsum": dict(impl="chunk", schedule=Schedule("cumsum", 3)),
     "recurrent": dict(impl="recurrent"),
-    "triton": dict(impl="triton"),  # float32, under Triton's interpreter without a GPU (conftest)
+    "triton": dict(impl="triton"),  # float32, on the GPU, or under Triton's interpreter without one (conftest)
 }
 CASES = [("hard", False), ("hard", True), ("soft", True)]  # assign, exact_window (with rotated q and k)
 
@@ -43,7 +44,16 @@ def relative_errors(got, ref):
     return [((a - b).abs().max() / b.abs().max().clamp(min=1)).item() for a, b in zip(got, ref) if a is not None]
 
 
-@pytest.mark.parametrize("form", FORMS)
+def triton_marked(forms):
+    return [pytest.param(f, marks=needs_triton) if f == "triton" else f for f in forms]
+
+
+def form_op(op, form):
+    """op as ``form`` runs it: the Triton kernels on DEVICE."""
+    return on_kernel_device(op) if form == "triton" else op
+
+
+@pytest.mark.parametrize("form", triton_marked(FORMS))
 @pytest.mark.parametrize("assign,exact_window", CASES)
 def test_every_form_matches_the_reference(form, assign, exact_window):
     dtype = torch.float32 if form == "triton" else F64
@@ -51,7 +61,7 @@ def test_every_form_matches_the_reference(form, assign, exact_window):
     kw = dict(causal=True, assign=assign, block_len=L, exact_window=exact_window, memory_cap=CAP)
     if not exact_window:
         tensors = {**tensors, "q_rot": None, "k_rot": None}
-    got = run(lambda **t: vq_attention(**t, **kw, **FORMS[form]), tensors, grad, exact_window)
+    got = run(form_op(lambda **t: vq_attention(**t, **kw, **FORMS[form]), form), tensors, grad, exact_window)
     ref = run(lambda **t: ref_vq_attention(**{n: x.double() for n, x in t.items()}, causal=True, assign=assign,
                                            block_len=L, exact_window=exact_window, memory_cap=CAP),
               tensors, grad, exact_window)
@@ -62,11 +72,13 @@ def test_every_form_matches_the_reference(form, assign, exact_window):
     assert max(relative_errors(got, ref)) < tolerance
 
 
-@pytest.mark.parametrize("impl", ["chunk", "recurrent", "triton"])
+@pytest.mark.parametrize("impl", triton_marked(["chunk", "recurrent", "triton"]))
 @pytest.mark.parametrize("assign,exact_window", CASES)
 def test_chunked_calls_continue_the_capped_state(impl, assign, exact_window):
     dtype = torch.float32 if impl == "triton" else F64
     tensors, _ = inputs(T=150, dtype=dtype)
+    if impl == "triton":
+        tensors = {n: x.to(DEVICE) for n, x in tensors.items()}
     if not exact_window:
         tensors = {**tensors, "q_rot": None, "k_rot": None}
     kw = dict(causal=True, assign=assign, block_len=L, exact_window=exact_window, memory_cap=CAP, impl=impl)
@@ -121,7 +133,7 @@ def ovq_inputs(T=110, *, dtype=F64, given: str = "online"):
                 **extra), grad
 
 
-@pytest.mark.parametrize("form", OVQ_FORMS)
+@pytest.mark.parametrize("form", triton_marked(OVQ_FORMS))
 @pytest.mark.parametrize("given", ["online", "weights"])
 def test_every_ovq_form_matches_the_definition(form, given):
     from vqattn.ops.ovq import chunk_ovq_attention, ovq_attention
@@ -130,13 +142,14 @@ def test_every_ovq_form_matches_the_definition(form, given):
     tensors, grad = ovq_inputs(dtype=dtype, given=given)
     kw = dict(num_slots=6, block_len=L, memory_cap=CAP)
 
-    def run_ovq(**forms):
+    def run_ovq(name, forms):
         leaves = {n: x.detach().clone().requires_grad_() for n, x in tensors.items()}
-        out = (chunk_ovq_attention if "schedule" in forms else ovq_attention)(**leaves, **kw, **forms)
+        op = chunk_ovq_attention if "schedule" in forms else ovq_attention
+        out = form_op(lambda **t: op(**t, **kw, **forms), name)(**leaves)
         out.backward(grad.to(out.dtype))
         return [out.detach().double()] + [leaves[n].grad.double() for n in sorted(leaves)]
 
-    got, ref = run_ovq(**OVQ_FORMS[form]), run_ovq(impl="naive")
+    got, ref = run_ovq(form, OVQ_FORMS[form]), run_ovq("naive", dict(impl="naive"))
     uncapped = ovq_attention(**tensors, num_slots=6, block_len=L, impl="naive")
     assert (ref[0] - uncapped.double()).abs().max() > 1e-3  # the cap is active at this length
     assert max(relative_errors(got, ref)) < (1e-4 if dtype == torch.float32 else 1e-10)

@@ -17,7 +17,7 @@ from vqattn.ops.ovq import chunk_ovq_attention, ovq_attention
 from vqattn.ops.ovq.memory import online_slots
 from vqattn.ops.ovq.naive import naive_online_slots
 
-from triton_helpers import DEVICE, needs_triton
+from triton_helpers import DEVICE, needs_triton, on_kernel_device
 
 F64 = torch.float64
 B, H, D, S, L, CAP = 1, 2, 16, 6, 16, 40
@@ -27,7 +27,7 @@ FORMS = {
     "chunk-loop": dict(schedule=Schedule("loop", 3)),
     "chunk-cumsum": dict(schedule=Schedule("cumsum", 3)),
     "recurrent": dict(impl="recurrent"),
-    "triton": dict(impl="triton"),  # float32, under Triton's interpreter without a GPU (conftest)
+    "triton": dict(impl="triton"),  # float32, on the GPU, or under Triton's interpreter without one (conftest)
 }
 
 
@@ -91,7 +91,8 @@ def test_every_form_matches_the_definition(form, given, gamma):
     kw = dict(num_slots=S, block_len=L, memory_cap=CAP, memory_decay=gamma,
               threshold=None if given == "weights" else 1.1)
     op = chunk_ovq_attention if "schedule" in FORMS[form] else ovq_attention
-    got = outputs_and_grads(lambda **t: op(**t, **kw, **FORMS[form]), tensors, grad)
+    run = lambda **t: op(**t, **kw, **FORMS[form])  # noqa: E731
+    got = outputs_and_grads(on_kernel_device(run) if form == "triton" else run, tensors, grad)
     ref = outputs_and_grads(lambda **t: ovq_attention(**{n: x.double() for n, x in t.items()}, **kw, impl="naive"),
                             tensors, grad)
     forgetless = ovq_attention(**{n: x.double() for n, x in tensors.items()}, **{**kw, "memory_decay": None},

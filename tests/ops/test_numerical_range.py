@@ -17,6 +17,7 @@ from vqattn.ops.blocks import Schedule
 from vqattn.ops.ovq import ovq_attention
 
 from references import ref_vq_attention
+from triton_helpers import needs_triton, on_kernel_device
 
 F64 = torch.float64
 WINDOWS = {"mixture": False, "exact": True}  # soft keys' window read through the codes, or the raw keys
@@ -116,14 +117,15 @@ def test_vq_float32_matches_float64_at_the_width_users_train(form, assign, windo
     assert out_error < 1e-4 and max(grad_errors) < 1e-3
 
 
+@needs_triton
 @pytest.mark.parametrize("assign,window", [("hard", "mixture"), ("hard", "exact"), ("soft", "exact")])
 def test_triton_float32_matches_float64_at_scale_3(assign, window):
     """The fused kernel (no soft mixture window) at the float32 grid's largest scale, same tolerances."""
-    pytest.importorskip("triton")
     inputs, grad = scaled_inputs(3, T=200, D=64, S=64)
     ref = outputs_and_grads(lambda q, k, v, c: ref_vq_attention(q, k, v, c, causal=True, assign=assign,
                                                                  exact_window=WINDOWS[window], block_len=64),
                             inputs, grad)
-    got = outputs_and_grads(vq_call("triton", assign, window, 64), [x.float() for x in inputs], grad)
+    got = outputs_and_grads(on_kernel_device(vq_call("triton", assign, window, 64)), [x.float() for x in inputs],
+                            grad)
     out_error, *grad_errors = max_errors(got, ref, 0.0)
     assert out_error < 1e-4 and max(grad_errors) < 1e-3

@@ -7,7 +7,7 @@ import torch
 
 from vqattn.functional import vq_attention, window_attention
 
-from triton_helpers import needs_triton
+from triton_helpers import DEVICE, needs_triton
 
 B, H, T, D, S, L = 2, 2, 37, 8, 16, 8  # T not a multiple of L
 
@@ -60,8 +60,8 @@ def test_triton_forms_compile_around_their_kernels():
     kernels' autograd functions), and the compiled call matches eager (soft: the cache walk's gradients reach the
     weights and the codebook too)."""
     torch.manual_seed(2)
-    x = torch.randn(B, T, 3 * H * D, requires_grad=True)
-    c = torch.randn(H, S, D, requires_grad=True)
+    x = torch.randn(B, T, 3 * H * D, device=DEVICE, requires_grad=True)
+    c = torch.randn(H, S, D, device=DEVICE, requires_grad=True)
 
     def op(q, k, v, c):
         return vq_attention(q, k, v, c, causal=True, assign="soft", block_len=16, exact_window=True,
