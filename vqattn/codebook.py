@@ -52,21 +52,23 @@ class _QuantisationLoss(torch.autograd.Function):
 
     (n = B·H·T·D). One scatter-add pass over the keys and no (B, H, T, D) temporary in the forward pass (a gather of the
     codes, its difference and square, as ``F.mse_loss`` has, cost 96 MB of fresh memory per step at T = 32768); the
-    backward pass gathers the codes once, into the keys' gradient itself."""
+    backward pass gathers the codes once, into the keys' gradient itself. Half-precision keys stay so: the sums and
+    the error accumulate in the codes' dtype (float32 or float64), and the keys' gradient, formed in it, is written
+    in theirs (no float32 copy of the keys kept for the backward pass, nor a float32 gradient cast afterwards)."""
 
     @staticmethod
     def forward(ctx, keys, codes, index, key_weight: float, code_weight: float):
         B, H, T, D = keys.shape
         S = codes.shape[1]
         slots = code_slots(index, S, 1)  # (B, H, T) rows of the flat (H·S) statistics
-        counts = keys.new_zeros(H * S).index_add_(0, slots.flatten(), keys.new_ones(()).expand(slots.numel()))
+        counts = codes.new_zeros(H * S).index_add_(0, slots.flatten(), codes.new_ones(()).expand(slots.numel()))
         # In tiles of keys, as the assignment's scores: k is often a strided view (of a layer's projections) that one
-        # flattening would copy whole.
-        sums = keys.new_zeros(H * S, D)
-        for rows in row_tiles(T, B * H * D * keys.element_size(), keys.device):
-            sums.index_add_(0, slots[:, :, rows].flatten(), keys[:, :, rows].reshape(-1, D))
+        # flattening would copy whole; a tile converts to the codes' dtype in one copy.
+        sums = codes.new_zeros(H * S, D)
+        for rows in row_tiles(T, B * H * D * codes.element_size(), keys.device):
+            sums.index_add_(0, slots[:, :, rows].flatten(), keys[:, :, rows].to(codes.dtype).reshape(-1, D))
         counts, sums = counts.view(H, S), sums.view(H, S, D)
-        total = (torch.linalg.vector_norm(keys).square() - 2 * (codes * sums).sum()
+        total = (torch.linalg.vector_norm(keys, dtype=codes.dtype).square() - 2 * (codes * sums).sum()
                  + (counts * codes.square().sum(-1)).sum())
         error = total.clamp_min(0) / keys.numel()  # ≥ 0 also where rounding cancels to below
         ctx.save_for_backward(keys, codes, index, counts, sums)
@@ -84,7 +86,8 @@ class _QuantisationLoss(torch.autograd.Function):
         grad_keys = grad_codes = None
         if need_keys:
             nearest = codes.unsqueeze(0).expand(B, -1, -1, -1).gather(2, index.unsqueeze(-1).expand(B, H, T, D))
-            grad_keys = nearest.sub_(keys).mul_(-scale * ctx.weights[0])
+            grad_keys = torch.mul(nearest.sub_(keys), -scale * ctx.weights[0],
+                                  out=torch.empty(B, H, T, D, device=keys.device, dtype=keys.dtype))
         if need_codes:
             grad_codes = (counts.unsqueeze(-1) * codes - sums).mul_(scale * ctx.weights[1])
         return grad_keys, grad_codes, None, None, None
@@ -203,32 +206,32 @@ class Codebook(nn.Module):
         check_4d("k", k)
         if k.shape[1] != self.num_heads or k.shape[3] != self.dim:
             raise ValueError(f"k must have H={self.num_heads} and D={self.dim}, got shape {tuple(k.shape)}")
-        keys = k.to(torch.promote_types(k.dtype, torch.float32))  # (B, H, T, D), float32 or float64
+        acc = torch.promote_types(k.dtype, torch.float32)  # the codes', statistics' and loss's dtype
         if self.training:
             self._restart()
         # EMA codes are updated in place at the end of the step, so attention gets a copy autograd may keep.
-        codes = (self.codes.clone() if self.learning == "ema" else self.codes).to(keys.dtype)
+        codes = (self.codes.clone() if self.learning == "ema" else self.codes).to(acc)
         temperature = self.temperature if self.assign == "soft" else 1.0
         # The keys in their own dtype: vq_assign scores in float32 either way, and half keys take the GPU kernels'
         # tensor-core products (float32 keys take IEEE ones, about four times slower).
         assignment = vq_assign(k if self.assign == "soft" else k.detach(), codes, assign=self.assign,
                                temperature=temperature)
         if not (record or self.training):
-            return CodebookOutput(codes.to(k.dtype), assignment, keys.new_zeros(()))
+            return CodebookOutput(codes.to(k.dtype), assignment, codes.new_zeros(()))
         index = assignment.index if assignment.index is not None else assignment.weights.detach().max(-1).indices
         # mean (k − c_z)² over keys and dims: the commitment loss (hard), and, times D, the quantisation error
         # recorded; with the hard assignment's counts and key sums, which the statistics reuse.
-        aux = keys.new_zeros(())
+        aux = codes.new_zeros(())
         if self.assign == "hard":  # the commitment loss β·E(k, sg c), plus E(sg k, c) when the codes learn by gradient
             learned = self.learning == "grad"
-            aux, error, counts, sums = quantisation_loss(keys, codes if learned else codes.detach(), index,
+            aux, error, counts, sums = quantisation_loss(k, codes if learned else codes.detach(), index,
                                                          key_weight=self.commitment, code_weight=float(learned))
         else:
-            error, sums = quantisation_loss(keys.detach(), codes.detach(), index)[1], None
+            error, sums = quantisation_loss(k.detach(), codes.detach(), index)[1], None
             counts = assignment.weights.detach().sum((0, 2))  # the soft counts Σ_j p(s | k_j)
         counts = counts.to(self.ema_counts.dtype)  # (H, S)
         if self.training:
-            self._training_update(counts, sums, keys.detach())
+            self._training_update(counts, sums, k.detach())
         self._record_stats(counts, error.detach() * self.dim)
         return CodebookOutput(codes.to(k.dtype), assignment, aux)  # aux stays float32 (a loss term)
 
@@ -238,13 +241,13 @@ class Codebook(nn.Module):
         then initialisation / restart of codes."""
         H, S, D = self.num_heads, self.num_codes, self.dim
         B, _, T, _ = keys.shape
-        keys = keys.to(self.ema_counts.dtype)
+        dtype = self.ema_counts.dtype
         parts = [counts]
         if self.learning == "ema":
-            parts.append(sums.to(keys.dtype))
+            parts.append(sums.to(dtype))
         # Restart candidates: S random keys per head; rank 0's reach every rank through the same all-reduce.
         batch, pos = (torch.randint(n, (H, S), device=keys.device) for n in (B, T))
-        candidates = keys[batch, torch.arange(H, device=keys.device)[:, None], pos]  # (H, S, D)
+        candidates = keys[batch, torch.arange(H, device=keys.device)[:, None], pos].to(dtype)  # (H, S, D)
         parts.append(candidates * (_rank() == 0))
         flat = torch.cat([p.flatten() for p in parts])
         _all_reduce_sum(flat)

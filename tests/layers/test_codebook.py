@@ -136,6 +136,27 @@ def test_quantisation_loss_matches_the_mean_squared_distance_to_the_code_with_gr
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_quantisation_loss_of_half_keys_equals_their_float32_copy(half):
+    """Half keys (a layer's under autocast) accumulate in the codes' float32: the loss, error and statistics equal
+    those of the keys' exact float32 copy, and the keys' gradient is that copy's rounded to the keys' dtype. A
+    strided view, as a layer's keys are (one of its projections)."""
+    from vqattn.codebook import quantisation_loss
+
+    g = torch.Generator().manual_seed(1)
+    keys = torch.randn(2, 13, 2, 3, 8, generator=g).to(half)[:, :, 1].transpose(1, 2)  # (B, H, T, D), strided
+    codes, index = torch.randn(3, 6, 8, generator=g), torch.randint(0, 6, (2, 3, 13), generator=g)
+    exact = keys.float().requires_grad_()
+    keys.requires_grad_()
+    got, want = (quantisation_loss(k, codes, index, key_weight=0.25, code_weight=0.0) for k in (keys, exact))
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+    grad, = torch.autograd.grad(got[0], keys)
+    want_grad, = torch.autograd.grad(want[0], exact)
+    assert grad.dtype == half and torch.equal(grad, want_grad.to(half))
+
+
 def test_quantisation_error_of_keys_on_their_codes_is_zero_not_negative():
     from vqattn.codebook import quantisation_loss
 

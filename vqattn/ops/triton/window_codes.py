@@ -248,6 +248,11 @@ def _float32_precision(dtype: torch.dtype) -> str:
     return "ieee" if INTERPRET or dtype == torch.float32 else "tf32x3"
 
 
+def _sum_of_shares(shares: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """shares[0] + shares[1] of a (2, ...) float32 tensor, in ``dtype``: one pass, with no float32 sum in memory."""
+    return torch.add(shares[0], shares[1], out=torch.empty(shares.shape[1:], device=shares.device, dtype=dtype))
+
+
 class FusedWindowCodes(torch.autograd.Function):
     """out (B, H, T, Dv) of the module's attention; see :func:`fused_window_code_attention`."""
 
@@ -302,8 +307,10 @@ class FusedWindowCodes(torch.autograd.Function):
             *_strides(qw), *_strides(kw), *_strides(v), *_strides(qc), *_strides(out), *_strides(grad_out),
             dkw[0].numel(), dv[0].numel(), H, T, S, D, DC, DV, ctx.scale, CODEBOOK_GRAD=codebook_grad, **ctx.meta,
             **BACKWARD_LAUNCH)
-        # a key block's share from its own query block (slice 0) and from the next one (slice 1)
-        grads = [dqw, (dkw[0] + dkw[1]).view(B, H, T, D), (dv[0] + dv[1]).view(B, H, T, DV), None, None, None, None]
+        # a key block's share from its own query block (slice 0) and from the next one (slice 1), added in float32
+        # and written once, in the input's dtype
+        grads = [dqw, _sum_of_shares(dkw, kw.dtype).view(B, H, T, D), _sum_of_shares(dv, v.dtype).view(B, H, T, DV),
+                 None, None, None, None]
         if ctx.has_codes:
             if codebook_grad:  # every block's share; a shared codebook's gradient is their sum
                 dcb = dcb.view(B, H, nb, S, DC)
