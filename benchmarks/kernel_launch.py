@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
+import subprocess
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +28,8 @@ from vqattn.ops.triton import window_codes
 
 # (num_warps, num_stages), the defaults first: a setting that faults the GPU ends the process
 LAYOUTS = ("layer", "layer_padded", "layer_contiguous", "op")
-SETTINGS = [(4, 3), (4, 1), (8, 1), (4, 2), (8, 2), (8, 3)]
+SETTINGS = [(4, 3), (4, 1), (8, 1), (4, 2), (8, 2), (8, 3)]  # (num_warps, num_stages), the defaults first
+CHILD_TIMEOUT_S = 120
 
 
 def median_ms(fn, reps: int) -> float:
@@ -65,7 +68,9 @@ def kernel_inputs(layout: str, B: int, T: int, H: int, S: int, L: int, device: s
     return tensors, bias, grad
 
 
-def time_kernel(layout: str, args) -> None:
+def kernel_row(layout: str, warps: int, stages: int, args) -> str:
+    """The forward's and the backward's ms at ``layout`` under one launch setting (the backward's: the step's time
+    less the forward's under the default setting)."""
     tensors, bias, grad = kernel_inputs(layout, args.batch, args.length, args.heads, args.num_codes, 64, "cuda")
 
     def forward():
@@ -74,21 +79,15 @@ def time_kernel(layout: str, args) -> None:
     def step():
         forward().backward(grad)
 
-    forward_ms = median_ms(forward, args.reps)  # the default forward, inside every step below
-    for warps, stages in SETTINGS:
-        try:
-            window_codes.BACKWARD_LAUNCH = dict(num_warps=warps, num_stages=stages)
-            backward_ms = median_ms(step, args.reps) - forward_ms
-            window_codes.FORWARD_LAUNCH = dict(num_warps=warps, num_stages=stages)
-            print(f"| {layout} | {warps} | {stages} | {median_ms(forward, args.reps):.3f} | {backward_ms:.3f} |",
-                  flush=True)
-        except Exception as e:  # a setting Triton cannot compile or run here: say so, go on
-            print(f"| {layout} | {warps} | {stages} | failed: {type(e).__name__} {str(e)[:80]} | |", flush=True)
-        finally:
-            window_codes.FORWARD_LAUNCH, window_codes.BACKWARD_LAUNCH = dict(DEFAULTS[0]), dict(DEFAULTS[1])
+    default_forward_ms = median_ms(forward, args.reps)
+    window_codes.BACKWARD_LAUNCH = dict(num_warps=warps, num_stages=stages)
+    backward_ms = median_ms(step, args.reps) - default_forward_ms
+    window_codes.FORWARD_LAUNCH = dict(num_warps=warps, num_stages=stages)
+    return f"| {layout} | {warps} | {stages} | {median_ms(forward, args.reps):.3f} | {backward_ms:.3f} |"
 
 
-def time_layer(name: str, args) -> None:
+def layer_row(name: str, warps: int, stages: int, args) -> str:
+    """The layer's whole step (forward + backward, bf16 autocast) with the kernel's backward under one setting."""
     layer = build(name, 1024, args.heads, args.num_codes, "cuda", torch.float32)
     x = torch.randn(args.batch, args.length, 1024, device="cuda", requires_grad=True)
 
@@ -98,20 +97,27 @@ def time_layer(name: str, args) -> None:
             loss = out.float().sum() + aux_loss
         loss.backward()
 
-    for warps, stages in SETTINGS:
-        window_codes.BACKWARD_LAUNCH = dict(num_warps=warps, num_stages=stages)
-        try:
-            print(f"| {name} layer | {warps} | {stages} | | {median_ms(step, args.reps):.2f} |", flush=True)
-        except Exception as e:
-            print(f"| {name} layer | {warps} | {stages} | failed: {type(e).__name__} | |", flush=True)
-        finally:
-            window_codes.BACKWARD_LAUNCH = dict(DEFAULTS[1])
+    window_codes.BACKWARD_LAUNCH = dict(num_warps=warps, num_stages=stages)
+    return f"| {name} layer | {warps} | {stages} | | {median_ms(step, args.reps):.2f} |"
 
 
-DEFAULTS = (dict(window_codes.FORWARD_LAUNCH), dict(window_codes.BACKWARD_LAUNCH))
+def run_child(what: str, name: str, warps: int, stages: int, argv: list[str]) -> str:
+    """One row in a process of its own: a setting that faults the GPU (an illegal memory access leaves the process's
+    CUDA context unusable) costs its row alone."""
+    cmd = [sys.executable, __file__, *argv, "--child", what, name, str(warps), str(stages)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"| {name} | {warps} | {stages} | timed out after {CHILD_TIMEOUT_S} s | |"
+    rows = [line for line in done.stdout.splitlines() if line.startswith("|")]
+    if done.returncode == 0 and rows:
+        return rows[-1]
+    errors = [line for line in done.stderr.splitlines() if "Error" in line] or done.stderr.splitlines()[-1:]
+    return f"| {name} | {warps} | {stages} | failed: {(errors[-1] if errors else '')[:100]} | |"
 
 
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--length", type=int, default=8192)
@@ -120,15 +126,23 @@ def main(argv=None) -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
     parser.add_argument("--layers", nargs="*", default=[], help="vq layers to time under each backward setting")
+    parser.add_argument("--child", nargs=4, metavar=("WHAT", "NAME", "WARPS", "STAGES"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     torch.manual_seed(0)
+    if args.child:
+        what, name, warps, stages = args.child
+        print((kernel_row if what == "kernel" else layer_row)(name, int(warps), int(stages), args))
+        return
+    shared = ["--batch", str(args.batch), "--length", str(args.length), "--heads", str(args.heads),
+              "--num-codes", str(args.num_codes), "--reps", str(args.reps)]
     print(f"# {torch.cuda.get_device_name()}, B={args.batch} T={args.length} H={args.heads} S={args.num_codes} bf16; "
-          f"defaults: forward {DEFAULTS[0]}, backward {DEFAULTS[1]}; median ms of {args.reps}")
-    print("| inputs | warps | stages | forward ms | backward ms (layer: the step) |\n|---|---|---|---|---|")
-    for layout in args.layouts:
-        time_kernel(layout, args)
-    for name in args.layers:
-        time_layer(name, args)
+          f"defaults: forward {window_codes.FORWARD_LAUNCH}, backward {window_codes.BACKWARD_LAUNCH}; median ms of "
+          f"{args.reps}; one process per row")
+    print("| inputs | warps | stages | forward ms | backward ms (layer: the step) |\n|---|---|---|---|---|", flush=True)
+    jobs = [("kernel", layout) for layout in args.layouts] + [("layer", name) for name in args.layers]
+    for what, name in jobs:
+        for warps, stages in SETTINGS:
+            print(run_child(what, name, warps, stages, shared), flush=True)
 
 
 if __name__ == "__main__":
