@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .ops._checks import check_4d, check_choice, check_positive_int
+from .ops.common.layout import empty_like_order
 from .ops.common.statistics import code_slots
 from .ops.precision import autocast_off
 from .ops.vq import Assignment, vq_assign
@@ -54,7 +55,9 @@ class _QuantisationLoss(torch.autograd.Function):
     codes, its difference and square, as ``F.mse_loss`` has, cost 96 MB of fresh memory per step at T = 32768); the
     backward pass gathers the codes once, into the keys' gradient itself. Half-precision keys stay so: the sums and
     the error accumulate in the codes' dtype (float32 or float64), and the keys' gradient, formed in it, is written
-    in theirs (no float32 copy of the keys kept for the backward pass, nor a float32 gradient cast afterwards)."""
+    in theirs and in their memory order (no float32 copy of the keys kept for the backward pass, nor a float32
+    gradient cast afterwards; :mod:`~vqattn.ops.common.layout`). float32 keys take it in place, in the gathered
+    codes' memory."""
 
     @staticmethod
     def forward(ctx, keys, codes, index, key_weight: float, code_weight: float):
@@ -86,8 +89,11 @@ class _QuantisationLoss(torch.autograd.Function):
         grad_keys = grad_codes = None
         if need_keys:
             nearest = codes.unsqueeze(0).expand(B, -1, -1, -1).gather(2, index.unsqueeze(-1).expand(B, H, T, D))
-            grad_keys = torch.mul(nearest.sub_(keys), -scale * ctx.weights[0],
-                                  out=torch.empty(B, H, T, D, device=keys.device, dtype=keys.dtype))
+            nearest.sub_(keys)
+            if nearest.dtype == keys.dtype:  # in place: no fresh memory
+                grad_keys = nearest.mul_(-scale * ctx.weights[0])
+            else:  # half keys: formed in float32, written once in their dtype and memory order
+                grad_keys = torch.mul(nearest, -scale * ctx.weights[0], out=empty_like_order(keys))
         if need_codes:
             grad_codes = (counts.unsqueeze(-1) * codes - sums).mul_(scale * ctx.weights[1])
         return grad_keys, grad_codes, None, None, None

@@ -139,9 +139,10 @@ def test_quantisation_loss_matches_the_mean_squared_distance_to_the_code_with_gr
 @pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
 def test_quantisation_loss_of_half_keys_equals_their_float32_copy(half):
     """Half keys (a layer's under autocast) accumulate in the codes' float32: the loss, error and statistics equal
-    those of the keys' exact float32 copy, and the keys' gradient is that copy's rounded to the keys' dtype. A
-    strided view, as a layer's keys are (one of its projections)."""
+    those of the keys' exact float32 copy, and the keys' gradient is that copy's rounded to the keys' dtype, in their
+    memory order. A strided view, as a layer's keys are (one of its projections)."""
     from vqattn.codebook import quantisation_loss
+    from vqattn.ops.common.layout import memory_order
 
     g = torch.Generator().manual_seed(1)
     keys = torch.randn(2, 13, 2, 3, 8, generator=g).to(half)[:, :, 1].transpose(1, 2)  # (B, H, T, D), strided
@@ -155,6 +156,7 @@ def test_quantisation_loss_of_half_keys_equals_their_float32_copy(half):
     grad, = torch.autograd.grad(got[0], keys)
     want_grad, = torch.autograd.grad(want[0], exact)
     assert grad.dtype == half and torch.equal(grad, want_grad.to(half))
+    assert memory_order(grad) == memory_order(keys)  # written in the keys' (token-major) order
 
 
 def test_quantisation_error_of_keys_on_their_codes_is_zero_not_negative():

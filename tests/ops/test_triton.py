@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from vqattn.layers import build_attention
+from vqattn.ops.common.layout import memory_order
 from vqattn.ops.triton.block_caches import block_caches
 from vqattn.ops.triton.finite import nonfinite_rows
 from vqattn.ops.triton.nearest import nearest_codes
@@ -80,7 +81,7 @@ def test_vq_attention_large_logits_and_empty_codes(assign, window):
 @pytest.mark.parametrize("assign,window", [("hard", "rotated"), ("soft", "exact")])
 def test_strided_inputs(assign, window):
     """q, k, v and the rotated pair as (B, T, H, ·) tensors seen as (B, H, T, ·), the layout of a fused qkv
-    projection: the kernels read them by their strides and write contiguous gradients."""
+    projection: the kernels read them by their strides and write their gradients in the same layout."""
 
     def strided(call):
         def run(*xs):
@@ -91,6 +92,33 @@ def test_strided_inputs(assign, window):
 
     compare(vq_call(naive_vq_attention, assign, window), strided(vq_call(vq_attention, assign, window, "triton")),
             vq_inputs(assign, window, 70))
+
+
+@pytest.mark.parametrize("op", ["window", "hard", "soft"])
+def test_gradients_keep_their_inputs_memory_order(op):
+    """q, k and v as views of one (B, T, 3, H, D) projection, as a layer's are: every kernel writes its share of their
+    gradients in that token-major order (vqattn/ops/common/layout.py), so autograd's stack back into the projection
+    is a plain copy; the values equal those of contiguous inputs."""
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(B, 50, 3, H, D, generator=g).to(DEVICE).requires_grad_()
+    codebook = torch.randn(H, S, D, generator=g).to(DEVICE)
+
+    def call(q, k, v):
+        if op == "window":
+            return window_attention(q, k, v, block_len=16, impl="triton")
+        return vq_attention(q, k, v, codebook, causal=True, assign=op, block_len=16, exact_window=True,
+                            impl="triton")
+
+    views = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, T, D), token-major
+    orders = {}
+    for name, x in zip("qkv", views):
+        x.register_hook(lambda grad, name=name: orders.__setitem__(name, memory_order(grad)))
+    call(*views).square().sum().backward()
+    assert orders == dict.fromkeys("qkv", (0, 2, 1, 3))
+    copies = [x.detach().contiguous().requires_grad_() for x in views]
+    call(*copies).square().sum().backward()
+    for view_grad, copy in zip(qkv.grad.permute(2, 0, 3, 1, 4).unbind(0), copies):
+        torch.testing.assert_close(view_grad, copy.grad, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("assign,window", [("hard", "rotated"), ("soft", "exact")])
@@ -239,6 +267,10 @@ def test_rotation(dtype, tol, first_pair):
     raw = None if first_pair is None else torch.randn(B, H, T, Dh - 2 * first_pair, generator=g).to(dtype)
     back = rotate(x.to(DEVICE), cos32, sin32, -1.0, None if raw is None else raw.to(DEVICE), first_pair or 0)
     assert rel_rms(back, exact(x, -1, raw)) < tol
+    # the backward pass writes in the forward input's memory order: x's, token-major
+    back_in_order = rotate(x.to(DEVICE), cos32, sin32, -1.0, None if raw is None else raw.to(DEVICE),
+                           first_pair or 0, memory_order(x))
+    assert memory_order(back_in_order) == (0, 2, 1, 3) and torch.equal(back_in_order, back)
 
 
 def test_rope_takes_the_rotation_kernel(monkeypatch):

@@ -8,6 +8,7 @@ import functools
 import torch
 from torch.autograd.function import once_differentiable
 
+from ..ops.common.layout import memory_order
 from ..ops.triton import rotation
 
 
@@ -140,7 +141,7 @@ class _Rotation(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, cos, sin, first_pair):
         ctx.save_for_backward(cos, sin)
-        ctx.dtype, ctx.first_pair = x.dtype, first_pair
+        ctx.dtype, ctx.first_pair, ctx.order = x.dtype, first_pair, memory_order(x)
         if rotation.runs_rotation_kernel(x):  # one pass on a GPU
             rotated = rotation.rotate(x, cos, sin, 1.0)
         else:
@@ -152,7 +153,8 @@ class _Rotation(torch.autograd.Function):
     def backward(ctx, grad, grad_raw=None):
         cos, sin = ctx.saved_tensors
         if grad.dtype == ctx.dtype and rotation.runs_rotation_kernel(grad):  # the raw part added in the same pass
-            return rotation.rotate(grad, cos, sin, -1.0, grad_raw, ctx.first_pair or 0), None, None, None
+            # written in x's memory order: a layer's q and k are token-major views of its projection
+            return rotation.rotate(grad, cos, sin, -1.0, grad_raw, ctx.first_pair or 0, ctx.order), None, None, None
         out = _rotate(grad, cos, sin, -1.0)
         if grad_raw is not None:
             raw = out if ctx.first_pair == 0 else out.unflatten(-1, (2, out.shape[-1] // 2))[..., ctx.first_pair:]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from ..common.layout import empty_like_order
 from . import triton
 from .window_codes import _dot_dtype, _load_rows, _unit_last, _width
 
@@ -88,10 +89,10 @@ if triton is not None:
 
     @triton.jit
     def _prefix_backward_kernel(IDX, WTS, V, DNB, DCB, DNF, DCF, DN0, DC0, DVAL, DWTS, sv_b, sv_h, sv_t,
-                                H, T, S, DV, fold, L: tl.constexpr, BS: tl.constexpr, BDV: tl.constexpr,
-                                HARD: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
-        """DVAL (BH, T, DV) float32: written row by row for hard (each row by the tile of its code), added into
-        (zeroed) for soft; DWTS (BH, T, S) float32, soft only."""
+                                sd_b, sd_h, sd_t, H, T, S, DV, fold, L: tl.constexpr, BS: tl.constexpr,
+                                BDV: tl.constexpr, HARD: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+        """DVAL (B, H, T, DV) float32 with strides sd_*: written row by row for hard (each row by the tile of its
+        code), added into (zeroed) for soft; DWTS (BH, T, S) float32, soft only."""
         bh = tl.program_id(1)
         nb = tl.cdiv(T, L)
         codes, present, tile_mask, offsets = _code_tile_layout(S, DV, BS, BDV)
@@ -113,7 +114,7 @@ if triton is not None:
             # (L, BDV); a hard row selects one code's gradient, which rounds to DOT exactly as the result would
             d_values = tl.dot(w.to(DOT), g_sums.to(DOT), input_precision=PREC)
             row_mask = (rows[:, None] < T) & (dv[None, :] < DV)
-            value_offsets = (bh * T + rows[:, None]) * DV + dv[None, :]
+            value_offsets = (bh // H) * sd_b + (bh % H) * sd_h + rows[:, None] * sd_t + dv[None, :]
             if HARD:
                 held = tl.sum(w, 1) > 0  # this tile holds the row's code
                 tl.store(DVAL + value_offsets, d_values, mask=row_mask & held[:, None])
@@ -195,11 +196,13 @@ class BlockCaches(torch.autograd.Function):
                     ((d_cache_n, (B, H, nb, S)), (d_cache_c, (B, H, nb, S, DV)), (d_fold_n, (B, H, S)),
                      (d_fold_c, (B, H, S, DV)))]
         d_n0, d_c0 = torch.empty(B, H, S, **f32), torch.empty(B, H, S, DV, **f32)
-        d_values = (torch.empty if hard else torch.zeros)(B, H, T, DV, **f32)
+        d_values = empty_like_order(v, dtype=torch.float32)  # in v's memory order (common/layout.py)
+        if not hard:
+            d_values.zero_()
         d_weights = d_values if hard else torch.empty(B, H, T, S, **f32)
         _prefix_backward_kernel[ctx.grid](idx, wts, v, *grads_in, d_n0, d_c0, d_values, d_weights, v.stride(0),
-                                          v.stride(1), v.stride(2), H, T, S, DV, ctx.fold, **ctx.meta,
-                                          **_launch(hard))
+                                          v.stride(1), v.stride(2), d_values.stride(0), d_values.stride(1),
+                                          d_values.stride(2), H, T, S, DV, ctx.fold, **ctx.meta, **_launch(hard))
         w_dtype, v_dtype, n_dtype, c_dtype = ctx.dtypes
         return (None, None if hard else d_weights.to(w_dtype), d_values.to(v_dtype), d_n0.to(n_dtype),
                 d_c0.to(c_dtype), None, None)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from ..common.layout import empty_in_order
 from . import triton
 from .window_codes import MAX_DIM, SUPPORTED_DTYPES, _width
 
@@ -23,8 +24,8 @@ ROW_BLOCK = 64
 if triton is not None:
 
     @triton.jit
-    def _rotation_kernel(X, COS, SIN, RAW, OUT, sx_b, sx_h, sx_t, sr_b, sr_h, sr_t, H, T, HALF, first_pair,
-                         sign, R: tl.constexpr, BH: tl.constexpr, ADD_RAW: tl.constexpr):
+    def _rotation_kernel(X, COS, SIN, RAW, OUT, sx_b, sx_h, sx_t, sr_b, sr_h, sr_t, so_b, so_h, so_t, H, T, HALF,
+                         first_pair, sign, R: tl.constexpr, BH: tl.constexpr, ADD_RAW: tl.constexpr):
         blk, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // H, bh % H
         rows = blk * R + tl.arange(0, R)
@@ -43,7 +44,7 @@ if triton is not None:
             raw = RAW + b * sr_b + h * sr_h + rows[:, None] * sr_t + (cols[None, :] - first_pair)
             out1 += tl.load(raw, mask=kept, other=0.0).to(tl.float32)
             out2 += tl.load(raw + (HALF - first_pair), mask=kept, other=0.0).to(tl.float32)
-        out = OUT + (bh * T + rows[:, None]) * 2 * HALF + cols[None, :]
+        out = OUT + b * so_b + h * so_h + rows[:, None] * so_t + cols[None, :]
         tl.store(out, out1.to(OUT.dtype.element_ty), mask=mask)
         tl.store(out + HALF, out2.to(OUT.dtype.element_ty), mask=mask)
 
@@ -56,17 +57,19 @@ def runs_rotation_kernel(x: torch.Tensor) -> bool:
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float, raw_grad: torch.Tensor | None = None,
-           first_pair: int = 0) -> torch.Tensor:
+           first_pair: int = 0, order: tuple[int, ...] = (0, 1, 2, 3)) -> torch.Tensor:
     """x (B, H, T, D) rotated by the angles with cos and sin (T, D/2) float32 (sign 1) or back (sign −1), plus
-    ``raw_grad`` (B, H, T, D − 2·first_pair) added to the pairs m ≥ first_pair when given; a contiguous tensor of
-    x's dtype, by the kernel of the module doc (:func:`runs_rotation_kernel` says when it applies)."""
+    ``raw_grad`` (B, H, T, D − 2·first_pair) added to the pairs m ≥ first_pair when given; a tensor of x's dtype
+    laid out in ``order`` (contiguous by default; the backward pass gives the rotated input's, :mod:`..common.layout`),
+    by the kernel of the module doc (:func:`runs_rotation_kernel` says when it applies)."""
     B, H, T, D = x.shape
-    out = torch.empty(B, H, T, D, device=x.device, dtype=x.dtype)
+    out = empty_in_order(x.shape, order, dtype=x.dtype, device=x.device)
     raw = raw_grad if raw_grad is not None else x
     if raw.stride(-1) != 1:
         raw = raw.contiguous()
     _rotation_kernel[(triton.cdiv(T, ROW_BLOCK), B * H)](
         x, cos.contiguous(), sin.contiguous(), raw, out, x.stride(0), x.stride(1), x.stride(2), raw.stride(0),
-        raw.stride(1), raw.stride(2), H, T, D // 2, first_pair, float(sign), R=ROW_BLOCK, BH=_width(D // 2),
+        raw.stride(1), raw.stride(2), out.stride(0), out.stride(1), out.stride(2), H, T, D // 2, first_pair,
+        float(sign), R=ROW_BLOCK, BH=_width(D // 2),
         ADD_RAW=raw_grad is not None)
     return out

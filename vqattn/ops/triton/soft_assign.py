@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from ..common.layout import empty_like_order
 from . import triton
 from .window_codes import _float32_precision, _load_rows, _unit_last, _width
 
@@ -74,8 +75,9 @@ if triton is not None:
             tl.store(P + at, tl.exp(x - row_max[:, None]) / row_sum[:, None], mask=mask)
 
     @triton.jit
-    def _key_grad_kernel(K, C, TAU, P, G, DK, R, DTAU, sk_b, sk_h, sk_t, H, T, S, D, L: tl.constexpr,
-                         BS: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr, TAU_GRAD: tl.constexpr):
+    def _key_grad_kernel(K, C, TAU, P, G, DK, R, DTAU, sk_b, sk_h, sk_t, sd_b, sd_h, sd_t, H, T, S, D,
+                         L: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
+                         TAU_GRAD: tl.constexpr):
         blk, bh = tl.program_id(0), tl.program_id(1)
         h = bh % H
         rows = blk * L + tl.arange(0, L)
@@ -96,7 +98,7 @@ if triton is not None:
             if TAU_GRAD:
                 ds_x += tl.sum(ds * tl.where(mask, scores, 0.0), 1)
         dims = tl.arange(0, BD)
-        tl.store(DK + (bh * T + rows[:, None]) * D + dims[None, :], dk * inv_tau,
+        tl.store(DK + (bh // H) * sd_b + h * sd_h + rows[:, None] * sd_t + dims[None, :], dk * inv_tau,
                  mask=(rows[:, None] < T) & (dims[None, :] < D))
         tl.store(R + bh * T + rows, r, mask=rows < T)
         if TAU_GRAD:  # dτ = −Σ ds·x / τ with x = scores / τ: this block's part
@@ -154,11 +156,11 @@ class SoftAssign(torch.autograd.Function):
         blocks = triton.cdiv(T, KEY_BLOCK)
         shape = dict(L=KEY_BLOCK, BS=CODE_TILE, BD=_width(D), PREC=_float32_precision(k.dtype))
         strides = k.stride(0), k.stride(1), k.stride(2)
-        grad_k = torch.empty(B, H, T, D, device=k.device, dtype=torch.float32)
+        grad_k = empty_like_order(k, dtype=torch.float32)  # in k's memory order (common/layout.py)
         row_sums = torch.empty(B, H, T, device=k.device, dtype=torch.float32)
         grad_tau = torch.empty(B, H, blocks, device=k.device, dtype=torch.float32) if need_tau else grad_k
-        _key_grad_kernel[(blocks, B * H)](k, c, tau, weights, grad, grad_k, row_sums, grad_tau, *strides, H, T, S,
-                                          D, TAU_GRAD=need_tau, **shape)
+        _key_grad_kernel[(blocks, B * H)](k, c, tau, weights, grad, grad_k, row_sums, grad_tau, *strides,
+                                          *grad_k.stride()[:3], H, T, S, D, TAU_GRAD=need_tau, **shape)
         grad_c = None
         if need_c:
             grad_c = torch.zeros_like(c)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from ..common.layout import empty_like_order
 from . import INTERPRET, triton
 
 if triton is not None:
@@ -159,13 +160,15 @@ if triton is not None:
     def _backward_kernel(QW, KW, V, QC, CB, CNT, SUM, BIAS, O, DO, LSE,
                          DQW, DKW, DV_, DQC, DCB, DCNT, DSUM,
                          sqw_b, sqw_h, sqw_t, skw_b, skw_h, skw_t, sv_b, sv_h, sv_t, sqc_b, sqc_h, sqc_t,
-                         so_b, so_h, so_t, sdo_b, sdo_h, sdo_t, dkw_slice, dv_slice,
+                         so_b, so_h, so_t, sdo_b, sdo_h, sdo_t, sdqw_b, sdqw_h, sdqw_t, sdkw_b, sdkw_h, sdkw_t,
+                         sdv_b, sdv_h, sdv_t, sdqc_b, sdqc_h, sdqc_t, dkw_slice, dv_slice,
                          H, T, S, D, DC, DV, scale,
                          L: tl.constexpr, BD: tl.constexpr, BDC: tl.constexpr, BDV: tl.constexpr,
                          BS: tl.constexpr, HAS_CODES: tl.constexpr, PER_BLOCK: tl.constexpr,
                          HAS_BIAS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, CODEBOOK_GRAD: tl.constexpr):
-        """Gradients of one query block. DKW and DV_ (2, B·H, T, ·) float32 take the window gradients of key
-        block blk − back at its own rows of slice ``back`` (``dkw_slice``, ``dv_slice`` elements apart); DCB
+        """Gradients of one query block, each written by its own strides (the inputs' memory order). DKW and DV_
+        (2, B, H, T, ·) float32 take the window gradients of key block blk − back at its own rows of slice ``back``
+        (``dkw_slice``, ``dv_slice`` elements apart); DCB
         (B·H, nb, S, DC), DCNT (B·H, nb, S) float32 and DSUM (B·H, nb, S, DV) (in the sums' dtype) the block's
         share of the codebook's gradient and its cache's gradients."""
         blk, bh = tl.program_id(0), tl.program_id(1)
@@ -189,9 +192,9 @@ if triton is not None:
             dqw += tl.dot(ds.to(DOT), kw, input_precision=PREC) * scale
             dk = tl.dot(tl.trans(ds.to(DOT)), qw, input_precision=PREC) * scale
             dv = tl.dot(tl.trans(p.to(DOT)), do_dot, input_precision=PREC)
-            _store_rows(DKW + back * dkw_slice, 0, T * D, D, 0, bh, cols, T, D, dk, BD)
-            _store_rows(DV_ + back * dv_slice, 0, T * DV, DV, 0, bh, cols, T, DV, dv, BDV)
-        _store_rows(DQW, 0, T * D, D, 0, bh, rows, T, D, dqw, BD)  # DQW, DQC: contiguous, of q's dtypes
+            _store_rows(DKW + back * dkw_slice, sdkw_b, sdkw_h, sdkw_t, b, h, cols, T, D, dk, BD)
+            _store_rows(DV_ + back * dv_slice, sdv_b, sdv_h, sdv_t, b, h, cols, T, DV, dv, BDV)
+        _store_rows(DQW, sdqw_b, sdqw_h, sdqw_t, b, h, rows, T, D, dqw, BD)  # DQW, DQC: of q's dtypes
         if HAS_CODES:
             qc = _load_rows(QC, sqc_b, sqc_h, sqc_t, b, h, rows, T, DC, BDC, DOT)
             dqc = tl.zeros([L, BDC], tl.float32)
@@ -220,7 +223,7 @@ if triton is not None:
                          d_sums.to(DSUM.dtype.element_ty),
                          mask=present[:, None] & (dv_cols[None, :] < DV))
                 tl.store(DCNT + cache * S + codes, d_counts, mask=present)
-            _store_rows(DQC, 0, T * DC, DC, 0, bh, rows, T, DC, dqc, BDC)
+            _store_rows(DQC, sdqc_b, sdqc_h, sdqc_t, b, h, rows, T, DC, dqc, BDC)
 
 
 def _width(n: int) -> int:
@@ -250,9 +253,9 @@ def _float32_precision(dtype: torch.dtype) -> str:
 
 
 def _sum_of_shares(shares: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """shares[0] + shares[1] of a (2, ...) float32 tensor, in ``dtype``. Added in place, then cast: no float32 sum
-    allocated beside the shares (on an H200 one add writing ``dtype`` straight from float32 ran on a slower,
-    non-vectorised path than the two passes)."""
+    """shares[0] + shares[1] of a (2, ...) float32 tensor, in ``dtype`` and the shares' memory order. Added in
+    place, then cast: no float32 sum allocated beside the shares (on an H200 one add writing ``dtype`` straight from
+    float32 ran on a slower, non-vectorised path than the two passes)."""
     return shares[0].add_(shares[1]).to(dtype)
 
 
@@ -295,12 +298,13 @@ class FusedWindowCodes(torch.autograd.Function):
         nb = triton.cdiv(T, L)
         grad_out = _unit_last(grad_out)
         f32 = dict(device=qw.device, dtype=torch.float32)
-        # dq is whole in one program: written in its own dtype; a key block's two shares add in float32 first
-        dqw = torch.empty(B, H, T, D, device=qw.device, dtype=qw.dtype)
-        dkw, dv = torch.empty(2, B * H, T, D, **f32), torch.empty(2, B * H, T, DV, **f32)
+        # Every gradient in its input's memory order (common/layout.py). dq is whole in one program: written in its
+        # own dtype; a key block's two shares add in float32 first.
+        dqw = empty_like_order(qw)
+        dkw, dv = (empty_like_order(x, dtype=torch.float32, leading=(2,)) for x in (kw, v))
         # the last key block has no next query block to write its second share
-        dkw[1, :, (nb - 1) * L:], dv[1, :, (nb - 1) * L:] = 0, 0
-        dqc = torch.empty(B, H, T, DC, device=qc.device, dtype=qc.dtype) if ctx.has_codes else dqw
+        dkw[1, :, :, (nb - 1) * L:], dv[1, :, :, (nb - 1) * L:] = 0, 0
+        dqc = empty_like_order(qc) if ctx.has_codes else dqw
         codebook_grad = ctx.has_codes and ctx.needs_input_grad[4]
         dcb = torch.empty(B * H, nb, S, DC, **f32) if codebook_grad else dqw
         dcnt = torch.empty(B * H, nb, S, **f32) if ctx.has_codes else dqw
@@ -308,12 +312,11 @@ class FusedWindowCodes(torch.autograd.Function):
         _backward_kernel[(nb, B * H)](
             qw, kw, v, qc, cb, cnt, sm, bias, out, grad_out, lse, dqw, dkw, dv, dqc, dcb, dcnt, dsum,
             *_strides(qw), *_strides(kw), *_strides(v), *_strides(qc), *_strides(out), *_strides(grad_out),
-            dkw[0].numel(), dv[0].numel(), H, T, S, D, DC, DV, ctx.scale, CODEBOOK_GRAD=codebook_grad, **ctx.meta,
-            **BACKWARD_LAUNCH)
+            *_strides(dqw), *_strides(dkw[0]), *_strides(dv[0]), *_strides(dqc), dkw.stride(0), dv.stride(0), H, T,
+            S, D, DC, DV, ctx.scale, CODEBOOK_GRAD=codebook_grad, **ctx.meta, **BACKWARD_LAUNCH)
         # a key block's share from its own query block (slice 0) and from the next one (slice 1), added in float32
         # and written once, in the input's dtype
-        grads = [dqw, _sum_of_shares(dkw, kw.dtype).view(B, H, T, D), _sum_of_shares(dv, v.dtype).view(B, H, T, DV),
-                 None, None, None, None]
+        grads = [dqw, _sum_of_shares(dkw, kw.dtype), _sum_of_shares(dv, v.dtype), None, None, None, None]
         if ctx.has_codes:
             if codebook_grad:  # every block's share; a shared codebook's gradient is their sum
                 dcb = dcb.view(B, H, nb, S, DC)
