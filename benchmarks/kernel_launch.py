@@ -1,12 +1,16 @@
 """The fused window-code kernel's launch settings and input layouts, side by side in one run.
 
-Times the kernel (``vqattn/ops/triton/window_codes.py``) forward alone and forward + backward, at the shape the vq
-layers hand it (``layer``: q, k and v views of one projection, the output's gradient a transposed view, the code
-scores on the slow RoPE pairs, Dc = 30, with the memory bound's bias) or the op table's (``op``: contiguous inputs,
-Dc = D), for each launch setting (warps, pipeline stages) of the backward and the forward, and the ``layer`` shape
-with its code dims zero-padded to 32 (q·c unchanged), so that a row of the code scores is 64 bytes, or with
-contiguous inputs (``layer_contiguous``: the op's layout at the layer's Dc). Then the vq
-layers' whole step (``benchmarks/layer_speed.py``'s) under each backward setting, when ``--layers`` names them.
+Times the kernel (``vqattn/ops/triton/window_codes.py``) forward alone and forward + backward under each launch
+setting (warps, pipeline stages) of the backward and the forward, at these input layouts:
+
+* ``layer``: what the vq layers hand it: q, k and v views of one projection, the output's gradient a transposed
+  view, the code scores on the slow RoPE pairs (Dc = 30), the memory bound's bias;
+* ``layer_padded``: the same with the code dims zero-padded to 32 (q·c unchanged), so that a row is 64 bytes;
+* ``layer_contiguous``: contiguous inputs at the layer's Dc;
+* ``op``: the op table's, contiguous, Dc = D.
+
+Then the vq layers' whole step (``benchmarks/layer_speed.py``'s) under each backward setting, when ``--layers``
+names them. Every row runs in a process of its own: a setting that faults the GPU costs its row alone.
 
     python benchmarks/kernel_launch.py                       # B = 8, T = 8192, H = 16, S = 512, bf16
     python benchmarks/kernel_launch.py --layers vq_hard vq_soft
@@ -26,7 +30,6 @@ from layer_speed import build
 
 from vqattn.ops.triton import window_codes
 
-# (num_warps, num_stages), the defaults first: a setting that faults the GPU ends the process
 LAYOUTS = ("layer", "layer_padded", "layer_contiguous", "op")
 SETTINGS = [(4, 3), (4, 1), (8, 1), (4, 2), (8, 2), (8, 3)]  # (num_warps, num_stages), the defaults first
 CHILD_TIMEOUT_S = 120
