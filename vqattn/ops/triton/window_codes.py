@@ -9,9 +9,10 @@ with one running max, as flash attention does, so neither the (T, T) nor the (T,
 C_b (S, Dv) are every block's cache counts and value sums, formed beforehand by a per-block prefix (the state of
 fla's chunk kernels), and β_b the block's memory bias (``memory_cap``'s log min(1, M / n_b), or 0); window attention
 is the same kernel without codes. The forward kernel stores out and the per-query logsumexp; the backward kernel
-recomputes the probabilities from it and writes, per query block, the gradients of its queries, of its window's keys
-and values (split by which of the two query blocks that read a key block they come from, so that no two programs add
-into one place), of the codebook (summed afterwards), and of its cache (dn_b, dC_b), which autograd then carries back
+recomputes the probabilities from it and writes, per block, the gradients of its queries, of its keys and values (as
+window keys, read by its own query block and the next: the program recomputes the next block's (L, L) tile, as flash
+attention's backward walks a key block's queries, so that each gradient is written once and no two programs add into
+one place), of the codebook (summed afterwards), and of its cache (dn_b, dC_b), which autograd then carries back
 through the prefix to the values and the assignment.
 
 One program per (query block, batch·head). Loads are cast to ``DOT`` (the input's half type on a GPU, so the
@@ -157,44 +158,69 @@ if triton is not None:
         tl.store(LSE + bh * T + rows, m + tl.log(z), mask=rows < T)
 
     @triton.jit
-    def _backward_kernel(QW, KW, V, QC, CB, CNT, SUM, BIAS, O, DO, LSE,
-                         DQW, DKW, DV_, DQC, DCB, DCNT, DSUM,
-                         sqw_b, sqw_h, sqw_t, skw_b, skw_h, skw_t, sv_b, sv_h, sv_t, sqc_b, sqc_h, sqc_t,
-                         so_b, so_h, so_t, sdo_b, sdo_h, sdo_t, sdqw_b, sdqw_h, sdqw_t, sdkw_b, sdkw_h, sdkw_t,
-                         sdv_b, sdv_h, sdv_t, sdqc_b, sdqc_h, sdqc_t, dkw_slice, dv_slice,
-                         H, T, S, D, DC, DV, scale,
-                         L: tl.constexpr, BD: tl.constexpr, BDC: tl.constexpr, BDV: tl.constexpr,
-                         BS: tl.constexpr, HAS_CODES: tl.constexpr, PER_BLOCK: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, CODEBOOK_GRAD: tl.constexpr):
-        """Gradients of one query block, each written by its own strides (the inputs' memory order). DKW and DV_
-        (2, B, H, T, ·) float32 take the window gradients of key block blk − back at its own rows of slice ``back``
-        (``dkw_slice``, ``dv_slice`` elements apart); DCB
-        (B·H, nb, S, DC), DCNT (B·H, nb, S) float32 and DSUM (B·H, nb, S, DV) (in the sums' dtype) the block's
-        share of the codebook's gradient and its cache's gradients."""
-        blk, bh = tl.program_id(0), tl.program_id(1)
-        b, h = bh // H, bh % H
-        nb = tl.cdiv(T, L)
-        rows = blk * L + tl.arange(0, L)
+    def _query_block(QW, DO, O, LSE, sqw_b, sqw_h, sqw_t, sdo_b, sdo_h, sdo_t, so_b, so_h, so_t, b, h, bh, rows, T,
+                     D, DV, BD: tl.constexpr, BDV: tl.constexpr, DOT: tl.constexpr):
+        """What the backward pass reads of the query rows ``rows``: their window queries and output gradients as
+        DOT, their logsumexp and Δ_i = dO_i·out_i (zeros past T)."""
         qw = _load_rows(QW, sqw_b, sqw_h, sqw_t, b, h, rows, T, D, BD, DOT)
         do = _load_rows(DO, sdo_b, sdo_h, sdo_t, b, h, rows, T, DV, BDV, tl.float32)
         out = _load_rows(O, so_b, so_h, so_t, b, h, rows, T, DV, BDV, tl.float32)
         lse = tl.load(LSE + bh * T + rows, mask=rows < T, other=0.0)
-        delta = tl.sum(do * out, 1)  # (L,): dO_i·out_i
-        do_dot = do.to(DOT)
-        dqw = tl.zeros([L, BD], tl.float32)
-        for back in tl.static_range(2):
-            cols = (blk - back) * L + tl.arange(0, L)
-            kw = _load_rows(KW, skw_b, skw_h, skw_t, b, h, cols, T, D, BD, DOT)
-            v = _load_rows(V, sv_b, sv_h, sv_t, b, h, cols, T, DV, BDV, DOT)
-            p = tl.exp(_window_logits(qw, kw, rows, cols, T, scale, PREC) - lse[:, None])
-            dp = tl.dot(do_dot, tl.trans(v), input_precision=PREC)
-            ds = p * (dp - delta[:, None])
-            dqw += tl.dot(ds.to(DOT), kw, input_precision=PREC) * scale
-            dk = tl.dot(tl.trans(ds.to(DOT)), qw, input_precision=PREC) * scale
-            dv = tl.dot(tl.trans(p.to(DOT)), do_dot, input_precision=PREC)
-            _store_rows(DKW + back * dkw_slice, sdkw_b, sdkw_h, sdkw_t, b, h, cols, T, D, dk, BD)
-            _store_rows(DV_ + back * dv_slice, sdv_b, sdv_h, sdv_t, b, h, cols, T, DV, dv, BDV)
+        return qw, do.to(DOT), lse, tl.sum(do * out, 1)
+
+    @triton.jit
+    def _window_grads(qw, kw, v, do, lse, delta, rows, cols, T, scale, DOT: tl.constexpr, PREC: tl.constexpr):
+        """The probabilities p (rows, cols) of one window tile from the stored logsumexp, and the logits' gradient
+        ds = p (dO·vᵀ − Δ), both as DOT (ds without the scale σ)."""
+        p = tl.exp(_window_logits(qw, kw, rows, cols, T, scale, PREC) - lse[:, None])
+        ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None])
+        return p.to(DOT), ds.to(DOT)
+
+    @triton.jit
+    def _backward_kernel(QW, KW, V, QC, CB, CNT, SUM, BIAS, O, DO, LSE,
+                         DQW, DKW, DV_, DQC, DCB, DCNT, DSUM,
+                         sqw_b, sqw_h, sqw_t, skw_b, skw_h, skw_t, sv_b, sv_h, sv_t, sqc_b, sqc_h, sqc_t,
+                         so_b, so_h, so_t, sdo_b, sdo_h, sdo_t, sdqw_b, sdqw_h, sdqw_t, sdkw_b, sdkw_h, sdkw_t,
+                         sdv_b, sdv_h, sdv_t, sdqc_b, sdqc_h, sdqc_t,
+                         H, T, S, D, DC, DV, scale,
+                         L: tl.constexpr, BD: tl.constexpr, BDC: tl.constexpr, BDV: tl.constexpr,
+                         BS: tl.constexpr, HAS_CODES: tl.constexpr, PER_BLOCK: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, CODEBOOK_GRAD: tl.constexpr):
+        """Gradients of query block blk, and of key block blk's window keys and values, each written once, in its
+        input's dtype, by its own strides (the inputs' memory order). Key block blk is read by query blocks blk and
+        blk + 1, so the program recomputes the next block's probabilities over it (one (L, L) tile more, as flash
+        attention's backward walks a key block's queries) instead of writing two shares to be added. DCB
+        (B·H, nb, S, DC), DCNT (B·H, nb, S) float32 and DSUM (B·H, nb, S, DV) (in the sums' dtype) take the query
+        block's share of the codebook's gradient and its cache's gradients."""
+        blk, bh = tl.program_id(0), tl.program_id(1)
+        b, h = bh // H, bh % H
+        nb = tl.cdiv(T, L)
+        rows = blk * L + tl.arange(0, L)
+        qw, do_dot, lse, delta = _query_block(QW, DO, O, LSE, sqw_b, sqw_h, sqw_t, sdo_b, sdo_h, sdo_t, so_b, so_h,
+                                              so_t, b, h, bh, rows, T, D, DV, BD, BDV, DOT)
+        # the previous key block: its share of dq (its own dk and dv are the previous program's)
+        cols = rows - L
+        kw = _load_rows(KW, skw_b, skw_h, skw_t, b, h, cols, T, D, BD, DOT)
+        v = _load_rows(V, sv_b, sv_h, sv_t, b, h, cols, T, DV, BDV, DOT)
+        p, ds = _window_grads(qw, kw, v, do_dot, lse, delta, rows, cols, T, scale, DOT, PREC)
+        dqw = tl.dot(ds, kw, input_precision=PREC) * scale
+        # this key block, from its own queries: dq, and the first share of its dk and dv
+        kw = _load_rows(KW, skw_b, skw_h, skw_t, b, h, rows, T, D, BD, DOT)
+        v = _load_rows(V, sv_b, sv_h, sv_t, b, h, rows, T, DV, BDV, DOT)
+        p, ds = _window_grads(qw, kw, v, do_dot, lse, delta, rows, rows, T, scale, DOT, PREC)
+        dqw += tl.dot(ds, kw, input_precision=PREC) * scale
+        dk = tl.dot(tl.trans(ds), qw, input_precision=PREC)
+        dv = tl.dot(tl.trans(p), do_dot, input_precision=PREC)
         _store_rows(DQW, sdqw_b, sdqw_h, sdqw_t, b, h, rows, T, D, dqw, BD)  # DQW, DQC: of q's dtypes
+        # ... and from the next query block (absent past the last block: zero rows add nothing)
+        next_rows = rows + L
+        qn, do_n, lse_n, delta_n = _query_block(QW, DO, O, LSE, sqw_b, sqw_h, sqw_t, sdo_b, sdo_h, sdo_t, so_b,
+                                                so_h, so_t, b, h, bh, next_rows, T, D, DV, BD, BDV, DOT)
+        p, ds = _window_grads(qn, kw, v, do_n, lse_n, delta_n, next_rows, rows, T, scale, DOT, PREC)
+        dk += tl.dot(tl.trans(ds), qn, input_precision=PREC)
+        dv += tl.dot(tl.trans(p), do_n, input_precision=PREC)
+        _store_rows(DKW, sdkw_b, sdkw_h, sdkw_t, b, h, rows, T, D, dk * scale, BD)
+        _store_rows(DV_, sdv_b, sdv_h, sdv_t, b, h, rows, T, DV, dv, BDV)
         if HAS_CODES:
             qc = _load_rows(QC, sqc_b, sqc_h, sqc_t, b, h, rows, T, DC, BDC, DOT)
             dqc = tl.zeros([L, BDC], tl.float32)
@@ -252,13 +278,6 @@ def _float32_precision(dtype: torch.dtype) -> str:
     return "ieee" if INTERPRET or dtype == torch.float32 else "tf32x3"
 
 
-def _sum_of_shares(shares: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """shares[0] + shares[1] of a (2, ...) float32 tensor, in ``dtype`` and the shares' memory order. Added in
-    place, then cast: no float32 sum allocated beside the shares (on an H200 one add writing ``dtype`` straight from
-    float32 ran on a slower, non-vectorised path than the two passes)."""
-    return shares[0].add_(shares[1]).to(dtype)
-
-
 class FusedWindowCodes(torch.autograd.Function):
     """out (B, H, T, Dv) of the module's attention; see :func:`fused_window_code_attention`."""
 
@@ -298,12 +317,8 @@ class FusedWindowCodes(torch.autograd.Function):
         nb = triton.cdiv(T, L)
         grad_out = _unit_last(grad_out)
         f32 = dict(device=qw.device, dtype=torch.float32)
-        # Every gradient in its input's memory order (common/layout.py). dq is whole in one program: written in its
-        # own dtype; a key block's two shares add in float32 first.
-        dqw = empty_like_order(qw)
-        dkw, dv = (empty_like_order(x, dtype=torch.float32, leading=(2,)) for x in (kw, v))
-        # the last key block has no next query block to write its second share
-        dkw[1, :, :, (nb - 1) * L:], dv[1, :, :, (nb - 1) * L:] = 0, 0
+        # Every gradient whole in one program, written in its input's dtype and memory order (common/layout.py)
+        dqw, dkw, dv = empty_like_order(qw), empty_like_order(kw), empty_like_order(v)
         dqc = empty_like_order(qc) if ctx.has_codes else dqw
         codebook_grad = ctx.has_codes and ctx.needs_input_grad[4]
         dcb = torch.empty(B * H, nb, S, DC, **f32) if codebook_grad else dqw
@@ -312,11 +327,9 @@ class FusedWindowCodes(torch.autograd.Function):
         _backward_kernel[(nb, B * H)](
             qw, kw, v, qc, cb, cnt, sm, bias, out, grad_out, lse, dqw, dkw, dv, dqc, dcb, dcnt, dsum,
             *_strides(qw), *_strides(kw), *_strides(v), *_strides(qc), *_strides(out), *_strides(grad_out),
-            *_strides(dqw), *_strides(dkw[0]), *_strides(dv[0]), *_strides(dqc), dkw.stride(0), dv.stride(0), H, T,
-            S, D, DC, DV, ctx.scale, CODEBOOK_GRAD=codebook_grad, **ctx.meta, **BACKWARD_LAUNCH)
-        # a key block's share from its own query block (slice 0) and from the next one (slice 1), added in float32
-        # and written once, in the input's dtype
-        grads = [dqw, _sum_of_shares(dkw, kw.dtype), _sum_of_shares(dv, v.dtype), None, None, None, None]
+            *_strides(dqw), *_strides(dkw), *_strides(dv), *_strides(dqc), H, T, S, D, DC, DV, ctx.scale,
+            CODEBOOK_GRAD=codebook_grad, **ctx.meta, **BACKWARD_LAUNCH)
+        grads = [dqw, dkw, dv, None, None, None, None]
         if ctx.has_codes:
             if codebook_grad:  # every block's share; a shared codebook's gradient is their sum
                 dcb = dcb.view(B, H, nb, S, DC)
