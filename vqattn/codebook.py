@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .ops._checks import check_4d, check_choice, check_positive_int
-from .ops.common.layout import empty_like_order
+from .ops.common.layout import empty_like_order, memory_order
 from .ops.common.statistics import code_slots
 from .ops.precision import autocast_off
 from .ops.vq import Assignment, vq_assign
@@ -66,10 +66,13 @@ class _QuantisationLoss(torch.autograd.Function):
         slots = code_slots(index, S, 1)  # (B, H, T) rows of the flat (H·S) statistics
         counts = codes.new_zeros(H * S).index_add_(0, slots.flatten(), codes.new_ones(()).expand(slots.numel()))
         # In tiles of keys, as the assignment's scores: k is often a strided view (of a layer's projections) that one
-        # flattening would copy whole; a tile converts to the codes' dtype in one copy.
+        # flattening would copy whole. A half tile converts to the codes' dtype in one copy, dense in the keys' memory
+        # order, and is flattened in that order (the slots with it): no second copy.
         sums = codes.new_zeros(H * S, D)
         for rows in row_tiles(T, B * H * D * codes.element_size(), keys.device):
-            sums.index_add_(0, slots[:, :, rows].flatten(), keys[:, :, rows].to(codes.dtype).reshape(-1, D))
+            tile = keys[:, :, rows].to(codes.dtype)
+            lead = [d for d in memory_order(tile) if d != 3]
+            sums.index_add_(0, slots[:, :, rows].permute(lead).flatten(), tile.permute(*lead, 3).reshape(-1, D))
         counts, sums = counts.view(H, S), sums.view(H, S, D)
         total = (torch.linalg.vector_norm(keys, dtype=codes.dtype).square() - 2 * (codes * sums).sum()
                  + (counts * codes.square().sum(-1)).sum())
