@@ -91,8 +91,8 @@ if triton is not None:
     def _prefix_backward_kernel(IDX, WTS, V, DNB, DCB, DNF, DCF, DN0, DC0, DVAL, DWTS, sv_b, sv_h, sv_t,
                                 sd_b, sd_h, sd_t, H, T, S, DV, fold, L: tl.constexpr, BS: tl.constexpr,
                                 BDV: tl.constexpr, HARD: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
-        """DVAL (B, H, T, DV) float32 with strides sd_*: written row by row for hard (each row by the tile of its
-        code), added into (zeroed) for soft; DWTS (BH, T, S) float32, soft only."""
+        """DVAL (B, H, T, DV) with strides sd_*: written row by row for hard (each row once, by the tile of its
+        code, in the values' dtype), added into (zeroed, float32) for soft; DWTS (BH, T, S) float32, soft only."""
         bh = tl.program_id(1)
         nb = tl.cdiv(T, L)
         codes, present, tile_mask, offsets = _code_tile_layout(S, DV, BS, BDV)
@@ -117,7 +117,7 @@ if triton is not None:
             value_offsets = (bh // H) * sd_b + (bh % H) * sd_h + rows[:, None] * sd_t + dv[None, :]
             if HARD:
                 held = tl.sum(w, 1) > 0  # this tile holds the row's code
-                tl.store(DVAL + value_offsets, d_values, mask=row_mask & held[:, None])
+                tl.store(DVAL + value_offsets, d_values.to(DVAL.dtype.element_ty), mask=row_mask & held[:, None])
             else:
                 tl.atomic_add(DVAL + value_offsets, d_values, mask=row_mask)
                 v = _load_rows(V, sv_b, sv_h, sv_t, bh // H, bh % H, rows, T, DV, BDV, DOT)
@@ -196,9 +196,8 @@ class BlockCaches(torch.autograd.Function):
                     ((d_cache_n, (B, H, nb, S)), (d_cache_c, (B, H, nb, S, DV)), (d_fold_n, (B, H, S)),
                      (d_fold_c, (B, H, S, DV)))]
         d_n0, d_c0 = torch.empty(B, H, S, **f32), torch.empty(B, H, S, DV, **f32)
-        d_values = empty_like_order(v, dtype=torch.float32)  # in v's memory order (common/layout.py)
-        if not hard:
-            d_values.zero_()
+        # in v's memory order (common/layout.py); soft rows add up over the code tiles, in float32
+        d_values = empty_like_order(v) if hard else empty_like_order(v, dtype=torch.float32).zero_()
         d_weights = d_values if hard else torch.empty(B, H, T, S, **f32)
         _prefix_backward_kernel[ctx.grid](idx, wts, v, *grads_in, d_n0, d_c0, d_values, d_weights, v.stride(0),
                                           v.stride(1), v.stride(2), d_values.stride(0), d_values.stride(1),
