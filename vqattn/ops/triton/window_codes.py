@@ -293,7 +293,8 @@ class FusedWindowCodes(torch.autograd.Function):
         cnt = counts.contiguous() if has_codes else qw
         sm = sums.contiguous() if has_codes else qw
         bias = code_bias.float().contiguous() if code_bias is not None else qw
-        out = torch.empty(B, H, T, DV, device=v.device, dtype=v.dtype)
+        # in v's memory order, token-major in a layer: its (B, T, H·Dv) reshape for the output projection is a view
+        out = empty_like_order(v)
         lse = torch.empty(B * H, T, device=qw.device, dtype=torch.float32)
         dot, prec = _dot_dtype(qw.dtype)
         meta = dict(L=L, BD=_width(D), BDC=_width(DC), BDV=_width(DV), BS=CODE_TILE, HAS_CODES=has_codes,
