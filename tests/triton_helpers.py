@@ -26,6 +26,16 @@ def on_kernel_device(fn):
     return run
 
 
+def triton_marked(forms):
+    """The names of ``forms`` as parameters, the form "triton" skipped where its kernels cannot run."""
+    return [pytest.param(f, marks=needs_triton) if f == "triton" else f for f in forms]
+
+
+def as_form_runs(op, form: str):
+    """op as ``form`` runs it: the Triton form on DEVICE (:func:`on_kernel_device`), every other form as it is."""
+    return on_kernel_device(op) if form == "triton" else op
+
+
 @pytest.fixture
 def nan_empty(monkeypatch):
     """torch.empty filled with NaN, so that a kernel that leaves part of a buffer unwritten shows up."""

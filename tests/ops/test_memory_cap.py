@@ -9,7 +9,7 @@ from vqattn.functional import vq_attention
 from vqattn.ops.blocks import Schedule
 
 from references import ref_vq_attention
-from triton_helpers import DEVICE, needs_triton, on_kernel_device
+from triton_helpers import DEVICE, as_form_runs, triton_marked
 
 F64 = torch.float64
 L, CAP = 16, 40  # the bias starts at block 4 (n = 48 > 40 keys before the window)
@@ -44,15 +44,6 @@ def relative_errors(got, ref):
     return [((a - b).abs().max() / b.abs().max().clamp(min=1)).item() for a, b in zip(got, ref) if a is not None]
 
 
-def triton_marked(forms):
-    return [pytest.param(f, marks=needs_triton) if f == "triton" else f for f in forms]
-
-
-def form_op(op, form):
-    """op as ``form`` runs it: the Triton kernels on DEVICE."""
-    return on_kernel_device(op) if form == "triton" else op
-
-
 @pytest.mark.parametrize("form", triton_marked(FORMS))
 @pytest.mark.parametrize("assign,exact_window", CASES)
 def test_every_form_matches_the_reference(form, assign, exact_window):
@@ -61,7 +52,7 @@ def test_every_form_matches_the_reference(form, assign, exact_window):
     kw = dict(causal=True, assign=assign, block_len=L, exact_window=exact_window, memory_cap=CAP)
     if not exact_window:
         tensors = {**tensors, "q_rot": None, "k_rot": None}
-    got = run(form_op(lambda **t: vq_attention(**t, **kw, **FORMS[form]), form), tensors, grad, exact_window)
+    got = run(as_form_runs(lambda **t: vq_attention(**t, **kw, **FORMS[form]), form), tensors, grad, exact_window)
     ref = run(lambda **t: ref_vq_attention(**{n: x.double() for n, x in t.items()}, causal=True, assign=assign,
                                            block_len=L, exact_window=exact_window, memory_cap=CAP),
               tensors, grad, exact_window)
@@ -145,7 +136,7 @@ def test_every_ovq_form_matches_the_definition(form, given):
     def run_ovq(name, forms):
         leaves = {n: x.detach().clone().requires_grad_() for n, x in tensors.items()}
         op = chunk_ovq_attention if "schedule" in forms else ovq_attention
-        out = form_op(lambda **t: op(**t, **kw, **forms), name)(**leaves)
+        out = as_form_runs(lambda **t: op(**t, **kw, **forms), name)(**leaves)
         out.backward(grad.to(out.dtype))
         return [out.detach().double()] + [leaves[n].grad.double() for n in sorted(leaves)]
 

@@ -17,7 +17,7 @@ from vqattn.ops.ovq import chunk_ovq_attention, ovq_attention
 from vqattn.ops.ovq.memory import online_slots
 from vqattn.ops.ovq.naive import naive_online_slots
 
-from triton_helpers import DEVICE, needs_triton, on_kernel_device
+from triton_helpers import DEVICE, as_form_runs, needs_triton, triton_marked
 
 F64 = torch.float64
 B, H, D, S, L, CAP = 1, 2, 16, 6, 16, 40
@@ -81,7 +81,7 @@ def test_the_definition_is_the_decayed_sum(gamma):
     torch.testing.assert_close(got, direct_decayed(q, k, v, slots, gamma, CAP), rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("form", [pytest.param(f, marks=needs_triton) if f == "triton" else f for f in FORMS])
+@pytest.mark.parametrize("form", triton_marked(FORMS))
 @pytest.mark.parametrize("given", ["online", "weights"])
 @pytest.mark.parametrize("gamma", [SLOW, FAST])
 def test_every_form_matches_the_definition(form, given, gamma):
@@ -91,8 +91,7 @@ def test_every_form_matches_the_definition(form, given, gamma):
     kw = dict(num_slots=S, block_len=L, memory_cap=CAP, memory_decay=gamma,
               threshold=None if given == "weights" else 1.1)
     op = chunk_ovq_attention if "schedule" in FORMS[form] else ovq_attention
-    run = lambda **t: op(**t, **kw, **FORMS[form])  # noqa: E731
-    got = outputs_and_grads(on_kernel_device(run) if form == "triton" else run, tensors, grad)
+    got = outputs_and_grads(as_form_runs(lambda **t: op(**t, **kw, **FORMS[form]), form), tensors, grad)
     ref = outputs_and_grads(lambda **t: ovq_attention(**{n: x.double() for n, x in t.items()}, **kw, impl="naive"),
                             tensors, grad)
     forgetless = ovq_attention(**{n: x.double() for n, x in tensors.items()}, **{**kw, "memory_decay": None},
