@@ -56,3 +56,23 @@ def test_ratios_are_medians_of_per_round_ratios(layer_speed):
     summary = layer_speed.summarise(rounds, "softmax")
     assert summary["vq_hard"]["ratio"] == 3.0 and summary["vq_hard"]["ms"] == 5.0
     assert summary["vq_hard"]["peak_mb"] == 3.0 and summary["softmax"]["ratio"] == 1.0
+
+
+@pytest.mark.slow
+def test_kernel_resources_of_a_layer_compile_for_a_gpu_here(monkeypatch, capsys):
+    """kernel_resources.py records a vq_hard layer's launches under the interpreter and compiles each for sm_90 with
+    Triton's ptxas, on this GPU-less machine. The layer's code scores have Dc = 30 (its slow RoPE pairs): padded to
+    32, the window-code kernels load and store every half row vectorised."""
+    pytest.importorskip("triton")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import kernel_resources
+
+    kernel_resources.main(["--what", "layer", "--method", "vq_hard", "--length", "64", "--dim", "128", "--heads", "2",
+                           "--num-codes", "64"])
+    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()[2:]}
+    assert {"_rotation_kernel", "_nearest_kernel", "_prefix_kernel", "_forward_kernel", "_backward_kernel",
+            "_prefix_backward_kernel"} <= set(rows)
+    for kernel in ("_forward_kernel", "_backward_kernel"):
+        warps, stages, regs, spill, shared, loads_b16, stores_b16 = rows[kernel][:7]
+        assert 0 < int(regs) <= 255 and int(warps) == 4
+        assert (int(loads_b16), int(stores_b16)) == (0, 0)

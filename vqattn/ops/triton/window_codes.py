@@ -23,6 +23,7 @@ accumulates in float32, and float32 inputs multiply in IEEE float32 (no TF32).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..common.layout import empty_like_order
 from . import INTERPRET, triton
@@ -34,6 +35,10 @@ if triton is not None:
 CODE_TILE = 64
 # The largest feature width a program holds in registers.
 MAX_DIM = 256
+# Code dims are zero-padded to a multiple of this many elements (32 bytes of a half type): rows whose width and
+# stride are not let Triton load and store them only one element per instruction, and keep them out of the
+# asynchronous copies that pipeline the code tiles. A layer's slow-pair code scores have Dc = 30.
+CODE_DIM_ALIGN = 16
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -355,4 +360,7 @@ def fused_window_code_attention(qw, kw, v, *, scale: float, block_len: int, qc=N
     """
     if codebook is not None and qc is None:
         qc = qw
+    if codebook is not None and qc.shape[-1] % CODE_DIM_ALIGN:  # zero dims add nothing to q·c; their gradient drops
+        pad = (0, -qc.shape[-1] % CODE_DIM_ALIGN)
+        qc, codebook = F.pad(qc, pad), F.pad(codebook, pad)
     return FusedWindowCodes.apply(qw, kw, v, qc, codebook, counts, sums, code_bias, scale, block_len)
