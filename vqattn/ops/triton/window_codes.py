@@ -270,6 +270,12 @@ def _strides(x: torch.Tensor) -> tuple[int, int, int]:
     return x.stride(0), x.stride(1), x.stride(2)
 
 
+def _aligned_code_dims(x: torch.Tensor) -> torch.Tensor:
+    """x (..., Dc) zero-padded to a multiple of ``CODE_DIM_ALIGN`` dims: zeros add nothing to q·c, and the padded
+    dims' gradients are dropped (sliced off as views)."""
+    return F.pad(x, (0, -x.shape[-1] % CODE_DIM_ALIGN)) if x.shape[-1] % CODE_DIM_ALIGN else x
+
+
 def _dot_dtype(dtype: torch.dtype):
     """The products' operand type: float32 under the interpreter (its half-precision products are wrong)."""
     if INTERPRET or dtype == torch.float32:
@@ -293,8 +299,8 @@ class FusedWindowCodes(torch.autograd.Function):
         S, DC = codebook.shape[-2:] if has_codes else (0, 0)
         DV = v.shape[-1]
         qw, kw, v = _unit_last(qw), _unit_last(kw), _unit_last(v)
-        qc = _unit_last(qc) if has_codes else qw
-        cb = codebook.contiguous() if has_codes else qw
+        qc = _aligned_code_dims(_unit_last(qc)) if has_codes else qw
+        cb = _aligned_code_dims(codebook).contiguous() if has_codes else qw
         cnt = counts.contiguous() if has_codes else qw
         sm = sums.contiguous() if has_codes else qw
         bias = code_bias.float().contiguous() if code_bias is not None else qw
@@ -302,6 +308,7 @@ class FusedWindowCodes(torch.autograd.Function):
         out = empty_like_order(v)
         lse = torch.empty(B * H, T, device=qw.device, dtype=torch.float32)
         dot, prec = _dot_dtype(qw.dtype)
+        ctx.code_dims, DC = DC, cb.shape[-1] if has_codes else 0  # the kernels see the padded width
         meta = dict(L=L, BD=_width(D), BDC=_width(DC), BDV=_width(DV), BS=CODE_TILE, HAS_CODES=has_codes,
                     PER_BLOCK=has_codes and codebook.dim() == 5, HAS_BIAS=has_codes and code_bias is not None,
                     DOT=dot, PREC=prec)
@@ -341,6 +348,7 @@ class FusedWindowCodes(torch.autograd.Function):
                 dcb = dcb.view(B, H, nb, S, DC)
                 grads[4] = dcb if ctx.meta["PER_BLOCK"] else dcb.sum((0, 2))
             grads[3], grads[5:7] = dqc, [dcnt.view(B, H, nb, S), dsum.view(B, H, nb, S, DV)]
+            grads[3:5] = [None if g is None else g[..., :ctx.code_dims] for g in grads[3:5]]  # views: no copy
         return (*(None if g is None else g.to(x.dtype) for g, x in zip(grads, (qw, kw, v, qc, cb, cnt, sm))),
                 None, None, None)
 
@@ -360,7 +368,4 @@ def fused_window_code_attention(qw, kw, v, *, scale: float, block_len: int, qc=N
     """
     if codebook is not None and qc is None:
         qc = qw
-    if codebook is not None and qc.shape[-1] % CODE_DIM_ALIGN:  # zero dims add nothing to q·c; their gradient drops
-        pad = (0, -qc.shape[-1] % CODE_DIM_ALIGN)
-        qc, codebook = F.pad(qc, pad), F.pad(codebook, pad)
     return FusedWindowCodes.apply(qw, kw, v, qc, codebook, counts, sums, code_bias, scale, block_len)
