@@ -71,7 +71,7 @@ stage profile_soft 30 python benchmarks/kernel_profile.py --what op --method vq_
 # the window-code kernel's launch settings at the layers' and the op's input layouts, then the vq_hard layer under each
 # backward setting: one process per row (a setting that faults the GPU ends its process)
 stage launch_layer 150 python benchmarks/kernel_launch.py --layouts layer --layers vq_hard
-stage launch_layouts 200 python benchmarks/kernel_launch.py --layouts layer_padded layer_contiguous op
+stage launch_layouts 200 python benchmarks/kernel_launch.py --layouts layer_contiguous op
 stage profile_window 20 python benchmarks/kernel_profile.py --what layer --method window --batch 8 --length 8192
 stage profile_op 20 python benchmarks/kernel_profile.py --what op --method vq_hard_rope --batch 8 --length 8192
 stage tests_ovq 90 python -m pytest -o addopts="" -q -p no:cacheprovider tests/ops/test_triton_ovq.py

@@ -4,8 +4,7 @@ Times the kernel (``vqattn/ops/triton/window_codes.py``) forward alone and forwa
 setting (warps, pipeline stages) of the backward and the forward, at these input layouts:
 
 * ``layer``: what the vq layers hand it: q, k and v views of one projection, the output's gradient a transposed
-  view, the code scores on the slow RoPE pairs (Dc = 30), the memory bound's bias;
-* ``layer_padded``: the same with the code dims zero-padded to 32 (q·c unchanged), so that a row is 64 bytes;
+  view, the code scores on the slow RoPE pairs (Dc = 30, which the kernel pads to 32), the memory bound's bias;
 * ``layer_contiguous``: contiguous inputs at the layer's Dc;
 * ``op``: the op table's, contiguous, Dc = D.
 
@@ -25,12 +24,11 @@ import subprocess
 import sys
 
 import torch
-import torch.nn.functional as F
 from layer_speed import build
 
 from vqattn.ops.triton import window_codes
 
-LAYOUTS = ("layer", "layer_padded", "layer_contiguous", "op")
+LAYOUTS = ("layer", "layer_contiguous", "op")
 SETTINGS = [(4, 3), (4, 1), (8, 1), (4, 2), (8, 2), (8, 3)]  # (num_warps, num_stages), the defaults first
 CHILD_TIMEOUT_S = 120
 
@@ -60,8 +58,6 @@ def kernel_inputs(layout: str, B: int, T: int, H: int, S: int, L: int, device: s
         q, k, v = torch.randn(B, T, 3, H, D, **bf16).permute(2, 0, 3, 1, 4).unbind(0)
         grad = torch.randn(B, T, H, D, **bf16).transpose(1, 2)
     qc, codebook = q[..., :dc].contiguous(), torch.randn(H, S, dc, **bf16)
-    if layout == "layer_padded":
-        qc, codebook = F.pad(qc, (0, 32 - dc)), F.pad(codebook, (0, 32 - dc))
     counts = torch.randint(0, 40, (B, H, nb, S), device=device).float()
     sums = torch.randn(B, H, nb, S, D, **bf16)
     bias = -torch.rand(nb, device=device) if layout != "op" else None

@@ -8,12 +8,12 @@ Query i of block b = i // L scores (per batch·head, scale σ)
 with one running max, as flash attention does, so neither the (T, T) nor the (T, S) logits reach memory. n_b (S,) and
 C_b (S, Dv) are every block's cache counts and value sums, formed beforehand by a per-block prefix (the state of
 fla's chunk kernels), and β_b the block's memory bias (``memory_cap``'s log min(1, M / n_b), or 0); window attention
-is the same kernel without codes. The forward kernel stores out and the per-query logsumexp; the backward kernel
-recomputes the probabilities from it and writes, per block, the gradients of its queries, of its keys and values (as
-window keys, read by its own query block and the next: the program recomputes the next block's (L, L) tile, as flash
-attention's backward walks a key block's queries, so that each gradient is written once and no two programs add into
-one place), of the codebook (summed afterwards), and of its cache (dn_b, dC_b), which autograd then carries back
-through the prefix to the values and the assignment.
+is the same kernel without codes. The forward kernel stores out and the per-query logsumexp; a small kernel forms
+Δ_i = dO_i·out_i, and the backward kernel recomputes the probabilities from the logsumexp and writes, per block, the
+gradients of its queries, of its keys and values (as window keys, read by its own query block and the next: the
+program recomputes the next block's (L, L) tile, as flash attention's backward walks a key block's queries, so that
+each gradient is written once and no two programs add into one place), of the codebook (summed afterwards), and of
+its cache (dn_b, dC_b), which autograd then carries back through the prefix to the values and the assignment.
 
 One program per (query block, batch·head). Loads are cast to ``DOT`` (the input's half type on a GPU, so the
 products run on tensor cores; float32 under the interpreter, whose half-precision products are wrong), every product
@@ -163,15 +163,28 @@ if triton is not None:
         tl.store(LSE + bh * T + rows, m + tl.log(z), mask=rows < T)
 
     @triton.jit
-    def _query_block(QW, DO, O, LSE, sqw_b, sqw_h, sqw_t, sdo_b, sdo_h, sdo_t, so_b, so_h, so_t, b, h, bh, rows, T,
-                     D, DV, BD: tl.constexpr, BDV: tl.constexpr, DOT: tl.constexpr):
+    def _delta_kernel(O, DO, DELTA, so_b, so_h, so_t, sdo_b, sdo_h, sdo_t, H, T, DV, L: tl.constexpr,
+                      BDV: tl.constexpr):
+        """Δ_i = dO_i·out_i (B·H, T) in float32, once per query, before the backward kernel (flash attention's
+        preprocessing): its programs read Δ of two query blocks each, and would otherwise hold both blocks'
+        outputs in float32 registers (ptxas spilled them)."""
+        blk, bh = tl.program_id(0), tl.program_id(1)
+        b, h = bh // H, bh % H
+        rows = blk * L + tl.arange(0, L)
+        do = _load_rows(DO, sdo_b, sdo_h, sdo_t, b, h, rows, T, DV, BDV, tl.float32)
+        out = _load_rows(O, so_b, so_h, so_t, b, h, rows, T, DV, BDV, tl.float32)
+        tl.store(DELTA + bh * T + rows, tl.sum(do * out, 1), mask=rows < T)
+
+    @triton.jit
+    def _query_block(QW, DO, LSE, DELTA, sqw_b, sqw_h, sqw_t, sdo_b, sdo_h, sdo_t, b, h, bh, rows, T, D, DV,
+                     BD: tl.constexpr, BDV: tl.constexpr, DOT: tl.constexpr):
         """What the backward pass reads of the query rows ``rows``: their window queries and output gradients as
         DOT, their logsumexp and Δ_i = dO_i·out_i (zeros past T)."""
         qw = _load_rows(QW, sqw_b, sqw_h, sqw_t, b, h, rows, T, D, BD, DOT)
-        do = _load_rows(DO, sdo_b, sdo_h, sdo_t, b, h, rows, T, DV, BDV, tl.float32)
-        out = _load_rows(O, so_b, so_h, so_t, b, h, rows, T, DV, BDV, tl.float32)
+        do = _load_rows(DO, sdo_b, sdo_h, sdo_t, b, h, rows, T, DV, BDV, DOT)
         lse = tl.load(LSE + bh * T + rows, mask=rows < T, other=0.0)
-        return qw, do.to(DOT), lse, tl.sum(do * out, 1)
+        delta = tl.load(DELTA + bh * T + rows, mask=rows < T, other=0.0)
+        return qw, do, lse, delta
 
     @triton.jit
     def _window_grads(qw, kw, v, do, lse, delta, rows, cols, T, scale, DOT: tl.constexpr, PREC: tl.constexpr):
@@ -182,10 +195,10 @@ if triton is not None:
         return p.to(DOT), ds.to(DOT)
 
     @triton.jit
-    def _backward_kernel(QW, KW, V, QC, CB, CNT, SUM, BIAS, O, DO, LSE,
+    def _backward_kernel(QW, KW, V, QC, CB, CNT, SUM, BIAS, DO, LSE, DELTA,
                          DQW, DKW, DV_, DQC, DCB, DCNT, DSUM,
                          sqw_b, sqw_h, sqw_t, skw_b, skw_h, skw_t, sv_b, sv_h, sv_t, sqc_b, sqc_h, sqc_t,
-                         so_b, so_h, so_t, sdo_b, sdo_h, sdo_t, sdqw_b, sdqw_h, sdqw_t, sdkw_b, sdkw_h, sdkw_t,
+                         sdo_b, sdo_h, sdo_t, sdqw_b, sdqw_h, sdqw_t, sdkw_b, sdkw_h, sdkw_t,
                          sdv_b, sdv_h, sdv_t, sdqc_b, sdqc_h, sdqc_t,
                          H, T, S, D, DC, DV, scale,
                          L: tl.constexpr, BD: tl.constexpr, BDC: tl.constexpr, BDV: tl.constexpr,
@@ -201,8 +214,8 @@ if triton is not None:
         b, h = bh // H, bh % H
         nb = tl.cdiv(T, L)
         rows = blk * L + tl.arange(0, L)
-        qw, do_dot, lse, delta = _query_block(QW, DO, O, LSE, sqw_b, sqw_h, sqw_t, sdo_b, sdo_h, sdo_t, so_b, so_h,
-                                              so_t, b, h, bh, rows, T, D, DV, BD, BDV, DOT)
+        qw, do_dot, lse, delta = _query_block(QW, DO, LSE, DELTA, sqw_b, sqw_h, sqw_t, sdo_b, sdo_h, sdo_t, b, h,
+                                              bh, rows, T, D, DV, BD, BDV, DOT)
         # the previous key block: its share of dq (its own dk and dv are the previous program's)
         cols = rows - L
         kw = _load_rows(KW, skw_b, skw_h, skw_t, b, h, cols, T, D, BD, DOT)
@@ -219,8 +232,8 @@ if triton is not None:
         _store_rows(DQW, sdqw_b, sdqw_h, sdqw_t, b, h, rows, T, D, dqw, BD)  # DQW, DQC: of q's dtypes
         # ... and from the next query block (absent past the last block: zero rows add nothing)
         next_rows = rows + L
-        qn, do_n, lse_n, delta_n = _query_block(QW, DO, O, LSE, sqw_b, sqw_h, sqw_t, sdo_b, sdo_h, sdo_t, so_b,
-                                                so_h, so_t, b, h, bh, next_rows, T, D, DV, BD, BDV, DOT)
+        qn, do_n, lse_n, delta_n = _query_block(QW, DO, LSE, DELTA, sqw_b, sqw_h, sqw_t, sdo_b, sdo_h, sdo_t, b, h,
+                                                bh, next_rows, T, D, DV, BD, BDV, DOT)
         p, ds = _window_grads(qn, kw, v, do_n, lse_n, delta_n, next_rows, rows, T, scale, DOT, PREC)
         dk += tl.dot(tl.trans(ds), qn, input_precision=PREC)
         dv += tl.dot(tl.trans(p), do_n, input_precision=PREC)
@@ -337,9 +350,12 @@ class FusedWindowCodes(torch.autograd.Function):
         dcb = torch.empty(B * H, nb, S, DC, **f32) if codebook_grad else dqw
         dcnt = torch.empty(B * H, nb, S, **f32) if ctx.has_codes else dqw
         dsum = torch.empty(B * H, nb, S, DV, device=qw.device, dtype=sm.dtype) if ctx.has_codes else dqw
+        delta = torch.empty(B * H, T, **f32)
+        _delta_kernel[(nb, B * H)](out, grad_out, delta, *_strides(out), *_strides(grad_out), H, T, DV, L=L,
+                                   BDV=ctx.meta["BDV"])
         _backward_kernel[(nb, B * H)](
-            qw, kw, v, qc, cb, cnt, sm, bias, out, grad_out, lse, dqw, dkw, dv, dqc, dcb, dcnt, dsum,
-            *_strides(qw), *_strides(kw), *_strides(v), *_strides(qc), *_strides(out), *_strides(grad_out),
+            qw, kw, v, qc, cb, cnt, sm, bias, grad_out, lse, delta, dqw, dkw, dv, dqc, dcb, dcnt, dsum,
+            *_strides(qw), *_strides(kw), *_strides(v), *_strides(qc), *_strides(grad_out),
             *_strides(dqw), *_strides(dkw), *_strides(dv), *_strides(dqc), H, T, S, D, DC, DV, ctx.scale,
             CODEBOOK_GRAD=codebook_grad, **ctx.meta, **BACKWARD_LAUNCH)
         grads = [dqw, dkw, dv, None, None, None, None]
