@@ -67,6 +67,20 @@ if triton is not None:
         tl.store(C + row * S * DV + offsets, sums.to(C.dtype.element_ty), mask=tile_mask & mask[:, None])
 
     @triton.jit
+    def _prefix_step(IDX, WTS, V, NB, CB, n, sums, blk, bh, nb, sv_b, sv_h, sv_t, H, T, S, DV, codes, present,
+                     tile_mask, offsets, L: tl.constexpr, BS: tl.constexpr, BDV: tl.constexpr, HARD: tl.constexpr,
+                     DOT: tl.constexpr, PREC: tl.constexpr):
+        """Block blk of the walk: n, sums (the keys of blocks ≤ blk − 2) stored as its cache (a mask, not a branch,
+        for blk = nb: a straight loop body lets the compiler prefetch the next block's keys while this one is
+        summed), then block blk − 1's statistics added (none for blk = 0); returns the new n, sums."""
+        blocks = blk + tl.zeros([BS], tl.int32)  # the block index as a vector: masks of one type
+        _store_cache(NB, CB, bh * nb + blk, S, DV, codes, offsets, n, sums, present & (blocks < nb), tile_mask)
+        rows = (blk - 1) * L + tl.arange(0, L)
+        w = _assignment_tile(IDX, WTS, bh, rows, codes, T, S, HARD)
+        v = _load_rows(V, sv_b, sv_h, sv_t, bh // H, bh % H, rows, T, DV, BDV, DOT)
+        return n + tl.sum(w, 0), sums + tl.dot(tl.trans(w.to(DOT)), v, input_precision=PREC)
+
+    @triton.jit
     def _prefix_kernel(IDX, WTS, V, N0, C0, NB, CB, NF, CF, sv_b, sv_h, sv_t, H, T, S, DV, fold,
                        L: tl.constexpr, BS: tl.constexpr, BDV: tl.constexpr, HARD: tl.constexpr,
                        DOT: tl.constexpr, PREC: tl.constexpr):
@@ -74,18 +88,44 @@ if triton is not None:
         nb = tl.cdiv(T, L)
         codes, present, tile_mask, offsets = _code_tile_layout(S, DV, BS, BDV)
         n, sums = _load_cache(N0, C0, bh, S, DV, codes, offsets, present, tile_mask)
-        # Masks instead of branches keep the loop body straight, so that the compiler can prefetch the next
-        # block's keys while this one is summed.
-        for blk in range(0, nb + 1):
-            blocks = blk + tl.zeros([BS], tl.int32)  # the block index as a vector: masks of one type
-            # n, sums: the keys of blocks ≤ blk − 2, block blk's cache
-            _store_cache(NB, CB, bh * nb + blk, S, DV, codes, offsets, n, sums, present & (blocks < nb), tile_mask)
-            rows = (blk - 1) * L + tl.arange(0, L)  # block blk − 1: none for blk = 0
-            w = _assignment_tile(IDX, WTS, bh, rows, codes, T, S, HARD)
+        # two walks, the state after the first ``fold`` blocks stored once between them
+        for blk in range(0, fold + 1):
+            n, sums = _prefix_step(IDX, WTS, V, NB, CB, n, sums, blk, bh, nb, sv_b, sv_h, sv_t, H, T, S, DV, codes,
+                                   present, tile_mask, offsets, L, BS, BDV, HARD, DOT, PREC)
+        _store_cache(NF, CF, bh, S, DV, codes, offsets, n, sums, present, tile_mask)
+        for blk in range(fold + 1, nb + 1):
+            n, sums = _prefix_step(IDX, WTS, V, NB, CB, n, sums, blk, bh, nb, sv_b, sv_h, sv_t, H, T, S, DV, codes,
+                                   present, tile_mask, offsets, L, BS, BDV, HARD, DOT, PREC)
+
+    @triton.jit
+    def _reverse_step(IDX, WTS, V, DNB, DCB, DVAL, DWTS, g_n, g_sums, blk, bh, nb, sv_b, sv_h, sv_t, sd_b, sd_h, sd_t,
+                      H, T, S, DV, codes, present, tile_mask, offsets, L: tl.constexpr, BS: tl.constexpr,
+                      BDV: tl.constexpr, HARD: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+        """Block blk of the reverse walk: adds the cache gradient of block blk + 2 (the last of those that hold
+        block blk's statistics; a mask, not a branch, as in the forward) to the running sums g of the cache
+        gradients, writes the block's value gradients (and the soft weights') from them, and returns g."""
+        blocks = blk + tl.zeros([BS], tl.int32)
+        d_n, d_sums = _load_cache(DNB, DCB, bh * nb + blk + 2, S, DV, codes, offsets, present & (blocks + 2 < nb),
+                                  tile_mask)
+        g_n += d_n
+        g_sums += d_sums
+        rows = blk * L + tl.arange(0, L)
+        w = _assignment_tile(IDX, WTS, bh, rows, codes, T, S, HARD)
+        # (L, BDV); a hard row selects one code's gradient, which rounds to DOT exactly as the result would
+        d_values = tl.dot(w.to(DOT), g_sums.to(DOT), input_precision=PREC)
+        dv = tl.arange(0, BDV)
+        row_mask = (rows[:, None] < T) & (dv[None, :] < DV)
+        value_offsets = (bh // H) * sd_b + (bh % H) * sd_h + rows[:, None] * sd_t + dv[None, :]
+        if HARD:
+            held = tl.sum(w, 1) > 0  # this tile holds the row's code
+            tl.store(DVAL + value_offsets, d_values.to(DVAL.dtype.element_ty), mask=row_mask & held[:, None])
+        else:
+            tl.atomic_add(DVAL + value_offsets, d_values, mask=row_mask)
             v = _load_rows(V, sv_b, sv_h, sv_t, bh // H, bh % H, rows, T, DV, BDV, DOT)
-            n += tl.sum(w, 0)
-            sums += tl.dot(tl.trans(w.to(DOT)), v, input_precision=PREC)
-            _store_cache(NF, CF, bh, S, DV, codes, offsets, n, sums, present & (blocks == fold), tile_mask)
+            d_w = tl.dot(v, tl.trans(g_sums.to(DOT)), input_precision=PREC) + g_n[None, :]
+            tl.store(DWTS + (bh * T + rows[:, None]) * S + codes[None, :], d_w,
+                     mask=(rows[:, None] < T) & present[None, :])
+        return g_n, g_sums
 
     @triton.jit
     def _prefix_backward_kernel(IDX, WTS, V, DNB, DCB, DNF, DCF, DN0, DC0, DVAL, DWTS, sv_b, sv_h, sv_t,
@@ -96,43 +136,26 @@ if triton is not None:
         bh = tl.program_id(1)
         nb = tl.cdiv(T, L)
         codes, present, tile_mask, offsets = _code_tile_layout(S, DV, BS, BDV)
-        dv = tl.arange(0, BDV)
         g_n = tl.zeros([BS], tl.float32)
         g_sums = tl.zeros([BS, BDV], tl.float32)
-        for back in range(0, nb):
-            blk = nb - 1 - back
-            # g: the gradient of block blk's statistics, the sum over the caches that hold them (masks, not
-            # branches, as in the forward): the caches of blocks ≥ blk + 2, and the state for blocks < fold
-            blocks = blk + tl.zeros([BS], tl.int32)
-            d_n, d_sums = _load_cache(DNB, DCB, bh * nb + blk + 2, S, DV, codes, offsets, present & (blocks + 2 < nb),
-                                      tile_mask)
-            f_n, f_sums = _load_cache(DNF, DCF, bh, S, DV, codes, offsets, present & (blocks == fold - 1), tile_mask)
-            g_n += d_n + f_n
-            g_sums += d_sums + f_sums
-            rows = blk * L + tl.arange(0, L)
-            w = _assignment_tile(IDX, WTS, bh, rows, codes, T, S, HARD)
-            # (L, BDV); a hard row selects one code's gradient, which rounds to DOT exactly as the result would
-            d_values = tl.dot(w.to(DOT), g_sums.to(DOT), input_precision=PREC)
-            row_mask = (rows[:, None] < T) & (dv[None, :] < DV)
-            value_offsets = (bh // H) * sd_b + (bh % H) * sd_h + rows[:, None] * sd_t + dv[None, :]
-            if HARD:
-                held = tl.sum(w, 1) > 0  # this tile holds the row's code
-                tl.store(DVAL + value_offsets, d_values.to(DVAL.dtype.element_ty), mask=row_mask & held[:, None])
-            else:
-                tl.atomic_add(DVAL + value_offsets, d_values, mask=row_mask)
-                v = _load_rows(V, sv_b, sv_h, sv_t, bh // H, bh % H, rows, T, DV, BDV, DOT)
-                d_w = tl.dot(v, tl.trans(g_sums.to(DOT)), input_precision=PREC) + g_n[None, :]
-                tl.store(DWTS + (bh * T + rows[:, None]) * S + codes[None, :], d_w,
-                         mask=(rows[:, None] < T) & present[None, :])
-        # the initial cache is in every block's cache, and in the state
+        # The gradient of block blk's statistics sums those of the caches of blocks ≥ blk + 2 and, for blocks
+        # < fold, the state's: two walks, the state's gradient read once between them (not a masked load per block)
+        for back in range(0, nb - fold):
+            g_n, g_sums = _reverse_step(IDX, WTS, V, DNB, DCB, DVAL, DWTS, g_n, g_sums, nb - 1 - back, bh, nb, sv_b,
+                                        sv_h, sv_t, sd_b, sd_h, sd_t, H, T, S, DV, codes, present, tile_mask,
+                                        offsets, L, BS, BDV, HARD, DOT, PREC)
+        f_n, f_sums = _load_cache(DNF, DCF, bh, S, DV, codes, offsets, present, tile_mask)
+        g_n += f_n
+        g_sums += f_sums
+        for back in range(nb - fold, nb):
+            g_n, g_sums = _reverse_step(IDX, WTS, V, DNB, DCB, DVAL, DWTS, g_n, g_sums, nb - 1 - back, bh, nb, sv_b,
+                                        sv_h, sv_t, sd_b, sd_h, sd_t, H, T, S, DV, codes, present, tile_mask,
+                                        offsets, L, BS, BDV, HARD, DOT, PREC)
+        # the initial cache is in every block's cache, and in the state (added above)
         for blk in range(0, tl.minimum(nb, 2)):
             d_n, d_sums = _load_cache(DNB, DCB, bh * nb + blk, S, DV, codes, offsets, present, tile_mask)
             g_n += d_n
             g_sums += d_sums
-        if fold == 0:
-            f_n, f_sums = _load_cache(DNF, DCF, bh, S, DV, codes, offsets, present, tile_mask)
-            g_n += f_n
-            g_sums += f_sums
         _store_cache(DN0, DC0, bh, S, DV, codes, offsets, g_n, g_sums, present, tile_mask)
 
 
