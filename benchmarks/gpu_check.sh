@@ -73,6 +73,7 @@ stage profile_soft 30 python benchmarks/kernel_profile.py --what op --method vq_
 stage launch_layer 150 python benchmarks/kernel_launch.py --layouts layer --layers vq_hard
 stage launch_layouts 200 python benchmarks/kernel_launch.py --layouts layer_contiguous op
 stage profile_window 20 python benchmarks/kernel_profile.py --what layer --method window --batch 8 --length 8192
+stage profile_window_op 20 python benchmarks/kernel_profile.py --what op --method window --batch 8 --length 8192
 stage profile_op 20 python benchmarks/kernel_profile.py --what op --method vq_hard_rope --batch 8 --length 8192
 stage tests_ovq 90 python -m pytest -o addopts="" -q -p no:cacheprovider tests/ops/test_triton_ovq.py
 stage layers_ovq_triton 120 $layers --lengths 8192 32768 --layers softmax ovq --impl triton
