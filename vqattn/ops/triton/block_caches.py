@@ -101,9 +101,10 @@ if triton is not None:
     def _reverse_step(IDX, WTS, V, DNB, DCB, DVAL, DWTS, g_n, g_sums, blk, bh, nb, sv_b, sv_h, sv_t, sd_b, sd_h, sd_t,
                       H, T, S, DV, codes, present, tile_mask, offsets, L: tl.constexpr, BS: tl.constexpr,
                       BDV: tl.constexpr, HARD: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
-        """Block blk of the reverse walk: adds the cache gradient of block blk + 2 (the last of those that hold
-        block blk's statistics; a mask, not a branch, as in the forward) to the running sums g of the cache
-        gradients, writes the block's value gradients (and the soft weights') from them, and returns g."""
+        """Block blk of the reverse walk: adds the gradient of block blk + 2's cache (a mask, not a branch, past
+        the last block, as in the forward) to the running sums g, which already hold the later caches', so that g
+        is the gradient of block blk's statistics; writes the block's value gradients (and the soft weights') from
+        g, and returns g."""
         blocks = blk + tl.zeros([BS], tl.int32)
         d_n, d_sums = _load_cache(DNB, DCB, bh * nb + blk + 2, S, DV, codes, offsets, present & (blocks + 2 < nb),
                                   tile_mask)
