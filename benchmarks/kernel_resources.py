@@ -37,6 +37,7 @@ def record(args, path: str) -> None:
     """Run one step under the interpreter with the GPU's kernel paths, pickling every launch to ``path``."""
     import triton.runtime.interpreter as interpreter
 
+    import vqattn.codebook as codebook
     import vqattn.ops.nonfinite as nonfinite
     import vqattn.ops.triton.finite as finite
     import vqattn.ops.triton.nearest as nearest
@@ -47,7 +48,8 @@ def record(args, path: str) -> None:
     # the kernels a CUDA tensor takes, and their half-precision products (the interpreter's own are float32)
     rotation.runs_rotation_kernel = lambda x: x.dim() == 4 and x.stride(-1) == 1 and x.dtype in rotation.SUPPORTED_DTYPES
     finite.runs_finite_kernel = nonfinite.runs_finite_kernel = lambda x: x.dtype in finite.SUPPORTED_DTYPES
-    nearest.runs_assignment_kernels = assign.runs_assignment_kernels = lambda k: k.dtype in nearest.SUPPORTED_DTYPES
+    assignment_kernels = lambda k: k.dtype in nearest.SUPPORTED_DTYPES  # noqa: E731
+    nearest.runs_assignment_kernels = assign.runs_assignment_kernels = codebook.runs_assignment_kernels = assignment_kernels
     window_codes.INTERPRET = False
 
     launches = {}

@@ -38,6 +38,7 @@ from .ops._checks import check_4d, check_choice, check_positive_int
 from .ops.common.layout import empty_like_order, memory_order
 from .ops.common.statistics import code_slots
 from .ops.precision import autocast_off
+from .ops.triton.nearest import code_residuals, runs_assignment_kernels
 from .ops.vq import Assignment, vq_assign
 from .ops.vq.assign import row_tiles
 
@@ -57,7 +58,8 @@ class _QuantisationLoss(torch.autograd.Function):
     the error accumulate in the codes' dtype (float32 or float64), and the keys' gradient, formed in it, is written
     in theirs and in their memory order (no float32 copy of the keys kept for the backward pass, nor a float32
     gradient cast afterwards; :mod:`~vqattn.ops.common.layout`). float32 keys take it in place, in the gathered
-    codes' memory."""
+    codes' memory. On a GPU the keys' gradient is one kernel's pass (:func:`~vqattn.ops.triton.nearest.code_residuals`)
+    instead of the gather, the subtraction and the scaling."""
 
     @staticmethod
     def forward(ctx, keys, codes, index, key_weight: float, code_weight: float):
@@ -90,7 +92,9 @@ class _QuantisationLoss(torch.autograd.Function):
         B, H, T, D = keys.shape
         scale = grad * (2 / keys.numel())
         grad_keys = grad_codes = None
-        if need_keys:
+        if need_keys and runs_assignment_kernels(keys):  # a GPU: one pass (the tensor scale read in the kernel)
+            grad_keys = code_residuals(keys, codes, index, scale * ctx.weights[0])
+        elif need_keys:
             nearest = codes.unsqueeze(0).expand(B, -1, -1, -1).gather(2, index.unsqueeze(-1).expand(B, H, T, D))
             nearest.sub_(keys)
             if nearest.dtype == keys.dtype:  # in place: no fresh memory

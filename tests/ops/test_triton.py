@@ -12,7 +12,7 @@ from vqattn.layers import build_attention
 from vqattn.ops.common.layout import memory_order
 from vqattn.ops.triton.block_caches import block_caches
 from vqattn.ops.triton.finite import nonfinite_rows
-from vqattn.ops.triton.nearest import nearest_codes
+from vqattn.ops.triton.nearest import code_residuals, nearest_codes
 from vqattn.ops.triton.rotation import rotate
 from vqattn.ops.triton.soft_assign import soft_weights
 from vqattn.ops.vq import naive_vq_attention, vq_assign, vq_attention
@@ -216,6 +216,43 @@ def test_nearest_codes(dtype, T):
     expected = torch.cdist(k.double(), codebook.double().unsqueeze(0)).argmin(-1)
     index = nearest_codes(k.to(DEVICE), codebook.to(DEVICE))
     assert index.dtype == torch.int64 and torch.equal(index.cpu(), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 100])
+def test_code_residuals(dtype, T):
+    """The commitment loss's keys' gradient a·(k − c_z) against float64, for keys seen through a (B, T, H, D) layout
+    (written back in it, in their dtype) and a scale a held in a tensor."""
+    g = torch.Generator().manual_seed(T)
+    k = torch.randn(B, T, H, D, generator=g).to(dtype).transpose(1, 2)
+    codebook, index = torch.randn(H, 80, D, generator=g), torch.randint(0, 80, (B, H, T), generator=g)
+    factor = torch.tensor(-0.3)
+    expected = factor.double() * (k.double() - codebook.double()[torch.arange(H)[:, None], index])
+    out = code_residuals(k.to(DEVICE), codebook.to(DEVICE), index.to(DEVICE), factor.to(DEVICE))
+    assert out.dtype == dtype and memory_order(out) == memory_order(k)
+    assert rel_rms(out.cpu().double(), expected) < (1e-7 if dtype == torch.float32 else 4e-3)
+
+
+def test_quantisation_loss_takes_the_residual_kernel_on_a_gpu(monkeypatch):
+    """The codebook's commitment loss, with the kernel path that CUDA keys take, gives bf16 keys (a strided view,
+    as a layer's) the gradient of its PyTorch form, in their memory order, to within the rounding to bf16 (which
+    Triton's interpreter truncates)."""
+    import vqattn.codebook as codebook_module
+
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(B, 70, 3, H, D, generator=g).to(torch.bfloat16)[:, :, 1].transpose(1, 2)
+    codes, index = torch.randn(H, 24, D, generator=g), torch.randint(0, 24, (B, H, 70), generator=g)
+
+    def keys_grad(kernel: bool):
+        monkeypatch.setattr(codebook_module, "runs_assignment_kernels", lambda k: kernel)
+        x = keys.to(DEVICE).requires_grad_() if kernel else keys.clone().requires_grad_()
+        loss = codebook_module.quantisation_loss(x, codes.to(x.device), index.to(x.device), key_weight=0.25)[0]
+        grad, = torch.autograd.grad(loss * 3, x)
+        return grad
+
+    got, want = keys_grad(True), keys_grad(False)
+    assert got.dtype == torch.bfloat16 and memory_order(got) == memory_order(keys)
+    torch.testing.assert_close(got.cpu().float(), want.float(), rtol=2**-7, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

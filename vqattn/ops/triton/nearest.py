@@ -1,5 +1,6 @@
 """The hard assignment in one kernel: every key's nearest code, z_j = argmax_s k_j·c_s − ‖c_s‖²/2 (the argmin of
-‖k_j − c_s‖², whose ‖k_j‖² is the same for every code).
+‖k_j − c_s‖², whose ‖k_j‖² is the same for every code); and, for the commitment loss's backward pass, the keys'
+residuals a·(k_j − c_{z_j}) in one pass.
 
 One program per (block of keys, batch·head) scores the codes a tile at a time and keeps a running maximum and its
 index, so the (T, S) scores, which PyTorch writes, reads back for the bias and reads again for the maximum, never
@@ -12,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from ..common.layout import empty_like_order
 from . import triton
-from .window_codes import MAX_DIM, SUPPORTED_DTYPES, _float32_precision, _load_rows, _unit_last, _width
+from .window_codes import MAX_DIM, SUPPORTED_DTYPES, _float32_precision, _load_rows, _store_rows, _unit_last, _width
 
 if triton is not None:
     import triton.language as tl
@@ -47,6 +49,19 @@ if triton is not None:
             best = tl.where(better, tile_best, best)
         tl.store(OUT + bh * T + rows, best_code.to(tl.int64), mask=rows < T)
 
+    @triton.jit
+    def _residual_kernel(K, C, IDX, FACTOR, OUT, sk_b, sk_h, sk_t, so_b, so_h, so_t, H, T, S, D, L: tl.constexpr,
+                         BD: tl.constexpr):
+        blk, bh = tl.program_id(0), tl.program_id(1)
+        b, h = bh // H, bh % H
+        rows = blk * L + tl.arange(0, L)
+        k = _load_rows(K, sk_b, sk_h, sk_t, b, h, rows, T, D, BD, tl.float32)
+        index = tl.load(IDX + bh * T + rows, mask=rows < T, other=0)
+        dims = tl.arange(0, BD)
+        c = tl.load(C + (h * S + index[:, None]) * D + dims[None, :], mask=(rows[:, None] < T) & (dims[None, :] < D),
+                    other=0.0)
+        _store_rows(OUT, so_b, so_h, so_t, b, h, rows, T, D, (k - c) * tl.load(FACTOR), BD)
+
 
 def runs_assignment_kernels(k: torch.Tensor) -> bool:
     """Whether the assignment of keys k takes a kernel (this one, or the soft assignment's): CUDA keys of a supported
@@ -67,3 +82,19 @@ def nearest_codes(k: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     _nearest_kernel[grid](k, codebook, index, k.stride(0), k.stride(1), k.stride(2), H, T, S, D, L=KEY_BLOCK,
                           BS=CODE_TILE, BD=_width(D), PREC=_float32_precision(k.dtype))
     return index
+
+
+@torch.compiler.disable  # a graph break: compiled graphs keep the PyTorch form, which inductor fuses
+def code_residuals(k: torch.Tensor, codebook: torch.Tensor, index: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """a·(k_j − c_{z_j}) for keys k (B, H, T, D) (float16, bfloat16 or float32), codebook (H, S, D), their codes'
+    index z (B, H, T) and a one-element tensor ``factor`` a (read by the kernel: no host synchronisation): the
+    commitment loss's keys' gradient, formed in float32 and written in k's dtype and memory order
+    (:mod:`..common.layout`) in one pass, where PyTorch gathers the codes into a float32 (B, H, T, D) tensor,
+    subtracts the keys and scales into a third."""
+    B, H, T, D = k.shape
+    out = empty_like_order(k)
+    k, codebook, index = _unit_last(k), codebook.float().contiguous(), index.contiguous()
+    _residual_kernel[(triton.cdiv(T, KEY_BLOCK), B * H)](
+        k, codebook, index, factor.float().reshape(1), out, k.stride(0), k.stride(1), k.stride(2), out.stride(0),
+        out.stride(1), out.stride(2), H, T, codebook.shape[1], D, L=KEY_BLOCK, BD=_width(D))
+    return out
