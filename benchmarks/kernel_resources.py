@@ -30,6 +30,8 @@ import tempfile
 
 import torch
 
+# the constexprs that tell the launches of one kernel apart in the table: tile widths and product types
+SHOWN_CONSTEXPRS = ("BDC", "BD", "BDV", "DOT", "BS", "L", "PREC", "EXACT_PREC")
 ACCESS = re.compile(r"\b((?:ld|st)\.global(?:\.\w+)*|cp\.async\.c[ag]\.shared\.global)")
 
 
@@ -153,7 +155,7 @@ def compile_and_measure(launches, arch: int) -> list[dict]:
             scalar_stores=sum(n for a, n in accesses.items() if a.startswith("st") and _element_wise(a)),
             vector_loads=sum(n for a, n in accesses.items() if ".v" in a and a.startswith("ld")),
             async_copies=sum(n for a, n in accesses.items() if a.startswith("cp.async")),
-            constexprs=", ".join(f"{k}={v}" for k, v in kwargs if k in ("BDC", "BD", "BDV", "DOT", "BS", "L")),
+            constexprs=", ".join(f"{k}={v}" for k, v in kwargs if k in SHOWN_CONSTEXPRS),
         ))
     return rows
 
