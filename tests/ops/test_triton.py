@@ -10,6 +10,7 @@ import torch
 
 from vqattn.layers import build_attention
 from vqattn.ops.common.layout import memory_order
+from vqattn.ops.triton import triton
 from vqattn.ops.triton.block_caches import block_caches
 from vqattn.ops.triton.finite import nonfinite_rows
 from vqattn.ops.triton.nearest import code_residuals, nearest_codes
@@ -216,6 +217,34 @@ def test_nearest_codes(dtype, T):
     expected = torch.cdist(k.double(), codebook.double().unsqueeze(0)).argmin(-1)
     index = nearest_codes(k.to(DEVICE), codebook.to(DEVICE))
     assert index.dtype == torch.int64 and torch.equal(index.cpu(), expected)
+
+
+if triton is not None:
+    import triton.language as tl
+
+    from vqattn.ops.triton.window_codes import _tf32_parts
+
+    @triton.jit
+    def _tf32_parts_kernel(X, HI, LO):
+        offsets = tl.arange(0, 1024)
+        hi, lo = _tf32_parts(tl.load(X + offsets))
+        tl.store(HI + offsets, hi)
+        tl.store(LO + offsets, lo)
+
+
+def test_tf32_parts_split_float32_into_two_tf32_values():
+    """_tf32_parts, which lets half keys multiply float32 codes in two exact TF32 products: hi and lo have no bits
+    below TF32's 10 mantissa bits (the tensor cores drop those), hi + lo is x to 2⁻²², and hi is x truncated."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1024, generator=g) * torch.logspace(-6, 6, 1024)
+    hi, lo = torch.empty_like(x).to(DEVICE), torch.empty_like(x).to(DEVICE)
+    _tf32_parts_kernel[(1,)](x.to(DEVICE), hi, lo)
+    hi, lo = hi.cpu(), lo.cpu()
+    low_bits = (1 << 13) - 1
+    assert not (hi.view(torch.int32) & low_bits).any() and not (lo.view(torch.int32) & low_bits).any()
+    assert torch.equal(hi.view(torch.int32), x.view(torch.int32) & ~low_bits)
+    error = (hi.double() + lo.double() - x.double()).abs() / x.double().abs()
+    assert error.max() <= 2.0**-22 and (lo != 0).float().mean() > 0.9
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -5,8 +5,9 @@ residuals a·(k_j − c_{z_j}) in one pass.
 One program per (block of keys, batch·head) scores the codes a tile at a time and keeps a running maximum and its
 index, so the (T, S) scores, which PyTorch writes, reads back for the bias and reads again for the maximum, never
 reach memory. Ties go to the first code, as ``torch.max`` and ``argmax`` break them. The scores are float32: IEEE
-products for float32 keys and under the interpreter, and on a GPU for half keys three TF32 products (float32's
-accuracy at tensor-core speed).
+products for float32 keys and under the interpreter, and on a GPU for half keys two TF32 products of exact operands,
+the keys with the codes' leading and trailing TF32 parts (about float32's accuracy at tensor-core speed;
+:func:`~vqattn.ops.triton.window_codes._dot_half_rows`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,16 @@ import torch
 
 from ..common.layout import empty_like_order
 from . import triton
-from .window_codes import MAX_DIM, SUPPORTED_DTYPES, _float32_precision, _load_rows, _store_rows, _unit_last, _width
+from .window_codes import (
+    MAX_DIM,
+    SUPPORTED_DTYPES,
+    _dot_half_rows,
+    _float32_products,
+    _load_rows,
+    _store_rows,
+    _unit_last,
+    _width,
+)
 
 if triton is not None:
     import triton.language as tl
@@ -28,7 +38,7 @@ if triton is not None:
 
     @triton.jit
     def _nearest_kernel(K, C, OUT, sk_b, sk_h, sk_t, H, T, S, D, L: tl.constexpr, BS: tl.constexpr,
-                        BD: tl.constexpr, PREC: tl.constexpr):
+                        BD: tl.constexpr, PREC: tl.constexpr, EXACT_PREC: tl.constexpr, HALF_ROWS: tl.constexpr):
         blk, bh = tl.program_id(0), tl.program_id(1)
         h = bh % H
         rows = blk * L + tl.arange(0, L)
@@ -41,7 +51,7 @@ if triton is not None:
             present = codes < S
             c = tl.load(C + (h * S + codes[:, None]) * D + dims[None, :],
                         mask=present[:, None] & (dims[None, :] < D), other=0.0).to(tl.float32)
-            scores = tl.dot(k, tl.trans(c), input_precision=PREC) - 0.5 * tl.sum(c * c, 1)[None, :]
+            scores = _dot_half_rows(k, c, HALF_ROWS, PREC, EXACT_PREC) - 0.5 * tl.sum(c * c, 1)[None, :]
             scores = tl.where(present[None, :], scores, float("-inf"))
             tile_best = tl.max(scores, 1)
             better = tile_best > best  # strictly: a tie keeps the earlier code
@@ -80,7 +90,7 @@ def nearest_codes(k: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     index = torch.empty(B, H, T, device=k.device, dtype=torch.int64)
     grid = (triton.cdiv(T, KEY_BLOCK), B * H)
     _nearest_kernel[grid](k, codebook, index, k.stride(0), k.stride(1), k.stride(2), H, T, S, D, L=KEY_BLOCK,
-                          BS=CODE_TILE, BD=_width(D), PREC=_float32_precision(k.dtype))
+                          BS=CODE_TILE, BD=_width(D), **_float32_products(k.dtype))
     return index
 
 

@@ -13,10 +13,10 @@ then multiplies the slots' counts n_s and key sums K_s by the forgetting factor 
 adds the block's keys to them (k̄_s = K_s / n_s). These are the masks of
 :func:`~vqattn.ops.ovq.memory.assign_block`, computed with the same products in the same order, so it chooses the
 same slots (on a GPU, up to the products' rounding). The products run in float32: IEEE for float32 keys and under
-the interpreter; for half keys on a GPU, on tensor cores, in three TF32 products against the slot means (float32's
-accuracy) and in one where both operands are exact in TF32 (the keys with each other, the one-hot rows with the
-keys). IEEE products run on the CUDA cores: about 4 M multiply-adds per block of 64 keys at S = 512, D = 64, in each
-program, which walks its blocks in sequence.
+the interpreter; for half keys on a GPU, on tensor cores, in two TF32 products against the slot means (their leading
+and trailing parts: about float32's accuracy) and in one where both operands are exact in TF32 (the keys with each
+other, the one-hot rows with the keys). IEEE products run on the CUDA cores: about 4 M multiply-adds per block of 64
+keys at S = 512, D = 64, in each program, which walks its blocks in sequence.
 
 The counts (B·H, S) and key sums (B·H, S, D) live in a float32 scratch copy of the memory before the keys, read and
 written in tiles of ``SLOT_TILE`` slots (a barrier between a block's writes and the next block's reads): S·D need
@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from . import triton
-from .window_codes import _float32_precision, _load_rows, _strides, _unit_last, _width
+from .window_codes import _dot_half_rows, _float32_products, _load_rows, _strides, _unit_last, _width
 
 if triton is not None:
     import triton.language as tl
@@ -51,7 +51,7 @@ if triton is not None:
 
     @triton.jit
     def _nearest_slot(keys, CNT, SUM, S, D, L: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
-                      PREC: tl.constexpr):
+                      PREC: tl.constexpr, EXACT_PREC: tl.constexpr, HALF_ROWS: tl.constexpr):
         """min_s ‖k̄_s‖² − 2 k̃·k̄_s over the occupied slots (+inf when none) and its slot, the lowest on a tie
         (L,)."""
         best = tl.full([L], float("inf"), tl.float32)
@@ -64,7 +64,7 @@ if triton is not None:
                            other=0.0)
             means = sums / tl.where(n > 0, n, 1.0)[:, None]
             centre_sq = tl.where(n > 0, tl.sum(means * means, 1), float("inf"))
-            score = centre_sq[None, :] - 2 * tl.dot(keys, tl.trans(means), input_precision=PREC)
+            score = centre_sq[None, :] - 2 * _dot_half_rows(keys, means, HALF_ROWS, PREC, EXACT_PREC)
             tile_best = tl.min(score, 1)
             tile_slot = tl.argmin(score, 1, tie_break_left=True).to(tl.int32) + s0
             better = tile_best < best  # strictly: an earlier tile keeps a tie
@@ -89,7 +89,7 @@ if triton is not None:
     @triton.jit
     def _online_slots_kernel(K, CNT, SUM, OUT, sk_b, sk_h, sk_t, H, T, S, D, threshold, decay,
                              L: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr,
-                             EXACT_PREC: tl.constexpr):
+                             EXACT_PREC: tl.constexpr, HALF_ROWS: tl.constexpr):
         bh = tl.program_id(0)
         b, h = bh // H, bh % H
         CNT += bh * S
@@ -100,7 +100,7 @@ if triton is not None:
             rows = blk * L + local
             keys = _load_rows(K, sk_b, sk_h, sk_t, b, h, rows, T, D, BD, tl.float32)
             key_sq = tl.sum(keys * keys, 1)
-            old_score, old_slot = _nearest_slot(keys, CNT, SUM, S, D, L, BD, BS, PREC)
+            old_score, old_slot = _nearest_slot(keys, CNT, SUM, S, D, L, BD, BS, PREC, EXACT_PREC, HALF_ROWS)
             valid = rows < T
             # keys after T (a partial last block) open no slot: they would be centres for the keys before them
             novel = (((old_score + key_sq) > threshold * key_sq) | (m == 0)) & valid
@@ -122,13 +122,6 @@ if triton is not None:
             tl.debug_barrier()  # the next block reads the slots' statistics that this one wrote
 
 
-def _exact_precision(dtype: torch.dtype) -> str:
-    """The products of half-typed keys with each other or with one-hot rows: one TF32 product is exact there (a
-    float16 or bfloat16 value has at most TF32's 10 mantissa bits, and the sums accumulate in float32), so the
-    tensor cores take them in one pass; IEEE float32 for float32 keys and under the interpreter."""
-    return "tf32" if _float32_precision(dtype) == "tf32x3" else "ieee"
-
-
 @torch.compiler.disable  # a graph break: torch.compile runs the kernel as it is
 def fused_online_slots(memory_keys: torch.Tensor, counts: torch.Tensor, key_sums: torch.Tensor, L: int,
                        threshold: float, decay: float | None = None) -> torch.Tensor:
@@ -145,6 +138,5 @@ def fused_online_slots(memory_keys: torch.Tensor, counts: torch.Tensor, key_sums
     out = torch.empty(B, H, T, device=keys.device, dtype=torch.long)
     _online_slots_kernel[(B * H,)](keys, cnt, sums, out, *_strides(keys), H, T, S, D, float(threshold),
                                    1.0 if decay is None else float(decay), L=L,
-                                   BD=_width(D), BS=SLOT_TILE, PREC=_float32_precision(keys.dtype),
-                                   EXACT_PREC=_exact_precision(keys.dtype))
+                                   BD=_width(D), BS=SLOT_TILE, **_float32_products(keys.dtype))
     return out

@@ -16,7 +16,9 @@ tensor cores; its backward makes three more passes over (T, S) tensors and two m
   the keys) walking its key blocks, the slices' sums added atomically.
 
 Products of float32 operands take :func:`~vqattn.ops.triton.window_codes._float32_precision`'s precision (three TF32
-products beside half keys on a GPU, IEEE float32 otherwise); everything accumulates in float32.
+products beside half keys on a GPU, IEEE float32 otherwise); the keys' products with the codes and with the scores'
+gradient take two (:func:`~vqattn.ops.triton.window_codes._dot_half_rows`: half keys are exact in TF32, so only the
+other operand splits). Everything accumulates in float32.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 
 from ..common.layout import empty_like_order
 from . import triton
-from .window_codes import _float32_precision, _load_rows, _unit_last, _width
+from .window_codes import _dot_half_rows, _float32_products, _load_rows, _unit_last, _width
 
 if triton is not None:
     import triton.language as tl
@@ -39,13 +41,14 @@ KEY_SLICES = 16
 if triton is not None:
 
     @triton.jit
-    def _scores(k, C, h, codes, S, D, BD: tl.constexpr, PREC: tl.constexpr):
+    def _scores(k, C, h, codes, S, D, BD: tl.constexpr, PREC: tl.constexpr, EXACT_PREC: tl.constexpr,
+                HALF_ROWS: tl.constexpr):
         """(k·c_s − ‖c_s‖²/2) for the codes of one tile (−inf past S): k (L, BD) float32, C (H, S, D) float32."""
         dims = tl.arange(0, BD)
         present = codes < S
         c = tl.load(C + (h * S + codes[:, None]) * D + dims[None, :], mask=present[:, None] & (dims[None, :] < D),
                     other=0.0)
-        scores = tl.dot(k, tl.trans(c), input_precision=PREC) - 0.5 * tl.sum(c * c, 1)[None, :]
+        scores = _dot_half_rows(k, c, HALF_ROWS, PREC, EXACT_PREC) - 0.5 * tl.sum(c * c, 1)[None, :]
         return tl.where(present[None, :], scores, float("-inf")), c
 
     @triton.jit
@@ -55,7 +58,7 @@ if triton is not None:
 
     @triton.jit
     def _forward_kernel(K, C, TAU, P, sk_b, sk_h, sk_t, H, T, S, D, L: tl.constexpr, BS: tl.constexpr,
-                        BD: tl.constexpr, PREC: tl.constexpr):
+                        BD: tl.constexpr, PREC: tl.constexpr, EXACT_PREC: tl.constexpr, HALF_ROWS: tl.constexpr):
         blk, bh = tl.program_id(0), tl.program_id(1)
         h = bh % H
         rows = blk * L + tl.arange(0, L)
@@ -64,20 +67,20 @@ if triton is not None:
         row_max = tl.full([L], float("-inf"), tl.float32)
         row_sum = tl.zeros([L], tl.float32)
         for s0 in range(0, S, BS):
-            x = _scores(k, C, h, s0 + tl.arange(0, BS), S, D, BD, PREC)[0] * inv_tau
+            x = _scores(k, C, h, s0 + tl.arange(0, BS), S, D, BD, PREC, EXACT_PREC, HALF_ROWS)[0] * inv_tau
             new_max = tl.maximum(row_max, tl.max(x, 1))
             row_sum = row_sum * tl.exp(row_max - new_max) + tl.sum(tl.exp(x - new_max[:, None]), 1)
             row_max = new_max
         for s0 in range(0, S, BS):
             codes = s0 + tl.arange(0, BS)
-            x = _scores(k, C, h, codes, S, D, BD, PREC)[0] * inv_tau
+            x = _scores(k, C, h, codes, S, D, BD, PREC, EXACT_PREC, HALF_ROWS)[0] * inv_tau
             at, mask = _tile(bh, rows, codes, T, S)
             tl.store(P + at, tl.exp(x - row_max[:, None]) / row_sum[:, None], mask=mask)
 
     @triton.jit
     def _key_grad_kernel(K, C, TAU, P, G, DK, R, DTAU, sk_b, sk_h, sk_t, sd_b, sd_h, sd_t, H, T, S, D,
                          L: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
-                         TAU_GRAD: tl.constexpr):
+                         EXACT_PREC: tl.constexpr, HALF_ROWS: tl.constexpr, TAU_GRAD: tl.constexpr):
         blk, bh = tl.program_id(0), tl.program_id(1)
         h = bh % H
         rows = blk * L + tl.arange(0, L)
@@ -93,7 +96,7 @@ if triton is not None:
             codes = s0 + tl.arange(0, BS)
             at, mask = _tile(bh, rows, codes, T, S)
             ds = tl.load(P + at, mask=mask, other=0.0) * (tl.load(G + at, mask=mask, other=0.0) - r[:, None])
-            scores, c = _scores(k, C, h, codes, S, D, BD, PREC)
+            scores, c = _scores(k, C, h, codes, S, D, BD, PREC, EXACT_PREC, HALF_ROWS)
             dk += tl.dot(ds, c, input_precision=PREC)
             if TAU_GRAD:
                 ds_x += tl.sum(ds * tl.where(mask, scores, 0.0), 1)
@@ -106,11 +109,12 @@ if triton is not None:
 
     @triton.jit
     def _code_grad_kernel(K, C, TAU, P, G, R, DC, sk_b, sk_h, sk_t, H, T, S, D, num_blocks, blocks_per_slice,
-                          L: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr):
+                          L: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
+                          EXACT_PREC: tl.constexpr, HALF_ROWS: tl.constexpr):
         tile, h, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         codes = tile * BS + tl.arange(0, BS)
         dims = tl.arange(0, BD)
-        acc = tl.zeros([BS, BD], tl.float32)  # Σ_j ds_js k_j
+        acc = tl.zeros([BD, BS], tl.float32)  # Σ_j k_j ds_js, transposed: the keys are the exact operand
         ds_sum = tl.zeros([BS], tl.float32)  # Σ_j ds_js
         first = part * blocks_per_slice
         for i in range(first, tl.minimum(first + blocks_per_slice, num_blocks)):
@@ -121,12 +125,12 @@ if triton is not None:
             r = tl.load(R + bh * T + rows, mask=rows < T, other=0.0)
             ds = tl.load(P + at, mask=mask, other=0.0) * (tl.load(G + at, mask=mask, other=0.0) - r[:, None])
             k = _load_rows(K, sk_b, sk_h, sk_t, b, h, rows, T, D, BD, tl.float32)
-            acc += tl.dot(tl.trans(ds), k, input_precision=PREC)
+            acc += _dot_half_rows(tl.trans(k), tl.trans(ds), HALF_ROWS, PREC, EXACT_PREC)
             ds_sum += tl.sum(ds, 0)
         present = (codes[:, None] < S) & (dims[None, :] < D)
         ptrs = (h * S + codes[:, None]) * D + dims[None, :]
         c = tl.load(C + ptrs, mask=present, other=0.0)
-        tl.atomic_add(DC + ptrs, (acc - c * ds_sum[:, None]) / tl.load(TAU + h), mask=present)
+        tl.atomic_add(DC + ptrs, (tl.trans(acc) - c * ds_sum[:, None]) / tl.load(TAU + h), mask=present)
 
 
 class SoftAssign(torch.autograd.Function):
@@ -141,7 +145,7 @@ class SoftAssign(torch.autograd.Function):
         weights = torch.empty(B, H, T, S, device=k.device, dtype=torch.float32)
         _forward_kernel[(triton.cdiv(T, KEY_BLOCK), B * H)](
             k, c, tau, weights, k.stride(0), k.stride(1), k.stride(2), H, T, S, D, L=KEY_BLOCK, BS=CODE_TILE,
-            BD=_width(D), PREC=_float32_precision(k.dtype))
+            BD=_width(D), **_float32_products(k.dtype))
         ctx.save_for_backward(k, c, tau, weights)
         return weights
 
@@ -154,20 +158,23 @@ class SoftAssign(torch.autograd.Function):
         S = c.shape[1]
         grad = grad.float().contiguous()
         blocks = triton.cdiv(T, KEY_BLOCK)
-        shape = dict(L=KEY_BLOCK, BS=CODE_TILE, BD=_width(D), PREC=_float32_precision(k.dtype))
+        shape = dict(L=KEY_BLOCK, BS=CODE_TILE, BD=_width(D))
+        products = _float32_products(k.dtype)
         strides = k.stride(0), k.stride(1), k.stride(2)
         grad_k = empty_like_order(k, dtype=torch.float32)  # in k's memory order (common/layout.py)
         row_sums = torch.empty(B, H, T, device=k.device, dtype=torch.float32)
         grad_tau = torch.empty(B, H, blocks, device=k.device, dtype=torch.float32) if need_tau else grad_k
         _key_grad_kernel[(blocks, B * H)](k, c, tau, weights, grad, grad_k, row_sums, grad_tau, *strides,
-                                          *grad_k.stride()[:3], H, T, S, D, TAU_GRAD=need_tau, **shape)
+                                          *grad_k.stride()[:3], H, T, S, D, TAU_GRAD=need_tau, **shape,
+                                          **products)
         grad_c = None
         if need_c:
             grad_c = torch.zeros_like(c)
             slices = min(KEY_SLICES, B * blocks)
             per_slice = triton.cdiv(B * blocks, slices)
             _code_grad_kernel[(triton.cdiv(S, CODE_TILE), H, triton.cdiv(B * blocks, per_slice))](
-                k, c, tau, weights, grad, row_sums, grad_c, *strides, H, T, S, D, B * blocks, per_slice, **shape)
+                k, c, tau, weights, grad, row_sums, grad_c, *strides, H, T, S, D, B * blocks, per_slice, **shape,
+                **products)
         return (grad_k.to(k.dtype) if need_k else None, grad_c,
                 grad_tau.sum((0, 2)) if need_tau else None)
 

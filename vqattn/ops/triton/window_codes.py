@@ -79,6 +79,26 @@ if triton is not None:
         tl.store(ptr + b * sb + h * sh + rows[:, None] * st + cols[None, :], x.to(ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _tf32_parts(x):
+        """float32 x as hi + lo, both exact in TF32 (10 mantissa bits): hi is x with its 13 low mantissa bits
+        cleared, lo the rest (x − hi, exact) rounded to TF32 to nearest, so hi + lo is within 2⁻²² of x."""
+        hi = (x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+        lo = ((x - hi).to(tl.uint32, bitcast=True) + 0x1000) & 0xFFFFE000
+        return hi, lo.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _dot_half_rows(a, b, HALF_ROWS: tl.constexpr, PREC: tl.constexpr, EXACT_PREC: tl.constexpr):
+        """a·bᵀ (M, N) in float32 of float32 a (M, K) and b (N, K). With HALF_ROWS (a holds half-typed values,
+        exact in TF32) b splits into :func:`_tf32_parts` b_hi + b_lo, so two products of exact operands,
+        a·b_hiᵀ + a·b_loᵀ in EXACT_PREC, give about float32's accuracy (b off by 2⁻²²) where PREC's three TF32
+        products (tf32x3) would also split a, which has no low part; otherwise one product in PREC."""
+        if HALF_ROWS:
+            hi, lo = _tf32_parts(b)
+            return (tl.dot(a, tl.trans(hi), input_precision=EXACT_PREC)
+                    + tl.dot(a, tl.trans(lo), input_precision=EXACT_PREC))
+        return tl.dot(a, tl.trans(b), input_precision=PREC)
+
+    @triton.jit
     def _window_logits(qw, kw, rows, cols, T, scale, PREC: tl.constexpr):
         """σ qw·kwᵀ (L, L), −inf where a key is after the query or outside the sequence."""
         s = tl.dot(qw, tl.trans(kw), input_precision=PREC) * scale
@@ -300,6 +320,21 @@ def _float32_precision(dtype: torch.dtype) -> str:
     """How float32 operands multiply beside inputs of ``dtype``: three TF32 products on a GPU for half inputs (about
     float32's accuracy at tensor-core speed), IEEE float32 for float32 inputs and under the interpreter."""
     return "ieee" if INTERPRET or dtype == torch.float32 else "tf32x3"
+
+
+def _exact_precision(dtype: torch.dtype) -> str:
+    """How float32 operands that hold values of half type ``dtype`` multiply with operands exact in TF32 (other half
+    values, one-hot rows, :func:`_dot_half_rows`'s parts): one TF32 product on a GPU, exact there (a float16 or
+    bfloat16 value has at most TF32's 10 mantissa bits, and the sums accumulate in float32); IEEE float32 for float32
+    inputs and under the interpreter."""
+    return "tf32" if _float32_precision(dtype) == "tf32x3" else "ieee"
+
+
+def _float32_products(dtype: torch.dtype) -> dict:
+    """The constexprs of :func:`_dot_half_rows` for rows loaded into float32 from a tensor of ``dtype``: PREC,
+    EXACT_PREC, and HALF_ROWS, whether they hold half-typed values (exact in TF32)."""
+    return dict(PREC=_float32_precision(dtype), EXACT_PREC=_exact_precision(dtype),
+                HALF_ROWS=dtype in (torch.float16, torch.bfloat16))
 
 
 class FusedWindowCodes(torch.autograd.Function):
