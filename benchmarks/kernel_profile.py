@@ -21,8 +21,8 @@ from torch.profiler import ProfilerActivity, profile
 from vqattn.layers import ATTENTIONS
 
 
-def op_step(args):
-    make = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16).requires_grad_(True)  # noqa: E731
+def op_step(args, device: str = "cuda"):
+    make = lambda *shape: torch.randn(*shape, device=device, dtype=torch.bfloat16).requires_grad_(True)  # noqa: E731
     B, H, T, D = args.batch, args.heads, args.length, 64
     q, k, v, codebook = make(B, H, T, D), make(B, H, T, D), make(B, H, T, D), make(H, args.num_codes, D)
     codebook.requires_grad_(args.method.startswith("vq_soft"))
@@ -35,12 +35,12 @@ def op_step(args):
     return step
 
 
-def layer_step(args):
-    layer = build(args.method, args.dim, args.heads, args.num_codes, "cuda", torch.float32, args.impl)
-    x = torch.randn(args.batch, args.length, args.dim, device="cuda", requires_grad=True)
+def layer_step(args, device: str = "cuda"):
+    layer = build(args.method, args.dim, args.heads, args.num_codes, device, torch.float32, args.impl)
+    x = torch.randn(args.batch, args.length, args.dim, device=device, requires_grad=True)
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16):
             out, aux_loss, _ = layer(x)
             loss = out.float().sum() + aux_loss
         loss.backward()

@@ -38,6 +38,7 @@ ACCESS = re.compile(r"\b((?:ld|st)\.global(?:\.\w+)*|cp\.async\.c[ag]\.shared\.g
 def record(args, path: str) -> None:
     """Run one step under the interpreter with the GPU's kernel paths, pickling every launch to ``path``."""
     import triton.runtime.interpreter as interpreter
+    from kernel_profile import layer_step, op_step
 
     import vqattn.codebook as codebook
     import vqattn.ops.nonfinite as nonfinite
@@ -64,8 +65,9 @@ def record(args, path: str) -> None:
         return run(self, *call_args, grid=grid, warmup=warmup, **kwargs)
 
     interpreter.InterpretedFunction.run = recording_run
-    step = _step(args)
-    step()
+    torch.manual_seed(0)
+    args.impl = "triton"
+    (op_step if args.what == "op" else layer_step)(args, device="cpu")()
     with open(path, "wb") as f:
         pickle.dump(list(launches.values()), f)
 
@@ -75,34 +77,6 @@ def _describe(x):
         return ("tensor", str(x.dtype).removeprefix("torch."), tuple(x.shape), tuple(x.stride()),
                 x.data_ptr() % 16 // x.element_size())
     return x
-
-
-def _step(args):
-    from attention_speed import attention
-    from layer_speed import build
-
-    torch.manual_seed(0)
-    B, H, T, D = 1, args.heads, args.length, 64
-    if args.what == "op":
-        make = lambda *shape: torch.randn(*shape, dtype=torch.bfloat16).requires_grad_(True)  # noqa: E731
-        q, k, v, codebook = make(B, H, T, D), make(B, H, T, D), make(B, H, T, D), make(H, args.num_codes, D)
-        codebook.requires_grad_(args.method.startswith("vq_soft"))
-        rotated = (make(B, H, T, D), make(B, H, T, D)) if args.method.endswith("_rope") else (None, None)
-
-        def step():
-            attention(args.method, q, k, v, codebook, args.block_len, *rotated, "triton").float().sum().backward()
-
-        return step
-    layer = build(args.method, args.dim, args.heads, args.num_codes, "cpu", torch.float32, "triton")
-    x = torch.randn(B, T, args.dim, requires_grad=True)
-
-    def step():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out, aux_loss, _ = layer(x)
-            loss = out.float().sum() + aux_loss
-        loss.backward()
-
-    return step
 
 
 class _CompileOnlyDriver:
@@ -170,6 +144,7 @@ def main(argv=None) -> None:
     parser.add_argument("--what", choices=["op", "layer"], default="layer")
     parser.add_argument("--method", default="vq_hard", help="an op method or a layer (kernel_profile.py's)")
     parser.add_argument("--length", type=int, default=256, help="the recorded step's T (constexprs do not depend on it)")
+    parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--num-codes", type=int, default=512)
