@@ -228,9 +228,10 @@ if triton is not None:
         """Gradients of query block blk, and of key block blk's window keys and values, each written once, in its
         input's dtype, by its own strides (the inputs' memory order). Key block blk is read by query blocks blk and
         blk + 1, so the program recomputes the next block's probabilities over it (one (L, L) tile more, as flash
-        attention's backward walks a key block's queries) instead of writing two shares to be added. DCB
-        (B·H, nb, S, DC), DCNT (B·H, nb, S) float32 and DSUM (B·H, nb, S, DV) (in the sums' dtype) take the query
-        block's share of the codebook's gradient and its cache's gradients."""
+        attention's backward walks a key block's queries) instead of writing two shares to be added. DCB takes the
+        query block's share of the codebook's gradient: stored at (B·H, nb, S, DC) for every block's own codebook,
+        added atomically into its sequence's (B·H, S, DC) (zeroed) for a shared one; DCNT (B·H, nb, S) float32 and
+        DSUM (B·H, nb, S, DV) (in the sums' dtype) its cache's gradients."""
         blk, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // H, bh % H
         nb = tl.cdiv(T, L)
@@ -278,8 +279,12 @@ if triton is not None:
                 present = codes < S
                 if CODEBOOK_GRAD:
                     dc = tl.dot(tl.trans(ds_codes.to(DOT)), qc, input_precision=PREC) * scale  # (BS, BDC)
-                    tl.store(DCB + (cache * S + codes[:, None]) * DC + dc_cols[None, :], dc,
-                             mask=present[:, None] & (dc_cols[None, :] < DC))
+                    grad_row = cache if PER_BLOCK else bh
+                    at = DCB + (grad_row * S + codes[:, None]) * DC + dc_cols[None, :]
+                    if PER_BLOCK:
+                        tl.store(at, dc, mask=present[:, None] & (dc_cols[None, :] < DC))
+                    else:  # nb programs of a sequence add into one row: not an (nb, S, DC) share per block
+                        tl.atomic_add(at, dc, mask=present[:, None] & (dc_cols[None, :] < DC))
                 # out depends on C_s through the means C_s / n_s, on n_s through them and through log n_s
                 w_n = tl.where(held[None, :], w / n[None, :], 0.0)
                 d_sums = tl.dot(tl.trans(w_n.to(DOT)), do_dot, input_precision=PREC)  # (BS, BDV), float32
@@ -383,7 +388,12 @@ class FusedWindowCodes(torch.autograd.Function):
         dqw, dkw, dv = empty_like_order(qw), empty_like_order(kw), empty_like_order(v)
         dqc = empty_like_order(qc) if ctx.has_codes else dqw
         codebook_grad = ctx.has_codes and ctx.needs_input_grad[4]
-        dcb = torch.empty(B * H, nb, S, DC, **f32) if codebook_grad else dqw
+        if not codebook_grad:
+            dcb = dqw
+        elif ctx.meta["PER_BLOCK"]:
+            dcb = torch.empty(B * H, nb, S, DC, **f32)
+        else:  # the blocks' shares add up atomically in the kernel, per sequence
+            dcb = torch.zeros(B * H, S, DC, **f32)
         dcnt = torch.empty(B * H, nb, S, **f32) if ctx.has_codes else dqw
         dsum = torch.empty(B * H, nb, S, DV, device=qw.device, dtype=sm.dtype) if ctx.has_codes else dqw
         delta = torch.empty(B * H, T, **f32)
@@ -396,9 +406,8 @@ class FusedWindowCodes(torch.autograd.Function):
             CODEBOOK_GRAD=codebook_grad, **ctx.meta, **BACKWARD_LAUNCH)
         grads = [dqw, dkw, dv, None, None, None, None]
         if ctx.has_codes:
-            if codebook_grad:  # every block's share; a shared codebook's gradient is their sum
-                dcb = dcb.view(B, H, nb, S, DC)
-                grads[4] = dcb if ctx.meta["PER_BLOCK"] else dcb.sum((0, 2))
+            if codebook_grad:  # every block's own, or a shared codebook's summed over the sequences
+                grads[4] = dcb.view(B, H, nb, S, DC) if ctx.meta["PER_BLOCK"] else dcb.view(B, H, S, DC).sum(0)
             grads[3], grads[5:7] = dqc, [dcnt.view(B, H, nb, S), dsum.view(B, H, nb, S, DV)]
             grads[3:5] = [None if g is None else g[..., :ctx.code_dims] for g in grads[3:5]]  # views: no copy
         return (*(None if g is None else g.to(x.dtype) for g, x in zip(grads, (qw, kw, v, qc, cb, cnt, sm))),
