@@ -48,7 +48,7 @@ stage() {  # stage NAME MAX_SECONDS COMMAND...: run it if the budget holds MAX_S
 layers="python benchmarks/layer_speed.py --device cuda --autocast bf16 --dim 1024 --heads 16 --tokens 65536 --reps 5 --rounds 1"
 ops="python benchmarks/attention_speed.py --device cuda --dtype bfloat16 --heads 16 --reps 5 --rounds 1 --modes default"
 decode="python benchmarks/decode_speed.py --device cuda --lengths 1024 4096 8192 32768 --steps 20 --new-tokens 32"
-stage tests 150 python -m pytest -o addopts="" -q -p no:cacheprovider tests/ops/test_triton.py ${GPU_CHECK_TESTS:+-k "$GPU_CHECK_TESTS"}
+stage tests 240 python -m pytest -o addopts="" -q -p no:cacheprovider tests/ops/test_triton.py ${GPU_CHECK_TESTS:+-k "$GPU_CHECK_TESTS"}
 # the Triton tests outside tests/ops/test_triton*.py (memory_cap, memory_decay, the float32 range, under torch.compile; the
 # rest of these files is CPU)
 stage tests_elsewhere 180 python -m pytest -o addopts="" -q -p no:cacheprovider tests/ops/test_memory_cap.py \
