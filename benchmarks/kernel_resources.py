@@ -12,8 +12,9 @@ ptxas' resource usage and the PTX's global accesses are read:
 
 A kernel using 255 registers with spill bytes runs one or two programs per SM; ``ld.global.b16`` (one half element
 per instruction) marks loads that Triton could not vectorise, most often rows whose width or stride is not a
-multiple of 16 elements. The figures are Triton's at this machine's version (the GPU's may differ), and they say
-nothing of time: time is ``kernel_profile.py``'s, on a GPU.
+multiple of 16 elements; SASS counts the kernel's machine instructions (a loop's body once): for a kernel without
+loops, the issue slots each of its warps needs. The figures are Triton's at this machine's version (the GPU's may
+differ), and they say nothing of time: time is ``kernel_profile.py``'s, on a GPU.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import torch
 
 # the constexprs that tell the launches of one kernel apart in the table: tile widths and product types
 SHOWN_CONSTEXPRS = ("BDC", "BD", "BDV", "DOT", "BS", "L", "PREC", "EXACT_PREC")
+# a line of cuobjdump's SASS listing that holds one instruction: its address comment, then the opcode
+SASS_INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+\S", re.MULTILINE)
 ACCESS = re.compile(r"\b((?:ld|st)\.global(?:\.\w+)*|cp\.async\.c[ag]\.shared\.global)")
 
 
@@ -119,12 +122,14 @@ def compile_and_measure(launches, arch: int) -> list[dict]:
             f.write(compiled.asm["cubin"])
             f.flush()
             usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
+            sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
         resources = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", usage))
         accesses = collections.Counter(ACCESS.findall(compiled.asm["ptx"]))
         rows.append(dict(
             kernel=name, warps=compiled.metadata.num_warps, stages=compiled.metadata.num_stages,
             regs=int(resources.get("REG", 0)), stack=int(resources.get("STACK", 0)),
             shared_kb=compiled.metadata.shared / 1024,
+            instructions=len(SASS_INSTRUCTION.findall(sass)),
             scalar_loads=sum(n for a, n in accesses.items() if a.startswith("ld") and _element_wise(a)),
             scalar_stores=sum(n for a, n in accesses.items() if a.startswith("st") and _element_wise(a)),
             vector_loads=sum(n for a, n in accesses.items() if ".v" in a and a.startswith("ld")),
@@ -169,11 +174,11 @@ def main(argv=None) -> None:
             rows = pickle.load(results)
     print(f"{args.what} {args.method}, sm_{args.arch}: {len(rows)} kernel launches")
     print(f"{'kernel':28s} {'warps':>5s} {'stages':>6s} {'regs':>4s} {'spill B':>7s} {'shared KB':>9s} "
-          f"{'ld.b16':>6s} {'st.b16':>6s} {'ld.v':>4s} {'cp.async':>8s}  constexprs")
+          f"{'ld.b16':>6s} {'st.b16':>6s} {'ld.v':>4s} {'cp.async':>8s} {'SASS':>6s}  constexprs")
     for r in rows:
         print(f"{r['kernel']:28s} {r['warps']:5d} {r['stages']:6d} {r['regs']:4d} {r['stack']:7d} {r['shared_kb']:9.1f} "
-              f"{r['scalar_loads']:6d} {r['scalar_stores']:6d} {r['vector_loads']:4d} {r['async_copies']:8d}  "
-              f"{r['constexprs']}")
+              f"{r['scalar_loads']:6d} {r['scalar_stores']:6d} {r['vector_loads']:4d} {r['async_copies']:8d} "
+              f"{r['instructions']:6d}  {r['constexprs']}")
 
 
 def _run_phase(argv, phase: str, path: str, interpret: str) -> None:
