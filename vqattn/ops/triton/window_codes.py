@@ -5,15 +5,16 @@ Query i of block b = i // L scores (per batch·head, scale σ)
     window  the keys j ≤ i of blocks b−1 and b        logit σ qw_i·kw_j                 value v_j
     codes   s = 1..S, the cache of blocks ≤ b−2       logit σ qc_i·c_s + log n_bs + β_b   value C_bs / n_bs
 
-with one running max, as flash attention does, so neither the (T, T) nor the (T, S) logits reach memory. n_b (S,) and
-C_b (S, Dv) are every block's cache counts and value sums, formed beforehand by a per-block prefix (the state of
+with one running max, as flash attention does, so neither the (T, T) nor the (T, S) logits reach memory. n_b (S,)
+and C_b (S, Dv) are every block's cache counts and value sums, formed beforehand by a per-block prefix (the state of
 fla's chunk kernels), and β_b the block's memory bias (``memory_cap``'s log min(1, M / n_b), or 0); window attention
 is the same kernel without codes. The forward kernel stores out and the per-query logsumexp; a small kernel forms
 Δ_i = dO_i·out_i, and the backward kernel recomputes the probabilities from the logsumexp and writes, per block, the
 gradients of its queries, of its keys and values (as window keys, read by its own query block and the next: the
 program recomputes the next block's (L, L) tile, as flash attention's backward walks a key block's queries, so that
-each gradient is written once and no two programs add into one place), of the codebook (summed afterwards), and of
-its cache (dn_b, dC_b), which autograd then carries back through the prefix to the values and the assignment.
+each of their gradients is written once, by one program), of the codebook (every block's own, or a shared one's
+added up atomically per sequence), and of its cache (dn_b, dC_b), which autograd then carries back through the
+prefix to the values and the assignment.
 
 One program per (query block, batch·head). Loads are cast to ``DOT`` (the input's half type on a GPU, so the
 products run on tensor cores; float32 under the interpreter, whose half-precision products are wrong), every product
@@ -281,10 +282,11 @@ if triton is not None:
                     dc = tl.dot(tl.trans(ds_codes.to(DOT)), qc, input_precision=PREC) * scale  # (BS, BDC)
                     grad_row = cache if PER_BLOCK else bh
                     at = DCB + (grad_row * S + codes[:, None]) * DC + dc_cols[None, :]
+                    inside = present[:, None] & (dc_cols[None, :] < DC)
                     if PER_BLOCK:
-                        tl.store(at, dc, mask=present[:, None] & (dc_cols[None, :] < DC))
+                        tl.store(at, dc, mask=inside)
                     else:  # nb programs of a sequence add into one row: not an (nb, S, DC) share per block
-                        tl.atomic_add(at, dc, mask=present[:, None] & (dc_cols[None, :] < DC))
+                        tl.atomic_add(at, dc, mask=inside)
                 # out depends on C_s through the means C_s / n_s, on n_s through them and through log n_s
                 w_n = tl.where(held[None, :], w / n[None, :], 0.0)
                 d_sums = tl.dot(tl.trans(w_n.to(DOT)), do_dot, input_precision=PREC)  # (BS, BDV), float32
