@@ -108,7 +108,7 @@ def _rebuild(x):
     return x
 
 
-def compile_and_measure(launches, arch: int) -> list[dict]:
+def compile_and_measure(launches, arch: int, dump: str | None = None) -> list[dict]:
     import triton
     from triton.runtime import driver
 
@@ -123,6 +123,9 @@ def compile_and_measure(launches, arch: int) -> list[dict]:
             f.flush()
             usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
             sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
+        if dump:  # each launch's SASS, numbered in launch order: a loop's body is read there
+            with open(os.path.join(dump, f"{len(rows):02d}_{name}.sass"), "w") as out:
+                out.write(sass)
         resources = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", usage))
         accesses = collections.Counter(ACCESS.findall(compiled.asm["ptx"]))
         rows.append(dict(
@@ -155,6 +158,7 @@ def main(argv=None) -> None:
     parser.add_argument("--num-codes", type=int, default=512)
     parser.add_argument("--block-len", type=int, default=None)
     parser.add_argument("--arch", type=int, default=90, help="the compute capability compiled for (90: H100, H200)")
+    parser.add_argument("--dump", help="a folder to write each launch's SASS listing to")
     parser.add_argument("--phase", choices=["record", "compile"], help=argparse.SUPPRESS)
     parser.add_argument("--file", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -162,7 +166,7 @@ def main(argv=None) -> None:
         return record(args, args.file)
     if args.phase == "compile":
         with open(args.file, "rb") as f:
-            rows = compile_and_measure(pickle.load(f), args.arch)
+            rows = compile_and_measure(pickle.load(f), args.arch, args.dump)
         with open(args.file, "wb") as f:
             pickle.dump(rows, f)
         return

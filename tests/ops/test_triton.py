@@ -151,6 +151,20 @@ def test_bfloat16_inputs(assign, window):
             rounded, dtype=torch.bfloat16, tol=2e-2)
 
 
+def test_float16_value_sums_beyond_the_half_range():
+    """float16 values whose cache sums pass float16's largest value (65504): all 100 keys near code 0, values of
+    about 1000, so the sums reach about 100000 while every output stays near 1000. The per-block sums are kept in
+    float32 beside float16 values, and multiplied as float32 (TF32 on a GPU): nothing overflows to inf."""
+    q, k, v, c = vq_inputs("hard", "exact", 100, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        k.copy_(c[:, :1].unsqueeze(0) + 0.5 * k)  # about 2 from code 0, 6 from the others
+        v.mul_(200).add_(1000)
+    rounded = [x.detach().to(torch.float16).double().requires_grad_() for x in (q, k, v, c)]
+    assert (vq_assign(rounded[1], rounded[3], assign="hard").index == 0).all()
+    compare(vq_call(naive_vq_attention, "hard", "exact"), vq_call(vq_attention, "hard", "exact", "triton"),
+            rounded, dtype=torch.float16, tol=2e-3)
+
+
 @pytest.mark.parametrize("name", ["vq_hard", "vq_soft", "ovq", "window"])
 def test_layers_triton_equals_chunk(name):
     """The layers with their defaults (RoPE, exact window, slow-pair code scores, the codebook's assignment, the

@@ -168,8 +168,9 @@ def _launch(hard: bool) -> dict:
 
 
 def cache_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the per-block value sums (and their gradient) beside values of ``dtype``."""
-    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32
+    """The dtype of the per-block value sums (and their gradient) beside values of ``dtype``: bfloat16 for bfloat16,
+    float32 otherwise (a sum of many float16 values passes float16's largest value, 65504)."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
 def _code_tile(dv_width: int) -> int:
@@ -190,7 +191,7 @@ class BlockCaches(torch.autograd.Function):
         v = _unit_last(v)
         n0, c0 = counts0.float().contiguous(), sums0.float().contiguous()
         f32 = dict(device=v.device, dtype=torch.float32)
-        # Every block's value sums in the values' half type when they have one: the largest tensor of the fused
+        # Every block's value sums in bfloat16 for bfloat16 values (cache_dtype): the largest tensor of the fused
         # form, read or written five times a step (the counts, and the running sums, stay float32).
         cache_c = torch.empty(B, H, nb, S, DV, device=v.device, dtype=cache_dtype(v.dtype))
         cache_n = torch.empty(B, H, nb, S, **f32)

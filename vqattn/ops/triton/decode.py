@@ -26,6 +26,7 @@ from .window_codes import (
     _online_softmax_step,
     _store_rows,
     _strides,
+    _sum_dot,
     _unit_last,
     _width,
     _window_logits,
@@ -48,7 +49,7 @@ if triton is not None:
                        H, W, S, D, DC, DV, scale,
                        ROWS: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, BDC: tl.constexpr, BDV: tl.constexpr,
                        BS: tl.constexpr, HAS_CODES: tl.constexpr, PER_SEQUENCE: tl.constexpr, DOT: tl.constexpr,
-                       PREC: tl.constexpr):
+                       SUM_DOT: tl.constexpr, PREC: tl.constexpr):
         bh = tl.program_id(0)
         b, h = bh // H, bh % H
         rows = tl.arange(0, ROWS)
@@ -62,15 +63,15 @@ if triton is not None:
             kw = _load_rows(KW, skw_b, skw_h, skw_t, b, h, cols, W, D, BD, DOT)
             v = _load_rows(V, sv_b, sv_h, sv_t, b, h, cols, W, DV, BDV, DOT)
             m, z, acc = _online_softmax_step(m, z, acc, _window_logits(qw, kw, at_last, cols, W, scale, PREC), v,
-                                             DOT, PREC)
+                                             tl.full([BW], 1.0, tl.float32), DOT, PREC)
         if HAS_CODES:
             qc = _load_rows(QC, sqc_b, sqc_h, sqc_t, b, h, rows, 1, DC, BDC, DOT)
             book = bh if PER_SEQUENCE else h
             for s0 in range(0, S, BS):
                 # a memory_cap weight comes in the counts and sums (one per step: weigh_memory), so no bias here
-                code_logits, _, _, _, means = _code_tile(CB, CNT, SUM, book, bh, 0.0, s0, S, DC, DV, qc, scale, BS,
-                                                         BDC, BDV, DOT, PREC)
-                m, z, acc = _online_softmax_step(m, z, acc, code_logits, means, DOT, PREC)
+                code_logits, _, counts, sums = _code_tile(CB, CNT, SUM, book, bh, 0.0, s0, S, DC, DV, qc, scale, BS,
+                                                          BDC, BDV, DOT, SUM_DOT, PREC)
+                m, z, acc = _online_softmax_step(m, z, acc, code_logits, sums, counts, SUM_DOT, PREC)
         _store_rows(O, so_b, so_h, so_t, b, h, rows, 1, DV, acc / z[:, None], BDV)
 
 
@@ -107,5 +108,5 @@ def fused_decode_step(qw, kw, v, *, scale: float, qc=None, codebook=None, counts
                              *_strides(qc), *_strides(out), H, W, S, D, DC, DV, float(scale), ROWS=ROWS,
                              BW=WINDOW_TILE, BD=_width(D), BDC=_width(DC), BDV=_width(DV), BS=CODE_TILE,
                              HAS_CODES=has_codes, PER_SEQUENCE=has_codes and codebook.dim() == 4, DOT=dot,
-                             PREC=prec)
+                             SUM_DOT=_sum_dot(dot), PREC=prec)
     return out

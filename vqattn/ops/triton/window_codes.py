@@ -109,11 +109,15 @@ if triton is not None:
 
     @triton.jit
     def _code_tile(CB, CNT, SUM, book, cache, bias, s0, S, DC, DV, qc, scale, BS: tl.constexpr, BDC: tl.constexpr,
-                   BDV: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+                   BDV: tl.constexpr, DOT: tl.constexpr, SUM_DOT: tl.constexpr, PREC: tl.constexpr):
         """Codes s0..s0+BS of codebook ``book`` (a row of the (·, S, DC) codebook: the head's, or the block's own)
-        read with cache ``cache`` (a row of the (·, S) counts and (·, S, DV) sums): their logits
-        σ qc·c_s + log n_s + bias (rows, BS) (−inf for empty and absent codes; ``bias`` the block's memory bias),
-        the codes (BS, BDC), their counts (BS,) and their means C_s / n_s (BS, BDV) as DOT."""
+        read with cache ``cache`` (a row of the (·, S) counts and (·, S, DV) sums): their logits without the counts,
+        l_s = σ qc·c_s + bias (rows, BS) (−inf for empty and absent codes; ``bias`` the block's memory bias), the
+        codes (BS, BDC) as DOT, their counts n_s (BS,) (0 for absent codes) and value sums C_s (BS, BDV) as SUM_DOT.
+
+        A code's softmax weight is exp(l_s + log n_s) and its value the mean C_s / n_s; their product is
+        exp(l_s)·C_s, so the counts only weigh the normaliser (Σ exp(l_s)·n_s) and no tile takes a logarithm or
+        divides (by ptxas, the precise log of the counts was about a third of the forward's code loop)."""
         codes = s0 + tl.arange(0, BS)
         present = codes < S
         dc, dv = tl.arange(0, BDC), tl.arange(0, BDV)
@@ -121,13 +125,9 @@ if triton is not None:
                     mask=present[:, None] & (dc[None, :] < DC), other=0.0).to(DOT)
         n = tl.load(CNT + cache * S + codes, mask=present, other=0.0)
         sums = tl.load(SUM + (cache * S + codes[:, None]) * DV + dv[None, :],
-                       mask=present[:, None] & (dv[None, :] < DV), other=0.0)
-        held = n > 0
-        n_safe = tl.where(held, n, 1.0)
-        logits = tl.dot(qc, tl.trans(c), input_precision=PREC) * scale + (tl.log(n_safe) + bias)[None, :]
-        logits = tl.where(held[None, :], logits, float("-inf"))
-        means = (sums / n_safe[:, None]).to(DOT)
-        return logits, c, n_safe, held, means
+                       mask=present[:, None] & (dv[None, :] < DV), other=0.0).to(SUM_DOT)
+        logits = tl.dot(qc, tl.trans(c), input_precision=PREC) * scale + tl.where(n > 0, bias, float("-inf"))[None, :]
+        return logits, c, n, sums
 
     @triton.jit
     def _block_bias(BIAS, blk, HAS_BIAS: tl.constexpr):
@@ -138,15 +138,17 @@ if triton is not None:
         return bias
 
     @triton.jit
-    def _online_softmax_step(m, z, acc, logits, values, DOT: tl.constexpr, PREC: tl.constexpr):
+    def _online_softmax_step(m, z, acc, logits, values, weights, VALUE_DOT: tl.constexpr, PREC: tl.constexpr):
         """Flash attention's update of the running max m (L,), normaliser z (L,) and numerator acc (L, Dv) by one
-        tile of logits (L, n) over its values (n, Dv). The tile's temporaries stay local: the window's tiles are
-        (L, L), the codes' (L, CODE_TILE), and a loop-carried name must keep one shape."""
+        tile of logits (L, n) over its values (n, Dv), each value of weight ``weights`` (n,) in the normaliser: 1
+        for the window's keys, the counts for the codes' sums (:func:`_code_tile`). The tile's temporaries stay
+        local: the window's tiles are (L, L), the codes' (L, CODE_TILE), and a loop-carried name must keep one
+        shape."""
         m_new = tl.maximum(m, tl.max(logits, 1))
         rescale = tl.exp(m - m_new)
         p = tl.exp(logits - m_new[:, None])
-        z = z * rescale + tl.sum(p, 1)
-        acc = acc * rescale[:, None] + tl.dot(p.to(DOT), values, input_precision=PREC)
+        z = z * rescale + tl.sum(p * weights[None, :], 1)
+        acc = acc * rescale[:, None] + tl.dot(p.to(VALUE_DOT), values, input_precision=PREC)
         return m_new, z, acc
 
     @triton.jit
@@ -156,7 +158,7 @@ if triton is not None:
                         H, T, S, D, DC, DV, scale,
                         L: tl.constexpr, BD: tl.constexpr, BDC: tl.constexpr, BDV: tl.constexpr,
                         BS: tl.constexpr, HAS_CODES: tl.constexpr, PER_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        DOT: tl.constexpr, PREC: tl.constexpr):
+                        DOT: tl.constexpr, SUM_DOT: tl.constexpr, PREC: tl.constexpr):
         blk, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // H, bh % H
         nb = tl.cdiv(T, L)
@@ -170,17 +172,17 @@ if triton is not None:
             cols = (blk - back) * L + tl.arange(0, L)
             kw = _load_rows(KW, skw_b, skw_h, skw_t, b, h, cols, T, D, BD, DOT)
             v = _load_rows(V, sv_b, sv_h, sv_t, b, h, cols, T, DV, BDV, DOT)
-            m, z, acc = _online_softmax_step(m, z, acc, _window_logits(qw, kw, rows, cols, T, scale, PREC), v, DOT,
-                                             PREC)
+            m, z, acc = _online_softmax_step(m, z, acc, _window_logits(qw, kw, rows, cols, T, scale, PREC), v,
+                                             tl.full([L], 1.0, tl.float32), DOT, PREC)
         if HAS_CODES:
             qc = _load_rows(QC, sqc_b, sqc_h, sqc_t, b, h, rows, T, DC, BDC, DOT)
             cache = bh * nb + blk
             book = cache if PER_BLOCK else h
             bias = _block_bias(BIAS, blk, HAS_BIAS)
             for s0 in range(0, S, BS):
-                code_logits, _, _, _, means = _code_tile(CB, CNT, SUM, book, cache, bias, s0, S, DC, DV, qc, scale,
-                                                         BS, BDC, BDV, DOT, PREC)
-                m, z, acc = _online_softmax_step(m, z, acc, code_logits, means, DOT, PREC)
+                code_logits, _, counts, sums = _code_tile(CB, CNT, SUM, book, cache, bias, s0, S, DC, DV, qc, scale,
+                                                          BS, BDC, BDV, DOT, SUM_DOT, PREC)
+                m, z, acc = _online_softmax_step(m, z, acc, code_logits, sums, counts, SUM_DOT, PREC)
         _store_rows(O, so_b, so_h, so_t, b, h, rows, T, DV, acc / z[:, None], BDV)
         tl.store(LSE + bh * T + rows, m + tl.log(z), mask=rows < T)
 
@@ -225,7 +227,8 @@ if triton is not None:
                          H, T, S, D, DC, DV, scale,
                          L: tl.constexpr, BD: tl.constexpr, BDC: tl.constexpr, BDV: tl.constexpr,
                          BS: tl.constexpr, HAS_CODES: tl.constexpr, PER_BLOCK: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, CODEBOOK_GRAD: tl.constexpr):
+                         HAS_BIAS: tl.constexpr, DOT: tl.constexpr, SUM_DOT: tl.constexpr, PREC: tl.constexpr,
+                         CODEBOOK_GRAD: tl.constexpr):
         """Gradients of query block blk, and of key block blk's window keys and values, each written once, in its
         input's dtype, by its own strides (the inputs' memory order). Key block blk is read by query blocks blk and
         blk + 1, so the program recomputes the next block's probabilities over it (one (L, L) tile more, as flash
@@ -269,12 +272,15 @@ if triton is not None:
             cache = bh * nb + blk
             book = cache if PER_BLOCK else h
             bias = _block_bias(BIAS, blk, HAS_BIAS)
+            do_sums = do_dot.to(SUM_DOT)
             for s0 in range(0, S, BS):
-                code_logits, c, n, held, means = _code_tile(CB, CNT, SUM, book, cache, bias, s0, S, DC, DV, qc,
-                                                            scale, BS, BDC, BDV, DOT, PREC)
-                w = tl.exp(code_logits - lse[:, None])  # the codes' probabilities, 0 for empty codes
-                w = tl.where(rows[:, None] < T, w, 0.0)
-                ds_codes = w * (tl.dot(do_dot, tl.trans(means), input_precision=PREC) - delta[:, None])
+                code_logits, c, n, sums = _code_tile(CB, CNT, SUM, book, cache, bias, s0, S, DC, DV, qc, scale, BS,
+                                                     BDC, BDV, DOT, SUM_DOT, PREC)
+                # w_n = w / n, the codes' probabilities per count (0 for empty codes); with means C / n the logits'
+                # gradient w (dO·C / n − Δ) is w_n (dO·C − n Δ)
+                w_n = tl.exp(code_logits - lse[:, None])
+                w_n = tl.where(rows[:, None] < T, w_n, 0.0)
+                ds_codes = w_n * (tl.dot(do_sums, tl.trans(sums), input_precision=PREC) - delta[:, None] * n[None, :])
                 dqc += tl.dot(ds_codes.to(DOT), c, input_precision=PREC) * scale
                 codes = s0 + tl.arange(0, BS)
                 present = codes < S
@@ -287,9 +293,8 @@ if triton is not None:
                         tl.store(at, dc, mask=inside)
                     else:  # nb programs of a sequence add into one row: not an (nb, S, DC) share per block
                         tl.atomic_add(at, dc, mask=inside)
-                # out depends on C_s through the means C_s / n_s, on n_s through them and through log n_s
-                w_n = tl.where(held[None, :], w / n[None, :], 0.0)
-                d_sums = tl.dot(tl.trans(w_n.to(DOT)), do_dot, input_precision=PREC)  # (BS, BDV), float32
+                # out_i = (Σ_s exp(l_is) C_s + window) / (Σ_s exp(l_is) n_s + window): by C_s w_n dO_i, by n_s −w_n Δ_i
+                d_sums = tl.dot(tl.trans(w_n.to(SUM_DOT)), do_sums, input_precision=PREC)  # (BS, BDV), float32
                 d_counts = -tl.sum(w_n * delta[:, None], 0)
                 tl.store(DSUM + (cache * S + codes[:, None]) * DV + dv_cols[None, :],
                          d_sums.to(DSUM.dtype.element_ty),
@@ -322,6 +327,13 @@ def _dot_dtype(dtype: torch.dtype):
     if INTERPRET or dtype == torch.float32:
         return tl.float32, "ieee"
     return (tl.bfloat16 if dtype == torch.bfloat16 else tl.float16), "tf32"
+
+
+def _sum_dot(dot):
+    """The operand type of the products with the codes' value sums beside operands of type ``dot``: float32 (TF32
+    products, float16's 10 mantissa bits) for float16, whose largest value (65504) a sum of many values passes;
+    ``dot`` itself otherwise (bfloat16 has float32's range)."""
+    return tl.float32 if dot == tl.float16 else dot
 
 
 def _float32_precision(dtype: torch.dtype) -> str:
@@ -367,7 +379,7 @@ class FusedWindowCodes(torch.autograd.Function):
         ctx.code_dims, DC = DC, cb.shape[-1] if has_codes else 0  # the kernels see the padded width
         meta = dict(L=L, BD=_width(D), BDC=_width(DC), BDV=_width(DV), BS=CODE_TILE, HAS_CODES=has_codes,
                     PER_BLOCK=has_codes and codebook.dim() == 5, HAS_BIAS=has_codes and code_bias is not None,
-                    DOT=dot, PREC=prec)
+                    DOT=dot, SUM_DOT=_sum_dot(dot), PREC=prec)
         grid = (triton.cdiv(T, L), B * H)
         _forward_kernel[grid](qw, kw, v, qc, cb, cnt, sm, bias, out, lse, *_strides(qw), *_strides(kw), *_strides(v),
                               *_strides(qc), *_strides(out), H, T, S, D, DC, DV, float(scale), **meta,
