@@ -22,10 +22,12 @@ import torch
 
 from ..common.layout import empty_like_order
 from . import triton
-from .window_codes import _dot_dtype, _load_rows, _unit_last, _width
+from .window_codes import _dot_dtype, _unit_last, _width
 
 if triton is not None:
     import triton.language as tl
+
+    from .window_codes import _load_rows
 
 # Floats of one program's running tile of value sums (codes × value dims) kept in registers.
 TILE_FLOATS = 4096

@@ -18,22 +18,12 @@ from __future__ import annotations
 import torch
 
 from . import triton
-from .window_codes import (
-    CODE_TILE,
-    _code_tile,
-    _dot_dtype,
-    _load_rows,
-    _online_softmax_step,
-    _store_rows,
-    _strides,
-    _sum_dot,
-    _unit_last,
-    _width,
-    _window_logits,
-)
+from .window_codes import CODE_TILE, _dot_dtype, _strides, _sum_dot, _unit_last, _width
 
-if triton is not None:
+if triton is not None:  # the kernel's helpers exist only where Triton does: the op library needs torch alone
     import triton.language as tl
+
+    from .window_codes import LOG2E, _code_tile, _load_rows, _online_softmax_step, _store_rows, _window_logits
 
 # The query's tile: tl.dot's smallest row count.
 ROWS = 16
@@ -53,6 +43,7 @@ if triton is not None:
         bh = tl.program_id(0)
         b, h = bh // H, bh % H
         rows = tl.arange(0, ROWS)
+        scale2 = scale * LOG2E  # the softmax in base 2
         qw = _load_rows(QW, sqw_b, sqw_h, sqw_t, b, h, rows, 1, D, BD, DOT)
         at_last = tl.zeros([ROWS], tl.int32) + W - 1  # every row scores as the query at the window's end
         m = tl.full([ROWS], float("-inf"), tl.float32)
@@ -62,15 +53,15 @@ if triton is not None:
             cols = w0 + tl.arange(0, BW)
             kw = _load_rows(KW, skw_b, skw_h, skw_t, b, h, cols, W, D, BD, DOT)
             v = _load_rows(V, sv_b, sv_h, sv_t, b, h, cols, W, DV, BDV, DOT)
-            m, z, acc = _online_softmax_step(m, z, acc, _window_logits(qw, kw, at_last, cols, W, scale, PREC), v,
+            m, z, acc = _online_softmax_step(m, z, acc, _window_logits(qw, kw, at_last, cols, W, scale2, PREC), v,
                                              tl.full([BW], 1.0, tl.float32), DOT, PREC)
         if HAS_CODES:
             qc = _load_rows(QC, sqc_b, sqc_h, sqc_t, b, h, rows, 1, DC, BDC, DOT)
             book = bh if PER_SEQUENCE else h
             for s0 in range(0, S, BS):
                 # a memory_cap weight comes in the counts and sums (one per step: weigh_memory), so no bias here
-                code_logits, _, counts, sums = _code_tile(CB, CNT, SUM, book, bh, 0.0, s0, S, DC, DV, qc, scale, BS,
-                                                          BDC, BDV, DOT, SUM_DOT, PREC)
+                code_logits, _, counts, sums = _code_tile(CB, CNT, SUM, book, bh, 0.0, s0, S, DC, DV, qc, scale2,
+                                                          BS, BDC, BDV, DOT, SUM_DOT, PREC)
                 m, z, acc = _online_softmax_step(m, z, acc, code_logits, sums, counts, SUM_DOT, PREC)
         _store_rows(O, so_b, so_h, so_t, b, h, rows, 1, DV, acc / z[:, None], BDV)
 

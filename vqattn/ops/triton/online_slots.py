@@ -28,10 +28,12 @@ from __future__ import annotations
 import torch
 
 from . import triton
-from .window_codes import _dot_half_rows, _float32_products, _load_rows, _strides, _unit_last, _width
+from .window_codes import _float32_products, _strides, _unit_last, _width
 
 if triton is not None:
     import triton.language as tl
+
+    from .window_codes import _dot_half_rows, _load_rows
 
 # Slots scored per inner step: a (L, SLOT_TILE) score tile and a (SLOT_TILE, D) tile of key sums.
 SLOT_TILE = 32

@@ -27,10 +27,12 @@ import torch
 
 from ..common.layout import empty_like_order
 from . import triton
-from .window_codes import _dot_half_rows, _float32_products, _load_rows, _unit_last, _width
+from .window_codes import _float32_products, _unit_last, _width
 
 if triton is not None:
     import triton.language as tl
+
+    from .window_codes import _dot_half_rows, _load_rows
 
 KEY_BLOCK = 64
 CODE_TILE = 64

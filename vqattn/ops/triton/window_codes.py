@@ -31,6 +31,7 @@ from . import INTERPRET, triton
 
 if triton is not None:
     import triton.language as tl
+    from triton.language.extra import libdevice
 
 # Codes scored per inner step of the kernels (a (L, CODE_TILE) logit tile).
 CODE_TILE = 64
@@ -65,6 +66,19 @@ FORWARD_LAUNCH = dict(num_warps=4, num_stages=1)
 BACKWARD_LAUNCH = dict(num_warps=4, num_stages=3)
 
 if triton is not None:
+    # The softmax runs in base 2, as flash attention's does: logits scaled by σ log2(e) (and biases by log2(e)),
+    # probabilities 2^(l − m), and the logsumexp stored in base 2.
+    LOG2E = tl.constexpr(1.4426950408889634)
+    # libdevice's exp2 flushes subnormal results to zero: one ex2 instruction per element, where tl.exp and tl.exp2
+    # keep them and ptxas adds a range fix-up of four instructions around it. The interpreter has no libdevice.
+    FAST_EXP2 = tl.constexpr(not INTERPRET)
+
+    @triton.jit
+    def _exp2(x):
+        """2^x elementwise (0 where it would be subnormal, on a GPU)."""
+        if FAST_EXP2:
+            return libdevice.exp2(x)
+        return tl.exp2(x)
 
     @triton.jit
     def _load_rows(ptr, sb, sh, st, b, h, rows, T, width, BW: tl.constexpr, DOT: tl.constexpr):
@@ -101,18 +115,20 @@ if triton is not None:
         return tl.dot(a, tl.trans(b), input_precision=PREC)
 
     @triton.jit
-    def _window_logits(qw, kw, rows, cols, T, scale, PREC: tl.constexpr):
-        """σ qw·kwᵀ (L, L), −inf where a key is after the query or outside the sequence."""
-        s = tl.dot(qw, tl.trans(kw), input_precision=PREC) * scale
+    def _window_logits(qw, kw, rows, cols, T, scale2, PREC: tl.constexpr):
+        """σ qw·kwᵀ (L, L) in base 2 (``scale2`` = σ log2 e), −inf where a key is after the query or outside the
+        sequence."""
+        s = tl.dot(qw, tl.trans(kw), input_precision=PREC) * scale2
         visible = (cols[None, :] >= 0) & (cols[None, :] < T) & (cols[None, :] <= rows[:, None])
         return tl.where(visible, s, float("-inf"))
 
     @triton.jit
-    def _code_tile(CB, CNT, SUM, book, cache, bias, s0, S, DC, DV, qc, scale, BS: tl.constexpr, BDC: tl.constexpr,
+    def _code_tile(CB, CNT, SUM, book, cache, bias, s0, S, DC, DV, qc, scale2, BS: tl.constexpr, BDC: tl.constexpr,
                    BDV: tl.constexpr, DOT: tl.constexpr, SUM_DOT: tl.constexpr, PREC: tl.constexpr):
         """Codes s0..s0+BS of codebook ``book`` (a row of the (·, S, DC) codebook: the head's, or the block's own)
         read with cache ``cache`` (a row of the (·, S) counts and (·, S, DV) sums): their logits without the counts,
-        l_s = σ qc·c_s + bias (rows, BS) (−inf for empty and absent codes; ``bias`` the block's memory bias), the
+        l_s = σ qc·c_s + bias (rows, BS) in base 2 (``scale2`` = σ log2 e; −inf for empty and absent codes; ``bias``
+        the block's memory bias, natural), the
         codes (BS, BDC) as DOT, their counts n_s (BS,) (0 for absent codes) and value sums C_s (BS, BDV) as SUM_DOT.
 
         A code's softmax weight is exp(l_s + log n_s) and its value the mean C_s / n_s; their product is
@@ -126,7 +142,8 @@ if triton is not None:
         n = tl.load(CNT + cache * S + codes, mask=present, other=0.0)
         sums = tl.load(SUM + (cache * S + codes[:, None]) * DV + dv[None, :],
                        mask=present[:, None] & (dv[None, :] < DV), other=0.0).to(SUM_DOT)
-        logits = tl.dot(qc, tl.trans(c), input_precision=PREC) * scale + tl.where(n > 0, bias, float("-inf"))[None, :]
+        offset = tl.where(n > 0, bias * LOG2E, float("-inf"))
+        logits = tl.dot(qc, tl.trans(c), input_precision=PREC) * scale2 + offset[None, :]
         return logits, c, n, sums
 
     @triton.jit
@@ -140,13 +157,13 @@ if triton is not None:
     @triton.jit
     def _online_softmax_step(m, z, acc, logits, values, weights, VALUE_DOT: tl.constexpr, PREC: tl.constexpr):
         """Flash attention's update of the running max m (L,), normaliser z (L,) and numerator acc (L, Dv) by one
-        tile of logits (L, n) over its values (n, Dv), each value of weight ``weights`` (n,) in the normaliser: 1
+        tile of base-2 logits (L, n) over its values (n, Dv), each value of weight ``weights`` (n,) in the normaliser: 1
         for the window's keys, the counts for the codes' sums (:func:`_code_tile`). The tile's temporaries stay
         local: the window's tiles are (L, L), the codes' (L, CODE_TILE), and a loop-carried name must keep one
         shape."""
         m_new = tl.maximum(m, tl.max(logits, 1))
-        rescale = tl.exp(m - m_new)
-        p = tl.exp(logits - m_new[:, None])
+        rescale = _exp2(m - m_new)
+        p = _exp2(logits - m_new[:, None])
         z = z * rescale + tl.sum(p * weights[None, :], 1)
         acc = acc * rescale[:, None] + tl.dot(p.to(VALUE_DOT), values, input_precision=PREC)
         return m_new, z, acc
@@ -163,6 +180,7 @@ if triton is not None:
         b, h = bh // H, bh % H
         nb = tl.cdiv(T, L)
         rows = blk * L + tl.arange(0, L)
+        scale2 = scale * LOG2E
         qw = _load_rows(QW, sqw_b, sqw_h, sqw_t, b, h, rows, T, D, BD, DOT)
         m = tl.full([L], float("-inf"), tl.float32)
         z = tl.zeros([L], tl.float32)
@@ -172,7 +190,7 @@ if triton is not None:
             cols = (blk - back) * L + tl.arange(0, L)
             kw = _load_rows(KW, skw_b, skw_h, skw_t, b, h, cols, T, D, BD, DOT)
             v = _load_rows(V, sv_b, sv_h, sv_t, b, h, cols, T, DV, BDV, DOT)
-            m, z, acc = _online_softmax_step(m, z, acc, _window_logits(qw, kw, rows, cols, T, scale, PREC), v,
+            m, z, acc = _online_softmax_step(m, z, acc, _window_logits(qw, kw, rows, cols, T, scale2, PREC), v,
                                              tl.full([L], 1.0, tl.float32), DOT, PREC)
         if HAS_CODES:
             qc = _load_rows(QC, sqc_b, sqc_h, sqc_t, b, h, rows, T, DC, BDC, DOT)
@@ -180,11 +198,11 @@ if triton is not None:
             book = cache if PER_BLOCK else h
             bias = _block_bias(BIAS, blk, HAS_BIAS)
             for s0 in range(0, S, BS):
-                code_logits, _, counts, sums = _code_tile(CB, CNT, SUM, book, cache, bias, s0, S, DC, DV, qc, scale,
-                                                          BS, BDC, BDV, DOT, SUM_DOT, PREC)
+                code_logits, _, counts, sums = _code_tile(CB, CNT, SUM, book, cache, bias, s0, S, DC, DV, qc,
+                                                          scale2, BS, BDC, BDV, DOT, SUM_DOT, PREC)
                 m, z, acc = _online_softmax_step(m, z, acc, code_logits, sums, counts, SUM_DOT, PREC)
         _store_rows(O, so_b, so_h, so_t, b, h, rows, T, DV, acc / z[:, None], BDV)
-        tl.store(LSE + bh * T + rows, m + tl.log(z), mask=rows < T)
+        tl.store(LSE + bh * T + rows, m + tl.log2(z), mask=rows < T)  # base 2
 
     @triton.jit
     def _delta_kernel(O, DO, DELTA, so_b, so_h, so_t, sdo_b, sdo_h, sdo_t, H, T, DV, L: tl.constexpr,
@@ -211,10 +229,10 @@ if triton is not None:
         return qw, do, lse, delta
 
     @triton.jit
-    def _window_grads(qw, kw, v, do, lse, delta, rows, cols, T, scale, DOT: tl.constexpr, PREC: tl.constexpr):
-        """The probabilities p (rows, cols) of one window tile from the stored logsumexp, and the logits' gradient
-        ds = p (dO·vᵀ − Δ), both as DOT (ds without the scale σ)."""
-        p = tl.exp(_window_logits(qw, kw, rows, cols, T, scale, PREC) - lse[:, None])
+    def _window_grads(qw, kw, v, do, lse, delta, rows, cols, T, scale2, DOT: tl.constexpr, PREC: tl.constexpr):
+        """The probabilities p (rows, cols) of one window tile from the stored logsumexp (base 2), and the logits'
+        gradient ds = p (dO·vᵀ − Δ), both as DOT (ds without the scale σ)."""
+        p = _exp2(_window_logits(qw, kw, rows, cols, T, scale2, PREC) - lse[:, None])
         ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None])
         return p.to(DOT), ds.to(DOT)
 
@@ -240,18 +258,19 @@ if triton is not None:
         b, h = bh // H, bh % H
         nb = tl.cdiv(T, L)
         rows = blk * L + tl.arange(0, L)
+        scale2 = scale * LOG2E
         qw, do_dot, lse, delta = _query_block(QW, DO, LSE, DELTA, sqw_b, sqw_h, sqw_t, sdo_b, sdo_h, sdo_t, b, h,
                                               bh, rows, T, D, DV, BD, BDV, DOT)
         # the previous key block: its share of dq (its own dk and dv are the previous program's)
         cols = rows - L
         kw = _load_rows(KW, skw_b, skw_h, skw_t, b, h, cols, T, D, BD, DOT)
         v = _load_rows(V, sv_b, sv_h, sv_t, b, h, cols, T, DV, BDV, DOT)
-        p, ds = _window_grads(qw, kw, v, do_dot, lse, delta, rows, cols, T, scale, DOT, PREC)
+        p, ds = _window_grads(qw, kw, v, do_dot, lse, delta, rows, cols, T, scale2, DOT, PREC)
         dqw = tl.dot(ds, kw, input_precision=PREC) * scale
         # this key block, from its own queries: dq, and the first share of its dk and dv
         kw = _load_rows(KW, skw_b, skw_h, skw_t, b, h, rows, T, D, BD, DOT)
         v = _load_rows(V, sv_b, sv_h, sv_t, b, h, rows, T, DV, BDV, DOT)
-        p, ds = _window_grads(qw, kw, v, do_dot, lse, delta, rows, rows, T, scale, DOT, PREC)
+        p, ds = _window_grads(qw, kw, v, do_dot, lse, delta, rows, rows, T, scale2, DOT, PREC)
         dqw += tl.dot(ds, kw, input_precision=PREC) * scale
         dk = tl.dot(tl.trans(ds), qw, input_precision=PREC)
         dv = tl.dot(tl.trans(p), do_dot, input_precision=PREC)
@@ -260,7 +279,7 @@ if triton is not None:
         next_rows = rows + L
         qn, do_n, lse_n, delta_n = _query_block(QW, DO, LSE, DELTA, sqw_b, sqw_h, sqw_t, sdo_b, sdo_h, sdo_t, b, h,
                                                 bh, next_rows, T, D, DV, BD, BDV, DOT)
-        p, ds = _window_grads(qn, kw, v, do_n, lse_n, delta_n, next_rows, rows, T, scale, DOT, PREC)
+        p, ds = _window_grads(qn, kw, v, do_n, lse_n, delta_n, next_rows, rows, T, scale2, DOT, PREC)
         dk += tl.dot(tl.trans(ds), qn, input_precision=PREC)
         dv += tl.dot(tl.trans(p), do_n, input_precision=PREC)
         _store_rows(DKW, sdkw_b, sdkw_h, sdkw_t, b, h, rows, T, D, dk * scale, BD)
@@ -274,11 +293,11 @@ if triton is not None:
             bias = _block_bias(BIAS, blk, HAS_BIAS)
             do_sums = do_dot.to(SUM_DOT)
             for s0 in range(0, S, BS):
-                code_logits, c, n, sums = _code_tile(CB, CNT, SUM, book, cache, bias, s0, S, DC, DV, qc, scale, BS,
+                code_logits, c, n, sums = _code_tile(CB, CNT, SUM, book, cache, bias, s0, S, DC, DV, qc, scale2, BS,
                                                      BDC, BDV, DOT, SUM_DOT, PREC)
                 # w_n = w / n, the codes' probabilities per count (0 for empty codes); with means C / n the logits'
                 # gradient w (dO·C / n − Δ) is w_n (dO·C − n Δ)
-                w_n = tl.exp(code_logits - lse[:, None])
+                w_n = _exp2(code_logits - lse[:, None])
                 w_n = tl.where(rows[:, None] < T, w_n, 0.0)
                 ds_codes = w_n * (tl.dot(do_sums, tl.trans(sums), input_precision=PREC) - delta[:, None] * n[None, :])
                 dqc += tl.dot(ds_codes.to(DOT), c, input_precision=PREC) * scale
