@@ -32,7 +32,7 @@ from .window_codes import _float32_products, _unit_last, _width
 if triton is not None:
     import triton.language as tl
 
-    from .window_codes import _dot_half_rows, _load_rows
+    from .window_codes import LOG2E, _dot_half_rows, _exp2, _load_rows
 
 KEY_BLOCK = 64
 CODE_TILE = 64
@@ -65,19 +65,20 @@ if triton is not None:
         h = bh % H
         rows = blk * L + tl.arange(0, L)
         k = _load_rows(K, sk_b, sk_h, sk_t, bh // H, h, rows, T, D, BD, tl.float32)
-        inv_tau = 1.0 / tl.load(TAU + h)
+        scale2 = LOG2E / tl.load(TAU + h)  # the softmax in base 2, as the window-code kernels run theirs
         row_max = tl.full([L], float("-inf"), tl.float32)
         row_sum = tl.zeros([L], tl.float32)
         for s0 in range(0, S, BS):
-            x = _scores(k, C, h, s0 + tl.arange(0, BS), S, D, BD, PREC, EXACT_PREC, HALF_ROWS)[0] * inv_tau
+            x = _scores(k, C, h, s0 + tl.arange(0, BS), S, D, BD, PREC, EXACT_PREC, HALF_ROWS)[0] * scale2
             new_max = tl.maximum(row_max, tl.max(x, 1))
-            row_sum = row_sum * tl.exp(row_max - new_max) + tl.sum(tl.exp(x - new_max[:, None]), 1)
+            row_sum = row_sum * _exp2(row_max - new_max) + tl.sum(_exp2(x - new_max[:, None]), 1)
             row_max = new_max
+        inv_sum = 1.0 / row_sum
         for s0 in range(0, S, BS):
             codes = s0 + tl.arange(0, BS)
-            x = _scores(k, C, h, codes, S, D, BD, PREC, EXACT_PREC, HALF_ROWS)[0] * inv_tau
+            x = _scores(k, C, h, codes, S, D, BD, PREC, EXACT_PREC, HALF_ROWS)[0] * scale2
             at, mask = _tile(bh, rows, codes, T, S)
-            tl.store(P + at, tl.exp(x - row_max[:, None]) / row_sum[:, None], mask=mask)
+            tl.store(P + at, _exp2(x - row_max[:, None]) * inv_sum[:, None], mask=mask)
 
     @triton.jit
     def _key_grad_kernel(K, C, TAU, P, G, DK, R, DTAU, sk_b, sk_h, sk_t, sd_b, sd_h, sd_t, H, T, S, D,
