@@ -10,13 +10,14 @@ import torch
 
 from vqattn.layers import build_attention
 from vqattn.ops.common.layout import memory_order
+from vqattn.ops.common.statistics import map_time
 from vqattn.ops.triton import triton
 from vqattn.ops.triton.block_caches import block_caches
 from vqattn.ops.triton.finite import nonfinite_rows
 from vqattn.ops.triton.nearest import code_residuals, nearest_codes
 from vqattn.ops.triton.rotation import rotate
 from vqattn.ops.triton.soft_assign import soft_weights
-from vqattn.ops.vq import naive_vq_attention, vq_assign, vq_attention
+from vqattn.ops.vq import VQState, naive_vq_attention, vq_assign, vq_attention
 from vqattn.ops.window import window_attention
 
 from references import ref_window_attention
@@ -139,6 +140,27 @@ def test_chunked_calls_equal_one_call(assign, window):
     _, chunk_state = vq_call(vq_attention, assign, window, "chunk", return_state=True)(q, k, v, c, *rotated)
     assert rel_rms(state.sums, chunk_state.sums) < 1e-6 and rel_rms(state.counts, chunk_state.counts) < 1e-6
     assert state.length == chunk_state.length and torch.equal(state.keys, chunk_state.keys)
+
+
+def test_gradient_of_a_continued_states_counts():
+    """A hard state whose counts need a gradient (here a leaf): the kernels carry it, against the chunk form in
+    float64. Without one, hard counts are not differentiable and the backward skips their gradient."""
+    q, k, v, c = (x.detach() for x in vq_inputs("hard", "exact", 100, generator=torch.Generator().manual_seed(4)))
+    _, state = vq_attention(q[:, :, :70], k[:, :, :70], v[:, :, :70], c, causal=True, block_len=L,
+                            exact_window=True, impl="chunk", return_state=True)
+    counts, sums = (x.detach().requires_grad_() for x in (state.counts, state.sums))
+
+    def call(impl, dtype, device):
+        def run(q, k, v, counts, sums):
+            start = VQState(counts, sums, *(x.to(device, dtype) for x in (state.keys, state.values)), state.length,
+                            state.block_len, map_time(lambda x: x.to(device), state.assignment))
+            out, after = vq_attention(q, k, v, c.to(device, dtype), causal=True, block_len=L, exact_window=True,
+                                      impl=impl, state=start, return_state=True)
+            return out.sum(-1) + after.counts.sum(-1, keepdim=True) + after.sums.sum((-1, -2)).unsqueeze(-1)
+        return run
+
+    rest = [x[:, :, 70:].clone().requires_grad_() for x in (q, k, v)]
+    compare(call("chunk", torch.float64, "cpu"), call("triton", torch.float32, DEVICE), [*rest, counts, sums])
 
 
 @pytest.mark.parametrize("assign,window", [("hard", "exact"), ("soft", "rotated")])

@@ -206,6 +206,8 @@ class BlockCaches(torch.autograd.Function):
         grid = (triton.cdiv(S, meta["BS"]), B * H)
         _prefix_kernel[grid](idx, wts, v, n0, c0, cache_n, cache_c, fold_n, fold_c, v.stride(0), v.stride(1),
                              v.stride(2), H, T, S, DV, fold, **meta, **_launch(hard))
+        if hard and not ctx.needs_input_grad[3]:  # counts of one-hot rows: no gradient reaches anything
+            ctx.mark_non_differentiable(cache_n, fold_n)
         ctx.save_for_backward(idx, wts, v)
         ctx.meta, ctx.fold, ctx.grid, ctx.S = meta, fold, grid, S
         ctx.dtypes = (None if hard else weights.dtype, v.dtype, counts0.dtype, sums0.dtype)

@@ -246,14 +246,15 @@ if triton is not None:
                          L: tl.constexpr, BD: tl.constexpr, BDC: tl.constexpr, BDV: tl.constexpr,
                          BS: tl.constexpr, HAS_CODES: tl.constexpr, PER_BLOCK: tl.constexpr,
                          HAS_BIAS: tl.constexpr, DOT: tl.constexpr, SUM_DOT: tl.constexpr, PREC: tl.constexpr,
-                         CODEBOOK_GRAD: tl.constexpr):
+                         CODEBOOK_GRAD: tl.constexpr, COUNTS_GRAD: tl.constexpr):
         """Gradients of query block blk, and of key block blk's window keys and values, each written once, in its
         input's dtype, by its own strides (the inputs' memory order). Key block blk is read by query blocks blk and
         blk + 1, so the program recomputes the next block's probabilities over it (one (L, L) tile more, as flash
         attention's backward walks a key block's queries) instead of writing two shares to be added. DCB takes the
         query block's share of the codebook's gradient: stored at (B·H, nb, S, DC) for every block's own codebook,
         added atomically into its sequence's (B·H, S, DC) (zeroed) for a shared one; DCNT (B·H, nb, S) float32 and
-        DSUM (B·H, nb, S, DV) (in the sums' dtype) its cache's gradients."""
+        DSUM (B·H, nb, S, DV) (in the sums' dtype) its cache's gradients (DCNT with COUNTS_GRAD only: hard counts
+        carry no gradient unless the initial cache's do)."""
         blk, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // H, bh % H
         nb = tl.cdiv(T, L)
@@ -314,11 +315,11 @@ if triton is not None:
                         tl.atomic_add(at, dc, mask=inside)
                 # out_i = (Σ_s exp(l_is) C_s + window) / (Σ_s exp(l_is) n_s + window): by C_s w_n dO_i, by n_s −w_n Δ_i
                 d_sums = tl.dot(tl.trans(w_n.to(SUM_DOT)), do_sums, input_precision=PREC)  # (BS, BDV), float32
-                d_counts = -tl.sum(w_n * delta[:, None], 0)
                 tl.store(DSUM + (cache * S + codes[:, None]) * DV + dv_cols[None, :],
                          d_sums.to(DSUM.dtype.element_ty),
                          mask=present[:, None] & (dv_cols[None, :] < DV))
-                tl.store(DCNT + cache * S + codes, d_counts, mask=present)
+                if COUNTS_GRAD:
+                    tl.store(DCNT + cache * S + codes, -tl.sum(w_n * delta[:, None], 0), mask=present)
             _store_rows(DQC, sdqc_b, sdqc_h, sdqc_t, b, h, rows, T, DC, dqc, BDC)
 
 
@@ -427,7 +428,8 @@ class FusedWindowCodes(torch.autograd.Function):
             dcb = torch.empty(B * H, nb, S, DC, **f32)
         else:  # the blocks' shares add up atomically in the kernel, per sequence
             dcb = torch.zeros(B * H, S, DC, **f32)
-        dcnt = torch.empty(B * H, nb, S, **f32) if ctx.has_codes else dqw
+        counts_grad = ctx.has_codes and ctx.needs_input_grad[5]
+        dcnt = torch.empty(B * H, nb, S, **f32) if counts_grad else dqw
         dsum = torch.empty(B * H, nb, S, DV, device=qw.device, dtype=sm.dtype) if ctx.has_codes else dqw
         delta = torch.empty(B * H, T, **f32)
         _delta_kernel[(nb, B * H)](out, grad_out, delta, *_strides(out), *_strides(grad_out), H, T, DV, L=L,
@@ -436,12 +438,12 @@ class FusedWindowCodes(torch.autograd.Function):
             qw, kw, v, qc, cb, cnt, sm, bias, grad_out, lse, delta, dqw, dkw, dv, dqc, dcb, dcnt, dsum,
             *_strides(qw), *_strides(kw), *_strides(v), *_strides(qc), *_strides(grad_out),
             *_strides(dqw), *_strides(dkw), *_strides(dv), *_strides(dqc), H, T, S, D, DC, DV, ctx.scale,
-            CODEBOOK_GRAD=codebook_grad, **ctx.meta, **BACKWARD_LAUNCH)
+            CODEBOOK_GRAD=codebook_grad, COUNTS_GRAD=counts_grad, **ctx.meta, **BACKWARD_LAUNCH)
         grads = [dqw, dkw, dv, None, None, None, None]
         if ctx.has_codes:
             if codebook_grad:  # every block's own, or a shared codebook's summed over the sequences
                 grads[4] = dcb.view(B, H, nb, S, DC) if ctx.meta["PER_BLOCK"] else dcb.view(B, H, S, DC).sum(0)
-            grads[3], grads[5:7] = dqc, [dcnt.view(B, H, nb, S), dsum.view(B, H, nb, S, DV)]
+            grads[3], grads[5:7] = dqc, [dcnt.view(B, H, nb, S) if counts_grad else None, dsum.view(B, H, nb, S, DV)]
             grads[3:5] = [None if g is None else g[..., :ctx.code_dims] for g in grads[3:5]]  # views: no copy
         return (*(None if g is None else g.to(x.dtype) for g, x in zip(grads, (qw, kw, v, qc, cb, cnt, sm))),
                 None, None, None)
