@@ -41,7 +41,8 @@ if triton is not None:
         or the soft weights (BH, T, S); 0 past T and past S."""
         inside = (rows >= 0) & (rows < T)
         if HARD:
-            index = tl.load(IDX + bh * T + rows, mask=inside, other=-1)
+            # compared in 32 bits: a long index compares as two 32-bit halves per element
+            index = tl.load(IDX + bh * T + rows, mask=inside, other=-1).to(tl.int32)
             return (index[:, None] == codes[None, :]).to(tl.float32)
         return tl.load(WTS + (bh * T + rows[:, None]) * S + codes[None, :],
                        mask=inside[:, None] & (codes[None, :] < S), other=0.0).to(tl.float32)
