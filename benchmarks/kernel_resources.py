@@ -13,7 +13,9 @@ ptxas' resource usage and the PTX's global accesses are read:
 A kernel using 255 registers with spill bytes runs one or two programs per SM; ``ld.global.b16`` (one half element
 per instruction) marks loads that Triton could not vectorise, most often rows whose width or stride is not a
 multiple of 16 elements; SASS counts the kernel's machine instructions (a loop's body once): for a kernel without
-loops, the issue slots each of its warps needs. The figures are Triton's at this machine's version (the GPU's may
+loops, the issue slots each of its warps needs; loop, those of its largest innermost loop's body, once per
+iteration (the code-tile loops of the window-code kernels and the cache walks). ``--dump DIR`` writes each launch's
+SASS listing. The figures are Triton's at this machine's version (the GPU's may
 differ), and they say nothing of time: time is ``kernel_profile.py``'s, on a GPU.
 """
 
@@ -35,6 +37,9 @@ import torch
 SHOWN_CONSTEXPRS = ("BDC", "BD", "BDV", "DOT", "BS", "L", "PREC", "EXACT_PREC")
 # a line of cuobjdump's SASS listing that holds one instruction: its address comment, then the opcode
 SASS_INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+\S", re.MULTILINE)
+# an instruction's address and text; a branch's target address
+SASS_LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+([^;]*);", re.MULTILINE)
+BRANCH_TARGET = re.compile(r"\bBRA\s+(?:`\()?(0x[0-9a-f]+)")
 ACCESS = re.compile(r"\b((?:ld|st)\.global(?:\.\w+)*|cp\.async\.c[ag]\.shared\.global)")
 
 
@@ -108,6 +113,20 @@ def _rebuild(x):
     return x
 
 
+def innermost_loops(sass: str) -> list[list[str]]:
+    """The bodies of the innermost loops of a SASS listing (instruction texts, from a backward branch's target to
+    the branch), largest first: a kernel's loop over code tiles is read there, once per iteration."""
+    lines = [(int(address, 16), text) for address, text in SASS_LINE.findall(sass)]
+    spans = []
+    for address, text in lines:
+        target = BRANCH_TARGET.search(text)
+        if target and int(target.group(1), 16) < address:
+            spans.append((int(target.group(1), 16), address))
+    innermost = [(a, b) for a, b in spans if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in spans)]
+    bodies = [[text for address, text in lines if a <= address <= b] for a, b in innermost]
+    return sorted(bodies, key=len, reverse=True)
+
+
 def compile_and_measure(launches, arch: int, dump: str | None = None) -> list[dict]:
     import triton
     from triton.runtime import driver
@@ -133,6 +152,7 @@ def compile_and_measure(launches, arch: int, dump: str | None = None) -> list[di
             regs=int(resources.get("REG", 0)), stack=int(resources.get("STACK", 0)),
             shared_kb=compiled.metadata.shared / 1024,
             instructions=len(SASS_INSTRUCTION.findall(sass)),
+            loop=len((innermost_loops(sass) or [[]])[0]),
             scalar_loads=sum(n for a, n in accesses.items() if a.startswith("ld") and _element_wise(a)),
             scalar_stores=sum(n for a, n in accesses.items() if a.startswith("st") and _element_wise(a)),
             vector_loads=sum(n for a, n in accesses.items() if ".v" in a and a.startswith("ld")),
@@ -178,11 +198,11 @@ def main(argv=None) -> None:
             rows = pickle.load(results)
     print(f"{args.what} {args.method}, sm_{args.arch}: {len(rows)} kernel launches")
     print(f"{'kernel':28s} {'warps':>5s} {'stages':>6s} {'regs':>4s} {'spill B':>7s} {'shared KB':>9s} "
-          f"{'ld.b16':>6s} {'st.b16':>6s} {'ld.v':>4s} {'cp.async':>8s} {'SASS':>6s}  constexprs")
+          f"{'ld.b16':>6s} {'st.b16':>6s} {'ld.v':>4s} {'cp.async':>8s} {'SASS':>6s} {'loop':>5s}  constexprs")
     for r in rows:
         print(f"{r['kernel']:28s} {r['warps']:5d} {r['stages']:6d} {r['regs']:4d} {r['stack']:7d} {r['shared_kb']:9.1f} "
               f"{r['scalar_loads']:6d} {r['scalar_stores']:6d} {r['vector_loads']:4d} {r['async_copies']:8d} "
-              f"{r['instructions']:6d}  {r['constexprs']}")
+              f"{r['instructions']:6d} {r['loop']:5d}  {r['constexprs']}")
 
 
 def _run_phase(argv, phase: str, path: str, interpret: str) -> None:

@@ -59,16 +59,18 @@ def test_ratios_are_medians_of_per_round_ratios(layer_speed):
 
 
 @pytest.mark.slow
-def test_kernel_resources_of_a_layer_compile_for_a_gpu_here(monkeypatch, capsys):
+def test_kernel_resources_of_a_layer_compile_for_a_gpu_here(monkeypatch, capsys, tmp_path):
     """kernel_resources.py records a vq_hard layer's launches under the interpreter and compiles each for sm_90 with
     Triton's ptxas, on this GPU-less machine. The layer's code scores have Dc = 30 (its slow RoPE pairs): padded to
-    32, the window-code kernels load and store every half row vectorised."""
+    32, the window-code kernels load and store every half row vectorised. Their code loops hold no subnormal range
+    fix-up (ptxas' compare with −126 or 2⁻¹²⁶ around ex2 and a precise log): the exponentials are flush-to-zero ex2
+    and the counts take no logarithm."""
     pytest.importorskip("triton")
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import kernel_resources
 
     kernel_resources.main(["--what", "layer", "--method", "vq_hard", "--length", "64", "--dim", "128", "--heads", "2",
-                           "--num-codes", "64"])
+                           "--num-codes", "64", "--dump", str(tmp_path)])
     rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()[2:]}
     assert {"_rotation_kernel", "_nearest_kernel", "_prefix_kernel", "_forward_kernel", "_backward_kernel",
             "_prefix_backward_kernel"} <= set(rows)
@@ -76,3 +78,6 @@ def test_kernel_resources_of_a_layer_compile_for_a_gpu_here(monkeypatch, capsys)
         warps, stages, regs, spill, shared, loads_b16, stores_b16 = rows[kernel][:7]
         assert 0 < int(regs) <= 255 and int(warps) == 4
         assert (int(loads_b16), int(stores_b16)) == (0, 0)
+        loop = kernel_resources.innermost_loops(next(tmp_path.glob(f"*_{kernel}.sass")).read_text())[0]
+        assert int(rows[kernel][10]) == len(loop) > 0
+        assert not [i for i in loop if "-126" in i or "1.175494350822287508e-38" in i], kernel

@@ -69,8 +69,9 @@ if triton is not None:
     # The softmax runs in base 2, as flash attention's does: logits scaled by σ log2(e) (and biases by log2(e)),
     # probabilities 2^(l − m), and the logsumexp stored in base 2.
     LOG2E = tl.constexpr(1.4426950408889634)
-    # libdevice's exp2 flushes subnormal results to zero: one ex2 instruction per element, where tl.exp and tl.exp2
-    # keep them and ptxas adds a range fix-up of four instructions around it. The interpreter has no libdevice.
+    # libdevice's exp2 flushes subnormal results to zero: one ex2.approx.ftz per element, where tl.exp keeps them
+    # (ex2.approx.f32, around which ptxas adds a range fix-up of four instructions), and tl.exp2 does or not as
+    # Triton's lowering goes (flush-to-zero in 3.9). The interpreter has no libdevice.
     FAST_EXP2 = tl.constexpr(not INTERPRET)
 
     @triton.jit
