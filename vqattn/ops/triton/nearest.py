@@ -30,7 +30,7 @@ CODE_TILE = 64
 if triton is not None:
 
     @triton.jit
-    def _nearest_kernel(K, C, OUT, sk_b, sk_h, sk_t, H, T, S, D, L: tl.constexpr, BS: tl.constexpr,
+    def _nearest_kernel(K, C, HALF_NORMS, OUT, sk_b, sk_h, sk_t, H, T, S, D, L: tl.constexpr, BS: tl.constexpr,
                         BD: tl.constexpr, PREC: tl.constexpr, EXACT_PREC: tl.constexpr, HALF_ROWS: tl.constexpr):
         blk, bh = tl.program_id(0), tl.program_id(1)
         h = bh % H
@@ -44,11 +44,12 @@ if triton is not None:
             present = codes < S
             c = tl.load(C + (h * S + codes[:, None]) * D + dims[None, :],
                         mask=present[:, None] & (dims[None, :] < D), other=0.0).to(tl.float32)
-            scores = _dot_half_rows(k, c, HALF_ROWS, PREC, EXACT_PREC) - 0.5 * tl.sum(c * c, 1)[None, :]
-            scores = tl.where(present[None, :], scores, float("-inf"))
-            tile_best = tl.max(scores, 1)
+            # absent codes score −inf
+            half_norms = tl.load(HALF_NORMS + h * S + codes, mask=present, other=float("inf"))
+            scores = _dot_half_rows(k, c, HALF_ROWS, PREC, EXACT_PREC) - half_norms[None, :]
+            tile_best, tile_code = tl.max(scores, 1, return_indices=True, return_indices_tie_break_left=True)
             better = tile_best > best  # strictly: a tie keeps the earlier code
-            best_code = tl.where(better, s0 + tl.argmax(scores, 1), best_code)
+            best_code = tl.where(better, s0 + tile_code, best_code)
             best = tl.where(better, tile_best, best)
         tl.store(OUT + bh * T + rows, best_code.to(tl.int64), mask=rows < T)
 
@@ -80,9 +81,10 @@ def nearest_codes(k: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     B, H, T, D = k.shape
     S = codebook.shape[1]
     k, codebook = _unit_last(k), codebook.float().contiguous()
+    half_norms = 0.5 * codebook.square().sum(-1)  # (H, S), once per call rather than per tile of every program
     index = torch.empty(B, H, T, device=k.device, dtype=torch.int64)
     grid = (triton.cdiv(T, KEY_BLOCK), B * H)
-    _nearest_kernel[grid](k, codebook, index, k.stride(0), k.stride(1), k.stride(2), H, T, S, D, L=KEY_BLOCK,
+    _nearest_kernel[grid](k, codebook, half_norms, index, k.stride(0), k.stride(1), k.stride(2), H, T, S, D, L=KEY_BLOCK,
                           BS=CODE_TILE, BD=_width(D), **_float32_products(k.dtype))
     return index
 

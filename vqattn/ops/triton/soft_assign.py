@@ -43,15 +43,16 @@ KEY_SLICES = 16
 if triton is not None:
 
     @triton.jit
-    def _scores(k, C, h, codes, S, D, BD: tl.constexpr, PREC: tl.constexpr, EXACT_PREC: tl.constexpr,
+    def _scores(k, C, HN, h, codes, S, D, BD: tl.constexpr, PREC: tl.constexpr, EXACT_PREC: tl.constexpr,
                 HALF_ROWS: tl.constexpr):
-        """(k·c_s − ‖c_s‖²/2) for the codes of one tile (−inf past S): k (L, BD) float32, C (H, S, D) float32."""
+        """(k·c_s − ‖c_s‖²/2) for the codes of one tile (−inf past S): k (L, BD) float32, C (H, S, D) float32, HN
+        (H, S) the codes' ‖c_s‖²/2 (formed once per call, not per tile of every program)."""
         dims = tl.arange(0, BD)
         present = codes < S
         c = tl.load(C + (h * S + codes[:, None]) * D + dims[None, :], mask=present[:, None] & (dims[None, :] < D),
                     other=0.0)
-        scores = _dot_half_rows(k, c, HALF_ROWS, PREC, EXACT_PREC) - 0.5 * tl.sum(c * c, 1)[None, :]
-        return tl.where(present[None, :], scores, float("-inf")), c
+        half_norms = tl.load(HN + h * S + codes, mask=present, other=float("inf"))  # absent codes score −inf
+        return _dot_half_rows(k, c, HALF_ROWS, PREC, EXACT_PREC) - half_norms[None, :], c
 
     @triton.jit
     def _tile(bh, rows, codes, T, S):
@@ -59,7 +60,7 @@ if triton is not None:
         return (bh * T + rows[:, None]) * S + codes[None, :], (rows[:, None] < T) & (codes[None, :] < S)
 
     @triton.jit
-    def _forward_kernel(K, C, TAU, P, sk_b, sk_h, sk_t, H, T, S, D, L: tl.constexpr, BS: tl.constexpr,
+    def _forward_kernel(K, C, HN, TAU, P, sk_b, sk_h, sk_t, H, T, S, D, L: tl.constexpr, BS: tl.constexpr,
                         BD: tl.constexpr, PREC: tl.constexpr, EXACT_PREC: tl.constexpr, HALF_ROWS: tl.constexpr):
         blk, bh = tl.program_id(0), tl.program_id(1)
         h = bh % H
@@ -69,19 +70,19 @@ if triton is not None:
         row_max = tl.full([L], float("-inf"), tl.float32)
         row_sum = tl.zeros([L], tl.float32)
         for s0 in range(0, S, BS):
-            x = _scores(k, C, h, s0 + tl.arange(0, BS), S, D, BD, PREC, EXACT_PREC, HALF_ROWS)[0] * scale2
+            x = _scores(k, C, HN, h, s0 + tl.arange(0, BS), S, D, BD, PREC, EXACT_PREC, HALF_ROWS)[0] * scale2
             new_max = tl.maximum(row_max, tl.max(x, 1))
             row_sum = row_sum * _exp2(row_max - new_max) + tl.sum(_exp2(x - new_max[:, None]), 1)
             row_max = new_max
         inv_sum = 1.0 / row_sum
         for s0 in range(0, S, BS):
             codes = s0 + tl.arange(0, BS)
-            x = _scores(k, C, h, codes, S, D, BD, PREC, EXACT_PREC, HALF_ROWS)[0] * scale2
+            x = _scores(k, C, HN, h, codes, S, D, BD, PREC, EXACT_PREC, HALF_ROWS)[0] * scale2
             at, mask = _tile(bh, rows, codes, T, S)
             tl.store(P + at, _exp2(x - row_max[:, None]) * inv_sum[:, None], mask=mask)
 
     @triton.jit
-    def _key_grad_kernel(K, C, TAU, P, G, DK, R, DTAU, sk_b, sk_h, sk_t, sd_b, sd_h, sd_t, H, T, S, D,
+    def _key_grad_kernel(K, C, HN, TAU, P, G, DK, R, DTAU, sk_b, sk_h, sk_t, sd_b, sd_h, sd_t, H, T, S, D,
                          L: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
                          EXACT_PREC: tl.constexpr, HALF_ROWS: tl.constexpr, TAU_GRAD: tl.constexpr):
         blk, bh = tl.program_id(0), tl.program_id(1)
@@ -99,7 +100,7 @@ if triton is not None:
             codes = s0 + tl.arange(0, BS)
             at, mask = _tile(bh, rows, codes, T, S)
             ds = tl.load(P + at, mask=mask, other=0.0) * (tl.load(G + at, mask=mask, other=0.0) - r[:, None])
-            scores, c = _scores(k, C, h, codes, S, D, BD, PREC, EXACT_PREC, HALF_ROWS)
+            scores, c = _scores(k, C, HN, h, codes, S, D, BD, PREC, EXACT_PREC, HALF_ROWS)
             dk += tl.dot(ds, c, input_precision=PREC)
             if TAU_GRAD:
                 ds_x += tl.sum(ds * tl.where(mask, scores, 0.0), 1)
@@ -145,17 +146,18 @@ class SoftAssign(torch.autograd.Function):
         B, H, T, D = k.shape
         S = c.shape[1]
         k = _unit_last(k)
+        half_norms = 0.5 * c.square().sum(-1)
         weights = torch.empty(B, H, T, S, device=k.device, dtype=torch.float32)
         _forward_kernel[(triton.cdiv(T, KEY_BLOCK), B * H)](
-            k, c, tau, weights, k.stride(0), k.stride(1), k.stride(2), H, T, S, D, L=KEY_BLOCK, BS=CODE_TILE,
+            k, c, half_norms, tau, weights, k.stride(0), k.stride(1), k.stride(2), H, T, S, D, L=KEY_BLOCK, BS=CODE_TILE,
             BD=_width(D), **_float32_products(k.dtype))
-        ctx.save_for_backward(k, c, tau, weights)
+        ctx.save_for_backward(k, c, half_norms, tau, weights)
         return weights
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        k, c, tau, weights = ctx.saved_tensors
+        k, c, half_norms, tau, weights = ctx.saved_tensors
         need_k, need_c, need_tau = ctx.needs_input_grad
         B, H, T, D = k.shape
         S = c.shape[1]
@@ -167,8 +169,8 @@ class SoftAssign(torch.autograd.Function):
         grad_k = empty_like_order(k, dtype=torch.float32)  # in k's memory order (common/layout.py)
         row_sums = torch.empty(B, H, T, device=k.device, dtype=torch.float32)
         grad_tau = torch.empty(B, H, blocks, device=k.device, dtype=torch.float32) if need_tau else grad_k
-        _key_grad_kernel[(blocks, B * H)](k, c, tau, weights, grad, grad_k, row_sums, grad_tau, *strides,
-                                          *grad_k.stride()[:3], H, T, S, D, TAU_GRAD=need_tau, **shape,
+        _key_grad_kernel[(blocks, B * H)](k, c, half_norms, tau, weights, grad, grad_k, row_sums, grad_tau,
+                                          *strides, *grad_k.stride()[:3], H, T, S, D, TAU_GRAD=need_tau, **shape,
                                           **products)
         grad_c = None
         if need_c:
