@@ -57,10 +57,12 @@ def record(args, path: str) -> None:
     import vqattn.ops.vq.assign as assign
 
     # the kernels a CUDA tensor takes, and their half-precision products (the interpreter's own are float32)
-    rotation.runs_rotation_kernel = lambda x: x.dim() == 4 and x.stride(-1) == 1 and x.dtype in rotation.SUPPORTED_DTYPES
+    rotation.runs_rotation_kernel = lambda x: (x.dim() == 4 and x.stride(-1) == 1
+                                               and x.dtype in rotation.SUPPORTED_DTYPES)
     finite.runs_finite_kernel = nonfinite.runs_finite_kernel = lambda x: x.dtype in finite.SUPPORTED_DTYPES
     assignment_kernels = lambda k: k.dtype in nearest.SUPPORTED_DTYPES  # noqa: E731
-    nearest.runs_assignment_kernels = assign.runs_assignment_kernels = codebook.runs_assignment_kernels = assignment_kernels
+    for module in (nearest, assign, codebook):
+        module.runs_assignment_kernels = assignment_kernels
     window_codes.INTERPRET = False
 
     launches = {}
@@ -171,7 +173,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--what", choices=["op", "layer"], default="layer")
     parser.add_argument("--method", default="vq_hard", help="an op method or a layer (kernel_profile.py's)")
-    parser.add_argument("--length", type=int, default=256, help="the recorded step's T (constexprs do not depend on it)")
+    parser.add_argument("--length", type=int, default=256,
+                        help="the recorded step's T (constexprs do not depend on it)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--dim", type=int, default=1024)
@@ -200,7 +203,8 @@ def main(argv=None) -> None:
     print(f"{'kernel':28s} {'warps':>5s} {'stages':>6s} {'regs':>4s} {'spill B':>7s} {'shared KB':>9s} "
           f"{'ld.b16':>6s} {'st.b16':>6s} {'ld.v':>4s} {'cp.async':>8s} {'SASS':>6s} {'loop':>5s}  constexprs")
     for r in rows:
-        print(f"{r['kernel']:28s} {r['warps']:5d} {r['stages']:6d} {r['regs']:4d} {r['stack']:7d} {r['shared_kb']:9.1f} "
+        print(f"{r['kernel']:28s} {r['warps']:5d} {r['stages']:6d} {r['regs']:4d} {r['stack']:7d} "
+              f"{r['shared_kb']:9.1f} "
               f"{r['scalar_loads']:6d} {r['scalar_stores']:6d} {r['vector_loads']:4d} {r['async_copies']:8d} "
               f"{r['instructions']:6d} {r['loop']:5d}  {r['constexprs']}")
 

@@ -149,8 +149,8 @@ class SoftAssign(torch.autograd.Function):
         half_norms = 0.5 * c.square().sum(-1)
         weights = torch.empty(B, H, T, S, device=k.device, dtype=torch.float32)
         _forward_kernel[(triton.cdiv(T, KEY_BLOCK), B * H)](
-            k, c, half_norms, tau, weights, k.stride(0), k.stride(1), k.stride(2), H, T, S, D, L=KEY_BLOCK, BS=CODE_TILE,
-            BD=_width(D), **_float32_products(k.dtype))
+            k, c, half_norms, tau, weights, k.stride(0), k.stride(1), k.stride(2), H, T, S, D, L=KEY_BLOCK,
+            BS=CODE_TILE, BD=_width(D), **_float32_products(k.dtype))
         ctx.save_for_backward(k, c, half_norms, tau, weights)
         return weights
 
