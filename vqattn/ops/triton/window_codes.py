@@ -186,13 +186,18 @@ if triton is not None:
         m = tl.full([L], float("-inf"), tl.float32)
         z = tl.zeros([L], tl.float32)
         acc = tl.zeros([L, BDV], tl.float32)
+        # both blocks' keys and values loaded before either is scored: one trip to memory, not two
+        cols = rows - L
+        kw_prev = _load_rows(KW, skw_b, skw_h, skw_t, b, h, cols, T, D, BD, DOT)
+        v_prev = _load_rows(V, sv_b, sv_h, sv_t, b, h, cols, T, DV, BDV, DOT)
+        kw = _load_rows(KW, skw_b, skw_h, skw_t, b, h, rows, T, D, BD, DOT)
+        v = _load_rows(V, sv_b, sv_h, sv_t, b, h, rows, T, DV, BDV, DOT)
+        ones = tl.full([L], 1.0, tl.float32)
         # the current block first: its diagonal keeps every row's max finite from the start
-        for back in tl.static_range(2):
-            cols = (blk - back) * L + tl.arange(0, L)
-            kw = _load_rows(KW, skw_b, skw_h, skw_t, b, h, cols, T, D, BD, DOT)
-            v = _load_rows(V, sv_b, sv_h, sv_t, b, h, cols, T, DV, BDV, DOT)
-            m, z, acc = _online_softmax_step(m, z, acc, _window_logits(qw, kw, rows, cols, T, scale2, PREC), v,
-                                             tl.full([L], 1.0, tl.float32), DOT, PREC)
+        m, z, acc = _online_softmax_step(m, z, acc, _window_logits(qw, kw, rows, rows, T, scale2, PREC), v, ones,
+                                         DOT, PREC)
+        m, z, acc = _online_softmax_step(m, z, acc, _window_logits(qw, kw_prev, rows, cols, T, scale2, PREC), v_prev,
+                                         ones, DOT, PREC)
         if HAS_CODES:
             qc = _load_rows(QC, sqc_b, sqc_h, sqc_t, b, h, rows, T, DC, BDC, DOT)
             cache = bh * nb + blk
@@ -263,24 +268,25 @@ if triton is not None:
         scale2 = scale * LOG2E
         qw, do_dot, lse, delta = _query_block(QW, DO, LSE, DELTA, sqw_b, sqw_h, sqw_t, sdo_b, sdo_h, sdo_t, b, h,
                                               bh, rows, T, D, DV, BD, BDV, DOT)
-        # the previous key block: its share of dq (its own dk and dv are the previous program's)
+        # the next query block, and both key blocks, loaded before any is used: one trip to memory, not three
+        next_rows = rows + L
+        qn, do_n, lse_n, delta_n = _query_block(QW, DO, LSE, DELTA, sqw_b, sqw_h, sqw_t, sdo_b, sdo_h, sdo_t, b, h,
+                                                bh, next_rows, T, D, DV, BD, BDV, DOT)
         cols = rows - L
-        kw = _load_rows(KW, skw_b, skw_h, skw_t, b, h, cols, T, D, BD, DOT)
-        v = _load_rows(V, sv_b, sv_h, sv_t, b, h, cols, T, DV, BDV, DOT)
-        p, ds = _window_grads(qw, kw, v, do_dot, lse, delta, rows, cols, T, scale2, DOT, PREC)
-        dqw = tl.dot(ds, kw, input_precision=PREC) * scale
-        # this key block, from its own queries: dq, and the first share of its dk and dv
+        kw_prev = _load_rows(KW, skw_b, skw_h, skw_t, b, h, cols, T, D, BD, DOT)
+        v_prev = _load_rows(V, sv_b, sv_h, sv_t, b, h, cols, T, DV, BDV, DOT)
         kw = _load_rows(KW, skw_b, skw_h, skw_t, b, h, rows, T, D, BD, DOT)
         v = _load_rows(V, sv_b, sv_h, sv_t, b, h, rows, T, DV, BDV, DOT)
+        # the previous key block: its share of dq (its own dk and dv are the previous program's)
+        p, ds = _window_grads(qw, kw_prev, v_prev, do_dot, lse, delta, rows, cols, T, scale2, DOT, PREC)
+        dqw = tl.dot(ds, kw_prev, input_precision=PREC) * scale
+        # this key block, from its own queries: dq, and the first share of its dk and dv
         p, ds = _window_grads(qw, kw, v, do_dot, lse, delta, rows, rows, T, scale2, DOT, PREC)
         dqw += tl.dot(ds, kw, input_precision=PREC) * scale
         dk = tl.dot(tl.trans(ds), qw, input_precision=PREC)
         dv = tl.dot(tl.trans(p), do_dot, input_precision=PREC)
         _store_rows(DQW, sdqw_b, sdqw_h, sdqw_t, b, h, rows, T, D, dqw, BD)  # DQW, DQC: of q's dtypes
         # ... and from the next query block (absent past the last block: zero rows add nothing)
-        next_rows = rows + L
-        qn, do_n, lse_n, delta_n = _query_block(QW, DO, LSE, DELTA, sqw_b, sqw_h, sqw_t, sdo_b, sdo_h, sdo_t, b, h,
-                                                bh, next_rows, T, D, DV, BD, BDV, DOT)
         p, ds = _window_grads(qn, kw, v, do_n, lse_n, delta_n, next_rows, rows, T, scale2, DOT, PREC)
         dk += tl.dot(tl.trans(ds), qn, input_precision=PREC)
         dv += tl.dot(tl.trans(p), do_n, input_precision=PREC)
