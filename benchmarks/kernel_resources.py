@@ -15,8 +15,14 @@ per instruction) marks loads that Triton could not vectorise, most often rows wh
 multiple of 16 elements; SASS counts the kernel's machine instructions (a loop's body once): for a kernel without
 loops, the issue slots each of its warps needs; loop, those of its largest innermost loop's body, once per
 iteration (the code-tile loops of the window-code kernels and the cache walks). ``--dump DIR`` writes each launch's
-SASS listing. The figures are Triton's at this machine's version (the GPU's may
-differ), and they say nothing of time: time is ``kernel_profile.py``'s, on a GPU.
+SASS listing. The figures are those of the Triton that compiles; ``--compiler-python`` names a Python whose Triton is
+another version (the GPU machine's), which compiles the launches recorded here:
+
+    python -m venv --system-site-packages /tmp/triton36
+    /tmp/triton36/bin/pip install --no-deps triton==3.6.0
+    python benchmarks/kernel_resources.py --what layer --method vq_hard --compiler-python /tmp/triton36/bin/python
+
+They say nothing of time: time is ``kernel_profile.py``'s, on a GPU.
 """
 
 from __future__ import annotations
@@ -182,6 +188,8 @@ def main(argv=None) -> None:
     parser.add_argument("--block-len", type=int, default=None)
     parser.add_argument("--arch", type=int, default=90, help="the compute capability compiled for (90: H100, H200)")
     parser.add_argument("--dump", help="a folder to write each launch's SASS listing to")
+    parser.add_argument("--compiler-python", default=sys.executable,
+                        help="the Python (and so the Triton) that compiles the launches (default: this one)")
     parser.add_argument("--phase", choices=["record", "compile"], help=argparse.SUPPRESS)
     parser.add_argument("--file", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -195,11 +203,13 @@ def main(argv=None) -> None:
         return
     with tempfile.NamedTemporaryFile(suffix=".pkl") as f:
         # each phase in a fresh process: Triton picks the interpreter or the compiler when the kernels are defined
-        for phase, interpret in (("record", "1"), ("compile", "0")):
-            _run_phase(argv if argv is not None else sys.argv[1:], phase, f.name, interpret)
+        for phase, interpret, python in (("record", "1", sys.executable), ("compile", "0", args.compiler_python)):
+            _run_phase(python, argv if argv is not None else sys.argv[1:], phase, f.name, interpret)
         with open(f.name, "rb") as results:
             rows = pickle.load(results)
-    print(f"{args.what} {args.method}, sm_{args.arch}: {len(rows)} kernel launches")
+    version = subprocess.run([args.compiler_python, "-c", "import triton; print(triton.__version__)"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    print(f"{args.what} {args.method}, sm_{args.arch}, Triton {version}: {len(rows)} kernel launches")
     print(f"{'kernel':28s} {'warps':>5s} {'stages':>6s} {'regs':>4s} {'spill B':>7s} {'shared KB':>9s} "
           f"{'ld.b16':>6s} {'st.b16':>6s} {'ld.v':>4s} {'cp.async':>8s} {'SASS':>6s} {'loop':>5s}  constexprs")
     for r in rows:
@@ -209,13 +219,13 @@ def main(argv=None) -> None:
               f"{r['instructions']:6d} {r['loop']:5d}  {r['constexprs']}")
 
 
-def _run_phase(argv, phase: str, path: str, interpret: str) -> None:
-    """This script's ``phase`` in a fresh process that finds the tree's package, with TRITON_INTERPRET=interpret."""
+def _run_phase(python: str, argv, phase: str, path: str, interpret: str) -> None:
+    """This script's ``phase`` in a fresh process of ``python`` that finds the tree's package, with
+    TRITON_INTERPRET=interpret."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, TRITON_INTERPRET=interpret,
                PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--phase", phase, "--file", path], env=env,
-                   check=True)
+    subprocess.run([python, os.path.abspath(__file__), *argv, "--phase", phase, "--file", path], env=env, check=True)
 
 
 if __name__ == "__main__":

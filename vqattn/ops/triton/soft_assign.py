@@ -32,7 +32,7 @@ from .window_codes import _float32_products, _unit_last, _width
 if triton is not None:
     import triton.language as tl
 
-    from .window_codes import LOG2E, _dot_half_rows, _exp2, _load_rows
+    from .window_codes import LOG2E, _dot_half_rows, _load_rows
 
 KEY_BLOCK = 64
 CODE_TILE = 64
@@ -72,14 +72,14 @@ if triton is not None:
         for s0 in range(0, S, BS):
             x = _scores(k, C, HN, h, s0 + tl.arange(0, BS), S, D, BD, PREC, EXACT_PREC, HALF_ROWS)[0] * scale2
             new_max = tl.maximum(row_max, tl.max(x, 1))
-            row_sum = row_sum * _exp2(row_max - new_max) + tl.sum(_exp2(x - new_max[:, None]), 1)
+            row_sum = row_sum * tl.exp2(row_max - new_max) + tl.sum(tl.exp2(x - new_max[:, None]), 1)
             row_max = new_max
         inv_sum = 1.0 / row_sum
         for s0 in range(0, S, BS):
             codes = s0 + tl.arange(0, BS)
             x = _scores(k, C, HN, h, codes, S, D, BD, PREC, EXACT_PREC, HALF_ROWS)[0] * scale2
             at, mask = _tile(bh, rows, codes, T, S)
-            tl.store(P + at, _exp2(x - row_max[:, None]) * inv_sum[:, None], mask=mask)
+            tl.store(P + at, tl.exp2(x - row_max[:, None]) * inv_sum[:, None], mask=mask)
 
     @triton.jit
     def _key_grad_kernel(K, C, HN, TAU, P, G, DK, R, DTAU, sk_b, sk_h, sk_t, sd_b, sd_h, sd_t, H, T, S, D,

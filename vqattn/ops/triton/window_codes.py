@@ -31,7 +31,6 @@ from . import INTERPRET, triton
 
 if triton is not None:
     import triton.language as tl
-    from triton.language.extra import libdevice
 
 # Codes scored per inner step of the kernels (a (L, CODE_TILE) logit tile).
 CODE_TILE = 64
@@ -67,19 +66,10 @@ BACKWARD_LAUNCH = dict(num_warps=4, num_stages=3)
 
 if triton is not None:
     # The softmax runs in base 2, as flash attention's does: logits scaled by σ log2(e) (and biases by log2(e)),
-    # probabilities 2^(l − m), and the logsumexp stored in base 2.
+    # probabilities 2^(l − m), and the logsumexp stored in base 2. tl.exp2 is one ex2.approx.ftz per element (Triton
+    # 3.6 and 3.9), where tl.exp is ex2.approx.f32, which keeps subnormal results and around which ptxas adds a range
+    # fix-up of four instructions.
     LOG2E = tl.constexpr(1.4426950408889634)
-    # libdevice's exp2 flushes subnormal results to zero: one ex2.approx.ftz per element, where tl.exp keeps them
-    # (ex2.approx.f32, around which ptxas adds a range fix-up of four instructions), and tl.exp2 does or not as
-    # Triton's lowering goes (flush-to-zero in 3.9). The interpreter has no libdevice.
-    FAST_EXP2 = tl.constexpr(not INTERPRET)
-
-    @triton.jit
-    def _exp2(x):
-        """2^x elementwise (0 where it would be subnormal, on a GPU)."""
-        if FAST_EXP2:
-            return libdevice.exp2(x)
-        return tl.exp2(x)
 
     @triton.jit
     def _load_rows(ptr, sb, sh, st, b, h, rows, T, width, BW: tl.constexpr, DOT: tl.constexpr):
@@ -163,8 +153,8 @@ if triton is not None:
         local: the window's tiles are (L, L), the codes' (L, CODE_TILE), and a loop-carried name must keep one
         shape."""
         m_new = tl.maximum(m, tl.max(logits, 1))
-        rescale = _exp2(m - m_new)
-        p = _exp2(logits - m_new[:, None])
+        rescale = tl.exp2(m - m_new)
+        p = tl.exp2(logits - m_new[:, None])
         z = z * rescale + tl.sum(p * weights[None, :], 1)
         acc = acc * rescale[:, None] + tl.dot(p.to(VALUE_DOT), values, input_precision=PREC)
         return m_new, z, acc
@@ -238,7 +228,7 @@ if triton is not None:
     def _window_grads(qw, kw, v, do, lse, delta, rows, cols, T, scale2, DOT: tl.constexpr, PREC: tl.constexpr):
         """The probabilities p (rows, cols) of one window tile from the stored logsumexp (base 2), and the logits'
         gradient ds = p (dO·vᵀ − Δ), both as DOT (ds without the scale σ)."""
-        p = _exp2(_window_logits(qw, kw, rows, cols, T, scale2, PREC) - lse[:, None])
+        p = tl.exp2(_window_logits(qw, kw, rows, cols, T, scale2, PREC) - lse[:, None])
         ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None])
         return p.to(DOT), ds.to(DOT)
 
@@ -305,7 +295,7 @@ if triton is not None:
                                                      BDC, BDV, DOT, SUM_DOT, PREC)
                 # w_n = w / n, the codes' probabilities per count (0 for empty codes); with means C / n the logits'
                 # gradient w (dO·C / n − Δ) is w_n (dO·C − n Δ)
-                w_n = _exp2(code_logits - lse[:, None])
+                w_n = tl.exp2(code_logits - lse[:, None])
                 w_n = tl.where(rows[:, None] < T, w_n, 0.0)
                 ds_codes = w_n * (tl.dot(do_sums, tl.trans(sums), input_precision=PREC) - delta[:, None] * n[None, :])
                 dqc += tl.dot(ds_codes.to(DOT), c, input_precision=PREC) * scale
