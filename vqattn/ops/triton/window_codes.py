@@ -119,8 +119,8 @@ if triton is not None:
         """Codes s0..s0+BS of codebook ``book`` (a row of the (·, S, DC) codebook: the head's, or the block's own)
         read with cache ``cache`` (a row of the (·, S) counts and (·, S, DV) sums): their logits without the counts,
         l_s = σ qc·c_s + bias (rows, BS) in base 2 (``scale2`` = σ log2 e; −inf for empty and absent codes; ``bias``
-        the block's memory bias, natural), the
-        codes (BS, BDC) as DOT, their counts n_s (BS,) (0 for absent codes) and value sums C_s (BS, BDV) as SUM_DOT.
+        the block's memory bias, natural), the codes (BS, BDC) as DOT, their counts n_s (BS,) (0 for absent codes)
+        and value sums C_s (BS, BDV) as SUM_DOT.
 
         A code's softmax weight is exp(l_s + log n_s) and its value the mean C_s / n_s; their product is
         exp(l_s)·C_s, so the counts only weigh the normaliser (Σ exp(l_s)·n_s) and no tile takes a logarithm or
