@@ -81,7 +81,7 @@ if triton is not None:
         rows = (blk - 1) * L + tl.arange(0, L)
         w = _assignment_tile(IDX, WTS, bh, rows, codes, T, S, HARD)
         v = _load_rows(V, sv_b, sv_h, sv_t, bh // H, bh % H, rows, T, DV, BDV, DOT)
-        return n + tl.sum(w, 0), sums + tl.dot(tl.trans(w.to(DOT)), v, input_precision=PREC)
+        return n + tl.sum(w, 0), tl.dot(tl.trans(w.to(DOT)), v, sums, input_precision=PREC)
 
     @triton.jit
     def _prefix_kernel(IDX, WTS, V, N0, C0, NB, CB, NF, CF, sv_b, sv_h, sv_t, H, T, S, DV, fold,

@@ -85,7 +85,7 @@ if triton is not None:
             tl.store(CNT + slots, n * decay + tl.sum(hit, 0), mask=slots < S)
             mask = (slots[:, None] < S) & (dims[None, :] < D)
             sums = tl.load(SUM + slots[:, None] * D + dims[None, :], mask=mask, other=0.0)
-            sums = sums * decay + tl.dot(tl.trans(hit), keys, input_precision=EXACT_PREC)
+            sums = tl.dot(tl.trans(hit), keys, sums * decay, input_precision=EXACT_PREC)
             tl.store(SUM + slots[:, None] * D + dims[None, :], sums, mask=mask)
 
     @triton.jit

@@ -101,7 +101,7 @@ if triton is not None:
             at, mask = _tile(bh, rows, codes, T, S)
             ds = tl.load(P + at, mask=mask, other=0.0) * (tl.load(G + at, mask=mask, other=0.0) - r[:, None])
             scores, c = _scores(k, C, HN, h, codes, S, D, BD, PREC, EXACT_PREC, HALF_ROWS)
-            dk += tl.dot(ds, c, input_precision=PREC)
+            dk = tl.dot(ds, c, dk, input_precision=PREC)
             if TAU_GRAD:
                 ds_x += tl.sum(ds * tl.where(mask, scores, 0.0), 1)
         dims = tl.arange(0, BD)

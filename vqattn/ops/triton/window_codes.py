@@ -101,8 +101,8 @@ if triton is not None:
         products (tf32x3) would also split a, which has no low part; otherwise one product in PREC."""
         if HALF_ROWS:
             hi, lo = _tf32_parts(b)
-            return (tl.dot(a, tl.trans(hi), input_precision=EXACT_PREC)
-                    + tl.dot(a, tl.trans(lo), input_precision=EXACT_PREC))
+            return tl.dot(a, tl.trans(lo), tl.dot(a, tl.trans(hi), input_precision=EXACT_PREC),
+                          input_precision=EXACT_PREC)
         return tl.dot(a, tl.trans(b), input_precision=PREC)
 
     @triton.jit
@@ -156,7 +156,7 @@ if triton is not None:
         rescale = tl.exp2(m - m_new)
         p = tl.exp2(logits - m_new[:, None])
         z = z * rescale + tl.sum(p * weights[None, :], 1)
-        acc = acc * rescale[:, None] + tl.dot(p.to(VALUE_DOT), values, input_precision=PREC)
+        acc = tl.dot(p.to(VALUE_DOT), values, acc * rescale[:, None], input_precision=PREC)  # added in the product
         return m_new, z, acc
 
     @triton.jit
@@ -269,17 +269,17 @@ if triton is not None:
         v = _load_rows(V, sv_b, sv_h, sv_t, b, h, rows, T, DV, BDV, DOT)
         # the previous key block: its share of dq (its own dk and dv are the previous program's)
         p, ds = _window_grads(qw, kw_prev, v_prev, do_dot, lse, delta, rows, cols, T, scale2, DOT, PREC)
-        dqw = tl.dot(ds, kw_prev, input_precision=PREC) * scale
+        dqw = tl.dot(ds, kw_prev, input_precision=PREC)  # the gradients' sums accumulate in the products, σ after
         # this key block, from its own queries: dq, and the first share of its dk and dv
         p, ds = _window_grads(qw, kw, v, do_dot, lse, delta, rows, rows, T, scale2, DOT, PREC)
-        dqw += tl.dot(ds, kw, input_precision=PREC) * scale
+        dqw = tl.dot(ds, kw, dqw, input_precision=PREC)
         dk = tl.dot(tl.trans(ds), qw, input_precision=PREC)
         dv = tl.dot(tl.trans(p), do_dot, input_precision=PREC)
-        _store_rows(DQW, sdqw_b, sdqw_h, sdqw_t, b, h, rows, T, D, dqw, BD)  # DQW, DQC: of q's dtypes
+        _store_rows(DQW, sdqw_b, sdqw_h, sdqw_t, b, h, rows, T, D, dqw * scale, BD)  # DQW, DQC: of q's dtypes
         # ... and from the next query block (absent past the last block: zero rows add nothing)
         p, ds = _window_grads(qn, kw, v, do_n, lse_n, delta_n, next_rows, rows, T, scale2, DOT, PREC)
-        dk += tl.dot(tl.trans(ds), qn, input_precision=PREC)
-        dv += tl.dot(tl.trans(p), do_n, input_precision=PREC)
+        dk = tl.dot(tl.trans(ds), qn, dk, input_precision=PREC)
+        dv = tl.dot(tl.trans(p), do_n, dv, input_precision=PREC)
         _store_rows(DKW, sdkw_b, sdkw_h, sdkw_t, b, h, rows, T, D, dk * scale, BD)
         _store_rows(DV_, sdv_b, sdv_h, sdv_t, b, h, rows, T, DV, dv, BDV)
         if HAS_CODES:
@@ -298,7 +298,7 @@ if triton is not None:
                 w_n = tl.exp2(code_logits - lse[:, None])
                 w_n = tl.where(rows[:, None] < T, w_n, 0.0)
                 ds_codes = w_n * (tl.dot(do_sums, tl.trans(sums), input_precision=PREC) - delta[:, None] * n[None, :])
-                dqc += tl.dot(ds_codes.to(DOT), c, input_precision=PREC) * scale
+                dqc = tl.dot(ds_codes.to(DOT), c, dqc, input_precision=PREC)
                 codes = s0 + tl.arange(0, BS)
                 present = codes < S
                 if CODEBOOK_GRAD:
@@ -317,7 +317,7 @@ if triton is not None:
                          mask=present[:, None] & (dv_cols[None, :] < DV))
                 if COUNTS_GRAD:
                     tl.store(DCNT + cache * S + codes, -tl.sum(w_n * delta[:, None], 0), mask=present)
-            _store_rows(DQC, sdqc_b, sdqc_h, sdqc_t, b, h, rows, T, DC, dqc, BDC)
+            _store_rows(DQC, sdqc_b, sdqc_h, sdqc_t, b, h, rows, T, DC, dqc * scale, BDC)
 
 
 def _width(n: int) -> int:
