@@ -218,17 +218,20 @@ def ref_block_caches(delta, v, counts0, sums0, block_len, fold):
 
 
 @pytest.mark.parametrize("assign", ["hard", "soft"])
-@pytest.mark.parametrize("T,fold", [(1, 0), (1, 1), (40, 1), (100, 2), (100, 4)])
-def test_block_caches(assign, T, fold):
+@pytest.mark.parametrize("T,fold,num_codes", [(1, 0, S), (1, 1, S), (40, 1, S), (100, 2, S), (100, 4, S),
+                                               (100, 2, 150)])
+def test_block_caches(assign, T, fold, num_codes):
     """Every block's cache and the state after ``fold`` blocks, with the gradients of the values, the soft weights
-    and the initial cache, against a loop over blocks in float64."""
+    and the initial cache, against a loop over blocks in float64. 150 codes take three programs' tiles of 64 (the
+    last one partly filled): a hard key's value gradient is written by the one tile that holds its code."""
     g = torch.Generator().manual_seed(T + fold)
-    index = torch.randint(0, S, (B, H, T), generator=g)
-    v, counts0, sums0, weights = leaves((B, H, T, DV), (B, H, S), (B, H, S, DV), (B, H, T, S), generator=g)
+    index = torch.randint(0, num_codes, (B, H, T), generator=g)
+    v, counts0, sums0, weights = leaves((B, H, T, DV), (B, H, num_codes), (B, H, num_codes, DV), (B, H, T, num_codes),
+                                        generator=g)
     hard = assign == "hard"
 
     def ref(v, counts0, sums0, weights):
-        delta = torch.nn.functional.one_hot(index, S).double() if hard else weights
+        delta = torch.nn.functional.one_hot(index, num_codes).double() if hard else weights
         return ref_block_caches(delta, v, counts0, sums0, L, fold)
 
     def fast(v, counts0, sums0, weights):

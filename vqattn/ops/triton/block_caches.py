@@ -36,16 +36,19 @@ TILE_FLOATS = 4096
 if triton is not None:
 
     @triton.jit
+    def _hard_index(IDX, bh, rows, T):
+        """The codes (L,) of the keys ``rows`` of a hard index (BH, T), −1 outside the sequence, in 32 bits (a long
+        index compares with a tile's codes as two 32-bit halves per element)."""
+        return tl.load(IDX + bh * T + rows, mask=(rows >= 0) & (rows < T), other=-1).to(tl.int32)
+
+    @triton.jit
     def _assignment_tile(IDX, WTS, bh, rows, codes, T, S, HARD: tl.constexpr):
         """Δ (L, BS) float32 of the keys ``rows`` to the codes ``codes``: one-hot rows of the hard index (BH, T),
         or the soft weights (BH, T, S); 0 past T and past S."""
-        inside = (rows >= 0) & (rows < T)
         if HARD:
-            # compared in 32 bits: a long index compares as two 32-bit halves per element
-            index = tl.load(IDX + bh * T + rows, mask=inside, other=-1).to(tl.int32)
-            return (index[:, None] == codes[None, :]).to(tl.float32)
+            return (_hard_index(IDX, bh, rows, T)[:, None] == codes[None, :]).to(tl.float32)
         return tl.load(WTS + (bh * T + rows[:, None]) * S + codes[None, :],
-                       mask=inside[:, None] & (codes[None, :] < S), other=0.0).to(tl.float32)
+                       mask=(rows[:, None] >= 0) & (rows[:, None] < T) & (codes[None, :] < S), other=0.0).to(tl.float32)
 
     @triton.jit
     def _code_tile_layout(S, DV, BS: tl.constexpr, BDV: tl.constexpr):
@@ -121,7 +124,10 @@ if triton is not None:
         row_mask = (rows[:, None] < T) & (dv[None, :] < DV)
         value_offsets = (bh // H) * sd_b + (bh % H) * sd_h + rows[:, None] * sd_t + dv[None, :]
         if HARD:
-            held = tl.sum(w, 1) > 0  # this tile holds the row's code
+            # this tile holds the row's code: its index against the tile's range, not a row sum over the one-hot
+            first = tl.program_id(0) * BS
+            index = _hard_index(IDX, bh, rows, T)
+            held = (index >= first) & (index < first + BS)
             tl.store(DVAL + value_offsets, d_values.to(DVAL.dtype.element_ty), mask=row_mask & held[:, None])
         else:
             tl.atomic_add(DVAL + value_offsets, d_values, mask=row_mask)
