@@ -261,7 +261,7 @@ def test_nearest_codes(dtype, T):
 if triton is not None:
     import triton.language as tl
 
-    from vqattn.ops.triton.window_codes import _tf32_parts
+    from vqattn.ops.triton.window_codes import _tf32_parts, tf32_parts
 
     @triton.jit
     def _tf32_parts_kernel(X, HI, LO):
@@ -284,6 +284,8 @@ def test_tf32_parts_split_float32_into_two_tf32_values():
     assert torch.equal(hi.view(torch.int32), x.view(torch.int32) & ~low_bits)
     error = (hi.double() + lo.double() - x.double()).abs() / x.double().abs()
     assert error.max() <= 2.0**-22 and (lo != 0).float().mean() > 0.9
+    # the host's split (a codebook split once per call) is the kernels' bit for bit
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(tf32_parts(x), (hi, lo)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -7,7 +7,8 @@ index, so the (T, S) scores, which PyTorch writes, reads back for the bias and r
 reach memory. Ties go to the first code, as ``torch.max`` and ``argmax`` break them. The scores are float32: IEEE
 products for float32 keys and under the interpreter, and on a GPU for half keys two TF32 products of exact operands,
 the keys with the codes' leading and trailing TF32 parts (about float32's accuracy at tensor-core speed;
-:func:`~vqattn.ops.triton.window_codes._dot_half_rows`).
+:func:`~vqattn.ops.triton.window_codes._dot_half_rows`), the codebook split once per call
+(:func:`~vqattn.ops.triton.window_codes.tf32_parts`) rather than every tile in every program.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ import torch
 
 from ..common.layout import empty_like_order
 from . import triton
-from .window_codes import MAX_DIM, SUPPORTED_DTYPES, _float32_products, _unit_last, _width
+from .window_codes import MAX_DIM, SUPPORTED_DTYPES, _float32_products, _unit_last, _width, tf32_parts
 
 if triton is not None:
     import triton.language as tl
 
-    from .window_codes import _dot_half_rows, _load_rows, _store_rows
+    from .window_codes import _load_rows, _store_rows
 
 KEY_BLOCK = 64
 CODE_TILE = 64
@@ -30,7 +31,7 @@ CODE_TILE = 64
 if triton is not None:
 
     @triton.jit
-    def _nearest_kernel(K, C, HALF_NORMS, OUT, sk_b, sk_h, sk_t, H, T, S, D, L: tl.constexpr, BS: tl.constexpr,
+    def _nearest_kernel(K, C, C_LO, HALF_NORMS, OUT, sk_b, sk_h, sk_t, H, T, S, D, L: tl.constexpr, BS: tl.constexpr,
                         BD: tl.constexpr, PREC: tl.constexpr, EXACT_PREC: tl.constexpr, HALF_ROWS: tl.constexpr):
         blk, bh = tl.program_id(0), tl.program_id(1)
         h = bh % H
@@ -42,11 +43,18 @@ if triton is not None:
         for s0 in range(0, S, BS):
             codes = s0 + tl.arange(0, BS)
             present = codes < S
-            c = tl.load(C + (h * S + codes[:, None]) * D + dims[None, :],
-                        mask=present[:, None] & (dims[None, :] < D), other=0.0).to(tl.float32)
+            at = (h * S + codes[:, None]) * D + dims[None, :]
+            inside = present[:, None] & (dims[None, :] < D)
+            c = tl.load(C + at, mask=inside, other=0.0)  # the codes, or with HALF_ROWS their leading TF32 parts
+            if HALF_ROWS:  # two exact TF32 products, the codes split once per call (window_codes.tf32_parts)
+                lo = tl.load(C_LO + at, mask=inside, other=0.0)
+                dots = tl.dot(k, tl.trans(lo), tl.dot(k, tl.trans(c), input_precision=EXACT_PREC),
+                              input_precision=EXACT_PREC)
+            else:
+                dots = tl.dot(k, tl.trans(c), input_precision=PREC)
             # absent codes score −inf
             half_norms = tl.load(HALF_NORMS + h * S + codes, mask=present, other=float("inf"))
-            scores = _dot_half_rows(k, c, HALF_ROWS, PREC, EXACT_PREC) - half_norms[None, :]
+            scores = dots - half_norms[None, :]
             tile_best, tile_code = tl.max(scores, 1, return_indices=True, return_indices_tie_break_left=True)
             better = tile_best > best  # strictly: a tie keeps the earlier code
             best_code = tl.where(better, s0 + tile_code, best_code)
@@ -82,10 +90,12 @@ def nearest_codes(k: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     S = codebook.shape[1]
     k, codebook = _unit_last(k), codebook.float().contiguous()
     half_norms = 0.5 * codebook.square().sum(-1)  # (H, S), once per call rather than per tile of every program
+    products = _float32_products(k.dtype)
+    parts = tf32_parts(codebook) if products["HALF_ROWS"] else (codebook, codebook)
     index = torch.empty(B, H, T, device=k.device, dtype=torch.int64)
     grid = (triton.cdiv(T, KEY_BLOCK), B * H)
-    _nearest_kernel[grid](k, codebook, half_norms, index, k.stride(0), k.stride(1), k.stride(2), H, T, S, D,
-                          L=KEY_BLOCK, BS=CODE_TILE, BD=_width(D), **_float32_products(k.dtype))
+    _nearest_kernel[grid](k, *parts, half_norms, index, k.stride(0), k.stride(1), k.stride(2), H, T, S, D,
+                          L=KEY_BLOCK, BS=CODE_TILE, BD=_width(D), **products)
     return index
 
 

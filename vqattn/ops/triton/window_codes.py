@@ -367,6 +367,13 @@ def _exact_precision(dtype: torch.dtype) -> str:
     return "tf32" if _float32_precision(dtype) == "tf32x3" else "ieee"
 
 
+def tf32_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_tf32_parts` of a float32 tensor on the host, bit for bit: a codebook split once per call, where each
+    program of a kernel would split every tile it reads."""
+    hi = (x.view(torch.int32) & -0x2000).view(torch.float32)
+    return hi, (((x - hi).view(torch.int32) + 0x1000) & -0x2000).view(torch.float32)
+
+
 def _float32_products(dtype: torch.dtype) -> dict:
     """The constexprs of :func:`_dot_half_rows` for rows loaded into float32 from a tensor of ``dtype``: PREC,
     EXACT_PREC, and HALF_ROWS, whether they hold half-typed values (exact in TF32)."""
