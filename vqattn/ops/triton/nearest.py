@@ -17,12 +17,12 @@ import torch
 
 from ..common.layout import empty_like_order
 from . import triton
-from .window_codes import MAX_DIM, SUPPORTED_DTYPES, _float32_products, _unit_last, _width, tf32_parts
+from .window_codes import MAX_DIM, SUPPORTED_DTYPES, _float32_products, _unit_last, _width, code_parts
 
 if triton is not None:
     import triton.language as tl
 
-    from .window_codes import _load_rows, _store_rows
+    from .window_codes import _dot_code_parts, _load_rows, _store_rows
 
 KEY_BLOCK = 64
 CODE_TILE = 64
@@ -43,15 +43,8 @@ if triton is not None:
         for s0 in range(0, S, BS):
             codes = s0 + tl.arange(0, BS)
             present = codes < S
-            at = (h * S + codes[:, None]) * D + dims[None, :]
-            inside = present[:, None] & (dims[None, :] < D)
-            c = tl.load(C + at, mask=inside, other=0.0)  # the codes, or with HALF_ROWS their leading TF32 parts
-            if HALF_ROWS:  # two exact TF32 products, the codes split once per call (window_codes.tf32_parts)
-                lo = tl.load(C_LO + at, mask=inside, other=0.0)
-                dots = tl.dot(k, tl.trans(lo), tl.dot(k, tl.trans(c), input_precision=EXACT_PREC),
-                              input_precision=EXACT_PREC)
-            else:
-                dots = tl.dot(k, tl.trans(c), input_precision=PREC)
+            dots = _dot_code_parts(k, C, C_LO, (h * S + codes[:, None]) * D + dims[None, :],
+                                   present[:, None] & (dims[None, :] < D), HALF_ROWS, PREC, EXACT_PREC)
             # absent codes score −inf
             half_norms = tl.load(HALF_NORMS + h * S + codes, mask=present, other=float("inf"))
             scores = dots - half_norms[None, :]
@@ -90,12 +83,10 @@ def nearest_codes(k: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     S = codebook.shape[1]
     k, codebook = _unit_last(k), codebook.float().contiguous()
     half_norms = 0.5 * codebook.square().sum(-1)  # (H, S), once per call rather than per tile of every program
-    products = _float32_products(k.dtype)
-    parts = tf32_parts(codebook) if products["HALF_ROWS"] else (codebook, codebook)
     index = torch.empty(B, H, T, device=k.device, dtype=torch.int64)
     grid = (triton.cdiv(T, KEY_BLOCK), B * H)
-    _nearest_kernel[grid](k, *parts, half_norms, index, k.stride(0), k.stride(1), k.stride(2), H, T, S, D,
-                          L=KEY_BLOCK, BS=CODE_TILE, BD=_width(D), **products)
+    _nearest_kernel[grid](k, *code_parts(codebook, k.dtype), half_norms, index, k.stride(0), k.stride(1), k.stride(2), H, T, S, D,
+                          L=KEY_BLOCK, BS=CODE_TILE, BD=_width(D), **_float32_products(k.dtype))
     return index
 
 

@@ -106,6 +106,20 @@ if triton is not None:
         return tl.dot(a, tl.trans(b), input_precision=PREC)
 
     @triton.jit
+    def _dot_code_parts(k, C, C_LO, at, inside, HALF_ROWS: tl.constexpr, PREC: tl.constexpr,
+                        EXACT_PREC: tl.constexpr):
+        """k·cᵀ (M, N) in float32 of float32 rows k (M, K) and a tile of codes read at offsets ``at`` (mask
+        ``inside``). With HALF_ROWS (k holds half values, exact in TF32) C and C_LO hold the codes' leading and
+        trailing TF32 parts (:func:`code_parts`, split once per call), multiplied as :func:`_dot_half_rows` does;
+        otherwise C holds the codes, one product in PREC."""
+        c = tl.load(C + at, mask=inside, other=0.0)
+        if HALF_ROWS:
+            lo = tl.load(C_LO + at, mask=inside, other=0.0)
+            return tl.dot(k, tl.trans(lo), tl.dot(k, tl.trans(c), input_precision=EXACT_PREC),
+                          input_precision=EXACT_PREC)
+        return tl.dot(k, tl.trans(c), input_precision=PREC)
+
+    @triton.jit
     def _window_logits(qw, kw, rows, cols, T, scale2, PREC: tl.constexpr):
         """σ qw·kwᵀ (L, L) in base 2 (``scale2`` = σ log2 e), −inf where a key is after the query or outside the
         sequence."""
@@ -372,6 +386,12 @@ def tf32_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     program of a kernel would split every tile it reads."""
     hi = (x.view(torch.int32) & -0x2000).view(torch.float32)
     return hi, (((x - hi).view(torch.int32) + 0x1000) & -0x2000).view(torch.float32)
+
+
+def code_parts(codebook: torch.Tensor, key_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (C, C_LO) of :func:`_dot_code_parts` for a float32 codebook beside keys of ``key_dtype``: its TF32 parts
+    for half keys, else the codebook itself (C_LO unread)."""
+    return tf32_parts(codebook) if _float32_products(key_dtype)["HALF_ROWS"] else (codebook, codebook)
 
 
 def _float32_products(dtype: torch.dtype) -> dict:
