@@ -85,8 +85,9 @@ def nearest_codes(k: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     half_norms = 0.5 * codebook.square().sum(-1)  # (H, S), once per call rather than per tile of every program
     index = torch.empty(B, H, T, device=k.device, dtype=torch.int64)
     grid = (triton.cdiv(T, KEY_BLOCK), B * H)
-    _nearest_kernel[grid](k, *code_parts(codebook, k.dtype), half_norms, index, k.stride(0), k.stride(1), k.stride(2), H, T, S, D,
-                          L=KEY_BLOCK, BS=CODE_TILE, BD=_width(D), **_float32_products(k.dtype))
+    _nearest_kernel[grid](k, *code_parts(codebook, k.dtype), half_norms, index, k.stride(0), k.stride(1),
+                          k.stride(2), H, T, S, D, L=KEY_BLOCK, BS=CODE_TILE, BD=_width(D),
+                          **_float32_products(k.dtype))
     return index
 
 

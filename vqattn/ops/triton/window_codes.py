@@ -94,6 +94,12 @@ if triton is not None:
         return hi, lo.to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _dot_parts(a, hi, lo, EXACT_PREC: tl.constexpr):
+        """a·hiᵀ + a·loᵀ (M, N) in float32, two products of operands exact in TF32, the second added in the first's
+        accumulator."""
+        return tl.dot(a, tl.trans(lo), tl.dot(a, tl.trans(hi), input_precision=EXACT_PREC), input_precision=EXACT_PREC)
+
+    @triton.jit
     def _dot_half_rows(a, b, HALF_ROWS: tl.constexpr, PREC: tl.constexpr, EXACT_PREC: tl.constexpr):
         """a·bᵀ (M, N) in float32 of float32 a (M, K) and b (N, K). With HALF_ROWS (a holds half-typed values,
         exact in TF32) b splits into :func:`_tf32_parts` b_hi + b_lo, so two products of exact operands,
@@ -101,8 +107,7 @@ if triton is not None:
         products (tf32x3) would also split a, which has no low part; otherwise one product in PREC."""
         if HALF_ROWS:
             hi, lo = _tf32_parts(b)
-            return tl.dot(a, tl.trans(lo), tl.dot(a, tl.trans(hi), input_precision=EXACT_PREC),
-                          input_precision=EXACT_PREC)
+            return _dot_parts(a, hi, lo, EXACT_PREC)
         return tl.dot(a, tl.trans(b), input_precision=PREC)
 
     @triton.jit
@@ -114,9 +119,7 @@ if triton is not None:
         otherwise C holds the codes, one product in PREC."""
         c = tl.load(C + at, mask=inside, other=0.0)
         if HALF_ROWS:
-            lo = tl.load(C_LO + at, mask=inside, other=0.0)
-            return tl.dot(k, tl.trans(lo), tl.dot(k, tl.trans(c), input_precision=EXACT_PREC),
-                          input_precision=EXACT_PREC)
+            return _dot_parts(k, c, tl.load(C_LO + at, mask=inside, other=0.0), EXACT_PREC)
         return tl.dot(k, tl.trans(c), input_precision=PREC)
 
     @triton.jit
