@@ -71,13 +71,21 @@ def test_kernel_resources_of_a_layer_compile_for_a_gpu_here(monkeypatch, capsys,
 
     kernel_resources.main(["--what", "layer", "--method", "vq_hard", "--length", "64", "--dim", "128", "--heads", "2",
                            "--num-codes", "64", "--dump", str(tmp_path)])
-    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()[2:]}
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
     assert {"_rotation_kernel", "_nearest_kernel", "_prefix_kernel", "_forward_kernel", "_backward_kernel",
-            "_prefix_backward_kernel"} <= set(rows)
-    for kernel in ("_forward_kernel", "_backward_kernel"):
-        warps, stages, regs, spill, shared, loads_b16, stores_b16 = rows[kernel][:7]
+            "_prefix_backward_kernel"} <= {row[0] for row in rows}
+    sass = sorted(tmp_path.glob("*.sass"))  # one per row, in launch order
+    # the backward runs as two launches: the window's part (no loop), then the codes' (a loop over code tiles)
+    launches = {name: [i for i, row in enumerate(rows) if row[0] == name] for name in ("_forward_kernel",
+                                                                                      "_backward_kernel")}
+    (forward,), (window_backward, code_backward) = launches.values()
+    assert rows[window_backward][11] == "0"
+    # capped at 168 registers without spilling: three programs of 4 warps per SM (window_codes.py)
+    assert int(rows[code_backward][3]) <= 168 and rows[code_backward][4] == "0"
+    for i in (forward, code_backward):
+        warps, stages, regs, spill, shared, loads_b16, stores_b16 = rows[i][1:8]
         assert 0 < int(regs) <= 255 and int(warps) == 4
         assert (int(loads_b16), int(stores_b16)) == (0, 0)
-        loop = kernel_resources.innermost_loops(next(tmp_path.glob(f"*_{kernel}.sass")).read_text())[0]
-        assert int(rows[kernel][10]) == len(loop) > 0
-        assert not [i for i in loop if "-126" in i or "1.175494350822287508e-38" in i], kernel
+        loop = kernel_resources.innermost_loops(sass[i].read_text())[0]
+        assert int(rows[i][11]) == len(loop) > 0
+        assert not [line for line in loop if "-126" in line or "1.175494350822287508e-38" in line], rows[i][0]

@@ -9,12 +9,12 @@ with one running max, as flash attention does, so neither the (T, T) nor the (T,
 and C_b (S, Dv) are every block's cache counts and value sums, formed beforehand by a per-block prefix (the state of
 fla's chunk kernels), and β_b the block's memory bias (``memory_cap``'s log min(1, M / n_b), or 0); window attention
 is the same kernel without codes. The forward kernel stores out and the per-query logsumexp; a small kernel forms
-Δ_i = dO_i·out_i, and the backward kernel recomputes the probabilities from the logsumexp and writes, per block, the
-gradients of its queries, of its keys and values (as window keys, read by its own query block and the next: the
-program recomputes the next block's (L, L) tile, as flash attention's backward walks a key block's queries, so that
-each of their gradients is written once, by one program), of the codebook (every block's own, or a shared one's
-added up atomically per sequence), and of its cache (dn_b, dC_b), which autograd then carries back through the
-prefix to the values and the assignment.
+Δ_i = dO_i·out_i, and the backward kernel (launched twice: the window's part, then the codes') recomputes the
+probabilities from the logsumexp and writes, per block, the gradients of its queries, of its keys and values (as
+window keys, read by its own query block and the next: the program recomputes the next block's (L, L) tile, as
+flash attention's backward walks a key block's queries, so that each of their gradients is written once, by one
+program), of the codebook (every block's own, or a shared one's added up atomically per sequence), and of its cache
+(dn_b, dC_b), which autograd then carries back through the prefix to the values and the assignment.
 
 One program per (query block, batch·head). Loads are cast to ``DOT`` (the input's half type on a GPU, so the
 products run on tensor cores; float32 under the interpreter, whose half-precision products are wrong), every product
@@ -63,6 +63,19 @@ def unsupported(L: int, dims: tuple[int, ...], dtype: torch.dtype) -> str | None
 # stay fixed until a GPU run measures them again.
 FORWARD_LAUNCH = dict(num_warps=4, num_stages=1)
 BACKWARD_LAUNCH = dict(num_warps=4, num_stages=3)
+# The backward's code part as the vq_hard layer runs it (bfloat16, code dims up to 32, no codebook gradient): ptxas
+# allocates it 171 registers (Triton 3.9) where 168 fit three programs of 4 warps on an SM; capped there it takes
+# 164-165 without spilling (3.6 and 3.9), and three programs' shared memory (60.5 KB each) fits too. Elsewhere the
+# cap would spill (32-240 bytes: 64 code dims, float16's float32 sums, a codebook's gradient) or shared memory would
+# still hold the SM to two programs.
+CODE_BACKWARD_REGISTERS = 168
+
+
+def _code_backward_launch(meta: dict, codebook_grad: bool) -> dict:
+    """The launch settings of the backward's code part (:data:`CODE_BACKWARD_REGISTERS`)."""
+    capped = meta["DOT"] == tl.bfloat16 and meta["BDC"] <= 32 and not codebook_grad
+    return dict(BACKWARD_LAUNCH, maxnreg=CODE_BACKWARD_REGISTERS) if capped else BACKWARD_LAUNCH
+
 
 if triton is not None:
     # The softmax runs in base 2, as flash attention's does: logits scaled by σ log2(e) (and biases by log2(e)),
@@ -231,15 +244,14 @@ if triton is not None:
         tl.store(DELTA + bh * T + rows, tl.sum(do * out, 1), mask=rows < T)
 
     @triton.jit
-    def _query_block(QW, DO, LSE, DELTA, sqw_b, sqw_h, sqw_t, sdo_b, sdo_h, sdo_t, b, h, bh, rows, T, D, DV,
-                     BD: tl.constexpr, BDV: tl.constexpr, DOT: tl.constexpr):
-        """What the backward pass reads of the query rows ``rows``: their window queries and output gradients as
-        DOT, their logsumexp and Δ_i = dO_i·out_i (zeros past T)."""
-        qw = _load_rows(QW, sqw_b, sqw_h, sqw_t, b, h, rows, T, D, BD, DOT)
+    def _output_grads(DO, LSE, DELTA, sdo_b, sdo_h, sdo_t, b, h, bh, rows, T, DV, BDV: tl.constexpr,
+                      DOT: tl.constexpr):
+        """What the backward pass reads of the outputs of rows ``rows``: their gradients dO as DOT, their
+        logsumexp and Δ_i = dO_i·out_i (zeros past T)."""
         do = _load_rows(DO, sdo_b, sdo_h, sdo_t, b, h, rows, T, DV, BDV, DOT)
         lse = tl.load(LSE + bh * T + rows, mask=rows < T, other=0.0)
         delta = tl.load(DELTA + bh * T + rows, mask=rows < T, other=0.0)
-        return qw, do, lse, delta
+        return do, lse, delta
 
     @triton.jit
     def _window_grads(qw, kw, v, do, lse, delta, rows, cols, T, scale2, DOT: tl.constexpr, PREC: tl.constexpr):
@@ -259,9 +271,12 @@ if triton is not None:
                          L: tl.constexpr, BD: tl.constexpr, BDC: tl.constexpr, BDV: tl.constexpr,
                          BS: tl.constexpr, HAS_CODES: tl.constexpr, PER_BLOCK: tl.constexpr,
                          HAS_BIAS: tl.constexpr, DOT: tl.constexpr, SUM_DOT: tl.constexpr, PREC: tl.constexpr,
-                         CODEBOOK_GRAD: tl.constexpr, COUNTS_GRAD: tl.constexpr):
+                         CODEBOOK_GRAD: tl.constexpr, COUNTS_GRAD: tl.constexpr, WINDOW: tl.constexpr):
         """Gradients of query block blk, and of key block blk's window keys and values, each written once, in its
-        input's dtype, by its own strides (the inputs' memory order). Key block blk is read by query blocks blk and
+        input's dtype, by its own strides (the inputs' memory order): the window's with WINDOW, the codes' with
+        HAS_CODES. Codebook attention launches the two parts as two kernels: by ptxas, the codes' loop alone holds
+        fewer registers than the window's ten (L, ·) tiles, so more of its programs share an SM (the window-code
+        forward, with fewer tiles, stays one kernel). Key block blk is read by query blocks blk and
         blk + 1, so the program recomputes the next block's probabilities over it (one (L, L) tile more, as flash
         attention's backward walks a key block's queries) instead of writing two shares to be added. DCB takes the
         query block's share of the codebook's gradient: stored at (B·H, nb, S, DC) for every block's own codebook,
@@ -273,32 +288,34 @@ if triton is not None:
         nb = tl.cdiv(T, L)
         rows = blk * L + tl.arange(0, L)
         scale2 = scale * LOG2E
-        qw, do_dot, lse, delta = _query_block(QW, DO, LSE, DELTA, sqw_b, sqw_h, sqw_t, sdo_b, sdo_h, sdo_t, b, h,
-                                              bh, rows, T, D, DV, BD, BDV, DOT)
-        # the next query block, and both key blocks, loaded before any is used: one trip to memory, not three
-        next_rows = rows + L
-        qn, do_n, lse_n, delta_n = _query_block(QW, DO, LSE, DELTA, sqw_b, sqw_h, sqw_t, sdo_b, sdo_h, sdo_t, b, h,
-                                                bh, next_rows, T, D, DV, BD, BDV, DOT)
-        cols = rows - L
-        kw_prev = _load_rows(KW, skw_b, skw_h, skw_t, b, h, cols, T, D, BD, DOT)
-        v_prev = _load_rows(V, sv_b, sv_h, sv_t, b, h, cols, T, DV, BDV, DOT)
-        kw = _load_rows(KW, skw_b, skw_h, skw_t, b, h, rows, T, D, BD, DOT)
-        v = _load_rows(V, sv_b, sv_h, sv_t, b, h, rows, T, DV, BDV, DOT)
-        # the previous key block: its share of dq (its own dk and dv are the previous program's)
-        p, ds = _window_grads(qw, kw_prev, v_prev, do_dot, lse, delta, rows, cols, T, scale2, DOT, PREC)
-        dqw = tl.dot(ds, kw_prev, input_precision=PREC)  # the gradients' sums accumulate in the products, σ after
-        # this key block, from its own queries: dq, and the first share of its dk and dv
-        p, ds = _window_grads(qw, kw, v, do_dot, lse, delta, rows, rows, T, scale2, DOT, PREC)
-        dqw = tl.dot(ds, kw, dqw, input_precision=PREC)
-        dk = tl.dot(tl.trans(ds), qw, input_precision=PREC)
-        dv = tl.dot(tl.trans(p), do_dot, input_precision=PREC)
-        _store_rows(DQW, sdqw_b, sdqw_h, sdqw_t, b, h, rows, T, D, dqw * scale, BD)  # DQW, DQC: of q's dtypes
-        # ... and from the next query block (absent past the last block: zero rows add nothing)
-        p, ds = _window_grads(qn, kw, v, do_n, lse_n, delta_n, next_rows, rows, T, scale2, DOT, PREC)
-        dk = tl.dot(tl.trans(ds), qn, dk, input_precision=PREC)
-        dv = tl.dot(tl.trans(p), do_n, dv, input_precision=PREC)
-        _store_rows(DKW, sdkw_b, sdkw_h, sdkw_t, b, h, rows, T, D, dk * scale, BD)
-        _store_rows(DV_, sdv_b, sdv_h, sdv_t, b, h, rows, T, DV, dv, BDV)
+        do_dot, lse, delta = _output_grads(DO, LSE, DELTA, sdo_b, sdo_h, sdo_t, b, h, bh, rows, T, DV, BDV, DOT)
+        if WINDOW:
+            qw = _load_rows(QW, sqw_b, sqw_h, sqw_t, b, h, rows, T, D, BD, DOT)
+            # the next query block, and both key blocks, loaded before any is used: one trip to memory, not three
+            next_rows = rows + L
+            qn = _load_rows(QW, sqw_b, sqw_h, sqw_t, b, h, next_rows, T, D, BD, DOT)
+            do_n, lse_n, delta_n = _output_grads(DO, LSE, DELTA, sdo_b, sdo_h, sdo_t, b, h, bh, next_rows, T, DV,
+                                                 BDV, DOT)
+            cols = rows - L
+            kw_prev = _load_rows(KW, skw_b, skw_h, skw_t, b, h, cols, T, D, BD, DOT)
+            v_prev = _load_rows(V, sv_b, sv_h, sv_t, b, h, cols, T, DV, BDV, DOT)
+            kw = _load_rows(KW, skw_b, skw_h, skw_t, b, h, rows, T, D, BD, DOT)
+            v = _load_rows(V, sv_b, sv_h, sv_t, b, h, rows, T, DV, BDV, DOT)
+            # the previous key block: its share of dq (its own dk and dv are the previous program's)
+            p, ds = _window_grads(qw, kw_prev, v_prev, do_dot, lse, delta, rows, cols, T, scale2, DOT, PREC)
+            dqw = tl.dot(ds, kw_prev, input_precision=PREC)  # the sums accumulate in the products, σ after
+            # this key block, from its own queries: dq, and the first share of its dk and dv
+            p, ds = _window_grads(qw, kw, v, do_dot, lse, delta, rows, rows, T, scale2, DOT, PREC)
+            dqw = tl.dot(ds, kw, dqw, input_precision=PREC)
+            dk = tl.dot(tl.trans(ds), qw, input_precision=PREC)
+            dv = tl.dot(tl.trans(p), do_dot, input_precision=PREC)
+            _store_rows(DQW, sdqw_b, sdqw_h, sdqw_t, b, h, rows, T, D, dqw * scale, BD)  # DQW, DQC: of q's dtypes
+            # ... and from the next query block (absent past the last block: zero rows add nothing)
+            p, ds = _window_grads(qn, kw, v, do_n, lse_n, delta_n, next_rows, rows, T, scale2, DOT, PREC)
+            dk = tl.dot(tl.trans(ds), qn, dk, input_precision=PREC)
+            dv = tl.dot(tl.trans(p), do_n, dv, input_precision=PREC)
+            _store_rows(DKW, sdkw_b, sdkw_h, sdkw_t, b, h, rows, T, D, dk * scale, BD)
+            _store_rows(DV_, sdv_b, sdv_h, sdv_t, b, h, rows, T, DV, dv, BDV)
         if HAS_CODES:
             qc = _load_rows(QC, sqc_b, sqc_h, sqc_t, b, h, rows, T, DC, BDC, DOT)
             dqc = tl.zeros([L, BDC], tl.float32)
@@ -461,11 +478,14 @@ class FusedWindowCodes(torch.autograd.Function):
         delta = torch.empty(B * H, T, **f32)
         _delta_kernel[(nb, B * H)](out, grad_out, delta, *_strides(out), *_strides(grad_out), H, T, DV, L=L,
                                    BDV=ctx.meta["BDV"])
-        _backward_kernel[(nb, B * H)](
-            qw, kw, v, qc, cb, cnt, sm, bias, grad_out, lse, delta, dqw, dkw, dv, dqc, dcb, dcnt, dsum,
-            *_strides(qw), *_strides(kw), *_strides(v), *_strides(qc), *_strides(grad_out),
-            *_strides(dqw), *_strides(dkw), *_strides(dv), *_strides(dqc), H, T, S, D, DC, DV, ctx.scale,
-            CODEBOOK_GRAD=codebook_grad, COUNTS_GRAD=counts_grad, **ctx.meta, **BACKWARD_LAUNCH)
+        args = (qw, kw, v, qc, cb, cnt, sm, bias, grad_out, lse, delta, dqw, dkw, dv, dqc, dcb, dcnt, dsum,
+                *_strides(qw), *_strides(kw), *_strides(v), *_strides(qc), *_strides(grad_out),
+                *_strides(dqw), *_strides(dkw), *_strides(dv), *_strides(dqc), H, T, S, D, DC, DV, ctx.scale)
+        meta = dict(ctx.meta, CODEBOOK_GRAD=codebook_grad, COUNTS_GRAD=counts_grad)
+        _backward_kernel[(nb, B * H)](*args, **dict(meta, WINDOW=True, HAS_CODES=False), **BACKWARD_LAUNCH)
+        if ctx.has_codes:
+            _backward_kernel[(nb, B * H)](*args, **dict(meta, WINDOW=False),
+                                          **_code_backward_launch(meta, codebook_grad))
         grads = [dqw, dkw, dv, None, None, None, None]
         if ctx.has_codes:
             if codebook_grad:  # every block's own, or a shared codebook's summed over the sequences
