@@ -63,18 +63,19 @@ def unsupported(L: int, dims: tuple[int, ...], dtype: torch.dtype) -> str | None
 # stay fixed until a GPU run measures them again.
 FORWARD_LAUNCH = dict(num_warps=4, num_stages=1)
 BACKWARD_LAUNCH = dict(num_warps=4, num_stages=3)
-# The backward's code part as the vq_hard layer runs it (bfloat16, code dims up to 32, no codebook gradient): ptxas
-# allocates it 171 registers (Triton 3.9) where 168 fit three programs of 4 warps on an SM; capped there it takes
-# 164-165 without spilling (3.6 and 3.9), and three programs' shared memory (60.5 KB each) fits too. Elsewhere the
-# cap would spill (32-240 bytes: 64 code dims, float16's float32 sums, a codebook's gradient) or shared memory would
-# still hold the SM to two programs.
-CODE_BACKWARD_REGISTERS = 168
+# The most registers per thread at which three programs of 4 warps share an SM (65536 registers, allocated to a
+# thread in units of 8): Triton's ``maxnreg`` caps a kernel there where ptxas would take a few more without need.
+THREE_PROGRAMS_REGISTERS = 168
 
 
 def _code_backward_launch(meta: dict, codebook_grad: bool) -> dict:
-    """The launch settings of the backward's code part (:data:`CODE_BACKWARD_REGISTERS`)."""
+    """The launch settings of the backward's code part. As the vq_hard layer runs it (bfloat16, code dims up to 32,
+    no codebook gradient) ptxas allocates it 171 registers (Triton 3.9), two programs per SM; capped at
+    :data:`THREE_PROGRAMS_REGISTERS` it takes 164-165 without spilling (3.6 and 3.9), and three programs' shared
+    memory (60.5 KB each) fits too. Elsewhere the cap would spill (32-240 bytes: 64 code dims, float16's float32
+    sums, a codebook's gradient) or shared memory would still hold the SM to two programs."""
     capped = meta["DOT"] == tl.bfloat16 and meta["BDC"] <= 32 and not codebook_grad
-    return dict(BACKWARD_LAUNCH, maxnreg=CODE_BACKWARD_REGISTERS) if capped else BACKWARD_LAUNCH
+    return dict(BACKWARD_LAUNCH, maxnreg=THREE_PROGRAMS_REGISTERS) if capped else BACKWARD_LAUNCH
 
 
 if triton is not None:
