@@ -75,6 +75,11 @@ stage launch_layouts 200 python benchmarks/kernel_launch.py --layouts layer_cont
 stage profile_window 20 python benchmarks/kernel_profile.py --what layer --method window --batch 8 --length 8192
 stage profile_window_op 20 python benchmarks/kernel_profile.py --what op --method window --batch 8 --length 8192
 stage profile_op 20 python benchmarks/kernel_profile.py --what op --method vq_hard_rope --batch 8 --length 8192
+# float32 inputs: IEEE products (PyTorch's default precision), then TF32 (set_float32_matmul_precision("high"))
+stage profile_op_float32 30 python benchmarks/kernel_profile.py --what op --method vq_hard_rope --batch 8 --length 8192 \
+  --dtype float32
+stage profile_op_tf32 30 python benchmarks/kernel_profile.py --what op --method vq_hard_rope --batch 8 --length 8192 \
+  --dtype float32 --tf32
 stage tests_ovq 90 python -m pytest -o addopts="" -q -p no:cacheprovider tests/ops/test_triton_ovq.py
 stage layers_ovq_triton 120 $layers --lengths 8192 32768 --layers softmax ovq --impl triton
 # the codebook rows first: in the fourth run the stage's time ran out after the softmax row

@@ -2,10 +2,12 @@
 
 Profiles the op (``benchmarks/attention_speed.py``'s methods, bf16 inputs) or a layer (``benchmarks/layer_speed.py``'s,
 bf16 autocast) at a shape that fills a GPU, after two warm-up steps, and prints the kernels that took the most
-device time in one step, with their share:
+device time in one step, with their share. ``--dtype float32`` runs float32 inputs (a layer without autocast), in
+IEEE float32 products, or in TF32 with ``--tf32`` (``torch.set_float32_matmul_precision("high")``):
 
     python benchmarks/kernel_profile.py --what op --method vq_hard_rope --batch 8 --length 8192
     python benchmarks/kernel_profile.py --what layer --method vq_hard --batch 8 --length 8192 --dim 1024 --heads 16
+    python benchmarks/kernel_profile.py --what op --method vq_hard_rope --dtype float32 --tf32
 """
 
 from __future__ import annotations
@@ -20,9 +22,23 @@ from torch.profiler import ProfilerActivity, profile
 
 from vqattn.layers import ATTENTIONS
 
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def add_precision_arguments(parser: argparse.ArgumentParser) -> None:
+    """--dtype and --tf32, which :func:`set_precision` applies (kernel_resources.py takes them too)."""
+    parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16",
+                        help="the op's inputs; a layer's autocast type, or float32 without autocast")
+    parser.add_argument("--tf32", action="store_true", help="float32 products in TF32, as PyTorch's may be")
+
+
+def set_precision(args) -> None:
+    if args.tf32:
+        torch.set_float32_matmul_precision("high")
+
 
 def op_step(args, device: str = "cuda"):
-    make = lambda *shape: torch.randn(*shape, device=device, dtype=torch.bfloat16).requires_grad_(True)  # noqa: E731
+    make = lambda *shape: torch.randn(*shape, device=device, dtype=DTYPES[args.dtype]).requires_grad_(True)  # noqa: E731
     B, H, T, D = args.batch, args.heads, args.length, 64
     q, k, v, codebook = make(B, H, T, D), make(B, H, T, D), make(B, H, T, D), make(H, args.num_codes, D)
     codebook.requires_grad_(args.method.startswith("vq_soft"))
@@ -40,7 +56,7 @@ def layer_step(args, device: str = "cuda"):
     x = torch.randn(args.batch, args.length, args.dim, device=device, requires_grad=True)
 
     def step():
-        with torch.autocast(device, dtype=torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16"):
             out, aux_loss, _ = layer(x)
             loss = out.float().sum() + aux_loss
         loss.backward()
@@ -61,7 +77,9 @@ def main(argv=None) -> None:
     parser.add_argument("--block-len", type=int, default=None)
     parser.add_argument("--impl", default="auto", choices=["auto", "chunk", "triton"])
     parser.add_argument("--top", type=int, default=25)
+    add_precision_arguments(parser)
     args = parser.parse_args(argv)
+    set_precision(args)
     torch.manual_seed(0)
     step = op_step(args) if args.what == "op" else layer_step(args)
     for _ in range(2):  # warm-up: Triton's compilation and the allocator's pools
@@ -74,7 +92,7 @@ def main(argv=None) -> None:
     events.sort(key=lambda e: e.self_device_time_total, reverse=True)
     total = sum(e.self_device_time_total for e in events)
     print(f"{args.what} {args.method} B={args.batch} T={args.length} H={args.heads} S={args.num_codes} "
-          f"impl={args.impl}: {total / 1000:.2f} ms of kernels in one step")
+          f"impl={args.impl} {args.dtype}{' tf32' if args.tf32 else ''}: {total / 1000:.2f} ms of kernels in one step")
     for e in events[:args.top]:
         print(f"{e.self_device_time_total / 1000:8.2f} ms {100 * e.self_device_time_total / total:5.1f}% "
               f"x{e.count:<4d} {e.key[:110]}")

@@ -52,7 +52,7 @@ ACCESS = re.compile(r"\b((?:ld|st)\.global(?:\.\w+)*|cp\.async\.c[ag]\.shared\.g
 def record(args, path: str) -> None:
     """Run one step under the interpreter with the GPU's kernel paths, pickling every launch to ``path``."""
     import triton.runtime.interpreter as interpreter
-    from kernel_profile import layer_step, op_step
+    from kernel_profile import layer_step, op_step, set_precision
 
     import vqattn.codebook as codebook
     import vqattn.ops.nonfinite as nonfinite
@@ -70,6 +70,7 @@ def record(args, path: str) -> None:
     for module in (nearest, assign, codebook):
         module.runs_assignment_kernels = assignment_kernels
     window_codes.INTERPRET = False
+    window_codes._capability = lambda device: divmod(args.arch, 10)  # the launch settings of the GPU compiled for
 
     launches = {}
     run = interpreter.InterpretedFunction.run
@@ -81,6 +82,7 @@ def record(args, path: str) -> None:
         return run(self, *call_args, grid=grid, warmup=warmup, **kwargs)
 
     interpreter.InterpretedFunction.run = recording_run
+    set_precision(args)
     torch.manual_seed(0)
     args.impl = "triton"
     (op_step if args.what == "op" else layer_step)(args, device="cpu")()
@@ -176,6 +178,8 @@ def _element_wise(access: str) -> bool:
 
 
 def main(argv=None) -> None:
+    from kernel_profile import add_precision_arguments
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--what", choices=["op", "layer"], default="layer")
     parser.add_argument("--method", default="vq_hard", help="an op method or a layer (kernel_profile.py's)")
@@ -190,6 +194,7 @@ def main(argv=None) -> None:
     parser.add_argument("--dump", help="a folder to write each launch's SASS listing to")
     parser.add_argument("--compiler-python", default=sys.executable,
                         help="the Python (and so the Triton) that compiles the launches (default: this one)")
+    add_precision_arguments(parser)
     parser.add_argument("--phase", choices=["record", "compile"], help=argparse.SUPPRESS)
     parser.add_argument("--file", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -209,7 +214,8 @@ def main(argv=None) -> None:
             rows = pickle.load(results)
     version = subprocess.run([args.compiler_python, "-c", "import triton; print(triton.__version__)"],
                              capture_output=True, text=True, check=True).stdout.strip()
-    print(f"{args.what} {args.method}, sm_{args.arch}, Triton {version}: {len(rows)} kernel launches")
+    print(f"{args.what} {args.method}, {args.dtype}{' tf32' if args.tf32 else ''}, sm_{args.arch}, Triton {version}: "
+          f"{len(rows)} kernel launches")
     print(f"{'kernel':28s} {'warps':>5s} {'stages':>6s} {'regs':>4s} {'spill B':>7s} {'shared KB':>9s} "
           f"{'ld.b16':>6s} {'st.b16':>6s} {'ld.v':>4s} {'cp.async':>8s} {'SASS':>6s} {'loop':>5s}  constexprs")
     for r in rows:

@@ -288,6 +288,66 @@ def test_tf32_parts_split_float32_into_two_tf32_values():
     assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(tf32_parts(x), (hi, lo)))
 
 
+
+@pytest.fixture
+def float32_precision():
+    """PyTorch's float32 matmul precision, restored after the test (which sets it)."""
+    before = torch.get_float32_matmul_precision()
+    yield
+    torch.set_float32_matmul_precision(before)
+
+
+def test_float32_products_follow_pytorchs_matmul_precision(monkeypatch, float32_precision):
+    """On a GPU float32 inputs multiply in IEEE float32 by default and in TF32 where PyTorch's own float32 matmuls
+    may (``torch.set_float32_matmul_precision("high")`` or the legacy ``allow_tf32`` flag); half inputs keep their
+    products either way, and the interpreter multiplies in IEEE float32 whatever the setting."""
+    import triton.language as tl
+
+    from vqattn.ops.triton import float32_tensor_cores, window_codes
+
+    monkeypatch.setattr(window_codes, "INTERPRET", False)  # the products a GPU takes
+    half = window_codes._float32_products(torch.bfloat16), window_codes._dot_dtype(torch.bfloat16)
+    torch.set_float32_matmul_precision("highest")
+    assert not float32_tensor_cores()
+    assert window_codes._dot_dtype(torch.float32) == (tl.float32, "ieee")
+    assert window_codes._float32_products(torch.float32) == dict(PREC="ieee", EXACT_PREC="ieee", HALF_ROWS=False)
+    for allow in (lambda: torch.set_float32_matmul_precision("high"),
+                  lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", True)):
+        torch.set_float32_matmul_precision("highest")
+        allow()
+        assert float32_tensor_cores()
+        assert window_codes._dot_dtype(torch.float32) == (tl.float32, "tf32")
+        assert window_codes._float32_products(torch.float32) == dict(PREC="tf32", EXACT_PREC="tf32", HALF_ROWS=False)
+        assert (window_codes._float32_products(torch.bfloat16), window_codes._dot_dtype(torch.bfloat16)) == half
+    assert half == (dict(PREC="tf32x3", EXACT_PREC="tf32", HALF_ROWS=True), (tl.bfloat16, "tf32"))
+    monkeypatch.setattr(window_codes, "INTERPRET", True)
+    assert window_codes._dot_dtype(torch.float32) == (tl.float32, "ieee")
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the interpreter multiplies float32 in IEEE whatever the precision")
+@pytest.mark.parametrize("assign,window", [("hard", "exact"), ("soft", "rotated")])
+def test_float32_inputs_multiply_in_tf32_where_pytorch_allows_it(assign, window, float32_precision):
+    """Under ``torch.set_float32_matmul_precision("high")`` float32 inputs multiply in TF32 on a GPU: within TF32's
+    rounding of the float64 definition. The inputs are rounded to bfloat16, so that a product of two of them is
+    exact in TF32 and a hard argmin cannot flip between the two."""
+    torch.set_float32_matmul_precision("high")
+    inputs = vq_inputs(assign, window, 100, generator=torch.Generator().manual_seed(0))
+    rounded = [x.detach().to(torch.bfloat16).double().requires_grad_() for x in inputs]
+    compare(vq_call(naive_vq_attention, assign, window), vq_call(vq_attention, assign, window, "triton"),
+            rounded, dtype=torch.float32, tol=5e-3)
+
+
+def test_register_caps_only_for_the_gpu_whose_compiler_was_read(monkeypatch):
+    """``maxnreg`` (three programs per SM) on sm_90 alone: ptxas' allocations were read there (tests/
+    test_benchmarks.py compiles the capped kernel); for sm_80 the capped code backward spills."""
+    from vqattn.ops.triton import window_codes
+
+    assert window_codes.three_programs_per_sm(torch.device("cpu")) == {}  # the interpreter's
+    cuda = torch.device("cuda")
+    for capability, launch in (((9, 0), dict(maxnreg=168)), ((8, 0), {}), ((10, 0), {})):
+        monkeypatch.setattr(window_codes, "_capability", lambda device, c=capability: c)
+        assert window_codes.three_programs_per_sm(cuda) == launch
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T", [1, 100])
 def test_code_residuals(dtype, T):

@@ -35,3 +35,13 @@ def require_triton(x: torch.Tensor) -> None:
     if not triton_device(x):
         raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on a CPU), got a tensor on "
                          f"{x.device}")
+
+
+def float32_tensor_cores() -> bool:
+    """Whether float32 operands may multiply on tensor cores, in TF32, as PyTorch's own float32 matmuls then do:
+    ``torch.backends.cuda.matmul.fp32_precision == "tf32"``, which ``torch.set_float32_matmul_precision("high")``
+    and ``torch.backends.cuda.matmul.allow_tf32 = True`` set (Lightning suggests the first on GPUs with tensor
+    cores). PyTorch's default is IEEE float32."""
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", "none")  # "none": set by neither API (torch < 2.9: the flag alone)
+    return precision == "tf32" if precision != "none" else bool(matmul.allow_tf32)

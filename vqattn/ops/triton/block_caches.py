@@ -22,7 +22,7 @@ import torch
 
 from ..common.layout import empty_like_order
 from . import triton
-from .window_codes import THREE_PROGRAMS_REGISTERS, _dot_dtype, _unit_last, _width
+from .window_codes import _dot_dtype, _unit_last, _width, three_programs_per_sm
 
 if triton is not None:
     import triton.language as tl
@@ -169,15 +169,16 @@ if triton is not None:
         _store_cache(DN0, DC0, bh, S, DV, codes, offsets, g_n, g_sums, present, tile_mask)
 
 
-def _launch(hard: bool, forward: bool) -> dict:
+def _launch(hard: bool, forward: bool, device: torch.device) -> dict:
     """Launch settings. On an H200 (S = 512, Dv = 64, bf16), once masks replaced the walks' branches, the hard
     backward walk ran 15% faster with Triton's default prefetching (3 stages) and the soft one 1.7× slower (7.5 to
     12.6 ms), its float32 weight tiles staged too: the soft walks keep one stage. The soft prefix walk takes 202
-    registers (224 under Triton 3.6), two programs per SM; capped at three programs' (``maxnreg``) it takes 166-168
-    without spilling. The soft reverse walk would spill there (192 bytes)."""
+    registers on sm_90 (224 under Triton 3.6), two programs per SM; capped at three programs'
+    (:func:`~vqattn.ops.triton.window_codes.three_programs_per_sm`) it takes 166-168 without spilling. The soft
+    reverse walk would spill there (192 bytes)."""
     if hard:
         return {}
-    return dict(num_stages=1, maxnreg=THREE_PROGRAMS_REGISTERS) if forward else dict(num_stages=1)
+    return dict(num_stages=1, **three_programs_per_sm(device)) if forward else dict(num_stages=1)
 
 
 def cache_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -210,13 +211,13 @@ class BlockCaches(torch.autograd.Function):
         cache_n = torch.empty(B, H, nb, S, **f32)
         fold_n, fold_c = torch.empty(B, H, S, **f32), torch.empty(B, H, S, DV, **f32)
         # Half values multiply in their own type, soft weights and gradient sums rounded to it (as flash attention
-        # rounds its probabilities); float32 values in IEEE float32.
+        # rounds its probabilities); float32 values in float32 (window_codes._dot_dtype: IEEE, or TF32 if allowed).
         dot, prec = _dot_dtype(v.dtype)
         BDV = _width(DV)
         meta = dict(L=block_len, BS=_code_tile(BDV), BDV=BDV, HARD=hard, DOT=dot, PREC=prec)
         grid = (triton.cdiv(S, meta["BS"]), B * H)
         _prefix_kernel[grid](idx, wts, v, n0, c0, cache_n, cache_c, fold_n, fold_c, v.stride(0), v.stride(1),
-                             v.stride(2), H, T, S, DV, fold, **meta, **_launch(hard, forward=True))
+                             v.stride(2), H, T, S, DV, fold, **meta, **_launch(hard, True, v.device))
         if hard and not ctx.needs_input_grad[3]:  # counts of one-hot rows: no gradient reaches anything
             ctx.mark_non_differentiable(cache_n, fold_n)
         ctx.save_for_backward(idx, wts, v)
@@ -242,7 +243,7 @@ class BlockCaches(torch.autograd.Function):
         _prefix_backward_kernel[ctx.grid](idx, wts, v, *grads_in, d_n0, d_c0, d_values, d_weights, v.stride(0),
                                           v.stride(1), v.stride(2), d_values.stride(0), d_values.stride(1),
                                           d_values.stride(2), H, T, S, DV, ctx.fold, **ctx.meta,
-                                          **_launch(hard, forward=False))
+                                          **_launch(hard, False, v.device))
         w_dtype, v_dtype, n_dtype, c_dtype = ctx.dtypes
         return (None, None if hard else d_weights.to(w_dtype), d_values.to(v_dtype), d_n0.to(n_dtype),
                 d_c0.to(c_dtype), None, None)

@@ -5,7 +5,8 @@ residuals a·(k_j − c_{z_j}) in one pass.
 One program per (block of keys, batch·head) scores the codes a tile at a time and keeps a running maximum and its
 index, so the (T, S) scores, which PyTorch writes, reads back for the bias and reads again for the maximum, never
 reach memory. Ties go to the first code, as ``torch.max`` and ``argmax`` break them. The scores are float32: IEEE
-products for float32 keys and under the interpreter, and on a GPU for half keys two TF32 products of exact operands,
+products under the interpreter and for float32 keys (TF32 where PyTorch's float32 matmuls may be, as
+:func:`~vqattn.ops.triton.float32_tensor_cores` tells), and on a GPU for half keys two TF32 products of exact operands,
 the keys with the codes' leading and trailing TF32 parts (about float32's accuracy at tensor-core speed;
 :func:`~vqattn.ops.triton.window_codes._dot_half_rows`), the codebook split once per call
 (:func:`~vqattn.ops.triton.window_codes.tf32_parts`) rather than every tile in every program.

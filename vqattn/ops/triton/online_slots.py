@@ -12,11 +12,13 @@ program walks the blocks of its sequence and, per block of L keys k̃ (float32 o
 then multiplies the slots' counts n_s and key sums K_s by the forgetting factor g (1 without ``memory_decay``) and
 adds the block's keys to them (k̄_s = K_s / n_s). These are the masks of
 :func:`~vqattn.ops.ovq.memory.assign_block`, computed with the same products in the same order, so it chooses the
-same slots (on a GPU, up to the products' rounding). The products run in float32: IEEE for float32 keys and under
-the interpreter; for half keys on a GPU, on tensor cores, in two TF32 products against the slot means (their leading
-and trailing parts: about float32's accuracy) and in one where both operands are exact in TF32 (the keys with each
-other, the one-hot rows with the keys). IEEE products run on the CUDA cores: about 4 M multiply-adds per block of 64
-keys at S = 512, D = 64, in each program, which walks its blocks in sequence.
+same slots (on a GPU, up to the products' rounding). The products run in float32: IEEE for float32 keys (TF32 where
+PyTorch's float32 matmuls may be, :func:`~vqattn.ops.triton.float32_tensor_cores`) and under the interpreter; for
+half keys on a GPU, on tensor cores, in two TF32 products against the slot means (their leading and trailing parts:
+about float32's accuracy) and in one where both operands are exact in TF32 (the keys with each other, the one-hot
+rows with the keys). IEEE products run on the CUDA cores: about 4 M multiply-adds per block of 64 keys at S = 512,
+D = 64, in each program, which walks its blocks in sequence.
+
 
 The counts (B·H, S) and key sums (B·H, S, D) live in a float32 scratch copy of the memory before the keys, read and
 written in tiles of ``SLOT_TILE`` slots (a barrier between a block's writes and the next block's reads): S·D need

@@ -16,9 +16,10 @@ tensor cores; its backward makes three more passes over (T, S) tensors and two m
   the keys) walking its key blocks, the slices' sums added atomically.
 
 Products of float32 operands take :func:`~vqattn.ops.triton.window_codes._float32_precision`'s precision (three TF32
-products beside half keys on a GPU, IEEE float32 otherwise); the keys' products with the codes and with the scores'
-gradient take two (:func:`~vqattn.ops.triton.window_codes._dot_half_rows`: half keys are exact in TF32, so only the
-other operand splits). Everything accumulates in float32.
+products beside half keys on a GPU; for float32 keys IEEE float32, or TF32 where PyTorch's float32 matmuls may be);
+the keys' products with the codes and with the scores' gradient take two
+(:func:`~vqattn.ops.triton.window_codes._dot_half_rows`: half keys are exact in TF32, so only the other operand
+splits). Everything accumulates in float32.
 """
 
 from __future__ import annotations

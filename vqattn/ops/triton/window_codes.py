@@ -18,7 +18,8 @@ program), of the codebook (every block's own, or a shared one's added up atomica
 
 One program per (query block, batch·head). Loads are cast to ``DOT`` (the input's half type on a GPU, so the
 products run on tensor cores; float32 under the interpreter, whose half-precision products are wrong), every product
-accumulates in float32, and float32 inputs multiply in IEEE float32 (no TF32).
+accumulates in float32, and float32 inputs multiply in IEEE float32, or in TF32 where PyTorch's own float32 matmuls
+may (:func:`~vqattn.ops.triton.float32_tensor_cores`, :func:`_float32_dot`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..common.layout import empty_like_order
-from . import INTERPRET, triton
+from . import INTERPRET, float32_tensor_cores, triton
 
 if triton is not None:
     import triton.language as tl
@@ -68,14 +69,27 @@ BACKWARD_LAUNCH = dict(num_warps=4, num_stages=3)
 THREE_PROGRAMS_REGISTERS = 168
 
 
-def _code_backward_launch(meta: dict, codebook_grad: bool) -> dict:
+def _capability(device: torch.device) -> tuple[int, int]:
+    """The CUDA compute capability of ``device``; (0, 0) elsewhere (the interpreter's CPU)."""
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
+
+
+def three_programs_per_sm(device: torch.device) -> dict:
+    """``maxnreg`` at :data:`THREE_PROGRAMS_REGISTERS` on a Hopper GPU (sm_90), where ptxas' allocations of the
+    capped kernels were read to fit without spilling; nothing elsewhere (for sm_80 the capped code backward
+    spills 72 bytes)."""
+    return dict(maxnreg=THREE_PROGRAMS_REGISTERS) if _capability(device)[0] == 9 else {}
+
+
+def _code_backward_launch(meta: dict, codebook_grad: bool, device: torch.device) -> dict:
     """The launch settings of the backward's code part. As the vq_hard layer runs it (bfloat16, code dims up to 32,
-    no codebook gradient) ptxas allocates it 171 registers (Triton 3.9), two programs per SM; capped at
-    :data:`THREE_PROGRAMS_REGISTERS` it takes 164-165 without spilling (3.6 and 3.9), and three programs' shared
-    memory (60.5 KB each) fits too. Elsewhere the cap would spill (32-240 bytes: 64 code dims, float16's float32
-    sums, a codebook's gradient) or shared memory would still hold the SM to two programs."""
+    no codebook gradient) ptxas allocates it 171 registers (Triton 3.9, sm_90), two programs per SM; capped at
+    :data:`THREE_PROGRAMS_REGISTERS` (:func:`three_programs_per_sm`) it takes 164-165 without spilling (3.6 and
+    3.9), and three programs' shared memory (60.5 KB each) fits too. Elsewhere the cap would spill (32-240 bytes:
+    64 code dims, float16's float32 sums, a codebook's gradient) or shared memory would still hold the SM to two
+    programs."""
     capped = meta["DOT"] == tl.bfloat16 and meta["BDC"] <= 32 and not codebook_grad
-    return dict(BACKWARD_LAUNCH, maxnreg=THREE_PROGRAMS_REGISTERS) if capped else BACKWARD_LAUNCH
+    return dict(BACKWARD_LAUNCH, **three_programs_per_sm(device)) if capped else BACKWARD_LAUNCH
 
 
 if triton is not None:
@@ -375,10 +389,22 @@ def _aligned_code_dims(x: torch.Tensor) -> torch.Tensor:
 
 
 def _dot_dtype(dtype: torch.dtype):
-    """The products' operand type: float32 under the interpreter (its half-precision products are wrong)."""
-    if INTERPRET or dtype == torch.float32:
+    """The products' operand type and precision: the input's half type in TF32-exact products on a GPU; float32 in
+    :func:`_float32_dot`'s precision for float32 inputs, and under the interpreter (whose half-precision products are
+    wrong) in IEEE float32."""
+    if INTERPRET:
         return tl.float32, "ieee"
+    if dtype == torch.float32:
+        return tl.float32, _float32_dot()
     return (tl.bfloat16 if dtype == torch.bfloat16 else tl.float16), "tf32"
+
+
+def _float32_dot() -> str:
+    """How float32 inputs multiply on a GPU: in TF32 where PyTorch's float32 matmuls may
+    (:func:`~vqattn.ops.triton.float32_tensor_cores`), else in IEEE float32, which Triton forms on the CUDA cores:
+    by ptxas (sm_90) the kernels then take 3-34× the instructions of the bfloat16 ones and spill kilobytes
+    per thread (docs/performance.md)."""
+    return "tf32" if float32_tensor_cores() else "ieee"
 
 
 def _sum_dot(dot):
@@ -390,16 +416,19 @@ def _sum_dot(dot):
 
 def _float32_precision(dtype: torch.dtype) -> str:
     """How float32 operands multiply beside inputs of ``dtype``: three TF32 products on a GPU for half inputs (about
-    float32's accuracy at tensor-core speed), IEEE float32 for float32 inputs and under the interpreter."""
-    return "ieee" if INTERPRET or dtype == torch.float32 else "tf32x3"
+    float32's accuracy at tensor-core speed), :func:`_float32_dot`'s precision for float32 inputs, IEEE float32 under
+    the interpreter."""
+    if INTERPRET:
+        return "ieee"
+    return _float32_dot() if dtype == torch.float32 else "tf32x3"
 
 
 def _exact_precision(dtype: torch.dtype) -> str:
     """How float32 operands that hold values of half type ``dtype`` multiply with operands exact in TF32 (other half
     values, one-hot rows, :func:`_dot_half_rows`'s parts): one TF32 product on a GPU, exact there (a float16 or
-    bfloat16 value has at most TF32's 10 mantissa bits, and the sums accumulate in float32); IEEE float32 for float32
-    inputs and under the interpreter."""
-    return "tf32" if _float32_precision(dtype) == "tf32x3" else "ieee"
+    bfloat16 value has at most TF32's 10 mantissa bits, and the sums accumulate in float32); as the other float32
+    products for float32 inputs (:func:`_float32_precision`)."""
+    return "ieee" if _float32_precision(dtype) == "ieee" else "tf32"
 
 
 def tf32_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -486,7 +515,7 @@ class FusedWindowCodes(torch.autograd.Function):
         _backward_kernel[(nb, B * H)](*args, **dict(meta, WINDOW=True, HAS_CODES=False), **BACKWARD_LAUNCH)
         if ctx.has_codes:
             _backward_kernel[(nb, B * H)](*args, **dict(meta, WINDOW=False),
-                                          **_code_backward_launch(meta, codebook_grad))
+                                          **_code_backward_launch(meta, codebook_grad, qw.device))
         grads = [dqw, dkw, dv, None, None, None, None]
         if ctx.has_codes:
             if codebook_grad:  # every block's own, or a shared codebook's summed over the sequences
