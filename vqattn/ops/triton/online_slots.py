@@ -19,7 +19,6 @@ about float32's accuracy) and in one where both operands are exact in TF32 (the 
 rows with the keys). IEEE products run on the CUDA cores: about 4 M multiply-adds per block of 64 keys at S = 512,
 D = 64, in each program, which walks its blocks in sequence.
 
-
 The counts (B·H, S) and key sums (B·H, S, D) live in a float32 scratch copy of the memory before the keys, read and
 written in tiles of ``SLOT_TILE`` slots (a barrier between a block's writes and the next block's reads): S·D need
 not fit in registers.
