@@ -28,6 +28,7 @@ import torch
 
 from ..common.layout import empty_like_order
 from . import triton
+from .nearest import ASSIGN_KEYS, ASSIGN_LAUNCH
 from .window_codes import _float32_products, _unit_last, _width
 
 if triton is not None:
@@ -149,9 +150,9 @@ class SoftAssign(torch.autograd.Function):
         k = _unit_last(k)
         half_norms = 0.5 * c.square().sum(-1)
         weights = torch.empty(B, H, T, S, device=k.device, dtype=torch.float32)
-        _forward_kernel[(triton.cdiv(T, KEY_BLOCK), B * H)](
-            k, c, half_norms, tau, weights, k.stride(0), k.stride(1), k.stride(2), H, T, S, D, L=KEY_BLOCK,
-            BS=CODE_TILE, BD=_width(D), **_float32_products(k.dtype))
+        _forward_kernel[(triton.cdiv(T, ASSIGN_KEYS), B * H)](  # as the hard assignment's (nearest.py)
+            k, c, half_norms, tau, weights, k.stride(0), k.stride(1), k.stride(2), H, T, S, D, L=ASSIGN_KEYS,
+            BS=CODE_TILE, BD=_width(D), **_float32_products(k.dtype), **ASSIGN_LAUNCH)
         ctx.save_for_backward(k, c, half_norms, tau, weights)
         return weights
 
