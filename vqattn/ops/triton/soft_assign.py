@@ -11,7 +11,8 @@ tensor cores; its backward makes three more passes over (T, S) tensors and two m
   sum of exponentials (an online softmax), then for the normalised weights, which are the only (T, S) write;
 * **keys' gradient**: with g = dL/dp, r_j = Σ_s g_js p_js and the scores' gradient ds_js = p_js (g_js − r_j), one
   program per key block forms r_j in a first walk, then dk_j = Σ_s ds_js c_s / τ (and, for a learned temperature,
-  its part of dτ_h = −Σ_js ds_js x_js / τ_h);
+  its part of dτ_h = −Σ_js ds_js x_js / τ_h, from Σ_s ds_js x_js τ = k_j·(Σ_s ds_js c_s) − Σ_s ds_js ‖c_s‖²/2: no
+  scores formed);
 * **codes' gradient**: dc_s = (Σ_j ds_js k_j − c_s Σ_j ds_js) / τ, one program per (tile of codes, head, slice of
   the keys) walking its key blocks, the slices' sums added atomically.
 
@@ -41,6 +42,12 @@ CODE_TILE = 64
 # Slices of the keys that the codes' gradient sums separately (then atomically): enough programs to fill a GPU
 # with a few hundred codes, and few additions into each code.
 KEY_SLICES = 16
+# The backward kernels stream float32 (T, S) tiles of the weights and their gradient, and stage none of them: three
+# stages took the keys' gradient 160 KB of shared memory and 255 registers (one program of 4 warps per SM), one takes
+# 64 KB and 223 (two); the codes' gradient 96.5 → 32 KB and 137 → 126 registers (two → four programs). The soft
+# reverse cache walk, which streams the same tiles, measured 1.7× faster at one stage than at three
+# (block_caches._launch); these kernels are not yet timed at either.
+BACKWARD_LAUNCH = dict(num_stages=1)
 
 if triton is not None:
 
@@ -49,12 +56,15 @@ if triton is not None:
                 HALF_ROWS: tl.constexpr):
         """(k·c_s − ‖c_s‖²/2) for the codes of one tile (−inf past S): k (L, BD) float32, C (H, S, D) float32, HN
         (H, S) the codes' ‖c_s‖²/2 (formed once per call, not per tile of every program)."""
+        half_norms = tl.load(HN + h * S + codes, mask=codes < S, other=float("inf"))  # absent codes score −inf
+        return _dot_half_rows(k, _codes(C, h, codes, S, D, BD), HALF_ROWS, PREC, EXACT_PREC) - half_norms[None, :]
+
+    @triton.jit
+    def _codes(C, h, codes, S, D, BD: tl.constexpr):
+        """The rows ``codes`` (BS, BD) of head h's codes in C (H, S, D) float32, zeros past S and D."""
         dims = tl.arange(0, BD)
-        present = codes < S
-        c = tl.load(C + (h * S + codes[:, None]) * D + dims[None, :], mask=present[:, None] & (dims[None, :] < D),
-                    other=0.0)
-        half_norms = tl.load(HN + h * S + codes, mask=present, other=float("inf"))  # absent codes score −inf
-        return _dot_half_rows(k, c, HALF_ROWS, PREC, EXACT_PREC) - half_norms[None, :], c
+        return tl.load(C + (h * S + codes[:, None]) * D + dims[None, :],
+                       mask=(codes[:, None] < S) & (dims[None, :] < D), other=0.0)
 
     @triton.jit
     def _tile(bh, rows, codes, T, S):
@@ -72,21 +82,21 @@ if triton is not None:
         row_max = tl.full([L], float("-inf"), tl.float32)
         row_sum = tl.zeros([L], tl.float32)
         for s0 in range(0, S, BS):
-            x = _scores(k, C, HN, h, s0 + tl.arange(0, BS), S, D, BD, PREC, EXACT_PREC, HALF_ROWS)[0] * scale2
+            x = _scores(k, C, HN, h, s0 + tl.arange(0, BS), S, D, BD, PREC, EXACT_PREC, HALF_ROWS) * scale2
             new_max = tl.maximum(row_max, tl.max(x, 1))
             row_sum = row_sum * tl.exp2(row_max - new_max) + tl.sum(tl.exp2(x - new_max[:, None]), 1)
             row_max = new_max
         inv_sum = 1.0 / row_sum
         for s0 in range(0, S, BS):
             codes = s0 + tl.arange(0, BS)
-            x = _scores(k, C, HN, h, codes, S, D, BD, PREC, EXACT_PREC, HALF_ROWS)[0] * scale2
+            x = _scores(k, C, HN, h, codes, S, D, BD, PREC, EXACT_PREC, HALF_ROWS) * scale2
             at, mask = _tile(bh, rows, codes, T, S)
             tl.store(P + at, tl.exp2(x - row_max[:, None]) * inv_sum[:, None], mask=mask)
 
     @triton.jit
     def _key_grad_kernel(K, C, HN, TAU, P, G, DK, R, DTAU, sk_b, sk_h, sk_t, sd_b, sd_h, sd_t, H, T, S, D,
                          L: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
-                         EXACT_PREC: tl.constexpr, HALF_ROWS: tl.constexpr, TAU_GRAD: tl.constexpr):
+                         TAU_GRAD: tl.constexpr):
         blk, bh = tl.program_id(0), tl.program_id(1)
         h = bh % H
         rows = blk * L + tl.arange(0, L)
@@ -95,22 +105,23 @@ if triton is not None:
         for s0 in range(0, S, BS):
             at, mask = _tile(bh, rows, s0 + tl.arange(0, BS), T, S)
             r += tl.sum(tl.load(G + at, mask=mask, other=0.0) * tl.load(P + at, mask=mask, other=0.0), 1)
-        k = _load_rows(K, sk_b, sk_h, sk_t, bh // H, h, rows, T, D, BD, tl.float32)
-        dk = tl.zeros([L, BD], tl.float32)
-        ds_x = tl.zeros([L], tl.float32)  # Σ_s ds_js (k_j·c_s − ‖c_s‖²/2), for the temperature
+        dk = tl.zeros([L, BD], tl.float32)  # Σ_s ds_js c_s, scaled by 1/τ at the store
+        ds_hn = tl.zeros([L], tl.float32)  # Σ_s ds_js ‖c_s‖²/2, for the temperature
         for s0 in range(0, S, BS):
             codes = s0 + tl.arange(0, BS)
             at, mask = _tile(bh, rows, codes, T, S)
             ds = tl.load(P + at, mask=mask, other=0.0) * (tl.load(G + at, mask=mask, other=0.0) - r[:, None])
-            scores, c = _scores(k, C, HN, h, codes, S, D, BD, PREC, EXACT_PREC, HALF_ROWS)
-            dk = tl.dot(ds, c, dk, input_precision=PREC)
+            dk = tl.dot(ds, _codes(C, h, codes, S, D, BD), dk, input_precision=PREC)
             if TAU_GRAD:
-                ds_x += tl.sum(ds * tl.where(mask, scores, 0.0), 1)
+                ds_hn += tl.sum(ds * tl.load(HN + h * S + codes, mask=codes < S, other=0.0)[None, :], 1)
         dims = tl.arange(0, BD)
         tl.store(DK + (bh // H) * sd_b + h * sd_h + rows[:, None] * sd_t + dims[None, :], dk * inv_tau,
                  mask=(rows[:, None] < T) & (dims[None, :] < D))
         tl.store(R + bh * T + rows, r, mask=rows < T)
         if TAU_GRAD:  # dτ = −Σ ds·x / τ with x = scores / τ: this block's part
+            # Σ_s ds_js (k_j·c_s − ‖c_s‖²/2) = k_j·(Σ_s ds_js c_s) − Σ_s ds_js ‖c_s‖²/2: the scores never formed
+            k = _load_rows(K, sk_b, sk_h, sk_t, bh // H, h, rows, T, D, BD, tl.float32)
+            ds_x = tl.sum(k * dk, 1) - ds_hn
             tl.store(DTAU + bh * tl.num_programs(0) + blk, -tl.sum(ds_x, 0) * inv_tau * inv_tau)
 
     @triton.jit
@@ -173,7 +184,7 @@ class SoftAssign(torch.autograd.Function):
         grad_tau = torch.empty(B, H, blocks, device=k.device, dtype=torch.float32) if need_tau else grad_k
         _key_grad_kernel[(blocks, B * H)](k, c, half_norms, tau, weights, grad, grad_k, row_sums, grad_tau,
                                           *strides, *grad_k.stride()[:3], H, T, S, D, TAU_GRAD=need_tau, **shape,
-                                          **products)
+                                          PREC=products["PREC"], **BACKWARD_LAUNCH)
         grad_c = None
         if need_c:
             grad_c = torch.zeros_like(c)
@@ -181,7 +192,7 @@ class SoftAssign(torch.autograd.Function):
             per_slice = triton.cdiv(B * blocks, slices)
             _code_grad_kernel[(triton.cdiv(S, CODE_TILE), H, triton.cdiv(B * blocks, per_slice))](
                 k, c, tau, weights, grad, row_sums, grad_c, *strides, H, T, S, D, B * blocks, per_slice, **shape,
-                **products)
+                **products, **BACKWARD_LAUNCH)
         return (grad_k.to(k.dtype) if need_k else None, grad_c,
                 grad_tau.sum((0, 2)) if need_tau else None)
 
