@@ -172,12 +172,16 @@ if triton is not None:
 def _launch(hard: bool, forward: bool, device: torch.device) -> dict:
     """Launch settings. On an H200 (S = 512, Dv = 64, bf16), once masks replaced the walks' branches, the hard
     backward walk ran 15% faster with Triton's default prefetching (3 stages) and the soft one 1.7× slower (7.5 to
-    12.6 ms), its float32 weight tiles staged too: the soft walks keep one stage. The soft prefix walk takes 202
+    12.6 ms), its float32 weight tiles staged too: the soft walks keep one stage. The hard prefix walk runs in 8
+    warps: by ptxas (sm_90) 158 → 106 registers (168 → 112 under Triton 3.6), so two programs of 8 warps share an
+    SM instead of three of 4, and each block's step, the walk's sequential chain, is split over twice the warps
+    (561 → 293 instructions per warp and step). The reverse walks would fit one program of 8 warps per SM where two
+    of 4 fit now: at 32768 tokens (B·H = 32, 256 programs) that is two waves. The soft prefix walk takes 202
     registers on sm_90 (224 under Triton 3.6), two programs per SM; capped at three programs'
     (:func:`~vqattn.ops.triton.window_codes.three_programs_per_sm`) it takes 166-168 without spilling. The soft
     reverse walk would spill there (192 bytes)."""
     if hard:
-        return {}
+        return dict(num_warps=8) if forward else {}
     return dict(num_stages=1, **three_programs_per_sm(device)) if forward else dict(num_stages=1)
 
 
