@@ -16,18 +16,16 @@ import argparse
 import contextlib
 
 import torch
-from attention_speed import METHODS, attention
+from attention_speed import DTYPES, METHODS, attention
 from layer_speed import build
 from torch.profiler import ProfilerActivity, profile
 
 from vqattn.layers import ATTENTIONS
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
 
 def add_precision_arguments(parser: argparse.ArgumentParser) -> None:
     """--dtype and --tf32, which :func:`set_precision` applies (kernel_resources.py takes them too)."""
-    parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16",
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
                         help="the op's inputs; a layer's autocast type, or float32 without autocast")
     parser.add_argument("--tf32", action="store_true", help="float32 products in TF32, as PyTorch's may be")
 
