@@ -72,13 +72,13 @@ def test_kernel_resources_of_a_layer_compile_for_a_gpu_here(monkeypatch, capsys,
     kernel_resources.main(["--what", "layer", "--method", "vq_hard", "--length", "64", "--dim", "128", "--heads", "2",
                            "--num-codes", "64", "--dump", str(tmp_path)])
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
-    assert {"_rotation_kernel", "_nearest_kernel", "_prefix_kernel", "_forward_kernel", "_backward_kernel",
-            "_prefix_backward_kernel"} <= {row[0] for row in rows}
+    names = ("_window_code_forward_kernel", "_window_backward_kernel", "_code_backward_kernel")
+    assert {"_rotation_kernel", "_nearest_kernel", "_prefix_kernel", "_prefix_backward_kernel", *names} <= {
+        row[0] for row in rows}
     sass = sorted(tmp_path.glob("*.sass"))  # one per row, in launch order
-    # the backward runs as two launches: the window's part (no loop), then the codes' (a loop over code tiles)
-    launches = {name: [i for i, row in enumerate(rows) if row[0] == name] for name in ("_forward_kernel",
-                                                                                      "_backward_kernel")}
-    (forward,), (window_backward, code_backward) = launches.values()
+    # the backward runs as two kernels: the window's part (no loop), then the codes' (a loop over code tiles)
+    launches = {name: [i for i, row in enumerate(rows) if row[0] == name] for name in names}
+    (forward,), (window_backward,), (code_backward,) = launches.values()
     assert rows[window_backward][11] == "0"
     # capped at 168 registers without spilling: three programs of 4 warps per SM (window_codes.py)
     assert int(rows[code_backward][3]) <= 168 and rows[code_backward][4] == "0"

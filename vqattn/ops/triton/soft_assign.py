@@ -72,7 +72,7 @@ if triton is not None:
         return (bh * T + rows[:, None]) * S + codes[None, :], (rows[:, None] < T) & (codes[None, :] < S)
 
     @triton.jit
-    def _forward_kernel(K, C, HN, TAU, P, sk_b, sk_h, sk_t, H, T, S, D, L: tl.constexpr, BS: tl.constexpr,
+    def _soft_assign_kernel(K, C, HN, TAU, P, sk_b, sk_h, sk_t, H, T, S, D, L: tl.constexpr, BS: tl.constexpr,
                         BD: tl.constexpr, PREC: tl.constexpr, EXACT_PREC: tl.constexpr, HALF_ROWS: tl.constexpr):
         blk, bh = tl.program_id(0), tl.program_id(1)
         h = bh % H
@@ -94,7 +94,7 @@ if triton is not None:
             tl.store(P + at, tl.exp2(x - row_max[:, None]) * inv_sum[:, None], mask=mask)
 
     @triton.jit
-    def _key_grad_kernel(K, C, HN, TAU, P, G, DK, R, DTAU, sk_b, sk_h, sk_t, sd_b, sd_h, sd_t, H, T, S, D,
+    def _soft_key_grad_kernel(K, C, HN, TAU, P, G, DK, R, DTAU, sk_b, sk_h, sk_t, sd_b, sd_h, sd_t, H, T, S, D,
                          L: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
                          TAU_GRAD: tl.constexpr):
         blk, bh = tl.program_id(0), tl.program_id(1)
@@ -125,7 +125,7 @@ if triton is not None:
             tl.store(DTAU + bh * tl.num_programs(0) + blk, -tl.sum(ds_x, 0) * inv_tau * inv_tau)
 
     @triton.jit
-    def _code_grad_kernel(K, C, TAU, P, G, R, DC, sk_b, sk_h, sk_t, H, T, S, D, num_blocks, blocks_per_slice,
+    def _soft_code_grad_kernel(K, C, TAU, P, G, R, DC, sk_b, sk_h, sk_t, H, T, S, D, num_blocks, blocks_per_slice,
                           L: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
                           EXACT_PREC: tl.constexpr, HALF_ROWS: tl.constexpr):
         tile, h, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -161,7 +161,7 @@ class SoftAssign(torch.autograd.Function):
         k = _unit_last(k)
         half_norms = 0.5 * c.square().sum(-1)
         weights = torch.empty(B, H, T, S, device=k.device, dtype=torch.float32)
-        _forward_kernel[(triton.cdiv(T, ASSIGN_KEYS), B * H)](  # as the hard assignment's (nearest.py)
+        _soft_assign_kernel[(triton.cdiv(T, ASSIGN_KEYS), B * H)](  # as the hard assignment's (nearest.py)
             k, c, half_norms, tau, weights, k.stride(0), k.stride(1), k.stride(2), H, T, S, D, L=ASSIGN_KEYS,
             BS=CODE_TILE, BD=_width(D), **_float32_products(k.dtype), **ASSIGN_LAUNCH)
         ctx.save_for_backward(k, c, half_norms, tau, weights)
@@ -182,7 +182,7 @@ class SoftAssign(torch.autograd.Function):
         grad_k = empty_like_order(k, dtype=torch.float32)  # in k's memory order (common/layout.py)
         row_sums = torch.empty(B, H, T, device=k.device, dtype=torch.float32)
         grad_tau = torch.empty(B, H, blocks, device=k.device, dtype=torch.float32) if need_tau else grad_k
-        _key_grad_kernel[(blocks, B * H)](k, c, half_norms, tau, weights, grad, grad_k, row_sums, grad_tau,
+        _soft_key_grad_kernel[(blocks, B * H)](k, c, half_norms, tau, weights, grad, grad_k, row_sums, grad_tau,
                                           *strides, *grad_k.stride()[:3], H, T, S, D, TAU_GRAD=need_tau, **shape,
                                           PREC=products["PREC"], **BACKWARD_LAUNCH)
         grad_c = None
@@ -190,7 +190,7 @@ class SoftAssign(torch.autograd.Function):
             grad_c = torch.zeros_like(c)
             slices = min(KEY_SLICES, B * blocks)
             per_slice = triton.cdiv(B * blocks, slices)
-            _code_grad_kernel[(triton.cdiv(S, CODE_TILE), H, triton.cdiv(B * blocks, per_slice))](
+            _soft_code_grad_kernel[(triton.cdiv(S, CODE_TILE), H, triton.cdiv(B * blocks, per_slice))](
                 k, c, tau, weights, grad, row_sums, grad_c, *strides, H, T, S, D, B * blocks, per_slice, **shape,
                 **products, **BACKWARD_LAUNCH)
         return (grad_k.to(k.dtype) if need_k else None, grad_c,

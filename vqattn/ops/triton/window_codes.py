@@ -9,12 +9,12 @@ with one running max, as flash attention does, so neither the (T, T) nor the (T,
 and C_b (S, Dv) are every block's cache counts and value sums, formed beforehand by a per-block prefix (the state of
 fla's chunk kernels), and β_b the block's memory bias (``memory_cap``'s log min(1, M / n_b), or 0); window attention
 is the same kernel without codes. The forward kernel stores out and the per-query logsumexp; a small kernel forms
-Δ_i = dO_i·out_i, and the backward kernel (launched twice: the window's part, then the codes') recomputes the
-probabilities from the logsumexp and writes, per block, the gradients of its queries, of its keys and values (as
-window keys, read by its own query block and the next: the program recomputes the next block's (L, L) tile, as
-flash attention's backward walks a key block's queries, so that each of their gradients is written once, by one
-program), of the codebook (every block's own, or a shared one's added up atomically per sequence), and of its cache
-(dn_b, dC_b), which autograd then carries back through the prefix to the values and the assignment.
+Δ_i = dO_i·out_i, and two backward kernels, the window's and the codes', recompute the probabilities from the
+logsumexp and write, per block, the gradients of its queries, of its keys and values (as window keys, read by its
+own query block and the next: the program recomputes the next block's (L, L) tile, as flash attention's backward
+walks a key block's queries, so that each of their gradients is written once, by one program), of the codebook
+(every block's own, or a shared one's added up atomically per sequence), and of its cache (dn_b, dC_b), which
+autograd then carries back through the prefix to the values and the assignment.
 
 One program per (query block, batch·head). Loads are cast to ``DOT`` (the input's half type on a GPU, so the
 products run on tensor cores; float32 under the interpreter, whose half-precision products are wrong), every product
@@ -205,7 +205,7 @@ if triton is not None:
         return m_new, z, acc
 
     @triton.jit
-    def _forward_kernel(QW, KW, V, QC, CB, CNT, SUM, BIAS, O, LSE,
+    def _window_code_forward_kernel(QW, KW, V, QC, CB, CNT, SUM, BIAS, O, LSE,
                         sqw_b, sqw_h, sqw_t, skw_b, skw_h, skw_t, sv_b, sv_h, sv_t, sqc_b, sqc_h, sqc_t,
                         so_b, so_h, so_t,
                         H, T, S, D, DC, DV, scale,
@@ -246,7 +246,7 @@ if triton is not None:
         tl.store(LSE + bh * T + rows, m + tl.log2(z), mask=rows < T)  # base 2
 
     @triton.jit
-    def _delta_kernel(O, DO, DELTA, so_b, so_h, so_t, sdo_b, sdo_h, sdo_t, H, T, DV, L: tl.constexpr,
+    def _output_delta_kernel(O, DO, DELTA, so_b, so_h, so_t, sdo_b, sdo_h, sdo_t, H, T, DV, L: tl.constexpr,
                       BDV: tl.constexpr):
         """Δ_i = dO_i·out_i (B·H, T) in float32, once per query, before the backward kernel (flash attention's
         preprocessing): its programs read Δ of two query blocks each, and would otherwise hold both blocks'
@@ -277,97 +277,101 @@ if triton is not None:
         return p.to(DOT), ds.to(DOT)
 
     @triton.jit
-    def _backward_kernel(QW, KW, V, QC, CB, CNT, SUM, BIAS, DO, LSE, DELTA,
-                         DQW, DKW, DV_, DQC, DCB, DCNT, DSUM,
-                         sqw_b, sqw_h, sqw_t, skw_b, skw_h, skw_t, sv_b, sv_h, sv_t, sqc_b, sqc_h, sqc_t,
-                         sdo_b, sdo_h, sdo_t, sdqw_b, sdqw_h, sdqw_t, sdkw_b, sdkw_h, sdkw_t,
-                         sdv_b, sdv_h, sdv_t, sdqc_b, sdqc_h, sdqc_t,
-                         H, T, S, D, DC, DV, scale,
-                         L: tl.constexpr, BD: tl.constexpr, BDC: tl.constexpr, BDV: tl.constexpr,
-                         BS: tl.constexpr, HAS_CODES: tl.constexpr, PER_BLOCK: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, DOT: tl.constexpr, SUM_DOT: tl.constexpr, PREC: tl.constexpr,
-                         CODEBOOK_GRAD: tl.constexpr, COUNTS_GRAD: tl.constexpr, WINDOW: tl.constexpr):
-        """Gradients of query block blk, and of key block blk's window keys and values, each written once, in its
-        input's dtype, by its own strides (the inputs' memory order): the window's with WINDOW, the codes' with
-        HAS_CODES. Codebook attention launches the two parts as two kernels: by ptxas, the codes' loop alone holds
-        fewer registers than the window's ten (L, ·) tiles, so more of its programs share an SM (the window-code
-        forward, with fewer tiles, stays one kernel). Key block blk is read by query blocks blk and
-        blk + 1, so the program recomputes the next block's probabilities over it (one (L, L) tile more, as flash
-        attention's backward walks a key block's queries) instead of writing two shares to be added. DCB takes the
-        query block's share of the codebook's gradient: stored at (B·H, nb, S, DC) for every block's own codebook,
-        added atomically into its sequence's (B·H, S, DC) (zeroed) for a shared one; DCNT (B·H, nb, S) float32 and
-        DSUM (B·H, nb, S, DV) (in the sums' dtype) its cache's gradients (DCNT with COUNTS_GRAD only: hard counts
-        carry no gradient unless the initial cache's do)."""
+    def _window_backward_kernel(QW, KW, V, DO, LSE, DELTA, DQW, DKW, DV_,
+                                sqw_b, sqw_h, sqw_t, skw_b, skw_h, skw_t, sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t,
+                                sdqw_b, sdqw_h, sdqw_t, sdkw_b, sdkw_h, sdkw_t, sdv_b, sdv_h, sdv_t,
+                                H, T, D, DV, scale, L: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+                                DOT: tl.constexpr, PREC: tl.constexpr):
+        """The window's gradients: of query block blk (dqw), and of key block blk's window keys and values (dkw,
+        dv), each written once, in its input's dtype, by its own strides (the inputs' memory order). Key block blk
+        is read by query blocks blk and blk + 1, so the program recomputes the next block's probabilities over it
+        (one (L, L) tile more, as flash attention's backward walks a key block's queries) instead of writing two
+        shares to be added."""
+        blk, bh = tl.program_id(0), tl.program_id(1)
+        b, h = bh // H, bh % H
+        rows = blk * L + tl.arange(0, L)
+        scale2 = scale * LOG2E
+        do_dot, lse, delta = _output_grads(DO, LSE, DELTA, sdo_b, sdo_h, sdo_t, b, h, bh, rows, T, DV, BDV, DOT)
+        qw = _load_rows(QW, sqw_b, sqw_h, sqw_t, b, h, rows, T, D, BD, DOT)
+        # the next query block, and both key blocks, loaded before any is used: one trip to memory, not three
+        next_rows = rows + L
+        qn = _load_rows(QW, sqw_b, sqw_h, sqw_t, b, h, next_rows, T, D, BD, DOT)
+        do_n, lse_n, delta_n = _output_grads(DO, LSE, DELTA, sdo_b, sdo_h, sdo_t, b, h, bh, next_rows, T, DV, BDV,
+                                             DOT)
+        cols = rows - L
+        kw_prev = _load_rows(KW, skw_b, skw_h, skw_t, b, h, cols, T, D, BD, DOT)
+        v_prev = _load_rows(V, sv_b, sv_h, sv_t, b, h, cols, T, DV, BDV, DOT)
+        kw = _load_rows(KW, skw_b, skw_h, skw_t, b, h, rows, T, D, BD, DOT)
+        v = _load_rows(V, sv_b, sv_h, sv_t, b, h, rows, T, DV, BDV, DOT)
+        # the previous key block: its share of dq (its own dk and dv are the previous program's)
+        p, ds = _window_grads(qw, kw_prev, v_prev, do_dot, lse, delta, rows, cols, T, scale2, DOT, PREC)
+        dqw = tl.dot(ds, kw_prev, input_precision=PREC)  # the sums accumulate in the products, σ after
+        # this key block, from its own queries: dq, and the first share of its dk and dv
+        p, ds = _window_grads(qw, kw, v, do_dot, lse, delta, rows, rows, T, scale2, DOT, PREC)
+        dqw = tl.dot(ds, kw, dqw, input_precision=PREC)
+        dk = tl.dot(tl.trans(ds), qw, input_precision=PREC)
+        dv = tl.dot(tl.trans(p), do_dot, input_precision=PREC)
+        _store_rows(DQW, sdqw_b, sdqw_h, sdqw_t, b, h, rows, T, D, dqw * scale, BD)
+        # ... and from the next query block (absent past the last block: zero rows add nothing)
+        p, ds = _window_grads(qn, kw, v, do_n, lse_n, delta_n, next_rows, rows, T, scale2, DOT, PREC)
+        dk = tl.dot(tl.trans(ds), qn, dk, input_precision=PREC)
+        dv = tl.dot(tl.trans(p), do_n, dv, input_precision=PREC)
+        _store_rows(DKW, sdkw_b, sdkw_h, sdkw_t, b, h, rows, T, D, dk * scale, BD)
+        _store_rows(DV_, sdv_b, sdv_h, sdv_t, b, h, rows, T, DV, dv, BDV)
+
+    @triton.jit
+    def _code_backward_kernel(QC, CB, CNT, SUM, BIAS, DO, LSE, DELTA, DQC, DCB, DCNT, DSUM,
+                              sqc_b, sqc_h, sqc_t, sdo_b, sdo_h, sdo_t, sdqc_b, sdqc_h, sdqc_t,
+                              H, T, S, DC, DV, scale, L: tl.constexpr, BDC: tl.constexpr, BDV: tl.constexpr,
+                              BS: tl.constexpr, PER_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr,
+                              SUM_DOT: tl.constexpr, PREC: tl.constexpr, CODEBOOK_GRAD: tl.constexpr,
+                              COUNTS_GRAD: tl.constexpr):
+        """The codes' gradients of query block blk: of its code queries (dqc), of the codebook (DCB: stored at
+        (B·H, nb, S, DC) for every block's own codebook, added atomically into its sequence's (B·H, S, DC) (zeroed)
+        for a shared one), and of its cache, DSUM (B·H, nb, S, DV) in the sums' dtype and, with COUNTS_GRAD, DCNT
+        (B·H, nb, S) float32 (hard counts carry no gradient unless the initial cache's do). A kernel of its own,
+        apart from the window's: its loop holds fewer registers than the window's ten (L, ·) tiles, so more of its
+        programs share an SM."""
         blk, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // H, bh % H
         nb = tl.cdiv(T, L)
         rows = blk * L + tl.arange(0, L)
         scale2 = scale * LOG2E
         do_dot, lse, delta = _output_grads(DO, LSE, DELTA, sdo_b, sdo_h, sdo_t, b, h, bh, rows, T, DV, BDV, DOT)
-        if WINDOW:
-            qw = _load_rows(QW, sqw_b, sqw_h, sqw_t, b, h, rows, T, D, BD, DOT)
-            # the next query block, and both key blocks, loaded before any is used: one trip to memory, not three
-            next_rows = rows + L
-            qn = _load_rows(QW, sqw_b, sqw_h, sqw_t, b, h, next_rows, T, D, BD, DOT)
-            do_n, lse_n, delta_n = _output_grads(DO, LSE, DELTA, sdo_b, sdo_h, sdo_t, b, h, bh, next_rows, T, DV,
-                                                 BDV, DOT)
-            cols = rows - L
-            kw_prev = _load_rows(KW, skw_b, skw_h, skw_t, b, h, cols, T, D, BD, DOT)
-            v_prev = _load_rows(V, sv_b, sv_h, sv_t, b, h, cols, T, DV, BDV, DOT)
-            kw = _load_rows(KW, skw_b, skw_h, skw_t, b, h, rows, T, D, BD, DOT)
-            v = _load_rows(V, sv_b, sv_h, sv_t, b, h, rows, T, DV, BDV, DOT)
-            # the previous key block: its share of dq (its own dk and dv are the previous program's)
-            p, ds = _window_grads(qw, kw_prev, v_prev, do_dot, lse, delta, rows, cols, T, scale2, DOT, PREC)
-            dqw = tl.dot(ds, kw_prev, input_precision=PREC)  # the sums accumulate in the products, σ after
-            # this key block, from its own queries: dq, and the first share of its dk and dv
-            p, ds = _window_grads(qw, kw, v, do_dot, lse, delta, rows, rows, T, scale2, DOT, PREC)
-            dqw = tl.dot(ds, kw, dqw, input_precision=PREC)
-            dk = tl.dot(tl.trans(ds), qw, input_precision=PREC)
-            dv = tl.dot(tl.trans(p), do_dot, input_precision=PREC)
-            _store_rows(DQW, sdqw_b, sdqw_h, sdqw_t, b, h, rows, T, D, dqw * scale, BD)  # DQW, DQC: of q's dtypes
-            # ... and from the next query block (absent past the last block: zero rows add nothing)
-            p, ds = _window_grads(qn, kw, v, do_n, lse_n, delta_n, next_rows, rows, T, scale2, DOT, PREC)
-            dk = tl.dot(tl.trans(ds), qn, dk, input_precision=PREC)
-            dv = tl.dot(tl.trans(p), do_n, dv, input_precision=PREC)
-            _store_rows(DKW, sdkw_b, sdkw_h, sdkw_t, b, h, rows, T, D, dk * scale, BD)
-            _store_rows(DV_, sdv_b, sdv_h, sdv_t, b, h, rows, T, DV, dv, BDV)
-        if HAS_CODES:
-            qc = _load_rows(QC, sqc_b, sqc_h, sqc_t, b, h, rows, T, DC, BDC, DOT)
-            dqc = tl.zeros([L, BDC], tl.float32)
-            dc_cols, dv_cols = tl.arange(0, BDC), tl.arange(0, BDV)
-            cache = bh * nb + blk
-            book = cache if PER_BLOCK else h
-            bias = _block_bias(BIAS, blk, HAS_BIAS)
-            do_sums = do_dot.to(SUM_DOT)
-            for s0 in range(0, S, BS):
-                code_logits, c, n, sums = _code_tile(CB, CNT, SUM, book, cache, bias, s0, S, DC, DV, qc, scale2, BS,
-                                                     BDC, BDV, DOT, SUM_DOT, PREC)
-                # w_n = w / n, the codes' probabilities per count (0 for empty codes); with means C / n the logits'
-                # gradient w (dO·C / n − Δ) is w_n (dO·C − n Δ)
-                w_n = tl.exp2(code_logits - lse[:, None])
-                w_n = tl.where(rows[:, None] < T, w_n, 0.0)
-                ds_codes = w_n * (tl.dot(do_sums, tl.trans(sums), input_precision=PREC) - delta[:, None] * n[None, :])
-                dqc = tl.dot(ds_codes.to(DOT), c, dqc, input_precision=PREC)
-                codes = s0 + tl.arange(0, BS)
-                present = codes < S
-                if CODEBOOK_GRAD:
-                    dc = tl.dot(tl.trans(ds_codes.to(DOT)), qc, input_precision=PREC) * scale  # (BS, BDC)
-                    grad_row = cache if PER_BLOCK else bh
-                    at = DCB + (grad_row * S + codes[:, None]) * DC + dc_cols[None, :]
-                    inside = present[:, None] & (dc_cols[None, :] < DC)
-                    if PER_BLOCK:
-                        tl.store(at, dc, mask=inside)
-                    else:  # nb programs of a sequence add into one row: not an (nb, S, DC) share per block
-                        tl.atomic_add(at, dc, mask=inside)
-                # out_i = (Σ_s exp(l_is) C_s + window) / (Σ_s exp(l_is) n_s + window): by C_s w_n dO_i, by n_s −w_n Δ_i
-                d_sums = tl.dot(tl.trans(w_n.to(SUM_DOT)), do_sums, input_precision=PREC)  # (BS, BDV), float32
-                tl.store(DSUM + (cache * S + codes[:, None]) * DV + dv_cols[None, :],
-                         d_sums.to(DSUM.dtype.element_ty),
-                         mask=present[:, None] & (dv_cols[None, :] < DV))
-                if COUNTS_GRAD:
-                    tl.store(DCNT + cache * S + codes, -tl.sum(w_n * delta[:, None], 0), mask=present)
-            _store_rows(DQC, sdqc_b, sdqc_h, sdqc_t, b, h, rows, T, DC, dqc * scale, BDC)
-
+        qc = _load_rows(QC, sqc_b, sqc_h, sqc_t, b, h, rows, T, DC, BDC, DOT)
+        dqc = tl.zeros([L, BDC], tl.float32)
+        dc_cols, dv_cols = tl.arange(0, BDC), tl.arange(0, BDV)
+        cache = bh * nb + blk
+        book = cache if PER_BLOCK else h
+        bias = _block_bias(BIAS, blk, HAS_BIAS)
+        do_sums = do_dot.to(SUM_DOT)
+        for s0 in range(0, S, BS):
+            code_logits, c, n, sums = _code_tile(CB, CNT, SUM, book, cache, bias, s0, S, DC, DV, qc, scale2, BS,
+                                                 BDC, BDV, DOT, SUM_DOT, PREC)
+            # w_n = w / n, the codes' probabilities per count (0 for empty codes); with means C / n the logits'
+            # gradient w (dO·C / n − Δ) is w_n (dO·C − n Δ)
+            w_n = tl.exp2(code_logits - lse[:, None])
+            w_n = tl.where(rows[:, None] < T, w_n, 0.0)
+            ds_codes = w_n * (tl.dot(do_sums, tl.trans(sums), input_precision=PREC) - delta[:, None] * n[None, :])
+            dqc = tl.dot(ds_codes.to(DOT), c, dqc, input_precision=PREC)
+            codes = s0 + tl.arange(0, BS)
+            present = codes < S
+            if CODEBOOK_GRAD:
+                dc = tl.dot(tl.trans(ds_codes.to(DOT)), qc, input_precision=PREC) * scale  # (BS, BDC)
+                grad_row = cache if PER_BLOCK else bh
+                at = DCB + (grad_row * S + codes[:, None]) * DC + dc_cols[None, :]
+                inside = present[:, None] & (dc_cols[None, :] < DC)
+                if PER_BLOCK:
+                    tl.store(at, dc, mask=inside)
+                else:  # nb programs of a sequence add into one row: not an (nb, S, DC) share per block
+                    tl.atomic_add(at, dc, mask=inside)
+            # out_i = (Σ_s exp(l_is) C_s + window) / (Σ_s exp(l_is) n_s + window): by C_s w_n dO_i, by n_s −w_n Δ_i
+            d_sums = tl.dot(tl.trans(w_n.to(SUM_DOT)), do_sums, input_precision=PREC)  # (BS, BDV), float32
+            tl.store(DSUM + (cache * S + codes[:, None]) * DV + dv_cols[None, :], d_sums.to(DSUM.dtype.element_ty),
+                     mask=present[:, None] & (dv_cols[None, :] < DV))
+            if COUNTS_GRAD:
+                tl.store(DCNT + cache * S + codes, -tl.sum(w_n * delta[:, None], 0), mask=present)
+        _store_rows(DQC, sdqc_b, sdqc_h, sdqc_t, b, h, rows, T, DC, dqc * scale, BDC)
 
 def _width(n: int) -> int:
     """The register width of a feature dim: a power of two, at least 16 (tl.dot's smallest)."""
@@ -380,6 +384,11 @@ def _unit_last(x: torch.Tensor) -> torch.Tensor:
 
 def _strides(x: torch.Tensor) -> tuple[int, int, int]:
     return x.stride(0), x.stride(1), x.stride(2)
+
+
+def _stride_args(name: str, x: torch.Tensor) -> dict:
+    """x's batch, head and token strides as a keyed launch's ``s{name}_b``, ``s{name}_h``, ``s{name}_t``."""
+    return {f"s{name}_{axis}": stride for axis, stride in zip("bht", _strides(x))}
 
 
 def _aligned_code_dims(x: torch.Tensor) -> torch.Tensor:
@@ -475,9 +484,10 @@ class FusedWindowCodes(torch.autograd.Function):
                     PER_BLOCK=has_codes and codebook.dim() == 5, HAS_BIAS=has_codes and code_bias is not None,
                     DOT=dot, SUM_DOT=_sum_dot(dot), PREC=prec)
         grid = (triton.cdiv(T, L), B * H)
-        _forward_kernel[grid](qw, kw, v, qc, cb, cnt, sm, bias, out, lse, *_strides(qw), *_strides(kw), *_strides(v),
-                              *_strides(qc), *_strides(out), H, T, S, D, DC, DV, float(scale), **meta,
-                              **FORWARD_LAUNCH)
+        _window_code_forward_kernel[grid](
+            QW=qw, KW=kw, V=v, QC=qc, CB=cb, CNT=cnt, SUM=sm, BIAS=bias, O=out, LSE=lse, **_stride_args("qw", qw),
+            **_stride_args("kw", kw), **_stride_args("v", v), **_stride_args("qc", qc), **_stride_args("o", out),
+            H=H, T=T, S=S, D=D, DC=DC, DV=DV, scale=float(scale), **meta, **FORWARD_LAUNCH)
         ctx.save_for_backward(qw, kw, v, qc, cb, cnt, sm, bias, out, lse)
         ctx.meta, ctx.scale, ctx.has_codes = meta, float(scale), has_codes
         return out
@@ -506,16 +516,24 @@ class FusedWindowCodes(torch.autograd.Function):
         dcnt = torch.empty(B * H, nb, S, **f32) if counts_grad else dqw
         dsum = torch.empty(B * H, nb, S, DV, device=qw.device, dtype=sm.dtype) if ctx.has_codes else dqw
         delta = torch.empty(B * H, T, **f32)
-        _delta_kernel[(nb, B * H)](out, grad_out, delta, *_strides(out), *_strides(grad_out), H, T, DV, L=L,
-                                   BDV=ctx.meta["BDV"])
-        args = (qw, kw, v, qc, cb, cnt, sm, bias, grad_out, lse, delta, dqw, dkw, dv, dqc, dcb, dcnt, dsum,
-                *_strides(qw), *_strides(kw), *_strides(v), *_strides(qc), *_strides(grad_out),
-                *_strides(dqw), *_strides(dkw), *_strides(dv), *_strides(dqc), H, T, S, D, DC, DV, ctx.scale)
-        meta = dict(ctx.meta, CODEBOOK_GRAD=codebook_grad, COUNTS_GRAD=counts_grad)
-        _backward_kernel[(nb, B * H)](*args, **dict(meta, WINDOW=True, HAS_CODES=False), **BACKWARD_LAUNCH)
+        _output_delta_kernel[(nb, B * H)](O=out, DO=grad_out, DELTA=delta, **_stride_args("o", out),
+                                          **_stride_args("do", grad_out), H=H, T=T, DV=DV, L=L, BDV=ctx.meta["BDV"])
+        grid = (nb, B * H)
+        _window_backward_kernel[grid](
+            QW=qw, KW=kw, V=v, DO=grad_out, LSE=lse, DELTA=delta, DQW=dqw, DKW=dkw, DV_=dv,
+            **_stride_args("qw", qw), **_stride_args("kw", kw), **_stride_args("v", v), **_stride_args("do", grad_out),
+            **_stride_args("dqw", dqw), **_stride_args("dkw", dkw), **_stride_args("dv", dv),
+            H=H, T=T, D=D, DV=DV, scale=ctx.scale, L=L, BD=ctx.meta["BD"], BDV=ctx.meta["BDV"], DOT=ctx.meta["DOT"],
+            PREC=ctx.meta["PREC"], **BACKWARD_LAUNCH)
         if ctx.has_codes:
-            _backward_kernel[(nb, B * H)](*args, **dict(meta, WINDOW=False),
-                                          **_code_backward_launch(meta, codebook_grad, qw.device))
+            meta = {key: ctx.meta[key] for key in ("L", "BDC", "BDV", "BS", "PER_BLOCK", "HAS_BIAS", "DOT", "SUM_DOT",
+                                                   "PREC")}
+            meta.update(CODEBOOK_GRAD=codebook_grad, COUNTS_GRAD=counts_grad)
+            _code_backward_kernel[grid](
+                QC=qc, CB=cb, CNT=cnt, SUM=sm, BIAS=bias, DO=grad_out, LSE=lse, DELTA=delta, DQC=dqc, DCB=dcb,
+                DCNT=dcnt, DSUM=dsum, **_stride_args("qc", qc), **_stride_args("do", grad_out),
+                **_stride_args("dqc", dqc), H=H, T=T, S=S, DC=DC, DV=DV, scale=ctx.scale, **meta,
+                **_code_backward_launch(meta, codebook_grad, qw.device))
         grads = [dqw, dkw, dv, None, None, None, None]
         if ctx.has_codes:
             if codebook_grad:  # every block's own, or a shared codebook's summed over the sequences
