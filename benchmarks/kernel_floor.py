@@ -1,0 +1,307 @@
+"""A FLOP and byte floor of every GPU kernel of one forward+backward step of the vq_hard op, as
+``attention_speed.py``'s ``vq_hard_rope`` runs it (codebook (H, S, Dc), ``exact_window=True``, q_rot and k_rot given
+as inputs, bf16), for the designs of the GPU plan and for fla's ``chunk_simple_gla`` at the same shape.
+
+A kernel's floor is max(FLOPs / peak, bytes / bandwidth) on a GPU of :data:`GPUS`; a step's floor is the sum over its
+kernels. FLOPs are tensor-core products, 2·m·n·k each, of the tiles the kernel multiplies: whole (L, L) window
+tiles, as the kernels form them before masking (fla's counts the same way); a TF32 product counts
+:data:`TF32_COST` times, at the bf16 peak. Bytes are what a kernel must move through HBM at least: each input
+read once and each output written once, however often its programs reread it from L2.
+
+The designs (:data:`DESIGNS`):
+
+* ``today``: every block's cache, (S, Dv) bf16 sums and (S,) float32 counts (1056 bytes per token and head at
+  S = 512, L = 64), written by the prefix walk, read by the forward and by the backward's code part; that part
+  writes every block's cache gradient dC (S, Dv), which the reverse walk reads.
+* ``no_dc``: as today, but the reverse walk forms each block's dC_b = exp2(σ qc·c − lse)ᵀ dO itself, from qc, dO
+  and the logsumexp: two products per block more in the walk, one less in the code part, no dC in memory.
+* ``superblock``: caches only every K blocks (K·L tokens); a query attends to the keys between its superblock's
+  cache and its window (blocks c..b−2) through their codes, logit σ q·c_{z_j}, value v_j, in the forward and the
+  code part of the backward. The reverse walk is no_dc's: for hard keys its running sum of the blocks' dC_b is
+  also the gradient of those keys' values, so the key side costs nothing more.
+* ``fla``: fla's ``chunk_simple_gla`` (a D×Dv state per chunk of L): chunk_fwd_h (bf16 states) and chunk_fwd_o
+  forward; chunk_fwd_h again (float32 states), chunk_bwd_dh (float32), chunk_bwd_dqkwg and chunk_bwd_dv backward.
+
+Not counted: the PyTorch glue between the kernels (the masked copies of k and k_rot and the poison of
+``ops.nonfinite``, the codebook's TF32 split and half norms, the sum of the window's and the walk's value
+gradients), and the zero count gradients the reverse walk reads (hard counts take no gradient).
+
+Against the issue's table (B·H·T = 2²⁰; every count here is per token, so 8k and 32k agree but for the superblock's
+gathered keys):
+
+* today: 962 GFLOP as the issue (the nearest code's two TF32 products at half rate: 275 GFLOP, its 0.28 ms floor);
+  8.55 GB against 8.74 (the issue does not itemise its bytes; 0.2 GB is one and a half (B, H, T, 64) passes).
+  Its floor, 2.79 ms on an H100 and 2.03 on an H200, is the issue's (2.80, 2.04).
+* no_dc: 1031 GFLOP against 876, 6.68 GB against 6.59, 2.30 ms against 2.16 (H100): here the walk does the two
+  products that form dC_b (+137 GFLOP) and reads qc and dO (+0.27 GB); the issue's total leaves out both (its
+  FLOPs are below today's, though the walk's products outnumber the one the code part drops).
+* superblock (K = 8): 1179 GFLOP against 1087, 3.92 GB against 4.08, 1.57 and 1.40 ms against 1.48 and 1.30:
+  the walk's products as in no_dc, and the gathered keys counted exactly (Σ_b (b−1) mod K blocks per sequence,
+  3.45 per query block at 8k); the bytes, again, are not itemised there. K = 4 and 16 give 1.60 and 1.71 ms
+  (H100, 32k): K = 8 is the best of the three.
+* fla: as the issue, 120 GFLOP and 4.29 GB (1.28 ms H100, 0.89 ms H200).
+
+    python benchmarks/kernel_floor.py                          # every design, 8k and 32k, 64k tokens a step
+    python benchmarks/kernel_floor.py --designs today superblock --length 8192 --superblock-blocks 4 8 16
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+# Dense bf16 tensor-core peak (FLOP/s) and HBM bandwidth (byte/s), SXM parts.
+GPUS = {"H100": (989e12, 3.35e12), "H200": (989e12, 4.8e12)}
+# A TF32 product runs at half the bf16 rate on both (494.7 TFLOP/s dense): it costs two bf16 products' time.
+TF32_COST = 2
+F32 = 4
+INDEX_BYTES = 8  # the codes are int64 today
+DESIGNS = ("today", "no_dc", "superblock", "fla")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The op's shape: B·H sequences of T tokens, window dims D, value dims Dv, code dims Dc, S codes, blocks of L
+    tokens, half-precision elements of ``half_bytes``."""
+
+    B: int
+    H: int
+    T: int
+    D: int = 64
+    Dv: int = 64
+    S: int = 512
+    L: int = 64
+    Dc: int = 64
+    half_bytes: int = 2
+
+    @property
+    def nb(self) -> int:
+        """Blocks per sequence, ⌈T/L⌉."""
+        return -(-self.T // self.L)
+
+    @property
+    def seqs(self) -> int:
+        return self.B * self.H
+
+
+@dataclass(frozen=True)
+class KernelCost:
+    """One kernel's tensor-core FLOPs and HBM bytes in a step."""
+
+    name: str
+    what: str
+    flop: float
+    bytes: float
+
+    def floor_s(self, gpu: str) -> float:
+        """max(flop / peak, bytes / bandwidth) on ``gpu`` (a key of :data:`GPUS`), in seconds."""
+        peak, bandwidth = GPUS[gpu]
+        return max(self.flop / peak, self.bytes / bandwidth)
+
+
+def gpu_of(device_name: str) -> str | None:
+    """The :data:`GPUS` key of a ``torch.cuda.get_device_name()``, or None."""
+    return next((gpu for gpu in GPUS if gpu in device_name.upper()), None)
+
+
+# Bytes: every helper gives the bytes of all B·H sequences.
+
+def half(s: Shape, *widths: int) -> int:
+    """(B, H, T, w) half tensors, one per width w."""
+    return s.seqs * s.T * sum(widths) * s.half_bytes
+
+
+def per_token(s: Shape, n: int = 1, nbytes: int = F32) -> int:
+    """n (B, H, T) tensors of ``nbytes`` elements: logsumexps, Δ, codes."""
+    return n * s.seqs * s.T * nbytes
+
+
+def caches(s: Shape, n: int) -> int:
+    """n caches per sequence: (S, Dv) half sums and (S,) float32 counts."""
+    return n * s.seqs * s.S * (s.Dv * s.half_bytes + F32)
+
+
+def cache_grads(s: Shape, n: int) -> int:
+    """n cache gradients dC (S, Dv) per sequence, in half (hard counts take none)."""
+    return n * s.seqs * s.S * s.Dv * s.half_bytes
+
+
+def state(s: Shape) -> int:
+    """One float32 state per sequence, counts (S,) and sums (S, Dv): the cache before the first block, or after
+    ``fold`` blocks, or either's gradient."""
+    return s.seqs * s.S * (s.Dv + 1) * F32
+
+
+def codebook(s: Shape) -> int:
+    """The (H, S, Dc) float32 codebook the op passes to the kernels."""
+    return s.H * s.S * s.Dc * F32
+
+
+# FLOPs
+
+def block_products(s: Shape, keys: int, *widths: int) -> int:
+    """Every query block's products with ``keys`` rows (codes, keys, or a tile's inner dim), one per width:
+    2·L·keys·w a block, B·H·nb blocks."""
+    return s.seqs * s.nb * 2 * s.L * keys * sum(widths)
+
+
+def gathered_blocks(nb: int, K: int) -> int:
+    """Key blocks a sequence's queries read through their codes under superblock caches: query block b reads its
+    superblock's cache (the blocks before c = K·⌊(b−1)/K⌋) and blocks c..b−2, (b−1) mod K of them."""
+    return sum((b - 1) % K for b in range(1, nb))
+
+
+def gathered_products(s: Shape, K: int, *widths: int) -> int:
+    """The (L, L) tiles of the gathered key blocks, one product per width: 2·L·L·w each."""
+    return s.seqs * gathered_blocks(s.nb, K) * 2 * s.L * s.L * sum(widths)
+
+
+# The vq kernels, in launch order. ``n`` is the caches per sequence, ``K`` the superblock's blocks (None: no keys
+# gathered), ``dc`` whether the code part writes every block's cache gradient, ``ib`` the bytes of a code index.
+
+def nonfinite_rows(s: Shape) -> KernelCost:
+    """Two launches, on k (Dc) and k_rot (D): read, one bool per row written."""
+    return KernelCost("_nonfinite_rows_kernel", "k and k_rot: rows with NaN or inf (2 launches)", 0,
+                      half(s, s.Dc, s.D) + per_token(s, 2, 1))
+
+
+def nearest(s: Shape, ib: int) -> KernelCost:
+    """k·cᵀ (T, S, Dc) as two TF32 products (the codebook's leading and trailing parts); reads k, both parts and
+    the half norms, writes the codes."""
+    parts = 2 * codebook(s) + s.H * s.S * F32
+    return KernelCost("_nearest_kernel", "each key's nearest code", TF32_COST * 2 * block_products(s, s.S, s.Dc),
+                      half(s, s.Dc) + parts + per_token(s, 1, ib))
+
+
+def prefix(s: Shape, n: int, ib: int) -> KernelCost:
+    """Δᵀ V (S, L, Dv) per block; reads the codes, v and the initial state, writes n caches and the folded state."""
+    return KernelCost("_prefix_kernel", f"walk: {n} caches per sequence written", block_products(s, s.S, s.Dv),
+                      per_token(s, 1, ib) + half(s, s.Dv) + 2 * state(s) + caches(s, n))
+
+
+def forward(s: Shape, n: int, K: int | None, ib: int) -> KernelCost:
+    """The window, two (L, L) tiles: qw·kwᵀ (D) and p·v (Dv); the S codes: qc·cᵀ (Dc) and p·C (Dv); gathered keys:
+    qc·c_zᵀ (Dc) and p·v (Dv). Reads qw, kw, v, qc, the codebook, n caches (and the codes of gathered keys),
+    writes out and the logsumexp."""
+    flop = block_products(s, 2 * s.L, s.D, s.Dv) + block_products(s, s.S, s.Dc, s.Dv)
+    gathered = per_token(s, 1, ib) if K else 0
+    if K:
+        flop += gathered_products(s, K, s.Dc, s.Dv)
+    return KernelCost("_window_code_forward_kernel", "window and codes, online softmax", flop,
+                      half(s, s.D, s.D, s.Dv, s.Dc) + codebook(s) + caches(s, n) + gathered + half(s, s.Dv)
+                      + per_token(s))
+
+
+def output_delta(s: Shape) -> KernelCost:
+    """Δ_i = dO_i·out_i: reads out and dO, writes Δ."""
+    return KernelCost("_output_delta_kernel", "Δ = dO·out", 0, half(s, s.Dv, s.Dv) + per_token(s))
+
+
+def window_backward(s: Shape) -> KernelCost:
+    """Three (L, L) tiles per block: (b, b−1) s, dp, dq; (b, b) s, dp, dq, dk, dv; (b+1, b) recomputed: s, dp, dk,
+    dv. Seven products over D, five over Dv. Reads qw, kw, v, dO, lse, Δ; writes dqw, dkw, dv."""
+    flop = block_products(s, s.L, *[s.D] * 7, *[s.Dv] * 5)
+    return KernelCost("_window_backward_kernel", "window: dq, dk, dv", flop,
+                      half(s, s.D, s.D, s.Dv, s.Dv) + per_token(s, 2) + half(s, s.D, s.D, s.Dv))
+
+
+def code_backward(s: Shape, n: int, K: int | None, dc: bool, ib: int) -> KernelCost:
+    """Over the S codes: qc·cᵀ (Dc), dO·Cᵀ (Dv), ds·c (Dc) and, with ``dc``, dC = wᵀ·dO (Dv, written per block);
+    over gathered keys: qc·c_zᵀ (Dc), dO·vᵀ (Dv), ds·c_z (Dc), reading v and the codes. Reads qc, dO, lse, Δ, the
+    codebook and n caches, writes dqc."""
+    flop = block_products(s, s.S, s.Dc, s.Dv, s.Dc, *([s.Dv] if dc else []))
+    gathered = per_token(s, 1, ib) + half(s, s.Dv) if K else 0
+    if K:
+        flop += gathered_products(s, K, s.Dc, s.Dv, s.Dc)
+    return KernelCost("_code_backward_kernel", "codes: dqc" + (", every block's dC" if dc else ""), flop,
+                      half(s, s.Dc, s.Dv) + per_token(s, 2) + codebook(s) + caches(s, n) + gathered
+                      + half(s, s.Dc) + (cache_grads(s, s.nb) if dc else 0))
+
+
+def prefix_backward(s: Shape, dc: bool, ib: int) -> KernelCost:
+    """The reverse walk, Δ·G (L, S, Dv) per block. With ``dc`` it reads every block's dC; else it forms dC_b from
+    qc·cᵀ (Dc) and wᵀ·dO (Dv), reading qc, dO, lse and the codebook. Reads the codes and the state's gradient,
+    writes the values' gradient and the initial state's."""
+    if dc:
+        flop, reads, what = block_products(s, s.S, s.Dv), cache_grads(s, s.nb), "reverse walk: dv from dC"
+    else:
+        flop = block_products(s, s.S, s.Dv, s.Dc, s.Dv)
+        reads, what = half(s, s.Dc, s.Dv) + per_token(s) + codebook(s), "reverse walk: dC from qc, dO; dv"
+    return KernelCost("_prefix_backward_kernel", what, flop, per_token(s, 1, ib) + reads + 2 * state(s)
+                      + half(s, s.Dv))
+
+
+def vq_kernels(s: Shape, n: int, K: int | None, dc: bool, ib: int) -> list[KernelCost]:
+    return [nonfinite_rows(s), nearest(s, ib), prefix(s, n, ib), forward(s, n, K, ib), output_delta(s),
+            window_backward(s), code_backward(s, n, K, dc, ib), prefix_backward(s, dc, ib)]
+
+
+def fla_kernels(s: Shape) -> list[KernelCost]:
+    """chunk_simple_gla with a state h (D, Dv) per chunk of L: P = q, k, v, o, dO, dq, dk, dv (B, H, T, ·) half,
+    h and its gradient dh (B, H, nb, D, Dv), bf16 in the forward, float32 in the backward."""
+    h = s.seqs * s.nb * s.D * s.Dv
+    state_product = block_products(s, s.D, s.Dv)  # kᵀv, q·h, qᵀdO, …: 2·L·D·Dv a chunk
+    qkv = half(s, s.D, s.D, s.Dv)
+    return [
+        KernelCost("chunk_fwd_kernel_h", "forward: states", state_product, half(s, s.D, s.Dv) + h * s.half_bytes),
+        KernelCost("chunk_fwd_kernel_o", "forward: out", block_products(s, s.L, s.D, s.Dv) + state_product,
+                   qkv + h * s.half_bytes + half(s, s.Dv)),
+        KernelCost("chunk_fwd_kernel_h (backward)", "states again, float32", state_product,
+                   half(s, s.D, s.Dv) + h * F32),
+        KernelCost("chunk_bwd_kernel_dh", "state gradients, float32", state_product, half(s, s.D, s.Dv) + h * F32),
+        KernelCost("chunk_bwd_kernel_dqkwg", "dq, dk", block_products(s, s.L, s.Dv, s.D, s.D) + 2 * state_product,
+                   qkv + half(s, s.Dv) + 2 * h * F32 + half(s, s.D, s.D)),
+        KernelCost("chunk_bwd_kernel_dv", "dv", block_products(s, s.L, s.D, s.Dv) + state_product,
+                   half(s, s.D, s.D, s.Dv) + h * F32 + half(s, s.Dv)),
+    ]
+
+
+def kernels(design: str, shape: Shape, K: int = 8, index_bytes: int = INDEX_BYTES) -> list[KernelCost]:
+    """The kernels of one fwd+bwd step of ``design`` (one of :data:`DESIGNS`) at ``shape``; ``K`` the blocks of a
+    superblock."""
+    if design == "fla":
+        return fla_kernels(shape)
+    if design == "superblock":
+        return vq_kernels(shape, -(-shape.nb // K), K, False, index_bytes)
+    if design in ("today", "no_dc"):
+        return vq_kernels(shape, shape.nb, None, design == "today", index_bytes)
+    raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
+
+
+def table(costs: list[KernelCost]) -> list[str]:
+    """Markdown rows: each kernel's GFLOP, GB and floor (ms) on every GPU, then the total."""
+    gpus = list(GPUS)
+    rows = ["| kernel | what | GFLOP | GB | " + " | ".join(f"{g} ms" for g in gpus) + " |",
+            "|---|---|---:|---:|" + "---:|" * len(gpus)]
+    for c in costs:
+        rows.append(f"| {c.name} | {c.what} | {c.flop / 1e9:.1f} | {c.bytes / 1e9:.3f} | "
+                    + " | ".join(f"{1e3 * c.floor_s(g):.3f}" for g in gpus) + " |")
+    total = [1e3 * sum(c.floor_s(g) for c in costs) for g in gpus]
+    flop, nbytes = sum(c.flop for c in costs) / 1e9, sum(c.bytes for c in costs) / 1e9
+    rows.append(f"| **total** | | **{flop:.0f}** | **{nbytes:.2f}** | " + " | ".join(f"**{t:.2f}**" for t in total)
+                + " |")
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--designs", nargs="+", default=list(DESIGNS), choices=DESIGNS)
+    parser.add_argument("--length", type=int, nargs="+", default=[8192, 32768], help="T, tokens per sequence")
+    parser.add_argument("--tokens", type=int, default=65536, help="tokens per step: B = tokens // T")
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--num-codes", type=int, default=512)
+    parser.add_argument("--block-len", type=int, default=64)
+    parser.add_argument("--superblock-blocks", type=int, nargs="+", default=[8], help="K, blocks per superblock")
+    args = parser.parse_args(argv)
+    for T in args.length:
+        shape = Shape(B=max(1, args.tokens // T), H=args.heads, T=T, S=args.num_codes, L=args.block_len)
+        for design in args.designs:
+            for K in args.superblock_blocks if design == "superblock" else [None]:
+                label = f"{design}, K = {K} ({K * shape.L} tokens)" if K else design
+                print(f"\n### {label}: B={shape.B} H={shape.H} T={T} D={shape.D} Dv={shape.Dv} S={shape.S} "
+                      f"L={shape.L}, bf16, fwd+bwd\n")
+                print("\n".join(table(kernels(design, shape, **({"K": K} if K else {})))))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""The floor model's counts on a small shape against counts written out by hand, its floors, and its CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# B = H = 1, T = 256 (nb = 4 blocks of L = 64), D = Dv = Dc = 16, S = 8, bf16 (2 bytes), int64 codes (8 bytes).
+# One (T, 16) half tensor: 256·16·2 = 8192 bytes; one (T,) float32: 1024; the codes: 2048.
+# A cache: S·(Dv·2 + 4) = 8·36 = 288 bytes, four of them 1152; a cache gradient 8·16·2 = 256, four 1024;
+# the float32 state S·(Dv + 1)·4 = 544; the float32 codebook 8·16·4 = 512.
+TODAY = {
+    # k and k_rot read, a bool per row of each written
+    "_nonfinite_rows_kernel": (0, 8192 + 8192 + 256 + 256),
+    # two TF32 products (each at twice a bf16 product's time) of 2·256·8·16 = 65536; k, both codebook parts
+    # (2·512), the half norms 8·4, the codes written
+    "_nearest_kernel": (2 * 2 * 65536, 8192 + 1024 + 32 + 2048),
+    # Δᵀ V, 2·8·64·16 = 16384 a block; codes, v, the state read and written, four caches written
+    "_prefix_kernel": (4 * 16384, 2048 + 8192 + 2 * 544 + 1152),
+    # per block the window's two (64, 64) tiles, qk and pv of 2·64·64·16 = 131072 each, and the codes' qc·cᵀ and
+    # p·C, 2·64·8·16 = 16384 each; qw, kw, v, qc, the codebook, four caches read, out and the logsumexp written
+    "_window_code_forward_kernel": (4 * (4 * 131072 + 2 * 16384), 4 * 8192 + 512 + 1152 + 8192 + 1024),
+    # out and dO read, Δ written
+    "_output_delta_kernel": (0, 2 * 8192 + 1024),
+    # twelve (64, 64, 16) products a block; qw, kw, v, dO, lse, Δ read, dqw, dkw, dv written
+    "_window_backward_kernel": (4 * 12 * 131072, 4 * 8192 + 2 * 1024 + 3 * 8192),
+    # four (64, 8, 16) products a block; qc, dO, lse, Δ, codebook, caches read, dqc and four dC written
+    "_code_backward_kernel": (4 * 4 * 16384, 2 * 8192 + 2 * 1024 + 512 + 1152 + 8192 + 1024),
+    # Δ·G a block; codes, dC, the state's gradient read, dv and the initial state's gradient written
+    "_prefix_backward_kernel": (4 * 16384, 2048 + 1024 + 2 * 544 + 8192),
+}
+
+
+@pytest.fixture
+def kernel_floor(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import kernel_floor
+
+    return kernel_floor
+
+
+@pytest.fixture
+def small(kernel_floor):
+    return kernel_floor.Shape(B=1, H=1, T=256, D=16, Dv=16, S=8, L=64, Dc=16)
+
+
+def test_today_counts_by_hand(kernel_floor, small):
+    costs = kernel_floor.kernels("today", small)
+    assert [c.name for c in costs] == list(TODAY)
+    assert {c.name: (c.flop, c.bytes) for c in costs} == TODAY
+
+
+def test_no_dc_moves_the_cache_gradient_into_the_walk(kernel_floor, small):
+    today = {c.name: c for c in kernel_floor.kernels("today", small)}
+    no_dc = {c.name: c for c in kernel_floor.kernels("no_dc", small)}
+    code, walk = "_code_backward_kernel", "_prefix_backward_kernel"
+    assert no_dc[code].flop == today[code].flop - 4 * 16384 and no_dc[code].bytes == today[code].bytes - 1024
+    # the walk forms dC itself: qc·cᵀ and wᵀ·dO a block, reading qc, dO, lse and the codebook instead of dC
+    assert no_dc[walk].flop == today[walk].flop + 4 * 2 * 16384
+    assert no_dc[walk].bytes == today[walk].bytes - 1024 + 2 * 8192 + 1024 + 512
+
+
+def test_superblock_gathers_the_keys_between_its_caches(kernel_floor, small):
+    # K = 2: query blocks 1, 2, 3 read (b − 1) mod 2 = 0, 1, 0 blocks through their codes; 2 caches a sequence
+    assert kernel_floor.gathered_blocks(4, 2) == 1
+    costs = {c.name: c for c in kernel_floor.kernels("superblock", small, K=2)}
+    today = {c.name: c for c in kernel_floor.kernels("today", small)}
+    forward = "_window_code_forward_kernel"
+    # one (64, 64) tile more, qc·c_zᵀ and p·v; two caches fewer (2·288 bytes), the codes read
+    assert costs[forward].flop == today[forward].flop + 2 * 131072
+    assert costs[forward].bytes == today[forward].bytes - 2 * 288 + 2048
+
+
+def test_floors_take_the_larger_term(kernel_floor):
+    peak, bandwidth = kernel_floor.GPUS["H100"]
+    compute = kernel_floor.KernelCost("a", "", flop=2 * peak, bytes=bandwidth)
+    memory = kernel_floor.KernelCost("b", "", flop=peak, bytes=3 * bandwidth)
+    assert compute.floor_s("H100") == 2.0 and memory.floor_s("H100") == 3.0
+    assert memory.floor_s("H200") == pytest.approx(max(1.0, 3 * bandwidth / kernel_floor.GPUS["H200"][1]))
+
+
+def test_fla_and_today_at_the_benchmark_shape(kernel_floor):
+    """The issue's figures: today 962 GFLOP and about 2.8 ms on an H100; fla 120 GFLOP, 4.29 GB, 1.28 ms."""
+    shape = kernel_floor.Shape(B=8, H=16, T=8192)
+    today, fla = kernel_floor.kernels("today", shape), kernel_floor.kernels("fla", shape)
+    assert sum(c.flop for c in today) / 1e9 == pytest.approx(962, abs=1)
+    assert sum(c.floor_s("H100") for c in today) * 1e3 == pytest.approx(2.8, abs=0.05)
+    assert sum(c.flop for c in fla) / 1e9 == pytest.approx(120, abs=1)
+    assert sum(c.bytes for c in fla) / 1e9 == pytest.approx(4.29, abs=0.01)
+
+
+def test_gpu_names(kernel_floor):
+    assert kernel_floor.gpu_of("NVIDIA H100 80GB HBM3") == "H100"
+    assert kernel_floor.gpu_of("NVIDIA H200") == "H200"
+    assert kernel_floor.gpu_of("NVIDIA A100-SXM4-80GB") is None
+
+
+def test_cli_prints_every_design(kernel_floor, capsys):
+    kernel_floor.main(["--length", "8192", "--designs", "today", "superblock", "--superblock-blocks", "4", "8"])
+    out = capsys.readouterr().out
+    assert out.count("| **total** |") == 3 and "_prefix_backward_kernel" in out
+    with pytest.raises(ValueError):
+        kernel_floor.kernels("no_such_design", kernel_floor.Shape(B=1, H=1, T=64))
+
+
+def test_the_script_runs():
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_floor.py"
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True).stdout
+    assert out.count("| **total** |") == 8  # four designs at 8k and 32k
