@@ -1,32 +1,37 @@
 #!/usr/bin/env bash
-# One prepared run on a CUDA machine: the Triton tests on the GPU, then the benchmark tables of the fused kernels
-# against softmax attention (SDPA's flash kernel), each table into its own file under ${OUT:-gpu_results}/.
-# Stages run in order of importance while the time budget (GPU_CHECK_SECONDS, default 480) lasts, so a short
-# lease still returns the first tables. GPU_CHECK_STAGES (names, space-separated) runs only those stages,
-# GPU_CHECK_TESTS (a pytest -k expression) only those tests, and GPU_CHECK_LENGTHS and GPU_CHECK_LAYERS set the
-# lengths and layers of the layers_triton table. Needs torch with CUDA, triton and pytest; the package runs from the
-# tree.
+# One prepared run on a CUDA machine, in order of what a GPU run needs first, each stage into its own file under
+# ${OUT:-gpu_results}/ as it finishes (a run cut short keeps what it measured):
+#
+#   1. layers, layers_64k  the layer table: softmax, window, vq_hard, vq_soft, ovq at 8k and 32k, then vq_hard and
+#                          softmax at 64k (eager, bf16 autocast, dim 1024, 16 heads of 64, S = 512, 64k tokens a step)
+#   2. ops                 the op against SDPA at 8k and 32k (bf16 inputs, the layer's head shape)
+#   3. profile_8k, profile_32k, profile_layer
+#                          the vq_hard step kernel by kernel, each beside its floor (benchmarks/kernel_floor.py)
+#   4. train               python train.py on the GPU at seq_len 8192, softmax and vq_hard: tokens/s side by side
+#   5. tests               the CUDA tests, with whatever time is left
+#
+# The default run fits GPU_CHECK_SECONDS (default 290). GPU_CHECK_STAGES (names, space-separated) runs only those
+# stages, the extra ones below too; GPU_CHECK_TESTS (a pytest -k expression) selects tests. Needs torch with CUDA,
+# triton and pytest; the package runs from the tree. The trainer needs hydra-core, omegaconf and antlr4 (4.9), and the
+# peer row fla-core: wheels in .whl/ (ignored by git; carry it), installed here without an index.
 #
 #     bash benchmarks/gpu_check.sh
-#     GPU_CHECK_STAGES="tests profile_layer" bash benchmarks/gpu_check.sh
-#
-# The peer row (flash-linear-attention's chunk_simple_gla) needs its fla-core wheel in .whl/ (ignored by git; carry
-# it to the GPU machine): pip download --no-deps -d .whl fla-core==0.6.0 (it needs einops, torch and triton).
+#     GPU_CHECK_STAGES="profile_8k tests" bash benchmarks/gpu_check.sh
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu_results}
 mkdir -p "$out"
-export PYTHONPATH="$PWD:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
-deadline=$((SECONDS + ${GPU_CHECK_SECONDS:-480}))
+export PYTHONPATH="$PWD:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+deadline=$((SECONDS + ${GPU_CHECK_SECONDS:-290}))
 
-stage() {  # stage NAME MAX_SECONDS COMMAND...: run it if the budget holds MAX_SECONDS more, bounded by them
+selected() { [ -z "${GPU_CHECK_STAGES:-}" ] || [[ " $GPU_CHECK_STAGES " == *" $1 "* ]]; }
+
+stage() {  # stage NAME MAX_SECONDS COMMAND...: run it, bounded by MAX_SECONDS and by the time left
   local name=$1 limit=$2
   shift 2
-  if [ -n "${GPU_CHECK_STAGES:-}" ] && [[ " $GPU_CHECK_STAGES " != *" $name "* ]]; then
-    return
-  fi
+  selected "$name" || return 0
   local left=$((deadline - SECONDS))
-  if [ "$left" -lt 20 ]; then
+  if [ "$left" -lt 15 ]; then
     echo "## $name: skipped, no time left" | tee -a "$out/summary.txt"
     return
   fi
@@ -37,6 +42,10 @@ stage() {  # stage NAME MAX_SECONDS COMMAND...: run it if the budget holds MAX_S
   grep -v '^\s*$' "$out/$name.txt" | tail -n 40
 }
 
+extra() {  # extra NAME MAX_SECONDS COMMAND...: a stage that runs only when GPU_CHECK_STAGES names it
+  [ -n "${GPU_CHECK_STAGES:-}" ] && stage "$@"
+}
+
 {
   date -u
   # a copied tree may carry an older .git than its files: GPU_CHECK_COMMIT names the commit the caller ran
@@ -44,47 +53,37 @@ stage() {  # stage NAME MAX_SECONDS COMMAND...: run it if the budget holds MAX_S
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 } | tee "$out/machine.txt"
+if ls .whl/*.whl >/dev/null 2>&1 && python -m pip install -q --no-index --no-deps --target /tmp/gpu_check_site \
+    .whl/*.whl >/dev/null 2>&1; then
+  export PYTHONPATH="$PYTHONPATH:/tmp/gpu_check_site"
+fi
 
 layers="python benchmarks/layer_speed.py --device cuda --autocast bf16 --dim 1024 --heads 16 --tokens 65536 --reps 5 --rounds 1"
 ops="python benchmarks/attention_speed.py --device cuda --dtype bfloat16 --heads 16 --reps 5 --rounds 1 --modes default"
+profile="python benchmarks/kernel_profile.py --what op --method vq_hard_rope --top 14"
+stage layers 110 $layers --lengths 8192 32768 --layers softmax window vq_hard vq_soft ovq
+stage layers_64k 35 $layers --lengths 65536 --layers softmax vq_hard
+stage ops 35 bash -c "$ops --batch 8 --lengths 8192 --methods sdpa vq_hard_rope window && \
+  $ops --batch 2 --lengths 32768 --methods sdpa vq_hard_rope"
+stage profile_8k 20 $profile --batch 8 --length 8192
+stage profile_32k 20 $profile --batch 2 --length 32768
+stage profile_layer 20 python benchmarks/kernel_profile.py --what layer --method vq_hard --batch 8 --length 8192 --top 20
+stage train 70 python benchmarks/train_speed.py --attentions softmax vq_hard --seq-len 8192 --batch 8 --steps 30
+stage tests 240 python -m pytest -o addopts="" -q -x -p no:cacheprovider tests/ops/test_triton.py \
+  tests/ops/test_triton_ovq.py ${GPU_CHECK_TESTS:+-k "$GPU_CHECK_TESTS"}
+
+# Extra stages, run only when named in GPU_CHECK_STAGES.
 decode="python benchmarks/decode_speed.py --device cuda --lengths 1024 4096 8192 32768 --steps 20 --new-tokens 32"
-stage tests 240 python -m pytest -o addopts="" -q -p no:cacheprovider tests/ops/test_triton.py ${GPU_CHECK_TESTS:+-k "$GPU_CHECK_TESTS"}
-# the Triton tests outside tests/ops/test_triton*.py (memory_cap, memory_decay, the float32 range, under torch.compile; the
-# rest of these files is CPU)
-stage tests_elsewhere 180 python -m pytest -o addopts="" -q -p no:cacheprovider tests/ops/test_memory_cap.py \
+extra tests_elsewhere 180 python -m pytest -o addopts="" -q -p no:cacheprovider tests/ops/test_memory_cap.py \
   tests/ops/test_memory_decay.py tests/ops/test_numerical_range.py tests/ops/test_ops_compile.py -k "triton or kernel"
-stage layers_triton 200 $layers --lengths ${GPU_CHECK_LENGTHS:-2048 8192 32768 65536} \
-  --layers ${GPU_CHECK_LAYERS:-softmax window vq_hard vq_soft}
-stage layers_compiled 180 $layers --lengths 8192 32768 --layers softmax vq_hard vq_soft --compile
-if ls .whl/fla_core-*.whl >/dev/null 2>&1 && python -m pip install -q --no-index --no-deps --target /tmp/fla_site \
-    .whl/fla_core-*.whl; then
-  export PYTHONPATH="$PYTHONPATH:/tmp/fla_site"
-  peer="fla_simple_gla"
-fi
-stage ops_8k 120 $ops --batch 8 --lengths 8192 --methods sdpa vq_hard_rope vq_soft_rope window
-stage ops_32k 60 $ops --batch 2 --lengths 32768 --methods sdpa vq_hard_rope vq_soft_rope window
-# fla autotunes every kernel on first use, which takes minutes: a stage of its own, beside SDPA in the same run.
-[ -n "${peer:-}" ] && stage ops_peer 200 $ops --batch 8 --lengths 8192 --methods sdpa $peer
-stage profile_layer_soft 40 python benchmarks/kernel_profile.py --what layer --method vq_soft --batch 8 --length 8192
-stage profile_layer 40 python benchmarks/kernel_profile.py --what layer --method vq_hard --batch 8 --length 8192
-stage profile_soft 30 python benchmarks/kernel_profile.py --what op --method vq_soft_rope --batch 8 --length 8192
-# the window-code kernel's launch settings at the layers' and the op's input layouts, then the vq_hard layer under each
-# backward setting: one process per row (a setting that faults the GPU ends its process)
-stage launch_layer 150 python benchmarks/kernel_launch.py --layouts layer --layers vq_hard
-stage launch_layouts 200 python benchmarks/kernel_launch.py --layouts layer_contiguous op
-stage profile_window 20 python benchmarks/kernel_profile.py --what layer --method window --batch 8 --length 8192
-stage profile_window_op 20 python benchmarks/kernel_profile.py --what op --method window --batch 8 --length 8192
-stage profile_op 20 python benchmarks/kernel_profile.py --what op --method vq_hard_rope --batch 8 --length 8192
-# float32 inputs: IEEE products (PyTorch's default precision), then TF32 (set_float32_matmul_precision("high"))
-stage profile_op_float32 30 python benchmarks/kernel_profile.py --what op --method vq_hard_rope --batch 8 --length 8192 \
-  --dtype float32
-stage profile_op_tf32 30 python benchmarks/kernel_profile.py --what op --method vq_hard_rope --batch 8 --length 8192 \
-  --dtype float32 --tf32
-stage tests_ovq 90 python -m pytest -o addopts="" -q -p no:cacheprovider tests/ops/test_triton_ovq.py
-stage layers_ovq_triton 120 $layers --lengths 8192 32768 --layers softmax ovq --impl triton
-# the codebook rows first: in the fourth run the stage's time ran out after the softmax row
-stage decode_fused 120 $decode --methods vq_hard ovq window softmax
-stage layers_codes64 150 $layers --lengths 8192 32768 --layers softmax vq_hard vq_soft --num-codes 64
-stage layers_chunk 150 $layers --lengths 8192 32768 --layers softmax window vq_hard vq_soft ovq --impl chunk
-stage decode_recurrent 90 $decode --methods window vq_hard ovq --step-impl recurrent
-stage layers_compiled_window 120 $layers --lengths 8192 32768 --layers softmax window --compile
+extra layers_compiled 180 $layers --lengths 8192 32768 --layers softmax vq_hard vq_soft --compile
+# fla autotunes every kernel on first use, which takes minutes
+extra ops_peer 200 $ops --batch 8 --lengths 8192 --methods sdpa fla_simple_gla
+extra profile_soft 30 $profile --method vq_soft_rope --batch 8 --length 8192
+extra profile_layer_soft 40 python benchmarks/kernel_profile.py --what layer --method vq_soft --batch 8 --length 8192
+extra profile_window_op 20 python benchmarks/kernel_profile.py --what op --method window --batch 8 --length 8192
+extra profile_op_tf32 30 $profile --batch 8 --length 8192 --dtype float32 --tf32
+extra launch_layer 150 python benchmarks/kernel_launch.py --layouts layer --layers vq_hard
+extra decode 120 $decode --methods vq_hard ovq window softmax
+extra layers_chunk 150 $layers --lengths 8192 32768 --layers softmax window vq_hard vq_soft ovq --impl chunk
+true

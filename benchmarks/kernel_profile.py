@@ -17,6 +17,7 @@ import contextlib
 
 import torch
 from attention_speed import DTYPES, METHODS, attention
+from kernel_floor import Shape, gpu_of, kernels
 from layer_speed import build
 from torch.profiler import ProfilerActivity, profile
 
@@ -94,6 +95,30 @@ def main(argv=None) -> None:
     for e in events[:args.top]:
         print(f"{e.self_device_time_total / 1000:8.2f} ms {100 * e.self_device_time_total / total:5.1f}% "
               f"x{e.count:<4d} {e.key[:110]}")
+    if args.method.startswith("vq_hard"):
+        measured = {e.key: e.self_device_time_total / 1000 for e in events}
+        print("\n".join(floor_rows(args, measured, gpu_of(torch.cuda.get_device_name()))))
+
+
+def floor_rows(args, measured: dict[str, float], gpu: str | None) -> list[str]:
+    """Each modelled kernel's measured ms (``measured``: kernel name -> ms in the step) beside its floor
+    (benchmarks/kernel_floor.py's "today" design at this shape) on ``gpu``, and its efficiency, floor / measured;
+    then the step's kernels outside the model (PyTorch's glue) in one row."""
+    if gpu is None:
+        return ["no floor model for this GPU (kernel_floor.GPUS)"]
+    code_dims = 32 if args.what == "layer" else 64  # a layer scores the codes on its 30 slow RoPE pairs, padded
+    shape = Shape(B=args.batch, H=args.heads, T=args.length, S=args.num_codes, Dc=code_dims)
+    rows = [f"\nagainst the floor on an {gpu} (kernel_floor.py, design today)",
+            "| kernel | measured ms | floor ms | floor / measured |", "|---|---:|---:|---:|"]
+    modelled = 0.0
+    for cost in kernels("today", shape):
+        ms, floor = measured.get(cost.name), cost.floor_s(gpu) * 1000
+        if ms is None:
+            continue
+        modelled += ms
+        rows.append(f"| {cost.name} | {ms:.3f} | {floor:.3f} | {100 * floor / ms:.0f}% |")
+    rows.append(f"| everything else (PyTorch) | {sum(measured.values()) - modelled:.3f} | | |")
+    return rows
 
 
 if __name__ == "__main__":
