@@ -161,14 +161,63 @@ def test_the_step_bar_continues_at_the_resumed_step(disable):
 
 
 @pytest.mark.parametrize("ending", ["on_train_end", "on_exception"])
-def test_graceful_interrupt_gives_the_sigint_handler_back_however_training_ends(ending):
-    before = signal.getsignal(signal.SIGINT)
+def test_graceful_interrupt_gives_the_sigint_and_sigterm_handlers_back_however_training_ends(ending):
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     callback = GracefulInterrupt()
     callback.on_train_start(None, None)
-    assert signal.getsignal(signal.SIGINT) == callback._handler
+    assert signal.getsignal(signal.SIGINT) == signal.getsignal(signal.SIGTERM) == callback._handler
     args = (RuntimeError("the real error"),) if ending == "on_exception" else ()
     getattr(callback, ending)(None, None, *args)  # the arguments Lightning passes
-    assert signal.getsignal(signal.SIGINT) is before
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
+class FakeStrategy:
+    """Two ranks' DDP collectives for one rank: the other rank's flag and signal are given."""
+
+    def __init__(self, other_stops: bool, other_signal: int = 0):
+        self.other_stops, self.other_signal = other_stops, other_signal
+        self.root_device = torch.device("cpu")
+
+    def reduce_boolean_decision(self, decision, all=True):
+        return decision or self.other_stops
+
+    def reduce(self, tensor, reduce_op):
+        assert reduce_op == "max"
+        return torch.maximum(tensor, torch.tensor(self.other_signal))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_signal_finishes_the_step_then_a_second_one_raises(monkeypatch, signum):
+    from vqattn.train import lifecycle
+
+    monkeypatch.setattr(lifecycle._Signals, "last", signal.SIGINT)  # the handlers set it: back after the test
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    callback = GracefulInterrupt()
+    trainer = SimpleNamespace(world_size=1, global_step=7, should_stop=False, limit_val_batches=1.0)
+    callback.on_train_start(trainer, None)
+    try:
+        callback.on_train_batch_end(trainer, None, None, None, 0)
+        assert not trainer.should_stop and callback.interrupted_at is None
+        signal.raise_signal(signum)  # the handler runs here: it only sets the flag
+        callback.on_train_batch_end(trainer, None, None, None, 0)
+        assert trainer.should_stop and trainer.limit_val_batches == 0
+        assert (callback.interrupted_at, callback.signum) == (7, signum)
+        with pytest.raises(KeyboardInterrupt):  # a second one stops at once
+            signal.raise_signal(signum)
+    finally:
+        callback.on_train_end(trainer, None)
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_under_ddp_every_rank_stops_at_the_step_a_signal_reached_any_rank():
+    callback = GracefulInterrupt()
+    trainer = SimpleNamespace(world_size=2, global_step=5, should_stop=False, limit_val_batches=1.0,
+                              strategy=FakeStrategy(other_stops=False))
+    callback.on_train_batch_end(trainer, None, None, None, 0)
+    assert not trainer.should_stop
+    trainer.strategy = FakeStrategy(other_stops=True, other_signal=int(signal.SIGTERM))  # rank 1 got SIGTERM
+    callback.on_train_batch_end(trainer, None, None, None, 0)
+    assert trainer.should_stop and (callback.interrupted_at, callback.signum) == (5, signal.SIGTERM)
 
 
 def test_the_model_summary_has_no_flops_column(caplog):

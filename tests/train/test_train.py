@@ -361,6 +361,36 @@ def test_ctrl_c_saves_and_the_printed_command_resumes_in_the_same_run_dir(tmp_pa
     assert all(s % 4 == 0 for s in steps[:-1])  # no validation pass on the way out of the interrupted run
 
 
+@pytest.mark.slow
+def test_sigterm_saves_the_step_and_resuming_equals_an_uninterrupted_run(tmp_path):
+    """Preemption, ``docker stop`` and cluster time limits send SIGTERM: the run finishes its step, saves it and
+    prints the resume command, as for Ctrl-C; resumed, it ends with the model of a run never stopped."""
+    out = tmp_path / "OUT"
+    common = ["attention=vq_soft", "optim.total_steps=2000", "checkpoint_every=3", "trainer.val_check_interval=4",
+              "threads=1"]
+    proc = start_script([*FAST, *common, "trainer.max_steps=2000", f"hydra.run.dir={out}"], tmp_path)
+    wait_for(out / "checkpoints" / "last.ckpt", proc)
+    proc.send_signal(signal.SIGTERM)
+    stopped = finish_script(proc, timeout=120)
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+    assert "Traceback" not in stopped.stderr and "aborted" not in stopped.stderr
+    step = int(re.search(r"terminated \(SIGTERM\) at step (\d+): saved", stopped.stderr).group(1))
+    assert torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == step
+    command = shlex.split(stopped.stderr.split("resume with:")[1].strip().splitlines()[0])
+    total = step + 3
+    command = [sys.executable if c == "python" else c for c in command]
+    command = [f"trainer.max_steps={total}" if c.startswith("trainer.max_steps=") else c for c in command]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    resumed = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    straight, straight_dir = run_inprocess(tmp_path, "straight", *common, f"trainer.max_steps={total}")
+    assert read_results(out)["steps"] == straight["steps"] == total
+    weights, expected = (torch.load(d / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+                         for d in (out, straight_dir))
+    assert weights.keys() == expected.keys()
+    assert all(torch.equal(weights[k], expected[k]) for k in expected)  # bit for bit, codebooks included
+
+
 def _stopped_by_ctrl_c(proc):
     assert proc.returncode == 130, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "TypeError" not in proc.stderr, proc.stderr[-3000:]

@@ -21,6 +21,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_summary import get_human_readable_count
 
+from .lifecycle import note_signal, raise_interrupt, restore_handlers, set_handlers
+
 log = logging.getLogger("lightning.pytorch.callbacks.model_summary")  # where Lightning's summary goes
 train_log = logging.getLogger("train")  # the trainer's own lines (vqattn.train.cli)
 
@@ -82,24 +84,29 @@ class RNGState(Callback):
 
 
 class GracefulInterrupt(Callback):
-    """Ctrl-C (SIGINT) during fit: finish the current step and stop (LastCheckpoint then saves that step); a
-    second Ctrl-C aborts.
+    """Ctrl-C (SIGINT) or SIGTERM during fit: finish the current step and stop (LastCheckpoint then saves that
+    step); a second one aborts.
 
-    The flag is checked after each training batch, so the checkpoint holds a whole optimizer step (a
-    KeyboardInterrupt raised inside ``optimizer.step`` could leave parameters half updated). Under DDP the
-    ranks agree on the step to stop at by one boolean all-reduce per step. ``interrupted_at`` is the global
-    step it stopped at, or None. The previous SIGINT handler is back once training ends, however it ends.
+    SIGTERM is what preemption, ``docker stop`` and cluster time limits send; it replaces Lightning's own SIGTERM
+    handling during fit, which stops without saving the steps since the last checkpoint. The flag is checked after
+    each training batch, so the checkpoint holds a whole optimizer step (a KeyboardInterrupt raised inside
+    ``optimizer.step`` could leave parameters half updated). Under DDP the ranks agree on the step to stop at by one
+    boolean all-reduce per step, whichever ranks got the signal. ``interrupted_at`` is the global step it stopped
+    at, or None; ``signum`` the signal that stopped it. The previous handlers are back once training ends, however
+    it ends.
     """
 
     def __init__(self):
         self.interrupted_at, self._requested, self._previous = None, False, None
+        self.signum = signal.SIGINT
 
     def _handler(self, signum, frame):
-        self._requested = True
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C raises KeyboardInterrupt
+        self._requested, self.signum = True, signum
+        note_signal(signum)
+        set_handlers(raise_interrupt)  # a second Ctrl-C or SIGTERM raises KeyboardInterrupt
 
     def on_train_start(self, trainer, pl_module):
-        self._previous = signal.signal(signal.SIGINT, self._handler)
+        self._previous = set_handlers(self._handler)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         stop = self._requested
@@ -109,10 +116,14 @@ class GracefulInterrupt(Callback):
             self.interrupted_at = trainer.global_step
             trainer.should_stop = True
             trainer.limit_val_batches = 0  # no validation pass on the way out
+            if trainer.world_size > 1:  # the signal a rank got (SIGTERM where ranks got different ones), on all
+                signum = torch.tensor(int(self.signum) if self._requested else 0, device=trainer.strategy.root_device)
+                self.signum = int(trainer.strategy.reduce(signum, reduce_op="max"))
+                note_signal(self.signum)
 
     def restore_handler(self) -> None:
         if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+            restore_handlers(self._previous)
             self._previous = None
 
     def on_train_end(self, trainer, pl_module):

@@ -34,13 +34,15 @@ from .checks import check_config, check_resumable, cpu_processes_warning, raw_wi
 from .configs import config_groups, register
 from .launch import DDP_ARGV, ddp_child_argv
 from .lifecycle import (
-    INTERRUPTED_STATUS,
     USER_ERROR_STATUS,
     Aborted,
     Interrupted,
+    exit_status,
     hold_interrupts,
     interrupt_held,
     is_rank_zero,
+    last_signal,
+    stopped_by,
     task_started,
     task_wrapper,
 )
@@ -146,8 +148,8 @@ def intra_op_threads(threads: int | str | None):
 
 def train(cfg: DictConfig, run_dir: Path) -> dict:
     """Train, validate once at the end (reusing the last in-fit validation when it was at the final step), write
-    results.json; returns the results (raises Interrupted after Ctrl-C, with the checkpoint saved, and Aborted
-    after a second Ctrl-C)."""
+    results.json; returns the results (raises Interrupted after Ctrl-C or SIGTERM, with the checkpoint saved, and
+    Aborted after a second one)."""
     with intra_op_threads(cfg.get("threads")):
         return _train(cfg, run_dir)
 
@@ -174,10 +176,11 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
     interrupt = next(c for c in trainer.callbacks if isinstance(c, GracefulInterrupt))
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
-    except SystemExit as exit:  # Lightning's answer to a KeyboardInterrupt: a second Ctrl-C, or one before training
+    except SystemExit as exit:  # Lightning's answer to a KeyboardInterrupt: a second Ctrl-C or SIGTERM, or one
+        # before training
         raise Aborted(f"aborted at step {trainer.global_step}") from exit
     if interrupt.interrupted_at is not None:
-        raise Interrupted(interrupt.interrupted_at)
+        raise Interrupted(interrupt.interrupted_at, interrupt.signum)
     if module.last_validation is None or module.last_validation["step"] != trainer.global_step:
         trainer.validate(module, datamodule=datamodule, verbose=False)
     results = summarize(cfg, module, datamodule, trainer, run_dir)
@@ -282,7 +285,8 @@ def main() -> None:
 
     An option no config group has (attention=foo) is one line naming the group's options, exit status 2. Hydra
     reports other command lines it cannot compose (an unknown key) itself with exit status 1; that is a
-    configuration error like those train() finds, so it exits 2 as they do. Ctrl-C at any point exits 130.
+    configuration error like those train() finds, so it exits 2 as they do. Ctrl-C at any point exits 130, SIGTERM
+    143.
     """
     with hold_interrupts():
         try:
@@ -296,9 +300,9 @@ def main() -> None:
             if exit.code == 1 and not task_started():
                 raise SystemExit(USER_ERROR_STATUS) from None
             raise
-    if interrupt_held():  # Ctrl-C while Hydra composed the config, or after the last job of a multirun
-        print("\ninterrupted" + ("" if task_started() else ": nothing was saved"), file=sys.stderr)
-        raise SystemExit(INTERRUPTED_STATUS)
+    if interrupt_held():  # Ctrl-C or SIGTERM while Hydra composed the config, or after the last job of a multirun
+        print("\n" + stopped_by(last_signal()) + ("" if task_started() else ": nothing was saved"), file=sys.stderr)
+        raise SystemExit(exit_status())
 
 
 if __name__ == "__main__":

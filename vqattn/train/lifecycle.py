@@ -2,10 +2,12 @@
 one-line errors, the cleanup of a run that saved nothing, the environment, and the resume message.
 
 :func:`task_wrapper` wraps ``task(cfg, run_dir) -> dict`` (vqattn.train.cli.train). Around it:
-- **Ctrl-C.** From the command line's first line on, a SIGINT is held (:func:`hold_interrupts`) while Hydra
-  composes the config and makes the job's run dir, and raised as the job starts, when the run dir is known. During
-  training GracefulInterrupt finishes the step and saves it: the wrapper prints the command that resumes the run
-  in the same run dir. A second Ctrl-C, or one before training, stops at once.
+- **Ctrl-C and SIGTERM.** Both stop a run the same way (SIGTERM is what preemption, ``docker stop`` and cluster
+  time limits send). From the command line's first line on, such a signal is held (:func:`hold_interrupts`) while
+  Hydra composes the config and makes the job's run dir, and raised as the job starts, when the run dir is known.
+  During training GracefulInterrupt finishes the step and saves it: the wrapper prints the command that resumes
+  the run in the same run dir. A second signal, or one before training, stops at once. The exit status is 128 plus
+  the signal's number (130 for Ctrl-C, 143 for SIGTERM).
 - **Errors.** A configuration, data or checkpoint problem is one line (``error: ...``, exit status 2) in the
   console and in train.log; anything else is a bug and keeps its traceback (so does everything with
   ``HYDRA_FULL_ERROR=1``).
@@ -34,40 +36,80 @@ log = logging.getLogger("train")
 RUN_FILES = {".hydra", "train.log", "hparams.yaml", "metrics.csv", "checkpoints", "tensorboard", "wandb"}
 INTERRUPTED_STATUS = 128 + signal.SIGINT
 USER_ERROR_STATUS = 2
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # the signals that stop a run as Ctrl-C does
+
+
+def stopped_by(signum: int) -> str:
+    """How the messages name a stop: "interrupted" for Ctrl-C, "terminated (SIGTERM)" for SIGTERM."""
+    return "interrupted" if signum == signal.SIGINT else f"terminated ({signal.Signals(signum).name})"
 
 
 class Interrupted(Exception):
-    """Training stopped on Ctrl-C after saving its checkpoint; ``step`` is the global step it holds."""
+    """Training stopped on Ctrl-C or SIGTERM (``signum``) after saving its checkpoint; ``step`` is the global step
+    it holds."""
 
-    def __init__(self, step: int):
-        super().__init__(f"interrupted at step {step}")
-        self.step = step
+    def __init__(self, step: int, signum: int = signal.SIGINT):
+        super().__init__(f"{stopped_by(signum)} at step {step}")
+        self.step, self.signum = step, signum
 
 
 class Aborted(Exception):
-    """A second Ctrl-C stopped training mid-step (or Ctrl-C came before training started): nothing new saved."""
+    """A second Ctrl-C or SIGTERM stopped training mid-step (or one came before training started): nothing new
+    saved."""
 
 
 class _Signals:
     task_started = False  # whether Hydra got as far as running a job (so its errors are the job's, not the config's)
-    held_interrupt = False  # a Ctrl-C that came while Hydra was setting a job up
+    held_interrupt = 0  # the stop signal (SIGINT, SIGTERM) that came while Hydra was setting a job up; 0: none
+    last = signal.SIGINT  # the last stop signal received: the exit status is 128 + its number
+
+
+def last_signal() -> int:
+    """The last stop signal received (SIGINT where none came)."""
+    return _Signals.last
+
+
+def exit_status() -> int:
+    """128 + the number of the last stop signal (130 for Ctrl-C, 143 for SIGTERM)."""
+    return 128 + _Signals.last
+
+
+def raise_interrupt(signum, frame) -> None:
+    """A stop signal as a KeyboardInterrupt (what Python's own SIGINT handler raises), remembering which."""
+    _Signals.last = signum
+    raise KeyboardInterrupt
+
+
+def note_signal(signum: int) -> None:
+    """Remember ``signum`` as the last stop signal (the exit status follows it)."""
+    _Signals.last = signum
 
 
 def _hold(signum, frame) -> None:
-    _Signals.held_interrupt = True
+    _Signals.held_interrupt = _Signals.last = signum
+
+
+def set_handlers(handler) -> dict:
+    """``handler`` for every stop signal; returns the previous handlers, for :func:`restore_handlers`."""
+    return {signum: signal.signal(signum, handler) for signum in STOP_SIGNALS}
+
+
+def restore_handlers(previous: dict) -> None:
+    for signum, handler in previous.items():
+        signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
 
 @contextlib.contextmanager
 def hold_interrupts():
-    """The command line's SIGINT handler while Hydra composes the config and makes a job's run dir: a
+    """The command line's SIGINT and SIGTERM handler while Hydra composes the config and makes a job's run dir: a
     KeyboardInterrupt raised there would leave that dir behind, since only the job knows it. Installed also when
     SIGINT was ignored: a shell without job control starts background jobs (``python train.py &`` in a script) that
     way, and Ctrl-C (or ``kill -INT``) should still mean "stop"."""
-    previous = signal.signal(signal.SIGINT, _hold)
+    previous = set_handlers(_hold)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        restore_handlers(previous)
 
 
 def task_started() -> bool:
@@ -75,8 +117,9 @@ def task_started() -> bool:
 
 
 def interrupt_held() -> bool:
-    """Whether a Ctrl-C came while no job was running (during composition, or after a multirun's last job)."""
-    return _Signals.held_interrupt
+    """Whether a Ctrl-C or SIGTERM came while no job was running (during composition, or after a multirun's last
+    job)."""
+    return bool(_Signals.held_interrupt)
 
 
 def is_rank_zero() -> bool:
@@ -84,31 +127,31 @@ def is_rank_zero() -> bool:
 
 
 def task_wrapper(task):
-    """``task(cfg, run_dir)`` inside the run's lifecycle (module docstring): Ctrl-C and errors end it with
-    SystemExit (130, or 2 for a user error); the environment is restored however it ends."""
+    """``task(cfg, run_dir)`` inside the run's lifecycle (module docstring): Ctrl-C, SIGTERM and errors end it with
+    SystemExit (128 + the signal's number, or 2 for a user error); the environment is restored however it ends."""
 
     @functools.wraps(task)
     def wrapped(cfg, run_dir: Path):
         _Signals.task_started = True
         env = dict(os.environ)
-        held = signal.signal(signal.SIGINT, signal.default_int_handler)  # the run dir is known: Ctrl-C raises
+        held = set_handlers(raise_interrupt)  # the run dir is known: Ctrl-C and SIGTERM raise
         try:
             if _Signals.held_interrupt:
-                _Signals.held_interrupt = False
+                _Signals.held_interrupt = 0
                 raise KeyboardInterrupt
             return task(cfg, run_dir)
         except Interrupted as stop:
             if is_rank_zero():  # one message, from rank 0
-                print(f"\ninterrupted at step {stop.step}: saved {run_dir / 'checkpoints' / 'last.ckpt'}\n"
+                print(f"\n{stop}: saved {run_dir / 'checkpoints' / 'last.ckpt'}\n"
                       f"resume with:\n  {resume_command(run_dir)}", file=sys.stderr)
-            raise SystemExit(INTERRUPTED_STATUS) from None
+            raise SystemExit(128 + stop.signum) from None
         except (Aborted, KeyboardInterrupt) as stop:
             discard_failed_run(run_dir)
             checkpoint = run_dir / "checkpoints" / "last.ckpt"
             if is_rank_zero():
                 saved = f"the last checkpoint is {checkpoint}" if checkpoint.exists() else "nothing was saved"
-                print(f"\n{str(stop) or 'interrupted'}: {saved}", file=sys.stderr)
-            raise SystemExit(INTERRUPTED_STATUS) from None
+                print(f"\n{str(stop) or stopped_by(_Signals.last)}: {saved}", file=sys.stderr)
+            raise SystemExit(exit_status()) from None
         except Exception as err:
             message = user_error(err)
             if message is not None:
@@ -122,7 +165,7 @@ def task_wrapper(task):
             if torch.distributed.is_available() and torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
             restore_environ(env)
-            signal.signal(signal.SIGINT, held)  # a multirun's next job is set up under the same handler
+            restore_handlers(held)  # a multirun's next job is set up under the same handlers
 
     return wrapped
 
