@@ -43,7 +43,7 @@ import time
 import torch
 
 from vqattn.functional import ovq_attention, softmax_attention, vq_attention, window_attention
-from vqattn.utils import tune_cpu_allocator
+from vqattn.utils import add_threads_argument, tune_cpu_allocator, use_threads
 
 METHODS = ("sdpa", "vq_hard", "vq_soft", "vq_hard_rope", "vq_soft_rope", "window", "ovq")
 # A peer, asked for by name (not in the default list): flash-linear-attention's chunked simple GLA (its fla-core
@@ -230,7 +230,10 @@ def main():
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--num-codes", type=int, default=512)
+    add_threads_argument(parser)
     args = parser.parse_args()
+    if args.device == "cpu":  # the measuring processes get the same count
+        use_threads(args.threads, "timing", children=True)
     shape = dict(B=args.batch, H=args.heads, S=args.num_codes, impl=args.impl, dtype=args.dtype)
 
     print(f"# causal fwd+bwd, B={args.batch} H={args.heads} D=64 S={args.num_codes} {args.dtype} impl={args.impl}, "

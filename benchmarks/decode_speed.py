@@ -29,6 +29,7 @@ import torch
 
 from vqattn.layers import ATTENTIONS
 from vqattn.model import GPT, GPTConfig
+from vqattn.utils import add_threads_argument, use_threads
 
 DEFAULT_METHODS = [m for m in ("softmax", "window", "vq_hard", "vq_soft", "ovq", "performer") if m in ATTENTIONS]
 VQ_KWARGS = {"num_codes": 512, "block_len": 128, "exact_window": True}
@@ -108,7 +109,10 @@ def main():
     parser.add_argument("--step-impl", default="auto", choices=["auto", "recurrent"],
                         help="the decoding step's form in the window, vq and ovq layers (auto: the fused Triton "
                              "step on CUDA)")
+    add_threads_argument(parser)
     args = parser.parse_args()
+    if args.device == "cpu":
+        use_threads(args.threads, "timing")
 
     print(f"# ms per decoded token (2 layers, n_embd 256, 4 heads, RoPE; vq S=512, block_len 128), {args.device}: "
           f"{machine(args.device)}, torch {torch.__version__}; step impl {args.step_impl}; median of {args.steps}")

@@ -28,7 +28,7 @@ import torch
 from attention_speed import fresh_page_ms_per_mb, machine, note, run_child, summarise, time_fwd_bwd
 
 from vqattn.layers import ATTENTIONS, build_attention
-from vqattn.utils import tune_cpu_allocator
+from vqattn.utils import add_threads_argument, tune_cpu_allocator, use_threads
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 AUTOCASTS = ("none", "bf16")
@@ -86,6 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="tokens per step: B = tokens // T (at least 1); default B = 1")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; ratios are per-round medians")
+    add_threads_argument(parser)
     args = parser.parse_args(argv)
     if "softmax" not in args.layers:
         args.layers = ["softmax", *args.layers]
@@ -106,6 +107,8 @@ def batch_size(args: argparse.Namespace, T: int) -> int:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.device == "cpu":  # the measuring processes get the same count
+        use_threads(args.threads, "timing", children=True)
     compiled = (", compiled" if args.compile else "") + (", tuned allocator" if args.tuned_allocator else "")
     batch = "B=1" if args.tokens is None else f"B={args.tokens}//T"
     print(f"# layer fwd+bwd, {batch} impl={args.impl} dim={args.dim} heads={args.heads} S={args.num_codes} {args.dtype} autocast "

@@ -44,6 +44,7 @@ from vqattn.ops.ovq.state import OVQState
 from vqattn.ops.vq.state import VQState
 from vqattn.train.length_eval import default_held_out, length_eval, read_with_memory_decay
 from vqattn.train.lit import load_model
+from vqattn.utils import add_threads_argument, use_threads
 
 MEMORY_FIELDS = {VQState: ("counts", "sums"), OVQState: ("counts", "key_sums", "value_sums")}
 
@@ -118,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="*", default=None, help="run only these ablations (carried only if named)")
     p.add_argument("--text", default=None, help="held-out text file (default: the default corpus's validation split)")
     p.add_argument("--out", default=None, help="write every row as OUT/<run>_<ablation>/length_eval.json")
+    add_threads_argument(p)
     args = p.parse_args(argv)
+    use_threads(args.threads, "evaluating")
     text = Path(args.text).read_bytes() if args.text else default_held_out()
     for path in args.ckpts:
         model, run = load_model(path), Path(path).parts[-3]

@@ -63,6 +63,83 @@ def idle_cores(interval: float = 0.25) -> int:
     return max(1, count_idle(before, cpu_ticks()))
 
 
+def check_threads(threads) -> None:
+    """A one-line ValueError unless ``threads`` is a positive int, "auto" or None."""
+    if threads == "auto" or threads is None:
+        return
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads <= 0:
+        raise ValueError(f"threads must be a positive int, auto or null, got {threads!r}")
+
+
+def pick_threads(threads: int | str | None = "auto", doing: str = "running") -> tuple[int | None, str]:
+    """The intra-op threads a process sets for ``threads``, and the one line that says so.
+
+    A positive int is itself; None keeps torch's default (one per core, or OMP_NUM_THREADS); "auto" takes the cores
+    other work leaves idle now (:func:`idle_cores`), at most torch's default, and keeps torch's default where
+    OMP_NUM_THREADS chose it. Returns (the count to pass to ``torch.set_num_threads``, None to keep torch's, and
+    the line, e.g. ``threads=auto: 1 of 2 cores idle, sampling with 1 thread``); ``doing`` names the work in it.
+    """
+    import torch
+
+    check_threads(threads)
+
+    def count(n: int) -> str:
+        return f"{n} thread{'s' * (n != 1)}"
+
+    if threads == "auto":
+        if "OMP_NUM_THREADS" in os.environ:
+            n = torch.get_num_threads()
+            return None, f"threads=auto: OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} set, {doing} with {count(n)}"
+        idle = idle_cores()
+        chosen = min(idle, torch.get_num_threads())
+        return chosen, f"threads=auto: {idle} of {available_cores()} cores idle, {doing} with {count(chosen)}"
+    if threads is None:
+        return None, f"threads=null: torch's default, {doing} with {count(torch.get_num_threads())}"
+    return threads, f"threads={threads}: {doing} with {count(threads)}"
+
+
+def use_threads(threads: int | str | None = "auto", doing: str = "running", *, children: bool = False,
+                file=None) -> int:
+    """Set torch's intra-op threads as the trainer does (:func:`pick_threads`: by default the idle cores) and say so
+    in one line on ``file`` (stderr by default); returns the threads now set. ``children``: the processes this one
+    starts get the same count (through OMP_NUM_THREADS).
+
+    The command lines beside the trainer call it (sample, length_eval, vqattn-export, vqattn-eval, the benchmarks on
+    a CPU): on a machine where another job keeps a core busy, PyTorch's default of one thread per core can make
+    them many times slower (docs/performance.md, "Threads on a busy CPU").
+    """
+    import torch
+
+    chosen, line = pick_threads(threads, doing)
+    if chosen is not None:
+        torch.set_num_threads(chosen)
+    if children:
+        os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
+    print(line, file=sys.stderr if file is None else file, flush=True)
+    return torch.get_num_threads()
+
+
+def threads_arg(text: str) -> int | str:
+    """argparse's ``type`` for ``--threads``: "auto" or a positive int."""
+    import argparse
+
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"a positive int or auto, got {text!r}")
+    return value
+
+
+def add_threads_argument(parser) -> None:
+    """``--threads N|auto`` (default auto) on an argparse parser, for :func:`use_threads`."""
+    parser.add_argument("--threads", type=threads_arg, default="auto", metavar="N|auto",
+                        help="intra-op threads (default auto: the cores other work leaves idle now, as the trainer)")
+
+
 def tune_cpu_allocator(keep_bytes: int = 1 << 30) -> bool:
     """Let glibc keep freed memory instead of handing every large block back to the OS.
 

@@ -313,14 +313,17 @@ def test_idle_cores_are_those_busy_less_than_half_the_time():
     assert count_idle(before, after) == 3
 
 
-def test_threads_auto_takes_the_idle_cores_unless_omp_num_threads_chose(monkeypatch):
+def test_threads_auto_takes_the_idle_cores_unless_omp_num_threads_chose(monkeypatch, caplog):
+    from vqattn import utils
     from vqattn.utils import available_cores, idle_cores
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert 1 <= idle_cores(0.01) <= available_cores()
-    monkeypatch.setattr(cli, "idle_cores", lambda: 1)
-    assert cli.run_threads("auto") == 1
-    monkeypatch.setattr(cli, "idle_cores", lambda: 10**6)
+    monkeypatch.setattr(utils, "idle_cores", lambda: 1)
+    with caplog.at_level("INFO", logger="train"):
+        assert cli.run_threads("auto") == 1
+    assert caplog.messages == [f"threads=auto: 1 of {available_cores()} cores idle, training with 1 thread"]
+    monkeypatch.setattr(utils, "idle_cores", lambda: 10**6)
     assert cli.run_threads("auto") == torch.get_num_threads()  # never more than torch's default
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert cli.run_threads("auto") is None  # torch's default, which reads OMP_NUM_THREADS

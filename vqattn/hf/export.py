@@ -15,6 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..utils import add_threads_argument, use_threads
 from .configuration import VQAttnConfig
 from .modeling import VQAttnForCausalLM
 from .tokenizer import VQAttnByteTokenizer
@@ -33,7 +34,11 @@ def load_checkpoint(path: str | Path) -> VQAttnForCausalLM:
 
 def export(checkpoint: str | Path, out_dir: str | Path) -> Path:
     """Write the model of ``checkpoint`` and the byte tokenizer to ``out_dir``; returns it."""
-    model = load_checkpoint(checkpoint)
+    return save(load_checkpoint(checkpoint), out_dir)
+
+
+def save(model: VQAttnForCausalLM, out_dir: str | Path) -> Path:
+    """Write ``model`` and the byte tokenizer to ``out_dir``; returns it."""
     model.save_pretrained(out_dir)
     VQAttnByteTokenizer().save_pretrained(out_dir)
     return Path(out_dir)
@@ -43,12 +48,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vqattn-export", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a trainer checkpoint, e.g. RUN_DIR/checkpoints/last.ckpt")
     parser.add_argument("out_dir", help="the directory to write (created if missing)")
+    add_threads_argument(parser)
     args = parser.parse_args(argv)
     try:
-        out = export(args.checkpoint, args.out_dir)
+        model = load_checkpoint(args.checkpoint)
     except (ValueError, FileNotFoundError) as err:
         print(f"vqattn-export: error: {err}", file=sys.stderr)
         return 2
+    use_threads(args.threads, "exporting")
+    out = save(model, args.out_dir)
     print(f"wrote {out}: load it with `import vqattn.hf` then AutoModelForCausalLM.from_pretrained({str(out)!r})")
     return 0
 

@@ -29,7 +29,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 
-from ..utils import available_cores, idle_cores
+from ..utils import available_cores, pick_threads
 from .checks import check_config, check_resumable, cpu_processes_warning, raw_window_warning, unknown_option
 from .configs import config_groups, register
 from .launch import DDP_ARGV, ddp_child_argv
@@ -117,20 +117,13 @@ def _say_compiling(trainer, pl_module) -> None:
 
 
 def run_threads(threads: int | str | None) -> int | None:
-    """The intra-op threads a run sets for ``threads``: a positive int itself; None keeps torch's default (one per
-    core, or OMP_NUM_THREADS); "auto" takes the cores other work leaves idle as the run starts (:func:`idle_cores`),
-    at most torch's default, and keeps torch's default where OMP_NUM_THREADS chose it."""
-    if threads == "auto":
-        if "OMP_NUM_THREADS" in os.environ:
-            return None
-        chosen = min(idle_cores(), torch.get_num_threads())
-        if is_rank_zero():
-            log.info("threads=auto: %d of %d cores idle, training with %d thread%s", chosen, available_cores(),
-                     chosen, "s" * (chosen != 1))
-        return chosen
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads <= 0):
-        raise ValueError(f"threads must be a positive int, auto or null, got {threads!r}")
-    return threads
+    """The intra-op threads a run sets for ``threads`` (:func:`vqattn.utils.pick_threads`: a positive int itself,
+    None torch's default, "auto" the idle cores as the run starts), said in one line by rank 0; None keeps torch's
+    default."""
+    chosen, line = pick_threads(threads, "training")
+    if is_rank_zero():
+        log.info("%s", line)
+    return chosen
 
 
 @contextlib.contextmanager

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from ..model import GPT
 from ..ops.common.memory_decay import check_memory_decay
+from ..utils import add_threads_argument, use_threads
 
 
 def bucket_edges(seq_len: int, multiple: int) -> list[int]:
@@ -227,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                         "training length (an ovq model trained without forgetting reads far past T better with it)")
     p.add_argument("--plot", default=None, metavar="PNG", help="with saved length_eval.json files: plot them together")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_threads_argument(p)
     args = p.parse_args(argv)
     from .lit import load_model
 
@@ -243,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                              "saved length_eval.json files")
         text = Path(args.text).read_bytes() if args.text else default_held_out()
         model = load_model(args.ckpt[0], args.device)
+        use_threads(args.threads, "evaluating")
         if args.memory_decay is not None:
             model = read_with_memory_decay(model, args.memory_decay)
         result = length_eval(model, text, multiple=args.multiple, streams=args.streams)

@@ -14,16 +14,24 @@ from pathlib import Path
 
 import torch
 
+from ..utils import add_threads_argument, use_threads
+
 
 def sample(ckpt: str | Path, prompt: str, max_new_tokens: int, *, temperature: float = 1.0,
            top_k: int | None = None, num_samples: int = 1, seed: int | None = None,
-           device: str = "cpu") -> list[str]:
-    """Continue ``prompt`` ``num_samples`` times with the model in ``ckpt``; returns prompt + continuation texts."""
+           device: str = "cpu", threads: int | str | None = None) -> list[str]:
+    """Continue ``prompt`` ``num_samples`` times with the model in ``ckpt``; returns prompt + continuation texts.
+
+    ``threads``: torch's intra-op threads for the sampling, set and said in one line on stderr
+    (:func:`vqattn.utils.use_threads`: "auto" takes the idle cores, as the trainer does); None leaves them as they
+    are (the command line's default is auto)."""
     from .lit import load_model
 
     if not prompt:
         raise ValueError("prompt must not be empty (the model needs at least one byte to condition on)")
     model = load_model(ckpt, device)  # a one-line error for a missing or invalid file
+    if threads is not None:
+        use_threads(threads, "sampling")
     if seed is not None:
         torch.manual_seed(seed)  # after loading, so nothing the checkpoint restores can override it
     idx = torch.tensor([list(prompt.encode())] * num_samples, dtype=torch.long, device=device)  # (N, T)
@@ -41,10 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-samples", type=int, default=1)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_threads_argument(p)
     args = p.parse_args(argv)
     try:
         texts = sample(args.ckpt, args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                       num_samples=args.num_samples, seed=args.seed, device=args.device)
+                       num_samples=args.num_samples, seed=args.seed, device=args.device, threads=args.threads)
     except (ValueError, FileNotFoundError) as err:
         p.error(str(err))
     for i, text in enumerate(texts):
