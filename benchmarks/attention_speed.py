@@ -39,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -175,8 +176,23 @@ def failure(stderr: str) -> str:
     return " at ".join([(raised or lines)[-1], *where[-1:]])
 
 
+# Measure in this process instead of one process per measurement (the scripts' --in-process): on CUDA, where the
+# allocator's own peak is reset per measurement, this saves the import, CUDA start-up and profiler start of each
+# (about 15 s a row on an H200).
+IN_PROCESS = False
+
+
 def run_child(script: str, args: list[str]) -> dict:
-    """``script --child *args`` in a fresh process (its allocator and peak RSS its own); the JSON it prints last."""
+    """``script --child *args`` in a fresh process (its allocator and peak RSS its own); the JSON it prints last.
+    With :data:`IN_PROCESS`, the script's ``child_from_argv(args)`` in this process, an exception as its error."""
+    if IN_PROCESS:
+        module = __import__(Path(script).stem)
+        try:
+            return module.child_from_argv(args)
+        except Exception as error:  # noqa: BLE001 - a failed row is reported, as a child's death is
+            return {"ms": float("nan"), "peak_mb": float("nan"), "error": f"{type(error).__name__}: {error}"}
+        finally:
+            torch.cuda.empty_cache()
     result = subprocess.run([sys.executable, script, "--child", *args], capture_output=True, text=True)
     if result.returncode != 0:
         return {"ms": float("nan"), "peak_mb": float("nan"), "error": failure(result.stderr)}
@@ -231,7 +247,9 @@ def main():
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--num-codes", type=int, default=512)
     add_threads_argument(parser)
+    add_in_process_argument(parser)
     args = parser.parse_args()
+    set_in_process(args)
     if args.device == "cpu":  # the measuring processes get the same count
         use_threads(args.threads, "timing", children=True)
     shape = dict(B=args.batch, H=args.heads, S=args.num_codes, impl=args.impl, dtype=args.dtype)
@@ -267,12 +285,29 @@ def main():
                         print(f"  {m} {mode} T={T} failed: {r['errors'][0]}", file=sys.stderr)
 
 
+def child_from_argv(argv: list[str]) -> dict:
+    """One measurement from :func:`measure`'s arguments."""
+    method, T, device, reps, block_len, mode, shape = argv
+    if mode == "tuned":
+        tune_cpu_allocator()
+    return child(method, int(T), device, int(reps), int(block_len) or None, mode == "compiled", **json.loads(shape))
+
+
+def add_in_process_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--in-process", action="store_true",
+                        help="CUDA: every measurement in this process, peak memory from the allocator's own reset "
+                             "(no process start per row)")
+
+
+def set_in_process(args: argparse.Namespace) -> None:
+    global IN_PROCESS
+    if args.in_process and args.device != "cuda":
+        raise ValueError("--in-process measures CUDA memory only: on a CPU each row needs its own process")
+    IN_PROCESS = args.in_process
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        method, T, device, reps, block_len, mode, shape = sys.argv[2:9]
-        if mode == "tuned":
-            tune_cpu_allocator()
-        print(json.dumps(child(method, int(T), device, int(reps), int(block_len) or None, mode == "compiled",
-                               **json.loads(shape))))
+        print(json.dumps(child_from_argv(sys.argv[2:9])))
     else:
         main()

@@ -58,13 +58,13 @@ if ls .whl/*.whl >/dev/null 2>&1 && python -m pip install -q --no-index --no-dep
   export PYTHONPATH="$PYTHONPATH:/tmp/gpu_check_site"
 fi
 
-layers="python benchmarks/layer_speed.py --device cuda --autocast bf16 --dim 1024 --heads 16 --tokens 65536 --reps 5 --rounds 1"
-ops="python benchmarks/attention_speed.py --device cuda --dtype bfloat16 --heads 16 --reps 5 --rounds 1 --modes default"
+layers="python benchmarks/layer_speed.py --device cuda --autocast bf16 --dim 1024 --heads 16 --tokens 65536 --reps 5 --rounds 1 --in-process"
+ops="python benchmarks/attention_speed.py --device cuda --dtype bfloat16 --heads 16 --reps 5 --rounds 1 --modes default --in-process"
 profile="python benchmarks/kernel_profile.py --what op --method vq_hard_rope --top 14"
-stage layers 110 $layers --lengths 8192 32768 --layers softmax window vq_hard vq_soft ovq
-stage layers_64k 35 $layers --lengths 65536 --layers softmax vq_hard
-stage ops 35 bash -c "$ops --batch 8 --lengths 8192 --methods sdpa vq_hard_rope window && \
-  $ops --batch 2 --lengths 32768 --methods sdpa vq_hard_rope"
+stage layers 90 $layers --lengths 8192 32768 --layers softmax window vq_hard vq_soft ovq
+stage layers_64k 30 $layers --lengths 65536 --layers softmax vq_hard
+stage ops 45 bash -c "$ops --batch 8 --lengths 8192 --methods sdpa vq_hard_rope window; \
+  $ops --batch 2 --lengths 32768 --methods sdpa vq_hard_rope window"
 stage profile_8k 20 $profile --batch 8 --length 8192
 stage profile_32k 20 $profile --batch 2 --length 32768
 stage profile_layer 20 python benchmarks/kernel_profile.py --what layer --method vq_hard --batch 8 --length 8192 --top 20

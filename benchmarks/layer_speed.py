@@ -25,7 +25,16 @@ import json
 import sys
 
 import torch
-from attention_speed import fresh_page_ms_per_mb, machine, note, run_child, summarise, time_fwd_bwd
+from attention_speed import (
+    add_in_process_argument,
+    fresh_page_ms_per_mb,
+    machine,
+    note,
+    run_child,
+    set_in_process,
+    summarise,
+    time_fwd_bwd,
+)
 
 from vqattn.layers import ATTENTIONS, build_attention
 from vqattn.utils import add_threads_argument, tune_cpu_allocator, use_threads
@@ -87,7 +96,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; ratios are per-round medians")
     add_threads_argument(parser)
+    add_in_process_argument(parser)
     args = parser.parse_args(argv)
+    set_in_process(args)
     if "softmax" not in args.layers:
         args.layers = ["softmax", *args.layers]
     return args
@@ -126,8 +137,13 @@ def main(argv=None) -> None:
                 print(f"  {name} T={T} failed: {r['errors'][0]}", file=sys.stderr)
 
 
+def child_from_argv(argv: list[str]) -> dict:
+    """One measurement from :func:`measure`'s arguments."""
+    return child(**json.loads(argv[0]))
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        print(json.dumps(child(**json.loads(sys.argv[2]))))
+        print(json.dumps(child_from_argv(sys.argv[2:])))
     else:
         main()

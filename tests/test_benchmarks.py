@@ -37,6 +37,20 @@ def test_one_tiny_step_is_measured(layer_speed, name, autocast):
     assert result["ms"] > 0 and math.isfinite(result["peak_mb"])
 
 
+def test_in_process_rows_measure_here_and_report_a_failure(layer_speed, monkeypatch):
+    """--in-process runs each row's child in this process (CUDA only), and a row that raises reports its error
+    as a failed child does, without ending the table."""
+    import attention_speed
+
+    with pytest.raises(ValueError, match="--in-process"):
+        layer_speed.parse_args(["--device", "cpu", "--in-process"])
+    monkeypatch.setattr(attention_speed, "IN_PROCESS", True)
+    args = layer_speed.parse_args(["--device", "cpu", "--dim", "32", "--heads", "2", "--num-codes", "8", "--reps", "1"])
+    assert layer_speed.measure(args, "vq_hard", 40)["ms"] > 0
+    failed = layer_speed.measure(args, "vq_hard", 0)
+    assert math.isnan(failed["ms"]) and "Error" in failed["error"]
+
+
 @pytest.mark.parametrize("flags", [[], ["--compile", "--autocast", "bf16"], ["--tuned-allocator"]])
 def test_every_option_reaches_the_child(layer_speed, monkeypatch, flags):
     sent = []
