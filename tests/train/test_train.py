@@ -89,6 +89,54 @@ def test_an_unknown_option_is_one_line_naming_the_options(monkeypatch, capsys, a
     assert capsys.readouterr().err == f"error: unknown {group} {name!r}; choose one of: {options}\n"
 
 
+@pytest.mark.parametrize("args,line", [
+    (["model.block_len=5000"], "unknown config key model.block_len; did you mean block_len=5000?"),  # the root key
+    (["trainer.max_step=200"], "unknown config key trainer.max_step; did you mean trainer.max_steps=200?"),
+    (["modle.n_layer=3"], "unknown config key modle.n_layer; did you mean model.n_layer=3?"),
+    (["attention=vq_hard", "attention.kwargs.num_code=3"],
+     "unknown config key attention.kwargs.num_code; did you mean attention.kwargs.num_codes=3?"),
+    (["-m", "attention=softmax,vq_hard", "optim.warmup_step=10"],  # a sweep
+     "unknown config key optim.warmup_step; did you mean optim.warmup_steps=10?"),
+    (["model.zzzzzz=1"], "unknown config key model.zzzzzz (python train.py --cfg job prints every key)"),
+])
+def test_an_unknown_key_is_one_line_naming_the_nearest_valid_key(monkeypatch, capsys, args, line):
+    from vqattn.train import cli
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.setattr(sys, "argv", ["train.py", *args])
+    with pytest.raises(SystemExit) as exit:
+        cli.main()
+    assert exit.value.code == 2
+    assert capsys.readouterr().err == f"error: {line}\n"
+    assert "HYDRA_FULL_ERROR" not in os.environ  # the user's setting is back
+
+
+def test_with_hydra_full_error_an_unknown_key_keeps_its_traceback(monkeypatch):
+    from hydra.errors import ConfigCompositionException
+
+    from vqattn.train import cli
+
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    monkeypatch.setattr(sys, "argv", ["train.py", "model.block_len=5000"])
+    with pytest.raises(ConfigCompositionException, match="Could not override 'model.block_len'"):
+        cli.main()
+    assert os.environ["HYDRA_FULL_ERROR"] == "1"
+
+
+def test_the_nearest_key_prefers_the_same_name_then_a_close_one_beside_it():
+    from vqattn.train.checks import config_keys, nearest_key
+
+    keys = config_keys(cfg_for("attention=vq_hard"))
+    assert "block_len" in keys and "model.n_layer" in keys and "attention.kwargs.num_codes" in keys
+    assert "attention.kwargs.block_len" not in keys and "module.model" not in keys  # interpolations of other keys
+    assert not [k for k in keys if k.startswith("hydra")]
+    assert nearest_key("model.block_len", keys) == "block_len"  # attention.kwargs.block_len is ${block_len}
+    assert nearest_key("data.batchsize", keys) == "data.batch_size"
+    assert nearest_key("data.seqlen", keys) == "model.seq_len"  # data.seq_len is ${model.seq_len}
+    assert nearest_key("seed_", keys) == "seed"
+    assert nearest_key("xyzzy.qqqq", keys) is None
+
+
 def test_known_options_keys_and_flags_are_left_to_hydra():
     from vqattn.train.checks import unknown_option
     from vqattn.train.configs import config_groups
@@ -550,7 +598,8 @@ CONFIG_ERRORS = [
     (["attention=softmax", "model.n_embd=64", "ckpt_path=softmax.ckpt"], "does not fit this model"),
 ]
 # Errors Hydra reports itself, composing the config: its own message, exit status 2 as well
-COMPOSE_ERRORS = [(["model.nope=1"], "Key 'nope' is not in struct")]
+COMPOSE_ERRORS = [(["model.block_len=5000"], "error: unknown config key model.block_len; did you mean block_len=5000?"),
+                  (["model.n_layer=["], "no viable alternative at input '['")]
 # The whole path as a user meets it, in a subprocess: one line, exit 2, no run dir (one case per kind of check: the
 # config, a checkpoint, what Lightning would launch); the other messages are checked in-process below.
 SUBPROCESS_ERRORS = [CONFIG_ERRORS[i] for i in (6, 7, 8)]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
+import re
+
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ChoiceSweep
 from hydra.errors import HydraException
@@ -65,6 +68,54 @@ def unknown_option(args: list[str], groups: dict[str, list[str]]) -> str | None:
             if isinstance(name, str) and name not in options:
                 return f"unknown {override.key_or_group} {name!r}; choose one of: {', '.join(options)}"
     return None
+
+
+def config_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
+    """The dotted keys a command line can set in ``cfg`` (``model.n_layer``, ``attention.kwargs.num_codes``, ...): its
+    leaves and nodes, less those that only repeat another key (an interpolation such as ``${block_len}``: the key it
+    names is the one to set) and Hydra's own settings (``hydra.``)."""
+    keys = []
+    for key in cfg.keys():
+        path = f"{prefix}{key}"
+        node = cfg._get_node(key)
+        if path == "hydra" or node is None or node._is_interpolation():
+            continue
+        keys.append(path)
+        if isinstance(node, DictConfig) and not node._is_none() and not node._is_missing():
+            keys += config_keys(node, path + ".")
+    return keys
+
+
+def nearest_key(key: str, keys: list[str]) -> str | None:
+    """The valid key a mistyped ``key`` most likely meant, else None: one with the same last name (the fewest
+    dots first: ``model.block_len`` -> the root key ``block_len``), else the closest name beside it
+    (``trainer.max_step`` -> ``trainer.max_steps``), else the closest key anywhere."""
+    parent, _, name = key.rpartition(".")
+    same_name = sorted((k for k in keys if k.rpartition(".")[2] == name), key=lambda k: (k.count("."), k))
+    if same_name:
+        return same_name[0]
+    beside = [k for k in keys if k.rpartition(".")[0] == parent]
+    close = difflib.get_close_matches(name, [k.rpartition(".")[2] for k in beside], n=1, cutoff=0.6)
+    if close:
+        return f"{parent}.{close[0]}" if parent else close[0]
+    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def unknown_key_error(err: BaseException) -> str | None:
+    """The one-line error for Hydra's report that a command line sets a key the config does not have (``Could not
+    override 'model.block_len'``), naming the nearest valid key with the override rewritten for it; else None."""
+    found = re.match(r"Could not override '([^']+)'\.", str(err))
+    if found is None:
+        return None
+    key = found.group(1)
+    value = re.search(r"use \+\S+?=(.*)$", str(err), re.MULTILINE)
+    parent = getattr(err.__cause__, "parent_node", None)
+    root = parent._get_root() if parent is not None else None
+    near = nearest_key(key, config_keys(root)) if isinstance(root, DictConfig) else None
+    if near is None:
+        return f"unknown config key {key} (python train.py --cfg job prints every key)"
+    return f"unknown config key {key}; did you mean {near}{'=' + value.group(1) if value else ''}?"
 
 
 def cpu_processes_warning(cfg: DictConfig, cores: int, cuda: bool) -> str | None:

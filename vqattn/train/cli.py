@@ -30,14 +30,23 @@ from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 
 from ..utils import available_cores, pick_threads
-from .checks import check_config, check_resumable, cpu_processes_warning, raw_window_warning, unknown_option
+from .checks import (
+    check_config,
+    check_resumable,
+    cpu_processes_warning,
+    raw_window_warning,
+    unknown_key_error,
+    unknown_option,
+)
 from .configs import config_groups, register
 from .launch import DDP_ARGV, ddp_child_argv
 from .lifecycle import (
     USER_ERROR_STATUS,
     Aborted,
     Interrupted,
+    composition_errors_raised,
     exit_status,
+    full_error_asked,
     hold_interrupts,
     interrupt_held,
     is_rank_zero,
@@ -276,12 +285,13 @@ def run_job(cfg: DictConfig, run_dir: Path) -> dict:
 def main() -> None:
     """Hydra's command line: what ``vqattn-train`` and ``python train.py`` run (through :mod:`vqattn.train.entry`).
 
-    An option no config group has (attention=foo) is one line naming the group's options, exit status 2. Hydra
-    reports other command lines it cannot compose (an unknown key) itself with exit status 1; that is a
-    configuration error like those train() finds, so it exits 2 as they do. Ctrl-C at any point exits 130, SIGTERM
+    An option no config group has (attention=foo) is one line naming the group's options, exit status 2; so is a
+    key the config does not have (model.block_len=5000), naming the nearest valid key (block_len). Hydra reports
+    other command lines it cannot compose itself; that is a configuration error like those train() finds, so it
+    exits 2 as they do. Ctrl-C at any point exits 130, SIGTERM
     143.
     """
-    with hold_interrupts():
+    with hold_interrupts(), composition_errors_raised():
         try:
             sys.argv = ddp_child_argv(sys.argv, os.environ)
             unknown = unknown_option(sys.argv[1:], config_groups())
@@ -293,9 +303,31 @@ def main() -> None:
             if exit.code == 1 and not task_started():
                 raise SystemExit(USER_ERROR_STATUS) from None
             raise
+        except Exception as err:  # raised while Hydra composed the config (composition_errors_raised)
+            if task_started() or full_error_asked():
+                raise
+            report_composition_error(err)
+            raise SystemExit(USER_ERROR_STATUS) from None
     if interrupt_held():  # Ctrl-C or SIGTERM while Hydra composed the config, or after the last job of a multirun
         print("\n" + stopped_by(last_signal()) + ("" if task_started() else ": nothing was saved"), file=sys.stderr)
         raise SystemExit(exit_status())
+
+
+def report_composition_error(err: Exception) -> None:
+    """What the command line prints for a config Hydra cannot compose: one line for an unknown key (with the nearest
+    valid one), else Hydra's own report of its errors, or the traceback of anything else."""
+    from hydra.errors import CompactHydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    line = unknown_key_error(err)
+    if line is not None:
+        print(f"error: {line}", file=sys.stderr)
+    elif isinstance(err, CompactHydraException):  # as Hydra's run_and_report writes it
+        cause = f"\n{err.__cause__}" if isinstance(err.__cause__, OmegaConfBaseException) else ""
+        print(f"{err}{cause}\n\nSet the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.",
+              file=sys.stderr)
+    else:
+        raise err
 
 
 if __name__ == "__main__":

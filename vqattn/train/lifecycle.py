@@ -58,7 +58,12 @@ class Aborted(Exception):
     saved."""
 
 
+_UNSET = object()
+FULL_ERROR = "HYDRA_FULL_ERROR"
+
+
 class _Signals:
+    full_error = _UNSET  # the user's HYDRA_FULL_ERROR (None: unset) while composition errors are raised to main()
     task_started = False  # whether Hydra got as far as running a job (so its errors are the job's, not the config's)
     held_interrupt = 0  # the stop signal (SIGINT, SIGTERM) that came while Hydra was setting a job up; 0: none
     last = signal.SIGINT  # the last stop signal received: the exit status is 128 + its number
@@ -112,6 +117,37 @@ def hold_interrupts():
         restore_handlers(previous)
 
 
+@contextlib.contextmanager
+def composition_errors_raised():
+    """HYDRA_FULL_ERROR=1 while Hydra composes the config, so that a composition error (an unknown key) reaches the
+    command line's main() as the exception itself, for a one-line message, instead of Hydra's report of it. Each job
+    runs under the user's own setting (:func:`task_wrapper` puts it back first), so Hydra reports the job's errors as
+    before; the user's setting is back however the command ends."""
+    _Signals.full_error = os.environ.get(FULL_ERROR)
+    os.environ[FULL_ERROR] = "1"
+    try:
+        yield
+    finally:
+        _user_full_error()
+        _Signals.full_error = _UNSET
+
+
+def _user_full_error() -> None:
+    """The user's HYDRA_FULL_ERROR back, where :func:`composition_errors_raised` set it."""
+    if _Signals.full_error is _UNSET:
+        return
+    if _Signals.full_error is None:
+        os.environ.pop(FULL_ERROR, None)
+    else:
+        os.environ[FULL_ERROR] = _Signals.full_error
+
+
+def full_error_asked() -> bool:
+    """Whether the user asked for Hydra's full tracebacks (HYDRA_FULL_ERROR=1)."""
+    value = os.environ.get(FULL_ERROR) if _Signals.full_error is _UNSET else _Signals.full_error
+    return value == "1"
+
+
 def task_started() -> bool:
     return _Signals.task_started
 
@@ -133,6 +169,7 @@ def task_wrapper(task):
     @functools.wraps(task)
     def wrapped(cfg, run_dir: Path):
         _Signals.task_started = True
+        _user_full_error()  # Hydra reports the job's own errors as the user asked
         env = dict(os.environ)
         held = set_handlers(raise_interrupt)  # the run dir is known: Ctrl-C and SIGTERM raise
         try:
@@ -157,7 +194,7 @@ def task_wrapper(task):
             if message is not None:
                 _log_to_file(f"error: {message}")
             discard_failed_run(run_dir)
-            if message is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
+            if message is None or full_error_asked():
                 raise
             print(f"error: {message}", file=sys.stderr)
             raise SystemExit(USER_ERROR_STATUS) from None
