@@ -13,6 +13,7 @@ IEEE float32 products, or in TF32 with ``--tf32`` (``torch.set_float32_matmul_pr
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 
 import torch
@@ -36,6 +37,14 @@ def set_precision(args) -> None:
         torch.set_float32_matmul_precision("high")
 
 
+def fresh_gradients(*tensors) -> None:
+    """Every step starts without gradients, as a training step after ``zero_grad()`` does: gradients kept from
+    the warm-up would add into the new ones (one more pass per tensor that a step does not make)."""
+    for t in tensors:
+        if t is not None:
+            t.grad = None
+
+
 def op_step(args, device: str = "cuda"):
     make = lambda *shape: torch.randn(*shape, device=device, dtype=DTYPES[args.dtype]).requires_grad_(True)  # noqa: E731
     B, H, T, D = args.batch, args.heads, args.length, 64
@@ -44,6 +53,7 @@ def op_step(args, device: str = "cuda"):
     rotated = (make(B, H, T, D), make(B, H, T, D)) if args.method.endswith("_rope") else (None, None)
 
     def step():
+        fresh_gradients(q, k, v, codebook, *rotated)
         out = attention(args.method, q, k, v, codebook, args.block_len, *rotated, args.impl)
         out.backward(torch.ones_like(out))
 
@@ -55,6 +65,7 @@ def layer_step(args, device: str = "cuda"):
     x = torch.randn(args.batch, args.length, args.dim, device=device, requires_grad=True)
 
     def step():
+        fresh_gradients(x, *layer.parameters())
         with torch.autocast(device, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16"):
             out, aux_loss, _ = layer(x)
             loss = out.float().sum() + aux_loss
@@ -84,20 +95,53 @@ def main(argv=None) -> None:
     for _ in range(2):  # warm-up: Triton's compilation and the allocator's pools
         step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
-    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
-    total = sum(e.self_device_time_total for e in events)
+    kernels = device_kernels(prof.events())  # name -> (ms, launches)
+    total = sum(ms for ms, _ in kernels.values())
     print(f"{args.what} {args.method} B={args.batch} T={args.length} H={args.heads} S={args.num_codes} "
-          f"impl={args.impl} {args.dtype}{' tf32' if args.tf32 else ''}: {total / 1000:.2f} ms of kernels in one step")
-    for e in events[:args.top]:
-        print(f"{e.self_device_time_total / 1000:8.2f} ms {100 * e.self_device_time_total / total:5.1f}% "
-              f"x{e.count:<4d} {e.key[:110]}")
+          f"impl={args.impl} {args.dtype}{' tf32' if args.tf32 else ''}: {total:.2f} ms of kernels in one step")
+    top = sorted(kernels, key=lambda name: kernels[name][0], reverse=True)[:args.top]
+    for name in top:
+        ms, count = kernels[name]
+        print(f"{ms:8.2f} ms {100 * ms / total:5.1f}% x{count:<4d} {name[:110]}")
+    print("\nwhat launched each PyTorch kernel (the op, and the autograd node or module around it):")
+    for kernel, callers in launchers(prof.events(), top).items():
+        print(f"  {kernel[:60]}: " + "; ".join(f"{n}x {c}" for c, n in callers.most_common(4)))
     if args.method.startswith("vq_hard"):
-        measured = {e.key: e.self_device_time_total / 1000 for e in events}
+        measured = {name: ms for name, (ms, _) in kernels.items()}
         print("\n".join(floor_rows(args, measured, gpu_of(torch.cuda.get_device_name()))))
+
+
+def device_kernels(events) -> dict[str, tuple[float, int]]:
+    """The GPU's own events of a profile (kernels and copies; not the CPU ranges that launched them, whose device
+    time would count each kernel twice): name -> (ms in the step, launches)."""
+    found = collections.defaultdict(lambda: [0.0, 0])
+    for event in events:
+        if event.device_type != torch.autograd.DeviceType.CPU:
+            found[event.name][0] += event.device_time_total / 1000
+            found[event.name][1] += 1
+    return {name: (ms, count) for name, (ms, count) in found.items()}
+
+
+def launchers(events, kernels: list[str]) -> dict[str, collections.Counter]:
+    """For each PyTorch kernel of ``kernels`` (Triton's are named by their kernels, and skipped: those names start
+    with an underscore), the operators that launched it: the innermost aten op and the outermost named range or
+    autograd node above it, counted."""
+    wanted = {k for k in kernels if not k.startswith("_")}
+    found = collections.defaultdict(collections.Counter)
+    for event in events:
+        for kernel in getattr(event, "kernels", []):
+            if kernel.name not in wanted:
+                continue
+            chain, parent = [], event
+            while parent is not None:
+                chain.append(parent.name)
+                parent = parent.cpu_parent
+            op = next((name for name in chain if name.startswith("aten::")), chain[0])
+            found[kernel.name][f"{op} < {chain[-1]}"] += 1
+    return found
 
 
 def floor_rows(args, measured: dict[str, float], gpu: str | None) -> list[str]:

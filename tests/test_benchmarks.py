@@ -103,3 +103,29 @@ def test_kernel_resources_of_a_layer_compile_for_a_gpu_here(monkeypatch, capsys,
         loop = kernel_resources.innermost_loops(sass[i].read_text())[0]
         assert int(rows[i][11]) == len(loop) > 0
         assert not [line for line in loop if "-126" in line or "1.175494350822287508e-38" in line], rows[i][0]
+
+
+def test_kernel_profile_counts_gpu_events_once_and_names_their_launchers(monkeypatch):
+    """The profile sums the GPU's own events by name (not the CPU ranges above them, which carry the same device
+    time), and names the aten op and the outermost range that launched each PyTorch kernel."""
+    from types import SimpleNamespace
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import kernel_profile
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    node = SimpleNamespace(name="autograd::engine::evaluate_function: AddBackward0", cpu_parent=None, device_type=cpu,
+                           device_time_total=3000.0, kernels=[])
+    add = SimpleNamespace(name="aten::add", cpu_parent=node, device_type=cpu, device_time_total=3000.0,
+                          kernels=[SimpleNamespace(name="add_kernel")])
+    launch = SimpleNamespace(name="cudaLaunchKernel", cpu_parent=add, device_type=cpu, device_time_total=3000.0,
+                             kernels=[SimpleNamespace(name="add_kernel")])
+    events = [node, add, launch,
+              SimpleNamespace(name="add_kernel", device_type=cuda, device_time_total=1000.0),
+              SimpleNamespace(name="add_kernel", device_type=cuda, device_time_total=2000.0),
+              SimpleNamespace(name="_prefix_kernel", device_type=cuda, device_time_total=500.0)]
+    assert kernel_profile.device_kernels(events) == {"add_kernel": (3.0, 2), "_prefix_kernel": (0.5, 1)}
+    found = kernel_profile.launchers(events, ["add_kernel", "_prefix_kernel"])
+    assert dict(found) == {"add_kernel": {"aten::add < autograd::engine::evaluate_function: AddBackward0": 2}}
