@@ -288,21 +288,35 @@ def test_token_throughput_totals_continue_across_a_resume(tmp_path):
     assert resumed.wall_seconds() == (20.0 + 400.0) + (5.0 + 20.0 + 400.0)
 
 
-def test_the_step_bar_of_a_resumed_run_continues_its_elapsed_time(monkeypatch):
+@pytest.mark.parametrize("resumed", [True, False])
+def test_the_step_bar_keeps_the_runs_clock_and_rate_across_epochs(monkeypatch, resumed):
+    """A resumed run's first epoch is what remained of the interrupted one: at the next epoch the bar's elapsed
+    time once jumped back to the parts resumed from, and its rate to that of this process's last steps."""
     from tqdm import tqdm
 
     from vqattn.train import callbacks
 
-    monkeypatch.setattr(callbacks, "time", SimpleNamespace(time=lambda: 5000.0))  # the bar's clock reads 5000 s
+    clock = FakeClock()
+    clock.now = 5000.0  # the bar's clock (time.time) reads 5000 s as training starts
+    monkeypatch.setattr(callbacks, "time", SimpleNamespace(time=clock))
     totals = TokenThroughput()
-    totals.wall_before = 600.0  # the parts resumed from, restored from the checkpoint
+    totals.wall_before = 600.0 if resumed else 0.0  # the parts resumed from, restored from the checkpoint
     bar = StepProgressBar()
     bar.run_totals = totals
     bar.train_progress_bar = tqdm(file=io.StringIO())
-    bar._reset(SimpleNamespace(max_steps=10, global_step=4))
-    assert bar.train_progress_bar.start_t == 4400.0  # elapsed: 600 s at the resumed step
-    # the rate counts all 4 steps over that elapsed time, not 0 steps of the resumed part
-    assert (bar.train_progress_bar.initial, bar.train_progress_bar.n) == (0, 4)
+    trainer = SimpleNamespace(max_steps=100, global_step=40)
+    bar._start_clock(trainer)
+    bar._reset(trainer)
+    tq = bar.train_progress_bar
+    assert tq.start_t == 5000.0 - totals.wall_before  # elapsed: the parts resumed from, at the resumed step
+    # the rate counts all 40 steps over that elapsed time when it includes the parts resumed from
+    assert (tq.initial, tq.n) == (0 if resumed else 40, 40)
+    clock.now, trainer.global_step = 5300.0, 70  # 300 s and 30 steps later, a new epoch starts
+    bar.on_train_epoch_start(trainer)
+    elapsed = clock.now - tq.start_t  # what the bar shows: tqdm's elapsed is its clock's time since start_t
+    assert elapsed == 300.0 + totals.wall_before  # the run's, not restarted
+    assert (tq.initial, tq.n) == (0 if resumed else 40, 70)
+    assert (tq.n - tq.initial) / elapsed == pytest.approx(70 / 900 if resumed else 30 / 300)  # tqdm's rate
 
 
 def test_idle_cores_are_those_busy_less_than_half_the_time():

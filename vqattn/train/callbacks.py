@@ -167,6 +167,8 @@ class StepProgressBar(TQDMProgressBar):
     Lightning's bar counts the current epoch's batches and loses its total after a mid-epoch resume ("81/?");
     this one continues a resumed run at its step, with the run's total, and, when the trainer has a TokenThroughput
     callback (``run_totals``), at the run's elapsed time: the wall time of the parts it resumes from plus this one's.
+    The clock starts once per process: a resumed run's later epochs (its first is what remained of the interrupted
+    one) keep the elapsed time and the rate instead of starting them again.
     Its metrics are this run's: a resumed run shows no validation result until its own first validation.
     """
 
@@ -174,28 +176,39 @@ class StepProgressBar(TQDMProgressBar):
         super().__init__(**kwargs)
         self.run_totals: TokenThroughput | None = None  # the trainer's, found at setup
         self._restored: dict = {}  # metrics a resumed run starts with, shown once this run has measured them
+        self._start_t: float | None = None  # the bar's start time: this process's training start less the parts
+        self._initial = 0  # resumed from; and the steps its elapsed time does not cover
 
     def setup(self, trainer, pl_module, stage):
         super().setup(trainer, pl_module, stage)
         self.run_totals = next((c for c in trainer.callbacks if isinstance(c, TokenThroughput)), None)
 
+    def _start_clock(self, trainer) -> None:
+        """The run's clock, once per process as training starts: elapsed is the wall time of the parts resumed from
+        (none for a fresh run) plus this process's since now, and every later epoch keeps counting on it."""
+        before = self.run_totals.wall_before if self.run_totals is not None else 0.0  # the parts resumed from
+        # tqdm's clock is time.time (not its _time(), which the disabled bars of ranks > 0 do not have)
+        self._start_t = time.time() - before
+        # tqdm's rate is (n - initial) / elapsed: the steps the elapsed time covers, all of them when it includes
+        # the parts resumed from, else this process's
+        self._initial = 0 if before else trainer.global_step
+
     def _reset(self, trainer) -> None:
         bar = self.train_progress_bar
         bar.total = trainer.max_steps
-        before = self.run_totals.wall_before if self.run_totals is not None else 0.0  # the parts resumed from
+        if self._start_t is None:
+            self._start_clock(trainer)
         bar.n = bar.last_print_n = trainer.global_step
-        # tqdm's rate is (n - initial) / elapsed: the steps the elapsed time covers, all of them when it includes
-        # the parts resumed from, else this process's
-        bar.initial = 0 if before else trainer.global_step
-        # tqdm's clock is time.time (not its _time(), which the disabled bars of ranks > 0 do not have); tqdm's
-        # reset() is not used as it would first show 0/total
+        bar.initial = self._initial
+        # tqdm's reset() is not used: it would first show 0/total, and restart the clock at each epoch
         bar.last_print_t = time.time()
-        bar.start_t = bar.last_print_t - before
+        bar.start_t = self._start_t
         bar.set_description("Training")  # refreshes
 
     def on_train_start(self, trainer, pl_module):
         super().on_train_start(trainer, pl_module)
         self._restored = dict(trainer.progress_bar_metrics)
+        self._start_clock(trainer)
         self._reset(trainer)
 
     def on_train_epoch_start(self, trainer, *args):
