@@ -363,3 +363,40 @@ def test_a_run_that_slows_down_gets_one_hint_about_threads(monkeypatch, caplog, 
     hints = [r.getMessage() for r in caplog.records]
     assert hints == (["training runs 6x slower than earlier in this run: if other work took a core, fewer threads "
                       "can be many times faster (Ctrl-C, then resume with threads=1)"] if threads > 1 else [])
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_each_validation_is_one_log_line_and_gets_bars_only_in_a_terminal(tmp_path, capsys, caplog, terminal):
+    """Outside a terminal the validation bars' redraws were a log line each, and train.log had no validation
+    metrics until the end of the run: now each validation is one line, in the console only outside a terminal."""
+    import logging
+
+    import lightning as L
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    class Validated(BoringModel):
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", float(self.global_step), prog_bar=True)
+            return super().validation_step(batch, batch_idx)
+
+    file_log = logging.FileHandler(tmp_path / "train.log")  # as Hydra's train.log handler
+    logging.getLogger().addHandler(file_log)
+    try:
+        trainer = L.Trainer(max_steps=6, val_check_interval=3, limit_val_batches=2, num_sanity_val_steps=1,
+                            callbacks=[StepProgressBar(validation_bars=terminal)], logger=False,
+                            enable_checkpointing=False, enable_model_summary=False, default_root_dir=tmp_path)
+        with caplog.at_level("INFO", logger="train"):
+            trainer.fit(Validated())
+    finally:
+        logging.getLogger().removeHandler(file_log)
+        file_log.close()
+    lines = ["validation at step 3/6: val_loss 3.0000", "validation at step 6/6: val_loss 6.0000"]
+    assert [line for line in (tmp_path / "train.log").read_text().splitlines() if "validation" in line] == lines
+    console = capsys.readouterr().out
+    assert ("Validation" in console and "Sanity" in console) == terminal  # the bars
+    assert "Training:" in console and "6/6" in console  # the training bar, always
+    shown = [r.getMessage() for r in caplog.records if r.name == "train" and r.getMessage().startswith("validation")]
+    if terminal:  # to train.log alone: the bar shows the metrics
+        assert shown == []
+    else:  # each on its own line, after the training bar's
+        assert shown == lines

@@ -10,6 +10,7 @@ import logging
 import math
 import signal
 import statistics
+import sys
 import time
 from collections import deque
 from pathlib import Path
@@ -17,11 +18,12 @@ from pathlib import Path
 import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import Checkpoint, ModelSummary, ProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_summary import get_human_readable_count
 
-from .lifecycle import note_signal, raise_interrupt, restore_handlers, set_handlers
+from .lifecycle import log_to_file, note_signal, raise_interrupt, restore_handlers, set_handlers
 
 log = logging.getLogger("lightning.pytorch.callbacks.model_summary")  # where Lightning's summary goes
 train_log = logging.getLogger("train")  # the trainer's own lines (vqattn.train.cli)
@@ -170,10 +172,17 @@ class StepProgressBar(TQDMProgressBar):
     The clock starts once per process: a resumed run's later epochs (its first is what remained of the interrupted
     one) keep the elapsed time and the rate instead of starting them again.
     Its metrics are this run's: a resumed run shows no validation result until its own first validation.
+
+    Every validation inside fit logs one line with its metrics (``validation at step 200/1200: val_acc 0.5000,
+    val_bpb 2.1000, val_loss 1.4000``). In a terminal (``validation_bars`` None, the default, where the bars'
+    stdout is one) validations also get their passing bars, and the line goes to train.log alone, as the training
+    bar shows the metrics; elsewhere (a log file, a pipe, a batch job) validations get no bars, whose redraws would
+    fill the log with a line each, and the line goes to the console and train.log.
     """
 
-    def __init__(self, **kwargs):
+    def __init__(self, validation_bars: bool | None = None, **kwargs):
         super().__init__(**kwargs)
+        self.validation_bars = validation_bars
         self.run_totals: TokenThroughput | None = None  # the trainer's, found at setup
         self._restored: dict = {}  # metrics a resumed run starts with, shown once this run has measured them
         self._start_t: float | None = None  # the bar's start time: this process's training start less the parts
@@ -214,9 +223,28 @@ class StepProgressBar(TQDMProgressBar):
     def on_train_epoch_start(self, trainer, *args):
         self._reset(trainer)  # not super's: it would count the epoch's batches again
 
+    def _validation_bars(self) -> bool:
+        return self.validation_bars if self.validation_bars is not None else sys.stdout.isatty()
+
+    def init_sanity_tqdm(self) -> Tqdm:
+        return super().init_sanity_tqdm() if self._validation_bars() else Tqdm(disable=True)
+
+    def init_validation_tqdm(self) -> Tqdm:
+        return super().init_validation_tqdm() if self._validation_bars() else Tqdm(disable=True)
+
     def on_validation_end(self, trainer, pl_module):
         super().on_validation_end(trainer, pl_module)
         self._restored.clear()
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking and trainer.is_global_zero:
+            line = validation_line(trainer)
+            if self._validation_bars():
+                log_to_file(line)
+                return
+            bar = self._train_progress_bar
+            if bar is not None and not bar.disable:  # the line after the training bar's, not at its end
+                bar.fp.write("\n")
+                bar.fp.flush()
+            train_log.info("%s", line)
 
     def on_train_epoch_end(self, trainer, pl_module):
         # After the last epoch the bar is closed (its last state printed once, ending the line) before Lightning
@@ -236,6 +264,13 @@ class StepProgressBar(TQDMProgressBar):
         if bar.n != trainer.global_step:
             bar.n = trainer.global_step
             bar.set_postfix(self.get_metrics(trainer, pl_module))  # refreshes the bar
+
+
+def validation_line(trainer) -> str:
+    """One line for a validation inside fit: the step and the validation metrics the progress bar shows."""
+    metrics = trainer.progress_bar_metrics
+    shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items()) if k.startswith("val_"))
+    return f"validation at step {trainer.global_step}/{trainer.max_steps}: {shown}"
 
 
 class TokenThroughput(Callback):

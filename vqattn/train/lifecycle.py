@@ -192,7 +192,7 @@ def task_wrapper(task):
         except Exception as err:
             message = user_error(err)
             if message is not None:
-                _log_to_file(f"error: {message}")
+                log_to_file(f"error: {message}", logging.ERROR)
             discard_failed_run(run_dir)
             if message is None or full_error_asked():
                 raise
@@ -260,9 +260,9 @@ def discard_failed_run(run_dir: Path) -> None:
             break
 
 
-def _log_to_file(message: str) -> None:
-    """Record message in train.log only (the console gets it once, on stderr)."""
-    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, message, None, None)
+def log_to_file(message: str, level: int = logging.INFO) -> None:
+    """Record message in train.log only (the console has it already, in its own form)."""
+    record = log.makeRecord(log.name, level, __file__, 0, message, None, None)
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler):
             handler.handle(record)
