@@ -188,3 +188,44 @@ def test_lm_eval_heldout_bits_per_byte_equal_the_trainers_validation(tmp_path):
             metric.update(model.model(x[None]).logits, y[None])
     trainer_bpb = float(metric.compute()["bpb"])
     assert results["vqattn_heldout"]["bits_per_byte,none"] == pytest.approx(trainer_bpb, rel=1e-5)
+
+
+def test_vqattn_eval_adds_our_tasks_and_the_causal_backend_unless_given():
+    pytest.importorskip("lm_eval")
+    from vqattn.hf.eval import TASKS_DIR, lm_eval_argv
+
+    tasks = ["--include_path", str(TASKS_DIR)]
+    assert lm_eval_argv(["--model", "hf", "--model_args", "pretrained=m", "--tasks", "t"]) == [
+        "--model", "hf", "--model_args", "pretrained=m,backend=causal", "--tasks", "t", *tasks]
+    assert lm_eval_argv(["--model=hf", "--model_args=pretrained=m"]) == [
+        "--model=hf", "--model_args=pretrained=m,backend=causal", *tasks]
+    kept = [["--model", "hf", "--model_args", "pretrained=m,backend=seq2seq"],  # the user's backend
+            ["--model", "vllm", "--model_args", "pretrained=m"],  # another model type
+            ["--model", "hf", "--model_args", '{"pretrained": "m"}']]  # JSON
+    for argv in kept:
+        assert lm_eval_argv(argv) == [*argv, *tasks]
+    assert lm_eval_argv(["--include_path=x"]) == ["--include_path=x"]
+
+
+@pytest.mark.slow
+def test_our_lm_eval_tasks_load_without_warnings(caplog):
+    """Every metric of the shipped tasks names its aggregation and direction (lm-eval warned about each default it
+    filled in), and vqattn-eval drops lm-eval's note that their dataset functions could take --metadata."""
+    pytest.importorskip("lm_eval")
+    import logging
+
+    from lm_eval.tasks import TaskManager
+
+    from vqattn.hf.eval import TASKS_DIR, _not_about_our_functions
+
+    task_log = logging.getLogger("lm_eval.api.task")
+    task_log.addFilter(_not_about_our_functions)  # as vqattn-eval's main installs it
+    try:
+        with caplog.at_level("WARNING"):
+            tasks = TaskManager(include_path=str(TASKS_DIR)).load(["vqattn_heldout", "vqattn_kv_recall"])["tasks"]
+    finally:
+        task_log.removeFilter(_not_about_our_functions)
+    assert set(tasks) == {"vqattn_heldout", "vqattn_kv_recall"}
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert tasks["vqattn_heldout"].higher_is_better() == {"word_perplexity": False, "byte_perplexity": False,
+                                                          "bits_per_byte": False}

@@ -8,12 +8,16 @@ lm-eval's CLI with the rest of the arguments, e.g.::
     vqattn-eval --model hf --model_args pretrained=OUT_DIR --tasks vqattn_heldout,vqattn_kv_recall --device cpu
 
 It sets its threads as the trainer does (``--threads N|auto``, default auto: the cores other work leaves idle),
-taking that option out of what lm-eval reads.
+taking that option out of what lm-eval reads. With ``--model hf`` it adds ``backend=causal`` to ``--model_args``
+unless they name a backend: lm-eval tells a causal model by transformers' own table of model types, which a
+registered model type is not in, and would warn before taking the causal backend anyway. lm-eval's warning that a
+task loaded through a function could take ``--metadata`` is dropped for vqattn's tasks, whose functions take none.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -24,11 +28,35 @@ from ..utils import threads_arg, use_threads
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 
 
+def _value(argv: list[str], option: str) -> tuple[int, str] | None:
+    """(index, value) of ``option VALUE`` or ``option=VALUE`` in argv, else None."""
+    for i, arg in enumerate(argv):
+        if arg == option and i + 1 < len(argv):
+            return i + 1, argv[i + 1]
+        if arg.startswith(option + "="):
+            return i, arg.partition("=")[2]
+    return None
+
+
 def lm_eval_argv(argv: list[str]) -> list[str]:
-    """lm-eval's arguments: ``argv`` plus ``--include_path TASKS_DIR`` when it names no include path."""
-    if any(arg == "--include_path" or arg.startswith("--include_path=") for arg in argv):
-        return list(argv)
-    return [*argv, "--include_path", str(TASKS_DIR)]
+    """lm-eval's arguments: ``argv`` plus ``--include_path TASKS_DIR`` when it names no include path, and
+    ``backend=causal`` in the ``--model_args`` of ``--model hf`` when they name no backend."""
+    argv = list(argv)
+    model, model_args = _value(argv, "--model"), _value(argv, "--model_args")
+    if (model is not None and model[1] == "hf" and model_args is not None and "backend" not in model_args[1]
+            and not model_args[1].lstrip().startswith("{")):  # key=value pairs, not JSON
+        i, value = model_args
+        value = f"{value},backend=causal" if value else "backend=causal"
+        argv[i] = value if argv[i] == model_args[1] else f"--model_args={value}"
+    if _value(argv, "--include_path") is None:
+        argv += ["--include_path", str(TASKS_DIR)]
+    return argv
+
+
+def _not_about_our_functions(record: logging.LogRecord) -> bool:
+    """False for lm-eval's warning that a vqattn task's dataset function could take ``--metadata``."""
+    message = record.getMessage()
+    return not (message.startswith("vqattn_") and "Custom kwargs can be passed" in message)
 
 
 def split_threads(argv: list[str]) -> tuple[int | str, list[str]]:
@@ -53,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     if "-h" not in rest and "--help" not in rest:
         use_threads(threads, "evaluating")
     sys.argv = ["lm-eval", *lm_eval_argv(rest)]
+    logging.getLogger("lm_eval.api.task").addFilter(_not_about_our_functions)
     cli_evaluate()
 
 
