@@ -163,6 +163,35 @@ def test_gradient_of_a_continued_states_counts():
     compare(call("chunk", torch.float64, "cpu"), call("triton", torch.float32, DEVICE), [*rest, counts, sums])
 
 
+@pytest.mark.parametrize("assign", ["hard", "soft"])
+def test_backward_writes_no_per_block_cache_gradient(assign):
+    """The reverse cache walk forms every block's cache gradient from the queries that read the cache: the
+    backward allocates no (B·H, nb, S, Dv) tensor (1 GB at 8192 tokens on a GPU); the forward's caches are the only
+    per-block tensors."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Allocations(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.__name__.startswith(("empty", "zeros", "new_empty", "new_zeros")):
+                self.shapes.append(tuple(out.shape))
+            return out
+
+    T = 100
+    nb = -(-T // L)
+    q, k, v, c = (x.detach().to(DEVICE, torch.float32).requires_grad_() for x in vq_inputs(assign, "exact", T))
+    out = vq_call(vq_attention, assign, "exact", "triton")(q, k, v, c)
+    with Allocations() as backward:
+        out.square().sum().backward()
+    per_block = {(B * H, nb, S, DV), (B, H, nb, S, DV), (B * H, nb, S), (B, H, nb, S)}
+    assert not per_block & set(backward.shapes), backward.shapes
+    assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in (q, v))
+
+
 @pytest.mark.parametrize("assign,window", [("hard", "exact"), ("soft", "rotated")])
 def test_bfloat16_inputs(assign, window):
     """bf16 q, k, v (and codebook) accumulate in float32: within bf16's rounding of the float64 definition. The

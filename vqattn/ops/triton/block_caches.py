@@ -18,16 +18,19 @@ its code (a masked store); soft ones add over tiles (atomic adds).
 
 from __future__ import annotations
 
+import dataclasses
+from typing import NamedTuple
+
 import torch
 
 from ..common.layout import empty_like_order
 from . import triton
-from .window_codes import _dot_dtype, _unit_last, _width, three_programs_per_sm
+from .window_codes import WindowCodes, _dot_dtype, _unit_last, _width, three_programs_per_sm
 
 if triton is not None:
     import triton.language as tl
 
-    from .window_codes import _load_rows
+    from .window_codes import LOG2E, _load_rows
 
 # Floats of one program's running tile of value sums (codes × value dims) kept in registers.
 TILE_FLOATS = 4096
@@ -104,16 +107,55 @@ if triton is not None:
                                    present, tile_mask, offsets, L, BS, BDV, HARD, DOT, PREC)
 
     @triton.jit
+    def _walk_cache_grad(QC, c, CNT, BIAS, DO, LSE, DELTA, sqc_b, sqc_h, sqc_t, sdo_b, sdo_h, sdo_t, blk, bh, nb, H,
+                         T, S, DC, DV, codes, present, scale2, L: tl.constexpr, BS: tl.constexpr, BDC: tl.constexpr,
+                         BDV: tl.constexpr, HAS_BIAS: tl.constexpr, COUNTS_GRAD: tl.constexpr, DOT: tl.constexpr,
+                         SUM_DOT: tl.constexpr, PREC: tl.constexpr):
+        """The gradient of block blk's cache for this tile of codes c (BS, BDC), from the block's queries, as the
+        window-code backward would write it (window_codes.py): with w_n = exp2(σ qc·c + β_blk − lse) the codes'
+        probabilities per count (0 for empty codes and past T), dC = w_nᵀ dO (BS, BDV) and dn = −w_nᵀ Δ (BS,)
+        (with COUNTS_GRAD, else 0). Zero for blk ≥ nb."""
+        rows = blk * L + tl.arange(0, L)
+        inside = rows < T
+        b, h = bh // H, bh % H
+        qc = _load_rows(QC, sqc_b, sqc_h, sqc_t, b, h, rows, T, DC, BDC, DOT)
+        do = _load_rows(DO, sdo_b, sdo_h, sdo_t, b, h, rows, T, DV, BDV, SUM_DOT)
+        lse = tl.load(LSE + bh * T + rows, mask=inside, other=0.0)
+        blocks = blk + tl.zeros([BS], tl.int32)  # the block index as a vector: masks of one type
+        n = tl.load(CNT + (bh * nb + blk) * S + codes, mask=present & (blocks < nb), other=0.0)
+        bias = 0.0
+        if HAS_BIAS:
+            bias = tl.load(BIAS + tl.minimum(blk, nb - 1))  # past the last block every row is outside anyway
+        offset = tl.where(n > 0, bias * LOG2E, float("-inf"))
+        logits = tl.dot(qc, tl.trans(c), input_precision=PREC) * scale2 + offset[None, :]
+        w_n = tl.where(inside[:, None], tl.exp2(logits - lse[:, None]), 0.0)
+        d_sums = tl.dot(tl.trans(w_n.to(SUM_DOT)), do, input_precision=PREC)
+        d_n = tl.zeros([BS], tl.float32)
+        if COUNTS_GRAD:
+            delta = tl.load(DELTA + bh * T + rows, mask=inside, other=0.0)
+            d_n = -tl.sum(w_n * delta[:, None], 0)
+        return d_n, d_sums
+
+    @triton.jit
     def _reverse_step(IDX, WTS, V, DNB, DCB, DVAL, DWTS, g_n, g_sums, blk, bh, nb, sv_b, sv_h, sv_t, sd_b, sd_h, sd_t,
-                      H, T, S, DV, codes, present, tile_mask, offsets, L: tl.constexpr, BS: tl.constexpr,
-                      BDV: tl.constexpr, HARD: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
-        """Block blk of the reverse walk: adds the gradient of block blk + 2's cache (a mask, not a branch, past
-        the last block, as in the forward) to the running sums g, which already hold the later caches', so that g
-        is the gradient of block blk's statistics; writes the block's value gradients (and the soft weights') from
-        g, and returns g."""
-        blocks = blk + tl.zeros([BS], tl.int32)
-        d_n, d_sums = _load_cache(DNB, DCB, bh * nb + blk + 2, S, DV, codes, offsets, present & (blocks + 2 < nb),
-                                  tile_mask)
+                      H, T, S, DV, codes, present, tile_mask, offsets,
+                      QC, c, CNT, BIAS, DO, LSE, DELTA, sqc_b, sqc_h, sqc_t, sdo_b, sdo_h, sdo_t, DC, scale2,
+                      L: tl.constexpr, BS: tl.constexpr, BDV: tl.constexpr, HARD: tl.constexpr, DOT: tl.constexpr,
+                      PREC: tl.constexpr, WALK_DC: tl.constexpr, BDC: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      COUNTS_GRAD: tl.constexpr, SUM_DOT: tl.constexpr, ADD_TO_DVAL: tl.constexpr):
+        """Block blk of the reverse walk: adds the gradient of block blk + 2's cache (read from DNB, DCB, a mask,
+        not a branch, past the last block, as in the forward; or with WALK_DC formed here from its queries,
+        :func:`_walk_cache_grad`) to the running sums g, which already hold the later caches', so that g is the
+        gradient of block blk's statistics; writes the block's value gradients (added to DVAL's with ADD_TO_DVAL)
+        and the soft weights' from g, and returns g."""
+        if WALK_DC:
+            d_n, d_sums = _walk_cache_grad(QC, c, CNT, BIAS, DO, LSE, DELTA, sqc_b, sqc_h, sqc_t, sdo_b, sdo_h, sdo_t,
+                                           blk + 2, bh, nb, H, T, S, DC, DV, codes, present, scale2, L, BS, BDC, BDV,
+                                           HAS_BIAS, COUNTS_GRAD, DOT, SUM_DOT, PREC)
+        else:
+            blocks = blk + tl.zeros([BS], tl.int32)
+            d_n, d_sums = _load_cache(DNB, DCB, bh * nb + blk + 2, S, DV, codes, offsets,
+                                      present & (blocks + 2 < nb), tile_mask)
         g_n += d_n
         g_sums += d_sums
         rows = blk * L + tl.arange(0, L)
@@ -128,6 +170,8 @@ if triton is not None:
             first = tl.program_id(0) * BS
             index = _hard_index(IDX, bh, rows, T)
             held = (index >= first) & (index < first + BS)
+            if ADD_TO_DVAL:
+                d_values += tl.load(DVAL + value_offsets, mask=row_mask & held[:, None], other=0.0).to(tl.float32)
             tl.store(DVAL + value_offsets, d_values.to(DVAL.dtype.element_ty), mask=row_mask & held[:, None])
         else:
             tl.atomic_add(DVAL + value_offsets, d_values, mask=row_mask)
@@ -139,13 +183,26 @@ if triton is not None:
 
     @triton.jit
     def _prefix_backward_kernel(IDX, WTS, V, DNB, DCB, DNF, DCF, DN0, DC0, DVAL, DWTS, sv_b, sv_h, sv_t,
-                                sd_b, sd_h, sd_t, H, T, S, DV, fold, L: tl.constexpr, BS: tl.constexpr,
-                                BDV: tl.constexpr, HARD: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+                                sd_b, sd_h, sd_t, H, T, S, DV, fold,
+                                QC, CB, CNT, BIAS, DO, LSE, DELTA, sqc_b, sqc_h, sqc_t, sdo_b, sdo_h, sdo_t, DC, scale,
+                                L: tl.constexpr, BS: tl.constexpr, BDV: tl.constexpr, HARD: tl.constexpr,
+                                DOT: tl.constexpr, PREC: tl.constexpr, WALK_DC: tl.constexpr, BDC: tl.constexpr,
+                                HAS_BIAS: tl.constexpr, COUNTS_GRAD: tl.constexpr, SUM_DOT: tl.constexpr,
+                                ADD_TO_DVAL: tl.constexpr):
         """DVAL (B, H, T, DV) with strides sd_*: written row by row for hard (each row once, by the tile of its
-        code, in the values' dtype), added into (zeroed, float32) for soft; DWTS (BH, T, S) float32, soft only."""
+        code, in the values' dtype; added to what it holds with ADD_TO_DVAL), added into (float32) for soft; DWTS
+        (BH, T, S) float32, soft only. The caches' gradients come from DNB, DCB or, with WALK_DC, from the queries
+        (QC, the codebook CB (H, S, DC), the caches' counts CNT, the memory bias BIAS, DO, LSE, DELTA)."""
         bh = tl.program_id(1)
         nb = tl.cdiv(T, L)
         codes, present, tile_mask, offsets = _code_tile_layout(S, DV, BS, BDV)
+        scale2 = scale * LOG2E
+        if WALK_DC:  # this program's codes, read once for the whole walk
+            dc = tl.arange(0, BDC)
+            c = tl.load(CB + ((bh % H) * S + codes[:, None]) * DC + dc[None, :],
+                        mask=present[:, None] & (dc[None, :] < DC), other=0.0).to(DOT)
+        else:
+            c = tl.zeros([BS, BDC], DOT)
         g_n = tl.zeros([BS], tl.float32)
         g_sums = tl.zeros([BS, BDV], tl.float32)
         # The gradient of block blk's statistics sums those of the caches of blocks ≥ blk + 2 and, for blocks
@@ -153,21 +210,29 @@ if triton is not None:
         for back in range(0, nb - fold):
             g_n, g_sums = _reverse_step(IDX, WTS, V, DNB, DCB, DVAL, DWTS, g_n, g_sums, nb - 1 - back, bh, nb, sv_b,
                                         sv_h, sv_t, sd_b, sd_h, sd_t, H, T, S, DV, codes, present, tile_mask,
-                                        offsets, L, BS, BDV, HARD, DOT, PREC)
+                                        offsets, QC, c, CNT, BIAS, DO, LSE, DELTA, sqc_b, sqc_h, sqc_t, sdo_b, sdo_h,
+                                        sdo_t, DC, scale2, L, BS, BDV, HARD, DOT, PREC, WALK_DC, BDC, HAS_BIAS,
+                                        COUNTS_GRAD, SUM_DOT, ADD_TO_DVAL)
         f_n, f_sums = _load_cache(DNF, DCF, bh, S, DV, codes, offsets, present, tile_mask)
         g_n += f_n
         g_sums += f_sums
         for back in range(nb - fold, nb):
             g_n, g_sums = _reverse_step(IDX, WTS, V, DNB, DCB, DVAL, DWTS, g_n, g_sums, nb - 1 - back, bh, nb, sv_b,
                                         sv_h, sv_t, sd_b, sd_h, sd_t, H, T, S, DV, codes, present, tile_mask,
-                                        offsets, L, BS, BDV, HARD, DOT, PREC)
+                                        offsets, QC, c, CNT, BIAS, DO, LSE, DELTA, sqc_b, sqc_h, sqc_t, sdo_b, sdo_h,
+                                        sdo_t, DC, scale2, L, BS, BDV, HARD, DOT, PREC, WALK_DC, BDC, HAS_BIAS,
+                                        COUNTS_GRAD, SUM_DOT, ADD_TO_DVAL)
         # the initial cache is in every block's cache, and in the state (added above)
         for blk in range(0, tl.minimum(nb, 2)):
-            d_n, d_sums = _load_cache(DNB, DCB, bh * nb + blk, S, DV, codes, offsets, present, tile_mask)
+            if WALK_DC:
+                d_n, d_sums = _walk_cache_grad(QC, c, CNT, BIAS, DO, LSE, DELTA, sqc_b, sqc_h, sqc_t, sdo_b, sdo_h,
+                                               sdo_t, blk, bh, nb, H, T, S, DC, DV, codes, present, scale2, L, BS,
+                                               BDC, BDV, HAS_BIAS, COUNTS_GRAD, DOT, SUM_DOT, PREC)
+            else:
+                d_n, d_sums = _load_cache(DNB, DCB, bh * nb + blk, S, DV, codes, offsets, present, tile_mask)
             g_n += d_n
             g_sums += d_sums
         _store_cache(DN0, DC0, bh, S, DV, codes, offsets, g_n, g_sums, present, tile_mask)
-
 
 def _launch(hard: bool, forward: bool, device: torch.device) -> dict:
     """Launch settings. On an H200 (S = 512, Dv = 64, bf16), once masks replaced the walks' branches, the hard
@@ -195,62 +260,141 @@ def _code_tile(dv_width: int) -> int:
     return max(16, min(64, TILE_FLOATS // dv_width))
 
 
+@dataclasses.dataclass
+class Prefix:
+    """The prefix walk's launch and what its backward reads: the hard index or the soft weights (the other a
+    placeholder), the values, the constexprs, the grid and ``fold``; and its outputs, every block's cache n
+    (B, H, nb, S) float32 and C (B, H, nb, S, Dv) (:func:`cache_dtype`), and the state after ``fold`` blocks."""
+
+    idx: torch.Tensor
+    wts: torch.Tensor
+    v: torch.Tensor
+    meta: dict
+    grid: tuple
+    fold: int
+    cache_n: torch.Tensor
+    cache_c: torch.Tensor
+    fold_n: torch.Tensor
+    fold_c: torch.Tensor
+
+    @property
+    def hard(self) -> bool:
+        return self.meta["HARD"]
+
+
+def prefix_forward(index, weights, v, counts0, sums0, *, block_len: int, fold: int) -> Prefix:
+    """Every block's cache and the state after ``fold`` blocks (see :func:`block_caches`)."""
+    B, H, T, DV = v.shape
+    S = counts0.shape[-1]
+    nb = triton.cdiv(T, block_len)
+    hard = index is not None
+    idx = index.contiguous() if hard else v
+    wts = weights.contiguous() if not hard else v
+    v = _unit_last(v)
+    n0, c0 = counts0.float().contiguous(), sums0.float().contiguous()
+    f32 = dict(device=v.device, dtype=torch.float32)
+    # Every block's value sums in bfloat16 for bfloat16 values (cache_dtype): the largest tensor of the fused
+    # form (the counts, and the running sums, stay float32).
+    cache_c = torch.empty(B, H, nb, S, DV, device=v.device, dtype=cache_dtype(v.dtype))
+    cache_n = torch.empty(B, H, nb, S, **f32)
+    fold_n, fold_c = torch.empty(B, H, S, **f32), torch.empty(B, H, S, DV, **f32)
+    # Half values multiply in their own type, soft weights and gradient sums rounded to it (as flash attention
+    # rounds its probabilities); float32 values in float32 (window_codes._dot_dtype: IEEE, or TF32 if allowed).
+    dot, prec = _dot_dtype(v.dtype)
+    BDV = _width(DV)
+    meta = dict(L=block_len, BS=_code_tile(BDV), BDV=BDV, HARD=hard, DOT=dot, PREC=prec)
+    grid = (triton.cdiv(S, meta["BS"]), B * H)
+    _prefix_kernel[grid](idx, wts, v, n0, c0, cache_n, cache_c, fold_n, fold_c, v.stride(0), v.stride(1),
+                         v.stride(2), H, T, S, DV, fold, **meta, **_launch(hard, True, v.device))
+    return Prefix(idx, wts, v, meta, grid, fold, cache_n, cache_c, fold_n, fold_c)
+
+
+class CacheQueries(NamedTuple):
+    """The queries that read every block's cache, from which the reverse walk forms the caches' gradients: the
+    window-code forward that read them, its output's gradient dO, Δ = dO·out (B·H, T) float32, and whether the
+    counts' gradient is wanted (always for soft weights, whose gradient holds it)."""
+
+    forward: WindowCodes
+    grad_out: torch.Tensor
+    delta: torch.Tensor
+    counts_grad: bool
+
+
+def reverse_walk(p: Prefix, d_fold_n, d_fold_c, *, d_cache_n=None, d_cache_c=None,
+                 queries: CacheQueries | None = None, d_values=None):
+    """The prefix's backward: the values' gradient (in their dtype and memory order), the soft weights' (float32
+    (B, H, T, S); None for hard) and the initial cache's (float32). The caches' gradients are d_cache_n,
+    d_cache_c (B, H, nb, S[, Dv]; None: zeros), or, given ``queries``, formed in the walk block by block: no
+    per-block cache gradient reaches memory. ``d_values``: a gradient of the values (of their dtype and memory
+    order) the walk adds its own to (in place for hard)."""
+    B, H, T, DV = p.v.shape
+    S, hard = p.cache_n.shape[-1], p.hard
+    f32 = dict(device=p.v.device, dtype=torch.float32)
+    d_fold_n, d_fold_c = (g.contiguous() if g is not None else torch.zeros(shape, **f32)
+                          for g, shape in ((d_fold_n, (B, H, S)), (d_fold_c, (B, H, S, DV))))
+    d_n0, d_c0 = torch.empty(B, H, S, **f32), torch.empty(B, H, S, DV, **f32)
+    # in v's memory order (common/layout.py); soft rows add up over the code tiles, in float32
+    if hard:
+        dval = d_values if d_values is not None else empty_like_order(p.v)
+    else:
+        dval = empty_like_order(p.v, dtype=torch.float32)
+        dval.copy_(d_values) if d_values is not None else dval.zero_()
+    d_weights = dval if hard else torch.empty(B, H, T, S, **f32)
+    walk = _walk_arguments(p, queries) if queries is not None else _read_arguments(p, d_cache_n, d_cache_c)
+    _prefix_backward_kernel[p.grid](
+        IDX=p.idx, WTS=p.wts, V=p.v, DNF=d_fold_n, DCF=d_fold_c, DN0=d_n0, DC0=d_c0, DVAL=dval, DWTS=d_weights,
+        sv_b=p.v.stride(0), sv_h=p.v.stride(1), sv_t=p.v.stride(2), sd_b=dval.stride(0), sd_h=dval.stride(1),
+        sd_t=dval.stride(2), H=H, T=T, S=S, DV=DV, fold=p.fold, **walk, **p.meta,
+        ADD_TO_DVAL=hard and d_values is not None, **_launch(hard, False, p.v.device))
+    return dval.to(p.v.dtype), None if hard else d_weights, d_n0, d_c0
+
+
+def _read_arguments(p: Prefix, d_cache_n, d_cache_c) -> dict:
+    """The reverse walk's arguments that read every block's cache gradient from memory."""
+    B, H, nb, S, DV = p.cache_c.shape
+    f32 = dict(device=p.v.device, dtype=torch.float32)
+    dnb = d_cache_n.contiguous() if d_cache_n is not None else torch.zeros(B, H, nb, S, **f32)
+    dcb = d_cache_c.contiguous() if d_cache_c is not None else torch.zeros(B, H, nb, S, DV, **f32)
+    unused = dict.fromkeys(("QC", "CB", "CNT", "BIAS", "DO", "LSE", "DELTA"), dnb)
+    strides = dict.fromkeys(("sqc_b", "sqc_h", "sqc_t", "sdo_b", "sdo_h", "sdo_t"), 0)
+    return dict(DNB=dnb, DCB=dcb, **unused, **strides, DC=0, scale=0.0, WALK_DC=False, BDC=16, HAS_BIAS=False,
+                COUNTS_GRAD=False, SUM_DOT=p.meta["DOT"])
+
+
+def _walk_arguments(p: Prefix, queries: CacheQueries) -> dict:
+    """The reverse walk's arguments that form every block's cache gradient from the queries that read it."""
+    f, qc, do = queries.forward, queries.forward.qc, queries.grad_out
+    strides = {f"s{name}_{axis}": stride for name, x in (("qc", qc), ("do", do))
+               for axis, stride in zip("bht", (x.stride(0), x.stride(1), x.stride(2)))}
+    return dict(DNB=p.cache_n, DCB=p.cache_c, QC=qc, CB=f.cb, CNT=f.cnt, BIAS=f.bias, DO=do, LSE=f.lse,
+                DELTA=queries.delta, **strides, DC=f.cb.shape[-1], scale=f.scale, WALK_DC=True, BDC=f.meta["BDC"],
+                HAS_BIAS=f.meta["HAS_BIAS"], COUNTS_GRAD=not p.hard or queries.counts_grad,
+                SUM_DOT=f.meta["SUM_DOT"])
+
+
 class BlockCaches(torch.autograd.Function):
     """See :func:`block_caches`."""
 
     @staticmethod
     def forward(ctx, index, weights, v, counts0, sums0, block_len: int, fold: int):
-        B, H, T, DV = v.shape
-        S = counts0.shape[-1]
-        nb = triton.cdiv(T, block_len)
-        hard = index is not None
-        idx = index.contiguous() if hard else v
-        wts = weights.contiguous() if not hard else v
-        v = _unit_last(v)
-        n0, c0 = counts0.float().contiguous(), sums0.float().contiguous()
-        f32 = dict(device=v.device, dtype=torch.float32)
-        # Every block's value sums in bfloat16 for bfloat16 values (cache_dtype): the largest tensor of the fused
-        # form, read or written five times a step (the counts, and the running sums, stay float32).
-        cache_c = torch.empty(B, H, nb, S, DV, device=v.device, dtype=cache_dtype(v.dtype))
-        cache_n = torch.empty(B, H, nb, S, **f32)
-        fold_n, fold_c = torch.empty(B, H, S, **f32), torch.empty(B, H, S, DV, **f32)
-        # Half values multiply in their own type, soft weights and gradient sums rounded to it (as flash attention
-        # rounds its probabilities); float32 values in float32 (window_codes._dot_dtype: IEEE, or TF32 if allowed).
-        dot, prec = _dot_dtype(v.dtype)
-        BDV = _width(DV)
-        meta = dict(L=block_len, BS=_code_tile(BDV), BDV=BDV, HARD=hard, DOT=dot, PREC=prec)
-        grid = (triton.cdiv(S, meta["BS"]), B * H)
-        _prefix_kernel[grid](idx, wts, v, n0, c0, cache_n, cache_c, fold_n, fold_c, v.stride(0), v.stride(1),
-                             v.stride(2), H, T, S, DV, fold, **meta, **_launch(hard, True, v.device))
-        if hard and not ctx.needs_input_grad[3]:  # counts of one-hot rows: no gradient reaches anything
-            ctx.mark_non_differentiable(cache_n, fold_n)
-        ctx.save_for_backward(idx, wts, v)
-        ctx.meta, ctx.fold, ctx.grid, ctx.S = meta, fold, grid, S
-        ctx.dtypes = (None if hard else weights.dtype, v.dtype, counts0.dtype, sums0.dtype)
-        return cache_n, cache_c, fold_n, fold_c
+        p = prefix_forward(index, weights, v, counts0, sums0, block_len=block_len, fold=fold)
+        if p.hard and not ctx.needs_input_grad[3]:  # counts of one-hot rows: no gradient reaches anything
+            ctx.mark_non_differentiable(p.cache_n, p.fold_n)
+        ctx.save_for_backward(p.idx, p.wts, p.v, p.cache_n, p.cache_c)
+        ctx.prefix = dataclasses.replace(p, idx=None, wts=None, v=None, cache_n=None, cache_c=None)
+        ctx.dtypes = (None if p.hard else weights.dtype, counts0.dtype, sums0.dtype)
+        return p.cache_n, p.cache_c, p.fold_n, p.fold_c
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_cache_n, d_cache_c, d_fold_n, d_fold_c):
-        idx, wts, v = ctx.saved_tensors
-        B, H, T, DV = v.shape
-        S, hard = ctx.S, ctx.meta["HARD"]
-        nb = triton.cdiv(T, ctx.meta["L"])
-        f32 = dict(device=v.device, dtype=torch.float32)
-        grads_in = [g.contiguous() if g is not None else torch.zeros(shape, **f32) for g, shape in
-                    ((d_cache_n, (B, H, nb, S)), (d_cache_c, (B, H, nb, S, DV)), (d_fold_n, (B, H, S)),
-                     (d_fold_c, (B, H, S, DV)))]
-        d_n0, d_c0 = torch.empty(B, H, S, **f32), torch.empty(B, H, S, DV, **f32)
-        # in v's memory order (common/layout.py); soft rows add up over the code tiles, in float32
-        d_values = empty_like_order(v) if hard else empty_like_order(v, dtype=torch.float32).zero_()
-        d_weights = d_values if hard else torch.empty(B, H, T, S, **f32)
-        _prefix_backward_kernel[ctx.grid](idx, wts, v, *grads_in, d_n0, d_c0, d_values, d_weights, v.stride(0),
-                                          v.stride(1), v.stride(2), d_values.stride(0), d_values.stride(1),
-                                          d_values.stride(2), H, T, S, DV, ctx.fold, **ctx.meta,
-                                          **_launch(hard, False, v.device))
-        w_dtype, v_dtype, n_dtype, c_dtype = ctx.dtypes
-        return (None, None if hard else d_weights.to(w_dtype), d_values.to(v_dtype), d_n0.to(n_dtype),
-                d_c0.to(c_dtype), None, None)
+        idx, wts, v, cache_n, cache_c = ctx.saved_tensors
+        p = dataclasses.replace(ctx.prefix, idx=idx, wts=wts, v=v, cache_n=cache_n, cache_c=cache_c)
+        d_values, d_weights, d_n0, d_c0 = reverse_walk(p, d_fold_n, d_fold_c, d_cache_n=d_cache_n,
+                                                       d_cache_c=d_cache_c)
+        w_dtype, n_dtype, c_dtype = ctx.dtypes
+        return (None, None if p.hard else d_weights.to(w_dtype), d_values, d_n0.to(n_dtype), d_c0.to(c_dtype), None,
+                None)
 
 
 @torch.compiler.disable  # a graph break: torch.compile runs the kernels as they are

@@ -24,6 +24,8 @@ may (:func:`~vqattn.ops.triton.float32_tensor_cores`, :func:`_float32_dot`).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -325,11 +327,12 @@ if triton is not None:
                               H, T, S, DC, DV, scale, L: tl.constexpr, BDC: tl.constexpr, BDV: tl.constexpr,
                               BS: tl.constexpr, PER_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr,
                               SUM_DOT: tl.constexpr, PREC: tl.constexpr, CODEBOOK_GRAD: tl.constexpr,
-                              COUNTS_GRAD: tl.constexpr):
+                              COUNTS_GRAD: tl.constexpr, CACHE_GRAD: tl.constexpr):
         """The codes' gradients of query block blk: of its code queries (dqc), of the codebook (DCB: stored at
         (B·H, nb, S, DC) for every block's own codebook, added atomically into its sequence's (B·H, S, DC) (zeroed)
-        for a shared one), and of its cache, DSUM (B·H, nb, S, DV) in the sums' dtype and, with COUNTS_GRAD, DCNT
-        (B·H, nb, S) float32 (hard counts carry no gradient unless the initial cache's do). A kernel of its own,
+        for a shared one), and with CACHE_GRAD of its cache, DSUM (B·H, nb, S, DV) in the sums' dtype and, with
+        COUNTS_GRAD, DCNT (B·H, nb, S) float32 (hard counts carry no gradient unless the initial cache's do; the vq
+        op's reverse cache walk forms both itself, block_caches.py). A kernel of its own,
         apart from the window's: its loop holds fewer registers than the window's ten (L, ·) tiles, so more of its
         programs share an SM."""
         blk, bh = tl.program_id(0), tl.program_id(1)
@@ -365,12 +368,14 @@ if triton is not None:
                     tl.store(at, dc, mask=inside)
                 else:  # nb programs of a sequence add into one row: not an (nb, S, DC) share per block
                     tl.atomic_add(at, dc, mask=inside)
-            # out_i = (Σ_s exp(l_is) C_s + window) / (Σ_s exp(l_is) n_s + window): by C_s w_n dO_i, by n_s −w_n Δ_i
-            d_sums = tl.dot(tl.trans(w_n.to(SUM_DOT)), do_sums, input_precision=PREC)  # (BS, BDV), float32
-            tl.store(DSUM + (cache * S + codes[:, None]) * DV + dv_cols[None, :], d_sums.to(DSUM.dtype.element_ty),
-                     mask=present[:, None] & (dv_cols[None, :] < DV))
-            if COUNTS_GRAD:
-                tl.store(DCNT + cache * S + codes, -tl.sum(w_n * delta[:, None], 0), mask=present)
+            if CACHE_GRAD:
+                # out_i = (Σ_s exp(l_is) C_s + window) / (Σ_s exp(l_is) n_s + window): by C_s w_n dO_i, by n_s
+                # −w_n Δ_i
+                d_sums = tl.dot(tl.trans(w_n.to(SUM_DOT)), do_sums, input_precision=PREC)  # (BS, BDV), float32
+                tl.store(DSUM + (cache * S + codes[:, None]) * DV + dv_cols[None, :],
+                         d_sums.to(DSUM.dtype.element_ty), mask=present[:, None] & (dv_cols[None, :] < DV))
+                if COUNTS_GRAD:
+                    tl.store(DCNT + cache * S + codes, -tl.sum(w_n * delta[:, None], 0), mask=present)
         _store_rows(DQC, sdqc_b, sdqc_h, sdqc_t, b, h, rows, T, DC, dqc * scale, BDC)
 
 def _width(n: int) -> int:
@@ -460,88 +465,157 @@ def _float32_products(dtype: torch.dtype) -> dict:
                 HALF_ROWS=dtype in (torch.float16, torch.bfloat16))
 
 
+@dataclasses.dataclass
+class WindowCodes:
+    """What the forward pass keeps for the backward: the kernels' inputs as they read them (unit last stride, code
+    dims padded), the output and its logsumexp (B·H, T), and the launch's constexprs."""
+
+    qw: torch.Tensor
+    kw: torch.Tensor
+    v: torch.Tensor
+    qc: torch.Tensor  # (B, H, T, DC) padded; qw without codes (unread)
+    cb: torch.Tensor  # (H, S, DC) or (B, H, nb, S, DC) padded; qw without codes
+    cnt: torch.Tensor
+    sm: torch.Tensor
+    bias: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+    meta: dict
+    scale: float
+    code_dims: int  # the codes' width before padding
+
+    @property
+    def has_codes(self) -> bool:
+        return self.meta["HAS_CODES"]
+
+
+def window_code_forward(qw, kw, v, qc, codebook, counts, sums, code_bias, scale: float, L: int) -> WindowCodes:
+    """The forward kernel's launch (see :func:`fused_window_code_attention`); ``.out`` holds the output."""
+    B, H, T, D = qw.shape
+    has_codes = codebook is not None
+    S, code_dims = codebook.shape[-2:] if has_codes else (0, 0)
+    DV = v.shape[-1]
+    qw, kw, v = _unit_last(qw), _unit_last(kw), _unit_last(v)
+    qc = _aligned_code_dims(_unit_last(qc)) if has_codes else qw
+    cb = _aligned_code_dims(codebook).contiguous() if has_codes else qw
+    cnt = counts.contiguous() if has_codes else qw
+    sm = sums.contiguous() if has_codes else qw
+    bias = code_bias.float().contiguous() if code_bias is not None else qw
+    # in v's memory order, token-major in a layer: its (B, T, H·Dv) reshape for the output projection is a view
+    out = empty_like_order(v)
+    lse = torch.empty(B * H, T, device=qw.device, dtype=torch.float32)
+    dot, prec = _dot_dtype(qw.dtype)
+    DC = cb.shape[-1] if has_codes else 0  # the kernels see the padded width
+    meta = dict(L=L, BD=_width(D), BDC=_width(DC), BDV=_width(DV), BS=CODE_TILE, HAS_CODES=has_codes,
+                PER_BLOCK=has_codes and codebook.dim() == 5, HAS_BIAS=has_codes and code_bias is not None,
+                DOT=dot, SUM_DOT=_sum_dot(dot), PREC=prec)
+    grid = (triton.cdiv(T, L), B * H)
+    _window_code_forward_kernel[grid](
+        QW=qw, KW=kw, V=v, QC=qc, CB=cb, CNT=cnt, SUM=sm, BIAS=bias, O=out, LSE=lse, **_stride_args("qw", qw),
+        **_stride_args("kw", kw), **_stride_args("v", v), **_stride_args("qc", qc), **_stride_args("o", out),
+        H=H, T=T, S=S, D=D, DC=DC, DV=DV, scale=float(scale), **meta, **FORWARD_LAUNCH)
+    return WindowCodes(qw, kw, v, qc, cb, cnt, sm, bias, out, lse, meta, float(scale), code_dims)
+
+
+def output_delta(f: WindowCodes, grad_out: torch.Tensor) -> torch.Tensor:
+    """Δ_i = dO_i·out_i (B·H, T) float32."""
+    B, H, T, DV = f.v.shape
+    delta = torch.empty(B * H, T, device=f.v.device, dtype=torch.float32)
+    _output_delta_kernel[(triton.cdiv(T, f.meta["L"]), B * H)](
+        O=f.out, DO=grad_out, DELTA=delta, **_stride_args("o", f.out), **_stride_args("do", grad_out), H=H, T=T,
+        DV=DV, L=f.meta["L"], BDV=f.meta["BDV"])
+    return delta
+
+
+def window_backward(f: WindowCodes, grad_out: torch.Tensor, delta: torch.Tensor):
+    """The window's gradients dqw, dkw, dv, each in its input's dtype and memory order (common/layout.py)."""
+    B, H, T, D = f.qw.shape
+    dqw, dkw, dv = empty_like_order(f.qw), empty_like_order(f.kw), empty_like_order(f.v)
+    _window_backward_kernel[(triton.cdiv(T, f.meta["L"]), B * H)](
+        QW=f.qw, KW=f.kw, V=f.v, DO=grad_out, LSE=f.lse, DELTA=delta, DQW=dqw, DKW=dkw, DV_=dv,
+        **_stride_args("qw", f.qw), **_stride_args("kw", f.kw), **_stride_args("v", f.v),
+        **_stride_args("do", grad_out), **_stride_args("dqw", dqw), **_stride_args("dkw", dkw),
+        **_stride_args("dv", dv), H=H, T=T, D=D, DV=f.v.shape[-1], scale=f.scale, L=f.meta["L"], BD=f.meta["BD"],
+        BDV=f.meta["BDV"], DOT=f.meta["DOT"], PREC=f.meta["PREC"], **BACKWARD_LAUNCH)
+    return dqw, dkw, dv
+
+
+def code_backward(f: WindowCodes, grad_out: torch.Tensor, delta: torch.Tensor, *, codebook_grad: bool,
+                  counts_grad: bool, cache_grad: bool = True):
+    """The codes' gradients: dqc (padded), the codebook's (float32: (B·H, nb, S, DC) for every block's own,
+    (B·H, S, DC) summed over a sequence's blocks for a shared one; None without ``codebook_grad``), and with
+    ``cache_grad`` every block's cache's, dcnt (B·H, nb, S) float32 (with ``counts_grad``, else None) and dsum
+    (B·H, nb, S, DV) in the sums' dtype (else both None: a caller that forms them itself)."""
+    B, H, T, _ = f.qw.shape
+    S, DC = f.cb.shape[-2:]
+    DV, L = f.v.shape[-1], f.meta["L"]
+    nb = triton.cdiv(T, L)
+    f32 = dict(device=f.qw.device, dtype=torch.float32)
+    dqc = empty_like_order(f.qc)
+    if not codebook_grad:
+        dcb = None
+    elif f.meta["PER_BLOCK"]:
+        dcb = torch.empty(B * H, nb, S, DC, **f32)
+    else:  # the blocks' shares add up atomically in the kernel, per sequence
+        dcb = torch.zeros(B * H, S, DC, **f32)
+    counts_grad = counts_grad and cache_grad
+    dcnt = torch.empty(B * H, nb, S, **f32) if counts_grad else None
+    dsum = torch.empty(B * H, nb, S, DV, device=f.qw.device, dtype=f.sm.dtype) if cache_grad else None
+    meta = {key: f.meta[key] for key in ("L", "BDC", "BDV", "BS", "PER_BLOCK", "HAS_BIAS", "DOT", "SUM_DOT", "PREC")}
+    meta.update(CODEBOOK_GRAD=codebook_grad, COUNTS_GRAD=counts_grad, CACHE_GRAD=cache_grad)
+    unused = dqc  # a pointer the kernel does not read under its constexprs
+    _code_backward_kernel[(nb, B * H)](
+        QC=f.qc, CB=f.cb, CNT=f.cnt, SUM=f.sm, BIAS=f.bias, DO=grad_out, LSE=f.lse, DELTA=delta, DQC=dqc,
+        DCB=unused if dcb is None else dcb, DCNT=unused if dcnt is None else dcnt,
+        DSUM=unused if dsum is None else dsum, **_stride_args("qc", f.qc), **_stride_args("do", grad_out),
+        **_stride_args("dqc", dqc), H=H, T=T, S=S, DC=DC, DV=DV, scale=f.scale, **meta,
+        **_code_backward_launch(meta, codebook_grad, f.qw.device))
+    return dqc, dcb, dcnt, dsum
+
+
+def codebook_gradient(f: WindowCodes, dcb: torch.Tensor | None) -> torch.Tensor | None:
+    """The codebook's gradient in its input's shape from :func:`code_backward`'s: every block's own, or a shared
+    codebook's summed over the sequences; the padded dims dropped (a view)."""
+    if dcb is None:
+        return None
+    B, H, T, _ = f.qw.shape
+    S, DC = f.cb.shape[-2:]
+    grad = dcb.view(B, H, -1, S, DC) if f.meta["PER_BLOCK"] else dcb.view(B, H, S, DC).sum(0)
+    return grad[..., :f.code_dims]
+
+
 class FusedWindowCodes(torch.autograd.Function):
     """out (B, H, T, Dv) of the module's attention; see :func:`fused_window_code_attention`."""
 
     @staticmethod
     def forward(ctx, qw, kw, v, qc, codebook, counts, sums, code_bias, scale: float, L: int):
-        B, H, T, D = qw.shape
-        has_codes = codebook is not None
-        S, DC = codebook.shape[-2:] if has_codes else (0, 0)
-        DV = v.shape[-1]
-        qw, kw, v = _unit_last(qw), _unit_last(kw), _unit_last(v)
-        qc = _aligned_code_dims(_unit_last(qc)) if has_codes else qw
-        cb = _aligned_code_dims(codebook).contiguous() if has_codes else qw
-        cnt = counts.contiguous() if has_codes else qw
-        sm = sums.contiguous() if has_codes else qw
-        bias = code_bias.float().contiguous() if code_bias is not None else qw
-        # in v's memory order, token-major in a layer: its (B, T, H·Dv) reshape for the output projection is a view
-        out = empty_like_order(v)
-        lse = torch.empty(B * H, T, device=qw.device, dtype=torch.float32)
-        dot, prec = _dot_dtype(qw.dtype)
-        ctx.code_dims, DC = DC, cb.shape[-1] if has_codes else 0  # the kernels see the padded width
-        meta = dict(L=L, BD=_width(D), BDC=_width(DC), BDV=_width(DV), BS=CODE_TILE, HAS_CODES=has_codes,
-                    PER_BLOCK=has_codes and codebook.dim() == 5, HAS_BIAS=has_codes and code_bias is not None,
-                    DOT=dot, SUM_DOT=_sum_dot(dot), PREC=prec)
-        grid = (triton.cdiv(T, L), B * H)
-        _window_code_forward_kernel[grid](
-            QW=qw, KW=kw, V=v, QC=qc, CB=cb, CNT=cnt, SUM=sm, BIAS=bias, O=out, LSE=lse, **_stride_args("qw", qw),
-            **_stride_args("kw", kw), **_stride_args("v", v), **_stride_args("qc", qc), **_stride_args("o", out),
-            H=H, T=T, S=S, D=D, DC=DC, DV=DV, scale=float(scale), **meta, **FORWARD_LAUNCH)
-        ctx.save_for_backward(qw, kw, v, qc, cb, cnt, sm, bias, out, lse)
-        ctx.meta, ctx.scale, ctx.has_codes = meta, float(scale), has_codes
-        return out
+        f = window_code_forward(qw, kw, v, qc, codebook, counts, sums, code_bias, scale, L)
+        ctx.save_for_backward(f.qw, f.kw, f.v, f.qc, f.cb, f.cnt, f.sm, f.bias, f.out, f.lse)
+        ctx.forward = dataclasses.replace(f, **dict.fromkeys(TENSORS))  # the tensors are saved, not held
+        return f.out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        qw, kw, v, qc, cb, cnt, sm, bias, out, lse = ctx.saved_tensors
-        B, H, T, D = qw.shape
-        S, DC = cb.shape[-2:] if ctx.has_codes else (0, 0)
-        DV, L = v.shape[-1], ctx.meta["L"]
-        nb = triton.cdiv(T, L)
+        f = dataclasses.replace(ctx.forward, **dict(zip(TENSORS, ctx.saved_tensors)))
         grad_out = _unit_last(grad_out)
-        f32 = dict(device=qw.device, dtype=torch.float32)
-        # Every gradient whole in one program, written in its input's dtype and memory order (common/layout.py)
-        dqw, dkw, dv = empty_like_order(qw), empty_like_order(kw), empty_like_order(v)
-        dqc = empty_like_order(qc) if ctx.has_codes else dqw
-        codebook_grad = ctx.has_codes and ctx.needs_input_grad[4]
-        if not codebook_grad:
-            dcb = dqw
-        elif ctx.meta["PER_BLOCK"]:
-            dcb = torch.empty(B * H, nb, S, DC, **f32)
-        else:  # the blocks' shares add up atomically in the kernel, per sequence
-            dcb = torch.zeros(B * H, S, DC, **f32)
-        counts_grad = ctx.has_codes and ctx.needs_input_grad[5]
-        dcnt = torch.empty(B * H, nb, S, **f32) if counts_grad else dqw
-        dsum = torch.empty(B * H, nb, S, DV, device=qw.device, dtype=sm.dtype) if ctx.has_codes else dqw
-        delta = torch.empty(B * H, T, **f32)
-        _output_delta_kernel[(nb, B * H)](O=out, DO=grad_out, DELTA=delta, **_stride_args("o", out),
-                                          **_stride_args("do", grad_out), H=H, T=T, DV=DV, L=L, BDV=ctx.meta["BDV"])
-        grid = (nb, B * H)
-        _window_backward_kernel[grid](
-            QW=qw, KW=kw, V=v, DO=grad_out, LSE=lse, DELTA=delta, DQW=dqw, DKW=dkw, DV_=dv,
-            **_stride_args("qw", qw), **_stride_args("kw", kw), **_stride_args("v", v), **_stride_args("do", grad_out),
-            **_stride_args("dqw", dqw), **_stride_args("dkw", dkw), **_stride_args("dv", dv),
-            H=H, T=T, D=D, DV=DV, scale=ctx.scale, L=L, BD=ctx.meta["BD"], BDV=ctx.meta["BDV"], DOT=ctx.meta["DOT"],
-            PREC=ctx.meta["PREC"], **BACKWARD_LAUNCH)
-        if ctx.has_codes:
-            meta = {key: ctx.meta[key] for key in ("L", "BDC", "BDV", "BS", "PER_BLOCK", "HAS_BIAS", "DOT", "SUM_DOT",
-                                                   "PREC")}
-            meta.update(CODEBOOK_GRAD=codebook_grad, COUNTS_GRAD=counts_grad)
-            _code_backward_kernel[grid](
-                QC=qc, CB=cb, CNT=cnt, SUM=sm, BIAS=bias, DO=grad_out, LSE=lse, DELTA=delta, DQC=dqc, DCB=dcb,
-                DCNT=dcnt, DSUM=dsum, **_stride_args("qc", qc), **_stride_args("do", grad_out),
-                **_stride_args("dqc", dqc), H=H, T=T, S=S, DC=DC, DV=DV, scale=ctx.scale, **meta,
-                **_code_backward_launch(meta, codebook_grad, qw.device))
+        delta = output_delta(f, grad_out)
+        dqw, dkw, dv = window_backward(f, grad_out, delta)
         grads = [dqw, dkw, dv, None, None, None, None]
-        if ctx.has_codes:
-            if codebook_grad:  # every block's own, or a shared codebook's summed over the sequences
-                grads[4] = dcb.view(B, H, nb, S, DC) if ctx.meta["PER_BLOCK"] else dcb.view(B, H, S, DC).sum(0)
-            grads[3], grads[5:7] = dqc, [dcnt.view(B, H, nb, S) if counts_grad else None, dsum.view(B, H, nb, S, DV)]
-            grads[3:5] = [None if g is None else g[..., :ctx.code_dims] for g in grads[3:5]]  # views: no copy
-        return (*(None if g is None else g.to(x.dtype) for g, x in zip(grads, (qw, kw, v, qc, cb, cnt, sm))),
+        if f.has_codes:
+            dqc, dcb, dcnt, dsum = code_backward(f, grad_out, delta, codebook_grad=ctx.needs_input_grad[4],
+                                                 counts_grad=ctx.needs_input_grad[5])
+            B, H, T, _ = f.qw.shape
+            S, DV = f.cb.shape[-2], f.v.shape[-1]
+            grads[3:] = [dqc[..., :f.code_dims], codebook_gradient(f, dcb),
+                         None if dcnt is None else dcnt.view(B, H, -1, S), dsum.view(B, H, -1, S, DV)]
+        return (*(None if g is None else g.to(x.dtype) for g, x in zip(grads, (f.qw, f.kw, f.v, f.qc, f.cb, f.cnt,
+                                                                               f.sm))),
                 None, None, None)
+
+
+# WindowCodes' tensor fields, in the order FusedWindowCodes saves them
+TENSORS = ("qw", "kw", "v", "qc", "cb", "cnt", "sm", "bias", "out", "lse")
 
 
 @torch.compiler.disable  # a graph break: torch.compile runs the kernels as they are

@@ -1,10 +1,10 @@
-"""The fused (Triton) form of causal codebook attention: every block's cache from one chunked prefix kernel
-(:mod:`vqattn.ops.triton.block_caches`), then one kernel for the window and the codes
-(:mod:`vqattn.ops.triton.window_codes`).
+"""The fused (Triton) form of causal codebook attention (:mod:`vqattn.ops.triton.vq_causal`): every block's cache
+from one chunked prefix kernel (:mod:`vqattn.ops.triton.block_caches`), then one kernel for the window and the
+codes (:mod:`vqattn.ops.triton.window_codes`).
 
 The cache of block b holds the keys of blocks ≤ b−2: its counts n_b = n_0 + Σ_{b' ≤ b−2} Δ_{b'}ᵀ1 and value sums
-C_b = C_0 + Σ_{b' ≤ b−2} Δ_{b'}ᵀ V_{b'}. Both kernels have their own backward, so autograd carries the attention
-kernel's cache gradients back through the prefix to the values, the soft weights and the initial cache. The soft
+C_b = C_0 + Σ_{b' ≤ b−2} Δ_{b'}ᵀ V_{b'}. One backward walks the blocks in reverse and forms the caches' gradients
+from the queries that read them, carrying them to the values, the soft weights and the initial cache. The soft
 mixture window (``exact_window=False``) has no fused form: it runs the chunk form.
 """
 
@@ -13,8 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..common.statistics import Assignment
-from ..triton.block_caches import block_caches
-from ..triton.window_codes import fused_window_code_attention
+from ..triton.vq_causal import fused_vq_causal
 
 
 def straight_through_keys(k: torch.Tensor, codebook: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -36,10 +35,7 @@ def fused_causal(q, k, v, c, a: Assignment, *, L: int, scale: float, exact_windo
     nb = -(-q.shape[2] // L)
     if not exact_window:  # hard: the window scores the keys' codes (straight-through to k)
         window_k = straight_through_keys(k, c.to(k.dtype), a.index)
-    fold = min(fold_blocks, nb)
-    cache_counts, cache_sums, kept_counts, kept_sums = block_caches(a.index, a.weights, v, counts0, sums0,
-                                                                    block_len=L, fold=fold)
-    out = fused_window_code_attention(
-        q if window_q is None else window_q, window_k, v, scale=scale, block_len=L, qc=q, codebook=c,
-        counts=cache_counts, sums=cache_sums, code_bias=memory_bias)
+    out, kept_counts, kept_sums = fused_vq_causal(
+        q if window_q is None else window_q, window_k, v, q, c, a.index, a.weights,
+        counts0, sums0, code_bias=memory_bias, scale=scale, block_len=L, fold=min(fold_blocks, nb))
     return out, kept_counts.to(counts0.dtype), kept_sums.to(sums0.dtype)

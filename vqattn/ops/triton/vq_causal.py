@@ -1,0 +1,81 @@
+"""The fused causal vq step as one autograd Function: the prefix walk (:mod:`.block_caches`) writes every block's
+cache and the window-code kernel (:mod:`.window_codes`) reads it.
+
+Its backward does not write the caches' gradients. Block b's, for a tile of codes,
+
+    dC_b = w_nᵀ dO_b        dn_b = −w_nᵀ Δ_b        w_n = exp2(σ qc·c + β_b − lse)   (the codes' probability per count)
+
+needs only the block's code queries, output gradients and logsumexp, so the reverse cache walk forms it block by
+block as it goes, as fla's ``chunk_bwd_kernel_dh`` builds its state gradient from q and dO: the (B·H, nb, S, Dv)
+cache gradient (1 GB at 8192 tokens, bf16, B·H = 128, S = 512) is neither written by the code backward nor read by
+the walk. The walk also adds its value gradients to the window's (in place for hard keys), instead of a separate
+sum of the two.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .block_caches import CacheQueries, prefix_forward, reverse_walk
+from .window_codes import (
+    TENSORS,
+    _unit_last,
+    code_backward,
+    codebook_gradient,
+    output_delta,
+    window_backward,
+    window_code_forward,
+)
+
+# the prefix's tensors that the backward reads beside the window-code forward's
+PREFIX_TENSORS = ("idx", "wts", "v", "cache_n", "cache_c")
+
+
+class VQCausal(torch.autograd.Function):
+    """See :func:`fused_vq_causal`."""
+
+    @staticmethod
+    def forward(ctx, qw, kw, v, qc, codebook, index, weights, counts0, sums0, code_bias, scale: float, L: int,
+                fold: int):
+        p = prefix_forward(index, weights, v, counts0, sums0, block_len=L, fold=fold)
+        f = window_code_forward(qw, kw, v, qc, codebook, p.cache_n, p.cache_c, code_bias, scale, L)
+        if p.hard and not ctx.needs_input_grad[7]:  # counts of one-hot rows: no gradient reaches anything
+            ctx.mark_non_differentiable(p.fold_n)
+        ctx.save_for_backward(*(getattr(f, name) for name in TENSORS), *(getattr(p, name) for name in PREFIX_TENSORS))
+        ctx.forward = dataclasses.replace(f, **dict.fromkeys(TENSORS))  # the tensors are saved, not held
+        ctx.prefix = dataclasses.replace(p, **dict.fromkeys(PREFIX_TENSORS))
+        ctx.dtypes = (None if p.hard else weights.dtype, counts0.dtype, sums0.dtype)
+        return f.out, p.fold_n, p.fold_c
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out, d_fold_n, d_fold_c):
+        saved = ctx.saved_tensors
+        f = dataclasses.replace(ctx.forward, **dict(zip(TENSORS, saved[:len(TENSORS)])))
+        p = dataclasses.replace(ctx.prefix, **dict(zip(PREFIX_TENSORS, saved[len(TENSORS):])))
+        grad_out = _unit_last(grad_out)
+        delta = output_delta(f, grad_out)
+        dqw, dkw, dv = window_backward(f, grad_out, delta)
+        dqc, dcb, _, _ = code_backward(f, grad_out, delta, codebook_grad=ctx.needs_input_grad[4], counts_grad=False,
+                                       cache_grad=False)
+        queries = CacheQueries(f, grad_out, delta, counts_grad=ctx.needs_input_grad[7])
+        d_values, d_weights, d_n0, d_c0 = reverse_walk(p, d_fold_n, d_fold_c, queries=queries, d_values=dv)
+        w_dtype, n_dtype, c_dtype = ctx.dtypes
+        return (dqw, dkw, d_values, dqc[..., :f.code_dims], codebook_gradient(f, dcb), None,
+                None if p.hard else d_weights.to(w_dtype), d_n0.to(n_dtype), d_c0.to(c_dtype), None, None, None, None)
+
+
+@torch.compiler.disable  # a graph break: torch.compile runs the kernels as they are
+def fused_vq_causal(qw, kw, v, qc, codebook, index, weights, counts0, sums0, *, code_bias, scale: float,
+                    block_len: int, fold: int):
+    """Causal codebook attention of every query block over its window and the cache of the blocks before it.
+
+    qw, kw (B, H, T, D) the window's queries and keys, v (B, H, T, Dv), qc (B, H, T, Dc) the code queries, codebook
+    (H, S, Dc); index (B, H, T) long (hard) or weights (B, H, T, S) (soft; the other None); counts0 (B, H, S),
+    sums0 (B, H, S, Dv) the cache before position 0; code_bias (nb,) the code logits' bias per query block or
+    None. Returns out (B, H, T, Dv) in the inputs' dtype and the state (B, H, S), (B, H, S, Dv) float32 after the
+    first ``fold`` blocks; differentiable in every tensor but index and code_bias.
+    """
+    return VQCausal.apply(qw, kw, v, qc, codebook, index, weights, counts0, sums0, code_bias, scale, block_len, fold)
