@@ -575,6 +575,25 @@ def test_ddp_two_cpu_processes_share_one_run_dir_and_stay_in_sync(ddp_runs, atte
     assert (out / "rank1.log").exists()
 
 
+@pytest.mark.slow
+def test_sigterm_to_rank_0_alone_stops_every_ddp_rank_at_the_same_saved_step(tmp_path):
+    """docker stop signals the main process only: rank 1 hears of it through the per-step all-reduce and stops at
+    the same step (a rank that went on would hang the checkpoint's collective save)."""
+    out = tmp_path / "OUT"
+    proc = start_script([*FAST, "attention=softmax", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
+                         "trainer.max_steps=2000", "optim.total_steps=2000", "checkpoint_every=3",
+                         f"hydra.run.dir={out}"], tmp_path)
+    wait_for(out / "checkpoints" / "last.ckpt", proc)
+    proc.send_signal(signal.SIGTERM)
+    stopped = finish_script(proc, timeout=120)
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+    step = int(re.search(r"terminated \(SIGTERM\) at step (\d+): saved", stopped.stderr).group(1))
+    checkpoint = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)
+    assert checkpoint["global_step"] == step and checkpoint["callbacks"]["RNGState"]["world_size"] == 2
+    assert stopped.stderr.count("resume with:") == 1  # from rank 0 alone
+    assert "Traceback" not in stopped.stderr and "Traceback" not in (out / "rank1.log").read_text()
+
+
 def test_local_text_file(tmp_path):
     text = tmp_path / "notes.txt"
     text.write_text("".join(f"line {i}: the quick brown fox\n" for i in range(300)))
