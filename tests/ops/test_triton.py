@@ -11,6 +11,7 @@ import torch
 from vqattn.layers import build_attention
 from vqattn.ops.common.layout import memory_order
 from vqattn.ops.common.statistics import map_time
+from vqattn.ops.triton import block_caches as block_caches_module
 from vqattn.ops.triton import triton
 from vqattn.ops.triton.block_caches import block_caches
 from vqattn.ops.triton.finite import nonfinite_rows
@@ -66,6 +67,24 @@ def vq_call(attention, assign, window, impl=None, **kwargs):
 def test_vq_attention(assign, window, T):
     compare(vq_call(naive_vq_attention, assign, window), vq_call(vq_attention, assign, window, "triton"),
             vq_inputs(assign, window, T))
+
+
+@pytest.mark.parametrize("assign,window", [("hard", "rotated"), ("soft", "exact"), ("hard", "codes")])
+@pytest.mark.parametrize("segment_steps", [pytest.param(1, marks=pytest.mark.slow), 3])
+def test_vq_attention_with_split_walks(assign, window, segment_steps, monkeypatch):
+    """The cache walks split into segments of 1 or 3 blocks (summed in parallel, then scanned) give the
+    definition's outputs and gradients, with the memory bound's bias on the codes, and a state continued from one
+    call to the next (its state gradient folded in mid-walk)."""
+    monkeypatch.setattr(block_caches_module, "SEGMENT_STEPS", segment_steps)
+    compare(vq_call(naive_vq_attention, assign, window, memory_cap=40),
+            vq_call(vq_attention, assign, window, "triton", memory_cap=40), vq_inputs(assign, window, 170))
+    q, k, v, c, *rotated = (x.detach().to(DEVICE, torch.float32) for x in vq_inputs(assign, window, 170))
+    whole = vq_call(vq_attention, assign, window, "triton")(q, k, v, c, *rotated)
+    first, state = vq_call(vq_attention, assign, window, "triton", return_state=True)(
+        *(x[:, :, :110] for x in (q, k, v)), c, *(x[:, :, :110] for x in rotated))
+    rest = vq_call(vq_attention, assign, window, "triton", state=state)(
+        *(x[:, :, 110:] for x in (q, k, v)), c, *(x[:, :, 110:] for x in rotated))
+    assert rel_rms(torch.cat([first, rest], 2), whole) < 1e-6
 
 
 @pytest.mark.slow
@@ -247,12 +266,17 @@ def ref_block_caches(delta, v, counts0, sums0, block_len, fold):
 
 
 @pytest.mark.parametrize("assign", ["hard", "soft"])
-@pytest.mark.parametrize("T,fold,num_codes", [(1, 0, S), (1, 1, S), (40, 1, S), (100, 2, S), (100, 4, S),
-                                               (100, 2, 150)])
-def test_block_caches(assign, T, fold, num_codes):
+@pytest.mark.parametrize("T,fold,num_codes,segment_steps",
+                         [(1, 0, S, 0), (1, 1, S, 0), (40, 1, S, 0), (100, 2, S, 0), (100, 4, S, 0), (100, 2, 150, 0),
+                          (1, 1, S, 1), (100, 0, S, 1), (100, 2, S, 2), (100, 3, S, 2), (230, 4, S, 3),
+                          (230, 8, 150, 2)])
+def test_block_caches(assign, T, fold, num_codes, segment_steps, monkeypatch):
     """Every block's cache and the state after ``fold`` blocks, with the gradients of the values, the soft weights
     and the initial cache, against a loop over blocks in float64. 150 codes take three programs' tiles of 64 (the
-    last one partly filled): a hard key's value gradient is written by the one tile that holds its code."""
+    last one partly filled): a hard key's value gradient is written by the one tile that holds its code. The walks
+    run in one program per tile (``segment_steps`` 0) or split into segments of that many steps, the state at
+    every place within them (its first and last step, the last segment, the last step of all)."""
+    monkeypatch.setattr(block_caches_module, "SEGMENT_STEPS", segment_steps)
     g = torch.Generator().manual_seed(T + fold)
     index = torch.randint(0, num_codes, (B, H, T), generator=g)
     v, counts0, sums0, weights = leaves((B, H, T, DV), (B, H, num_codes), (B, H, num_codes, DV), (B, H, T, num_codes),

@@ -34,6 +34,11 @@ if triton is not None:
 
 # Floats of one program's running tile of value sums (codes × value dims) kept in registers.
 TILE_FLOATS = 4096
+# Steps of a cache walk per program. One program per tile of codes and sequence walks its blocks in sequence, each
+# step waiting on memory: at 8192 tokens (B·H = 128, S = 512) 1024 programs of 128 steps each. Split into segments
+# (fla's chunk_h_split), the segments' sums are formed in parallel, a short scan gives every segment its first
+# cache, and the segments walk in parallel; 0: one walk per program.
+SEGMENT_STEPS = 16
 
 
 if triton is not None:
@@ -76,35 +81,91 @@ if triton is not None:
         tl.store(C + row * S * DV + offsets, sums.to(C.dtype.element_ty), mask=tile_mask & mask[:, None])
 
     @triton.jit
-    def _prefix_step(IDX, WTS, V, NB, CB, n, sums, blk, bh, nb, sv_b, sv_h, sv_t, H, T, S, DV, codes, present,
-                     tile_mask, offsets, L: tl.constexpr, BS: tl.constexpr, BDV: tl.constexpr, HARD: tl.constexpr,
-                     DOT: tl.constexpr, PREC: tl.constexpr):
-        """Block blk of the walk: n, sums (the keys of blocks ≤ blk − 2) stored as its cache (a mask, not a branch,
-        for blk = nb: a straight loop body lets the compiler prefetch the next block's keys while this one is
-        summed), then block blk − 1's statistics added (none for blk = 0); returns the new n, sums."""
-        blocks = blk + tl.zeros([BS], tl.int32)  # the block index as a vector: masks of one type
-        _store_cache(NB, CB, bh * nb + blk, S, DV, codes, offsets, n, sums, present & (blocks < nb), tile_mask)
-        rows = (blk - 1) * L + tl.arange(0, L)
+    def _add_block(IDX, WTS, V, n, sums, blk, bh, sv_b, sv_h, sv_t, H, T, S, DV, codes, L: tl.constexpr,
+                   BDV: tl.constexpr, HARD: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+        """n, sums plus block blk's statistics Δᵀ1 and ΔᵀV for this tile of codes (nothing outside the
+        sequence)."""
+        rows = blk * L + tl.arange(0, L)
         w = _assignment_tile(IDX, WTS, bh, rows, codes, T, S, HARD)
         v = _load_rows(V, sv_b, sv_h, sv_t, bh // H, bh % H, rows, T, DV, BDV, DOT)
         return n + tl.sum(w, 0), tl.dot(tl.trans(w.to(DOT)), v, sums, input_precision=PREC)
 
     @triton.jit
-    def _prefix_kernel(IDX, WTS, V, N0, C0, NB, CB, NF, CF, sv_b, sv_h, sv_t, H, T, S, DV, fold,
+    def _prefix_step(IDX, WTS, V, NB, CB, n, sums, blk, bh, nb, sv_b, sv_h, sv_t, H, T, S, DV, codes, present,
+                     tile_mask, offsets, L: tl.constexpr, BS: tl.constexpr, BDV: tl.constexpr, HARD: tl.constexpr,
+                     DOT: tl.constexpr, PREC: tl.constexpr):
+        """Step blk of the walk: n, sums (the keys of blocks ≤ blk − 2) stored as block blk's cache (a mask, not a
+        branch, for blk = nb: a straight loop body lets the compiler prefetch the next block's keys while this one
+        is summed), then block blk − 1's statistics added (none for blk = 0); returns the new n, sums."""
+        blocks = blk + tl.zeros([BS], tl.int32)  # the block index as a vector: masks of one type
+        _store_cache(NB, CB, bh * nb + blk, S, DV, codes, offsets, n, sums, present & (blocks < nb), tile_mask)
+        return _add_block(IDX, WTS, V, n, sums, blk - 1, bh, sv_b, sv_h, sv_t, H, T, S, DV, codes, L, BDV, HARD, DOT,
+                          PREC)
+
+    @triton.jit
+    def _prefix_kernel(IDX, WTS, V, N0, C0, NB, CB, NF, CF, sv_b, sv_h, sv_t, H, T, S, DV, fold, nseg, seg_steps,
                        L: tl.constexpr, BS: tl.constexpr, BDV: tl.constexpr, HARD: tl.constexpr,
                        DOT: tl.constexpr, PREC: tl.constexpr):
-        bh = tl.program_id(1)
+        """The walk's steps blk = 0 .. nb in segments of ``seg_steps``, one program per (tile of codes, batch·head,
+        segment), each from its segment's first cache, row bh·nseg + seg of N0 (·, S), C0 (·, S, DV) (the
+        initial cache itself for one segment). The program whose segment holds step ``fold`` stores the state
+        after it."""
+        bh, seg = tl.program_id(1), tl.program_id(2)
         nb = tl.cdiv(T, L)
         codes, present, tile_mask, offsets = _code_tile_layout(S, DV, BS, BDV)
-        n, sums = _load_cache(N0, C0, bh, S, DV, codes, offsets, present, tile_mask)
-        # two walks, the state after the first ``fold`` blocks stored once between them
-        for blk in range(0, fold + 1):
+        n, sums = _load_cache(N0, C0, bh * nseg + seg, S, DV, codes, offsets, present, tile_mask)
+        start = seg * seg_steps
+        end = tl.minimum(start + seg_steps, nb + 1)
+        mid = tl.minimum(tl.maximum(fold + 1, start), end)
+        # two walks, the state after step ``fold`` stored once between them (by the segment that holds it)
+        for blk in range(start, mid):
             n, sums = _prefix_step(IDX, WTS, V, NB, CB, n, sums, blk, bh, nb, sv_b, sv_h, sv_t, H, T, S, DV, codes,
                                    present, tile_mask, offsets, L, BS, BDV, HARD, DOT, PREC)
-        _store_cache(NF, CF, bh, S, DV, codes, offsets, n, sums, present, tile_mask)
-        for blk in range(fold + 1, nb + 1):
+        folds = fold + tl.zeros([BS], tl.int32)
+        _store_cache(NF, CF, bh, S, DV, codes, offsets, n, sums, present & (folds >= start) & (folds < end),
+                     tile_mask)
+        for blk in range(mid, end):
             n, sums = _prefix_step(IDX, WTS, V, NB, CB, n, sums, blk, bh, nb, sv_b, sv_h, sv_t, H, T, S, DV, codes,
                                    present, tile_mask, offsets, L, BS, BDV, HARD, DOT, PREC)
+
+    @triton.jit
+    def _prefix_segment_kernel(IDX, WTS, V, TN, TC, sv_b, sv_h, sv_t, H, T, S, DV, nseg, seg_steps,
+                               L: tl.constexpr, BS: tl.constexpr, BDV: tl.constexpr, HARD: tl.constexpr,
+                               DOT: tl.constexpr, PREC: tl.constexpr):
+        """TN (B·H, nseg, S), TC (B·H, nseg, S, DV) float32: what the steps of segment seg add, the statistics of
+        blocks seg·seg_steps − 1 .. (seg + 1)·seg_steps − 2 (fla's ``chunk_h_split``: every segment's local sum in
+        parallel, then a short scan over the segments)."""
+        bh, seg = tl.program_id(1), tl.program_id(2)
+        nb = tl.cdiv(T, L)
+        codes, present, tile_mask, offsets = _code_tile_layout(S, DV, BS, BDV)
+        n = tl.zeros([BS], tl.float32)
+        sums = tl.zeros([BS, BDV], tl.float32)
+        start = seg * seg_steps
+        for blk in range(start, tl.minimum(start + seg_steps, nb + 1)):
+            n, sums = _add_block(IDX, WTS, V, n, sums, blk - 1, bh, sv_b, sv_h, sv_t, H, T, S, DV, codes, L, BDV,
+                                 HARD, DOT, PREC)
+        _store_cache(TN, TC, bh * nseg + seg, S, DV, codes, offsets, n, sums, present, tile_mask)
+
+    @triton.jit
+    def _segment_scan_kernel(TN, TC, N0, C0, S, DV, nseg, BS: tl.constexpr, BDV: tl.constexpr,
+                             REVERSE: tl.constexpr, HAS_BASE: tl.constexpr):
+        """The segments' totals TN (B·H, nseg, S), TC (B·H, nseg, S, DV) replaced in place by their exclusive
+        prefix sums from the base N0 (B·H, S), C0 (B·H, S, DV) (with HAS_BASE, else 0), or with REVERSE by their
+        exclusive suffix sums."""
+        bh = tl.program_id(1)
+        codes, present, tile_mask, offsets = _code_tile_layout(S, DV, BS, BDV)
+        n = tl.zeros([BS], tl.float32)
+        sums = tl.zeros([BS, BDV], tl.float32)
+        if HAS_BASE:
+            n, sums = _load_cache(N0, C0, bh, S, DV, codes, offsets, present, tile_mask)
+        for i in range(0, nseg):
+            seg = i
+            if REVERSE:
+                seg = nseg - 1 - i
+            t_n, t_sums = _load_cache(TN, TC, bh * nseg + seg, S, DV, codes, offsets, present, tile_mask)
+            _store_cache(TN, TC, bh * nseg + seg, S, DV, codes, offsets, n, sums, present, tile_mask)
+            n += t_n
+            sums += t_sums
 
     @triton.jit
     def _walk_cache_grad(QC, c, CNT, BIAS, DO, LSE, DELTA, sqc_b, sqc_h, sqc_t, sdo_b, sdo_h, sdo_t, blk, bh, nb, H,
@@ -137,27 +198,29 @@ if triton is not None:
         return d_n, d_sums
 
     @triton.jit
-    def _reverse_step(IDX, WTS, V, DNB, DCB, DVAL, DWTS, g_n, g_sums, blk, bh, nb, sv_b, sv_h, sv_t, sd_b, sd_h, sd_t,
-                      H, T, S, DV, codes, present, tile_mask, offsets,
-                      QC, c, CNT, BIAS, DO, LSE, DELTA, sqc_b, sqc_h, sqc_t, sdo_b, sdo_h, sdo_t, DC, scale2,
-                      L: tl.constexpr, BS: tl.constexpr, BDV: tl.constexpr, HARD: tl.constexpr, DOT: tl.constexpr,
-                      PREC: tl.constexpr, WALK_DC: tl.constexpr, BDC: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      COUNTS_GRAD: tl.constexpr, SUM_DOT: tl.constexpr, ADD_TO_DVAL: tl.constexpr):
-        """Block blk of the reverse walk: adds the gradient of block blk + 2's cache (read from DNB, DCB, a mask,
-        not a branch, past the last block, as in the forward; or with WALK_DC formed here from its queries,
-        :func:`_walk_cache_grad`) to the running sums g, which already hold the later caches', so that g is the
-        gradient of block blk's statistics; writes the block's value gradients (added to DVAL's with ADD_TO_DVAL)
-        and the soft weights' from g, and returns g."""
+    def _block_cache_grad(DNB, DCB, QC, c, CNT, BIAS, DO, LSE, DELTA, sqc_b, sqc_h, sqc_t, sdo_b, sdo_h, sdo_t, blk,
+                          bh, nb, H, T, S, DC, DV, codes, present, tile_mask, offsets, scale2, L: tl.constexpr,
+                          BS: tl.constexpr, BDC: tl.constexpr, BDV: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          COUNTS_GRAD: tl.constexpr, DOT: tl.constexpr, SUM_DOT: tl.constexpr, PREC: tl.constexpr,
+                          WALK_DC: tl.constexpr):
+        """The gradient of block blk's cache for this tile of codes (0 for blk ≥ nb): read from DNB, DCB, or with
+        WALK_DC formed from the block's queries (:func:`_walk_cache_grad`)."""
         if WALK_DC:
             d_n, d_sums = _walk_cache_grad(QC, c, CNT, BIAS, DO, LSE, DELTA, sqc_b, sqc_h, sqc_t, sdo_b, sdo_h, sdo_t,
-                                           blk + 2, bh, nb, H, T, S, DC, DV, codes, present, scale2, L, BS, BDC, BDV,
+                                           blk, bh, nb, H, T, S, DC, DV, codes, present, scale2, L, BS, BDC, BDV,
                                            HAS_BIAS, COUNTS_GRAD, DOT, SUM_DOT, PREC)
         else:
             blocks = blk + tl.zeros([BS], tl.int32)
-            d_n, d_sums = _load_cache(DNB, DCB, bh * nb + blk + 2, S, DV, codes, offsets,
-                                      present & (blocks + 2 < nb), tile_mask)
-        g_n += d_n
-        g_sums += d_sums
+            d_n, d_sums = _load_cache(DNB, DCB, bh * nb + blk, S, DV, codes, offsets, present & (blocks < nb),
+                                      tile_mask)
+        return d_n, d_sums
+
+    @triton.jit
+    def _value_grads(IDX, WTS, V, DVAL, DWTS, g_n, g_sums, blk, bh, sv_b, sv_h, sv_t, sd_b, sd_h, sd_t, H, T, S, DV,
+                     codes, present, L: tl.constexpr, BS: tl.constexpr, BDV: tl.constexpr, HARD: tl.constexpr,
+                     DOT: tl.constexpr, PREC: tl.constexpr, ADD_TO_DVAL: tl.constexpr):
+        """Block blk's value gradients Δ g (added to DVAL's with ADD_TO_DVAL) and the soft weights' V gᵀ + g_n
+        from g, the gradient of its statistics."""
         rows = blk * L + tl.arange(0, L)
         w = _assignment_tile(IDX, WTS, bh, rows, codes, T, S, HARD)
         # (L, BDV); a hard row selects one code's gradient, which rounds to DOT exactly as the result would
@@ -179,60 +242,115 @@ if triton is not None:
             d_w = tl.dot(v, tl.trans(g_sums.to(DOT)), input_precision=PREC) + g_n[None, :]
             tl.store(DWTS + (bh * T + rows[:, None]) * S + codes[None, :], d_w,
                      mask=(rows[:, None] < T) & present[None, :])
-        return g_n, g_sums
 
     @triton.jit
-    def _prefix_backward_kernel(IDX, WTS, V, DNB, DCB, DNF, DCF, DN0, DC0, DVAL, DWTS, sv_b, sv_h, sv_t,
-                                sd_b, sd_h, sd_t, H, T, S, DV, fold,
+    def _walk_codes(CB, bh, H, S, DC, codes, present, BS: tl.constexpr, BDC: tl.constexpr, DOT: tl.constexpr,
+                    WALK_DC: tl.constexpr):
+        """This program's tile of codes (BS, BDC) of the head's codebook CB (H, S, DC), read once for a whole
+        walk that forms the caches' gradients (zeros otherwise)."""
+        c = tl.zeros([BS, BDC], DOT)
+        if WALK_DC:
+            dc = tl.arange(0, BDC)
+            c = tl.load(CB + ((bh % H) * S + codes[:, None]) * DC + dc[None, :],
+                        mask=present[:, None] & (dc[None, :] < DC), other=0.0).to(DOT)
+        return c
+
+    @triton.jit
+    def _reverse_segment_kernel(DNB, DCB, TN, TC, QC, CB, CNT, BIAS, DO, LSE, DELTA, sqc_b, sqc_h, sqc_t, sdo_b,
+                                sdo_h, sdo_t, H, T, S, DC, DV, scale, nseg, seg_steps, L: tl.constexpr,
+                                BS: tl.constexpr, BDC: tl.constexpr, BDV: tl.constexpr, HAS_BIAS: tl.constexpr,
+                                COUNTS_GRAD: tl.constexpr, DOT: tl.constexpr, SUM_DOT: tl.constexpr,
+                                PREC: tl.constexpr, WALK_DC: tl.constexpr):
+        """TN (B·H, nseg, S), TC (B·H, nseg, S, DV) float32: what the reverse walk's steps of segment seg (blocks
+        seg·seg_steps .. (seg + 1)·seg_steps − 1) add to its running sum, the gradients of the caches two blocks
+        later."""
+        bh, seg = tl.program_id(1), tl.program_id(2)
+        nb = tl.cdiv(T, L)
+        codes, present, tile_mask, offsets = _code_tile_layout(S, DV, BS, BDV)
+        c = _walk_codes(CB, bh, H, S, DC, codes, present, BS, BDC, DOT, WALK_DC)
+        g_n = tl.zeros([BS], tl.float32)
+        g_sums = tl.zeros([BS, BDV], tl.float32)
+        start = seg * seg_steps
+        for blk in range(start, tl.minimum(start + seg_steps, nb)):
+            d_n, d_sums = _block_cache_grad(DNB, DCB, QC, c, CNT, BIAS, DO, LSE, DELTA, sqc_b, sqc_h, sqc_t, sdo_b,
+                                            sdo_h, sdo_t, blk + 2, bh, nb, H, T, S, DC, DV, codes, present, tile_mask,
+                                            offsets, scale * LOG2E, L, BS, BDC, BDV, HAS_BIAS, COUNTS_GRAD, DOT,
+                                            SUM_DOT, PREC, WALK_DC)
+            g_n += d_n
+            g_sums += d_sums
+        _store_cache(TN, TC, bh * nseg + seg, S, DV, codes, offsets, g_n, g_sums, present, tile_mask)
+
+    @triton.jit
+    def _prefix_backward_kernel(IDX, WTS, V, DNB, DCB, DNF, DCF, DN0, DC0, DVAL, DWTS, TN, TC, sv_b, sv_h, sv_t,
+                                sd_b, sd_h, sd_t, H, T, S, DV, fold, nseg, seg_steps,
                                 QC, CB, CNT, BIAS, DO, LSE, DELTA, sqc_b, sqc_h, sqc_t, sdo_b, sdo_h, sdo_t, DC, scale,
                                 L: tl.constexpr, BS: tl.constexpr, BDV: tl.constexpr, HARD: tl.constexpr,
                                 DOT: tl.constexpr, PREC: tl.constexpr, WALK_DC: tl.constexpr, BDC: tl.constexpr,
                                 HAS_BIAS: tl.constexpr, COUNTS_GRAD: tl.constexpr, SUM_DOT: tl.constexpr,
-                                ADD_TO_DVAL: tl.constexpr):
-        """DVAL (B, H, T, DV) with strides sd_*: written row by row for hard (each row once, by the tile of its
-        code, in the values' dtype; added to what it holds with ADD_TO_DVAL), added into (float32) for soft; DWTS
-        (BH, T, S) float32, soft only. The caches' gradients come from DNB, DCB or, with WALK_DC, from the queries
-        (QC, the codebook CB (H, S, DC), the caches' counts CNT, the memory bias BIAS, DO, LSE, DELTA)."""
-        bh = tl.program_id(1)
+                                ADD_TO_DVAL: tl.constexpr, SPLIT: tl.constexpr):
+        """The reverse walk of blocks seg·seg_steps .. (seg + 1)·seg_steps − 1, one program per (tile of codes,
+        batch·head, segment), from the running sum its later segments leave (TN, TC (B·H, nseg, S[, DV]), with
+        SPLIT; else from 0). DVAL (B, H, T, DV) with strides sd_*: written row by row for hard (each row once, by
+        the tile of its code, in the values' dtype; added to what it holds with ADD_TO_DVAL), added into (float32)
+        for soft; DWTS (BH, T, S) float32, soft only. The caches' gradients come from DNB, DCB or, with WALK_DC,
+        from the queries (QC, the codebook CB (H, S, DC), the caches' counts CNT, the memory bias BIAS, DO, LSE,
+        DELTA). Segment 0 also writes the initial cache's gradient DN0, DC0."""
+        bh, seg = tl.program_id(1), tl.program_id(2)
         nb = tl.cdiv(T, L)
         codes, present, tile_mask, offsets = _code_tile_layout(S, DV, BS, BDV)
         scale2 = scale * LOG2E
-        if WALK_DC:  # this program's codes, read once for the whole walk
-            dc = tl.arange(0, BDC)
-            c = tl.load(CB + ((bh % H) * S + codes[:, None]) * DC + dc[None, :],
-                        mask=present[:, None] & (dc[None, :] < DC), other=0.0).to(DOT)
-        else:
-            c = tl.zeros([BS, BDC], DOT)
+        c = _walk_codes(CB, bh, H, S, DC, codes, present, BS, BDC, DOT, WALK_DC)
         g_n = tl.zeros([BS], tl.float32)
         g_sums = tl.zeros([BS, BDV], tl.float32)
+        if SPLIT:
+            g_n, g_sums = _load_cache(TN, TC, bh * nseg + seg, S, DV, codes, offsets, present, tile_mask)
+        lo = seg * seg_steps
+        hi = tl.minimum(lo + seg_steps, nb)
+        mid = tl.minimum(tl.maximum(fold, lo), hi)
         # The gradient of block blk's statistics sums those of the caches of blocks ≥ blk + 2 and, for blocks
-        # < fold, the state's: two walks, the state's gradient read once between them (not a masked load per block)
-        for back in range(0, nb - fold):
-            g_n, g_sums = _reverse_step(IDX, WTS, V, DNB, DCB, DVAL, DWTS, g_n, g_sums, nb - 1 - back, bh, nb, sv_b,
-                                        sv_h, sv_t, sd_b, sd_h, sd_t, H, T, S, DV, codes, present, tile_mask,
-                                        offsets, QC, c, CNT, BIAS, DO, LSE, DELTA, sqc_b, sqc_h, sqc_t, sdo_b, sdo_h,
-                                        sdo_t, DC, scale2, L, BS, BDV, HARD, DOT, PREC, WALK_DC, BDC, HAS_BIAS,
-                                        COUNTS_GRAD, SUM_DOT, ADD_TO_DVAL)
-        f_n, f_sums = _load_cache(DNF, DCF, bh, S, DV, codes, offsets, present, tile_mask)
+        # < fold, the state's: two walks, the state's gradient added once between them, or already in the running
+        # sum when its first block lies in a later segment
+        folds = fold + tl.zeros([BS], tl.int32)
+        f_n, f_sums = _load_cache(DNF, DCF, bh, S, DV, codes, offsets, present & (folds > hi), tile_mask)
         g_n += f_n
         g_sums += f_sums
-        for back in range(nb - fold, nb):
-            g_n, g_sums = _reverse_step(IDX, WTS, V, DNB, DCB, DVAL, DWTS, g_n, g_sums, nb - 1 - back, bh, nb, sv_b,
-                                        sv_h, sv_t, sd_b, sd_h, sd_t, H, T, S, DV, codes, present, tile_mask,
-                                        offsets, QC, c, CNT, BIAS, DO, LSE, DELTA, sqc_b, sqc_h, sqc_t, sdo_b, sdo_h,
-                                        sdo_t, DC, scale2, L, BS, BDV, HARD, DOT, PREC, WALK_DC, BDC, HAS_BIAS,
-                                        COUNTS_GRAD, SUM_DOT, ADD_TO_DVAL)
-        # the initial cache is in every block's cache, and in the state (added above)
-        for blk in range(0, tl.minimum(nb, 2)):
-            if WALK_DC:
-                d_n, d_sums = _walk_cache_grad(QC, c, CNT, BIAS, DO, LSE, DELTA, sqc_b, sqc_h, sqc_t, sdo_b, sdo_h,
-                                               sdo_t, blk, bh, nb, H, T, S, DC, DV, codes, present, scale2, L, BS,
-                                               BDC, BDV, HAS_BIAS, COUNTS_GRAD, DOT, SUM_DOT, PREC)
-            else:
-                d_n, d_sums = _load_cache(DNB, DCB, bh * nb + blk, S, DV, codes, offsets, present, tile_mask)
+        for back in range(0, hi - mid):
+            blk = hi - 1 - back
+            d_n, d_sums = _block_cache_grad(DNB, DCB, QC, c, CNT, BIAS, DO, LSE, DELTA, sqc_b, sqc_h, sqc_t, sdo_b,
+                                            sdo_h, sdo_t, blk + 2, bh, nb, H, T, S, DC, DV, codes, present, tile_mask,
+                                            offsets, scale2, L, BS, BDC, BDV, HAS_BIAS, COUNTS_GRAD, DOT, SUM_DOT, PREC,
+                                            WALK_DC)
             g_n += d_n
             g_sums += d_sums
-        _store_cache(DN0, DC0, bh, S, DV, codes, offsets, g_n, g_sums, present, tile_mask)
+            _value_grads(IDX, WTS, V, DVAL, DWTS, g_n, g_sums, blk, bh, sv_b, sv_h, sv_t, sd_b, sd_h, sd_t, H, T, S,
+                         DV, codes, present, L, BS, BDV, HARD, DOT, PREC, ADD_TO_DVAL)
+        f_n, f_sums = _load_cache(DNF, DCF, bh, S, DV, codes, offsets, present & (folds > lo) & (folds <= hi),
+                                  tile_mask)
+        g_n += f_n
+        g_sums += f_sums
+        for back in range(0, mid - lo):
+            blk = mid - 1 - back
+            d_n, d_sums = _block_cache_grad(DNB, DCB, QC, c, CNT, BIAS, DO, LSE, DELTA, sqc_b, sqc_h, sqc_t, sdo_b,
+                                            sdo_h, sdo_t, blk + 2, bh, nb, H, T, S, DC, DV, codes, present, tile_mask,
+                                            offsets, scale2, L, BS, BDC, BDV, HAS_BIAS, COUNTS_GRAD, DOT, SUM_DOT, PREC,
+                                            WALK_DC)
+            g_n += d_n
+            g_sums += d_sums
+            _value_grads(IDX, WTS, V, DVAL, DWTS, g_n, g_sums, blk, bh, sv_b, sv_h, sv_t, sd_b, sd_h, sd_t, H, T, S,
+                         DV, codes, present, L, BS, BDV, HARD, DOT, PREC, ADD_TO_DVAL)
+        if seg == 0:
+            # the initial cache is in every block's cache, and in the state (fold = 0: only there)
+            f_n, f_sums = _load_cache(DNF, DCF, bh, S, DV, codes, offsets, present & (folds == 0), tile_mask)
+            g_n += f_n
+            g_sums += f_sums
+            for blk in range(0, tl.minimum(nb, 2)):
+                d_n, d_sums = _block_cache_grad(DNB, DCB, QC, c, CNT, BIAS, DO, LSE, DELTA, sqc_b, sqc_h, sqc_t,
+                                                sdo_b, sdo_h, sdo_t, blk, bh, nb, H, T, S, DC, DV, codes, present,
+                                                tile_mask, offsets, scale2, L, BS, BDC, BDV, HAS_BIAS, COUNTS_GRAD,
+                                                DOT, SUM_DOT, PREC, WALK_DC)
+                g_n += d_n
+                g_sums += d_sums
+            _store_cache(DN0, DC0, bh, S, DV, codes, offsets, g_n, g_sums, present, tile_mask)
 
 def _launch(hard: bool, forward: bool, device: torch.device) -> dict:
     """Launch settings. On an H200 (S = 512, Dv = 64, bf16), once masks replaced the walks' branches, the hard
@@ -304,9 +422,25 @@ def prefix_forward(index, weights, v, counts0, sums0, *, block_len: int, fold: i
     BDV = _width(DV)
     meta = dict(L=block_len, BS=_code_tile(BDV), BDV=BDV, HARD=hard, DOT=dot, PREC=prec)
     grid = (triton.cdiv(S, meta["BS"]), B * H)
-    _prefix_kernel[grid](idx, wts, v, n0, c0, cache_n, cache_c, fold_n, fold_c, v.stride(0), v.stride(1),
-                         v.stride(2), H, T, S, DV, fold, **meta, **_launch(hard, True, v.device))
+    inputs = dict(IDX=idx, WTS=wts, V=v, sv_b=v.stride(0), sv_h=v.stride(1), sv_t=v.stride(2), H=H, T=T, S=S, DV=DV)
+    seg_steps, nseg = _segments(nb + 1)  # the walk's steps: one per block, and one past the last
+    base_n, base_c = n0, c0
+    if nseg > 1:  # every segment's first cache, from the segments' sums
+        base_n, base_c = torch.empty(B * H, nseg, S, **f32), torch.empty(B * H, nseg, S, DV, **f32)
+        _prefix_segment_kernel[(*grid, nseg)](TN=base_n, TC=base_c, **inputs, nseg=nseg, seg_steps=seg_steps, **meta,
+                                              **_launch(hard, True, v.device))
+        _segment_scan_kernel[grid](TN=base_n, TC=base_c, N0=n0, C0=c0, S=S, DV=DV, nseg=nseg, BS=meta["BS"], BDV=BDV,
+                                   REVERSE=False, HAS_BASE=True)
+    _prefix_kernel[(*grid, nseg)](N0=base_n, C0=base_c, NB=cache_n, CB=cache_c, NF=fold_n, CF=fold_c, **inputs,
+                                  fold=fold, nseg=nseg, seg_steps=seg_steps, **meta, **_launch(hard, True, v.device))
     return Prefix(idx, wts, v, meta, grid, fold, cache_n, cache_c, fold_n, fold_c)
+
+
+def _segments(steps: int) -> tuple[int, int]:
+    """A walk of ``steps`` sequential steps split into segments of :data:`SEGMENT_STEPS` (one segment if that is
+    0 or covers them all): (steps per segment, segments)."""
+    seg_steps = SEGMENT_STEPS if 0 < SEGMENT_STEPS < steps else steps
+    return seg_steps, triton.cdiv(steps, seg_steps)
 
 
 class CacheQueries(NamedTuple):
@@ -341,11 +475,22 @@ def reverse_walk(p: Prefix, d_fold_n, d_fold_c, *, d_cache_n=None, d_cache_c=Non
         dval.copy_(d_values) if d_values is not None else dval.zero_()
     d_weights = dval if hard else torch.empty(B, H, T, S, **f32)
     walk = _walk_arguments(p, queries) if queries is not None else _read_arguments(p, d_cache_n, d_cache_c)
-    _prefix_backward_kernel[p.grid](
+    seg_steps, nseg = _segments(triton.cdiv(T, p.meta["L"]))  # the reverse walk's steps: one per block
+    totals_n = totals_c = d_n0  # unread without segments
+    if nseg > 1:  # every segment's running sum from its later segments' sums
+        totals_n, totals_c = torch.empty(B * H, nseg, S, **f32), torch.empty(B * H, nseg, S, DV, **f32)
+        meta = {key: value for key, value in p.meta.items() if key != "HARD"}
+        _reverse_segment_kernel[(*p.grid, nseg)](
+            TN=totals_n, TC=totals_c, **walk, H=H, T=T, S=S, DV=DV, nseg=nseg, seg_steps=seg_steps, **meta,
+            **_launch(hard, False, p.v.device))
+        _segment_scan_kernel[p.grid](TN=totals_n, TC=totals_c, N0=d_n0, C0=d_c0, S=S, DV=DV, nseg=nseg,
+                                     BS=p.meta["BS"], BDV=p.meta["BDV"], REVERSE=True, HAS_BASE=False)
+    _prefix_backward_kernel[(*p.grid, nseg)](
         IDX=p.idx, WTS=p.wts, V=p.v, DNF=d_fold_n, DCF=d_fold_c, DN0=d_n0, DC0=d_c0, DVAL=dval, DWTS=d_weights,
-        sv_b=p.v.stride(0), sv_h=p.v.stride(1), sv_t=p.v.stride(2), sd_b=dval.stride(0), sd_h=dval.stride(1),
-        sd_t=dval.stride(2), H=H, T=T, S=S, DV=DV, fold=p.fold, **walk, **p.meta,
-        ADD_TO_DVAL=hard and d_values is not None, **_launch(hard, False, p.v.device))
+        TN=totals_n, TC=totals_c, sv_b=p.v.stride(0), sv_h=p.v.stride(1), sv_t=p.v.stride(2), sd_b=dval.stride(0),
+        sd_h=dval.stride(1), sd_t=dval.stride(2), H=H, T=T, S=S, DV=DV, fold=p.fold, nseg=nseg, seg_steps=seg_steps,
+        **walk, **p.meta, ADD_TO_DVAL=hard and d_values is not None, SPLIT=nseg > 1,
+        **_launch(hard, False, p.v.device))
     return dval.to(p.v.dtype), None if hard else d_weights, d_n0, d_c0
 
 
