@@ -10,39 +10,43 @@ read once and each output written once, however often its programs reread it fro
 
 The designs (:data:`DESIGNS`):
 
-* ``today``: every block's cache, (S, Dv) bf16 sums and (S,) float32 counts (1056 bytes per token and head at
+* ``block_dc``: every block's cache, (S, Dv) bf16 sums and (S,) float32 counts (1056 bytes per token and head at
   S = 512, L = 64), written by the prefix walk, read by the forward and by the backward's code part; that part
-  writes every block's cache gradient dC (S, Dv), which the reverse walk reads.
-* ``no_dc``: as today, but the reverse walk forms each block's dC_b = exp2(σ qc·c − lse)ᵀ dO itself, from qc, dO
-  and the logsumexp: two products per block more in the walk, one less in the code part, no dC in memory.
+  writes every block's cache gradient dC (S, Dv), which the reverse walk reads (vqattn before the walk formed dC).
+* ``walk_dc``: as block_dc, but the reverse walk forms each block's dC_b = exp2(σ qc·c − lse)ᵀ dO itself, from qc,
+  dO and the logsumexp: two products per block more in the walk, one less in the code part, no dC in memory; the
+  walk adds the values' gradient to the window's in place.
+* ``walk_dc_split`` (:data:`CURRENT`, what the kernels do): walk_dc with both walks split into segments of
+  ``SEGMENT_STEPS`` steps (fla's chunk_h_split): the segments' sums (float32 states; the backward's formed from the
+  queries, its dC products twice), two scans, every segment's walk from its own start.
 * ``superblock``: caches only every K blocks (K·L tokens); a query attends to the keys between its superblock's
   cache and its window (blocks c..b−2) through their codes, logit σ q·c_{z_j}, value v_j, in the forward and the
-  code part of the backward. The reverse walk is no_dc's: for hard keys its running sum of the blocks' dC_b is
+  code part of the backward. The reverse walk is walk_dc's: for hard keys its running sum of the blocks' dC_b is
   also the gradient of those keys' values, so the key side costs nothing more.
 * ``fla``: fla's ``chunk_simple_gla`` (a D×Dv state per chunk of L): chunk_fwd_h (bf16 states) and chunk_fwd_o
   forward; chunk_fwd_h again (float32 states), chunk_bwd_dh (float32), chunk_bwd_dqkwg and chunk_bwd_dv backward.
 
 Not counted: the PyTorch glue between the kernels (the masked copies of k and k_rot and the poison of
-``ops.nonfinite``, the codebook's TF32 split and half norms, the sum of the window's and the walk's value
-gradients), and the zero count gradients the reverse walk reads (hard counts take no gradient).
+``ops.nonfinite``, the codebook's TF32 split and half norms; block_dc's sum of the window's and the walk's value
+gradients), and the zero count gradients block_dc's reverse walk reads (hard counts take no gradient).
 
-Against the issue's table (B·H·T = 2²⁰; every count here is per token, so 8k and 32k agree but for the superblock's
-gathered keys):
+Against the plan's table (B·H·T = 2²⁰; every count here is per token, so 8k and 32k agree but for the superblock's
+gathered keys and the segments):
 
-* today: 962 GFLOP as the issue (the nearest code's two TF32 products at half rate: 275 GFLOP, its 0.28 ms floor);
-  8.55 GB against 8.74 (the issue does not itemise its bytes; 0.2 GB is one and a half (B, H, T, 64) passes).
-  Its floor, 2.79 ms on an H100 and 2.03 on an H200, is the issue's (2.80, 2.04).
-* no_dc: 1031 GFLOP against 876, 6.68 GB against 6.59, 2.30 ms against 2.16 (H100): here the walk does the two
-  products that form dC_b (+137 GFLOP) and reads qc and dO (+0.27 GB); the issue's total leaves out both (its
-  FLOPs are below today's, though the walk's products outnumber the one the code part drops).
+* block_dc: 962 GFLOP as the plan (the nearest code's two TF32 products at half rate: 275 GFLOP, its 0.28 ms floor);
+  8.55 GB against 8.74 (the plan does not itemise its bytes; 0.2 GB is one and a half (B, H, T, 64) passes).
+  Its floor, 2.79 ms on an H100 and 2.03 on an H200, is the plan's (2.80, 2.04).
+* walk_dc: 1031 GFLOP against 876, 6.8 GB against 6.59 (H100): here the walk does the two products that form dC_b
+  (+137 GFLOP) and reads qc, dO and the counts, and reads the window's dv to add to it; the plan's total leaves
+  these out (its FLOPs are below block_dc's, though the walk's products outnumber the one the code part drops).
 * superblock (K = 8): 1179 GFLOP against 1087, 3.92 GB against 4.08, 1.57 and 1.40 ms against 1.48 and 1.30:
-  the walk's products as in no_dc, and the gathered keys counted exactly (Σ_b (b−1) mod K blocks per sequence,
+  the walk's products as in walk_dc, and the gathered keys counted exactly (Σ_b (b−1) mod K blocks per sequence,
   3.45 per query block at 8k); the bytes, again, are not itemised there. K = 4 and 16 give 1.60 and 1.71 ms
   (H100, 32k): K = 8 is the best of the three.
-* fla: as the issue, 120 GFLOP and 4.29 GB (1.28 ms H100, 0.89 ms H200).
+* fla: as the plan, 120 GFLOP and 4.29 GB (1.28 ms H100, 0.89 ms H200).
 
     python benchmarks/kernel_floor.py                          # every design, 8k and 32k, 64k tokens a step
-    python benchmarks/kernel_floor.py --designs today superblock --length 8192 --superblock-blocks 4 8 16
+    python benchmarks/kernel_floor.py --designs walk_dc_split superblock --length 8192 --superblock-blocks 4 8 16
 """
 
 from __future__ import annotations
@@ -55,8 +59,10 @@ GPUS = {"H100": (989e12, 3.35e12), "H200": (989e12, 4.8e12)}
 # A TF32 product runs at half the bf16 rate on both (494.7 TFLOP/s dense): it costs two bf16 products' time.
 TF32_COST = 2
 F32 = 4
-INDEX_BYTES = 8  # the codes are int64 today
-DESIGNS = ("today", "no_dc", "superblock", "fla")
+INDEX_BYTES = 8  # the codes are int64
+DESIGNS = ("block_dc", "walk_dc", "walk_dc_split", "superblock", "fla")
+CURRENT = "walk_dc_split"  # what vqattn's kernels do (vqattn/ops/triton/vq_causal.py)
+SEGMENT_STEPS = 16  # block_caches.SEGMENT_STEPS: the steps of a split cache walk's segment
 
 
 @dataclass(frozen=True)
@@ -218,22 +224,56 @@ def code_backward(s: Shape, n: int, K: int | None, dc: bool, ib: int) -> KernelC
                       + half(s, s.Dc) + (cache_grads(s, s.nb) if dc else 0))
 
 
-def prefix_backward(s: Shape, dc: bool, ib: int) -> KernelCost:
+def walk_dc_reads(s: Shape) -> int:
+    """What forming every block's dC_b in a walk reads: qc, dO, lse, the codebook, and every block's counts (an
+    empty code takes no gradient)."""
+    return half(s, s.Dc, s.Dv) + per_token(s) + codebook(s) + s.seqs * s.nb * s.S * F32
+
+
+def prefix_backward(s: Shape, dc: bool, ib: int, nseg: int) -> KernelCost:
     """The reverse walk, Δ·G (L, S, Dv) per block. With ``dc`` it reads every block's dC; else it forms dC_b from
-    qc·cᵀ (Dc) and wᵀ·dO (Dv), reading qc, dO, lse and the codebook. Reads the codes and the state's gradient,
-    writes the values' gradient and the initial state's."""
+    qc·cᵀ (Dc) and wᵀ·dO (Dv) (:func:`walk_dc_reads`) and adds the values' gradient to the window's (read and
+    written in place). Reads the codes, the state's gradient and, split into ``nseg`` segments, each segment's
+    running sum; writes the values' gradient and the initial state's."""
     if dc:
         flop, reads, what = block_products(s, s.S, s.Dv), cache_grads(s, s.nb), "reverse walk: dv from dC"
     else:
         flop = block_products(s, s.S, s.Dv, s.Dc, s.Dv)
-        reads, what = half(s, s.Dc, s.Dv) + per_token(s) + codebook(s), "reverse walk: dC from qc, dO; dv"
-    return KernelCost("_prefix_backward_kernel", what, flop, per_token(s, 1, ib) + reads + 2 * state(s)
+        reads, what = walk_dc_reads(s) + half(s, s.Dv), "reverse walk: dC from qc, dO; dv added to the window's"
+    totals = state(s) * nseg if nseg > 1 else 0
+    return KernelCost("_prefix_backward_kernel", what, flop, per_token(s, 1, ib) + reads + 2 * state(s) + totals
                       + half(s, s.Dv))
 
 
-def vq_kernels(s: Shape, n: int, K: int | None, dc: bool, ib: int) -> list[KernelCost]:
-    return [nonfinite_rows(s), nearest(s, ib), prefix(s, n, ib), forward(s, n, K, ib), output_delta(s),
-            window_backward(s), code_backward(s, n, K, dc, ib), prefix_backward(s, dc, ib)]
+def segments(steps: int, seg: int) -> int:
+    """Segments of a walk of ``steps`` split into ``seg`` steps each (1: not split)."""
+    return -(-steps // seg) if 0 < seg < steps else 1
+
+
+def split_kernels(s: Shape, seg: int, ib: int) -> list[KernelCost]:
+    """The split walks' extra kernels: each segment's sums (forward: Δᵀ V of its blocks; backward: its blocks'
+    dC, formed from the queries), written as float32 states, and the two scans that read and rewrite them."""
+    forward_segs, backward_segs = segments(s.nb + 1, seg), segments(s.nb, seg)
+    return [
+        KernelCost("_prefix_segment_kernel", f"walk: {forward_segs} segments' sums", block_products(s, s.S, s.Dv),
+                   per_token(s, 1, ib) + half(s, s.Dv) + forward_segs * state(s)),
+        KernelCost("_segment_scan_kernel", "both walks: the segments' running sums (2 launches)", 0,
+                   2 * (forward_segs + backward_segs) * state(s) + state(s)),
+        KernelCost("_reverse_segment_kernel", f"reverse walk: {backward_segs} segments' dC sums",
+                   block_products(s, s.S, s.Dc, s.Dv), walk_dc_reads(s) + backward_segs * state(s)),
+    ]
+
+
+def vq_kernels(s: Shape, n: int, K: int | None, dc: bool, ib: int, seg: int = 0) -> list[KernelCost]:
+    """``seg``: the walks split into segments of that many steps (0: one walk per tile and sequence)."""
+    forward_segs, backward_segs = segments(s.nb + 1, seg), segments(s.nb, seg)
+    walk = prefix(s, n, ib)
+    if forward_segs > 1:  # every segment reads its first cache
+        walk = KernelCost(walk.name, walk.what, walk.flop, walk.bytes + forward_segs * state(s))
+    split = split_kernels(s, seg, ib) if forward_segs > 1 or backward_segs > 1 else []
+    return [nonfinite_rows(s), nearest(s, ib), *split[:2], walk, forward(s, n, K, ib), output_delta(s),
+            window_backward(s), code_backward(s, n, K, dc, ib), *split[2:],
+            prefix_backward(s, dc, ib, backward_segs)]
 
 
 def fla_kernels(s: Shape) -> list[KernelCost]:
@@ -256,15 +296,17 @@ def fla_kernels(s: Shape) -> list[KernelCost]:
     ]
 
 
-def kernels(design: str, shape: Shape, K: int = 8, index_bytes: int = INDEX_BYTES) -> list[KernelCost]:
+def kernels(design: str, shape: Shape, K: int = 8, index_bytes: int = INDEX_BYTES,
+            segment_steps: int = SEGMENT_STEPS) -> list[KernelCost]:
     """The kernels of one fwd+bwd step of ``design`` (one of :data:`DESIGNS`) at ``shape``; ``K`` the blocks of a
-    superblock."""
+    superblock, ``segment_steps`` a split walk's segment (walk_dc_split)."""
     if design == "fla":
         return fla_kernels(shape)
     if design == "superblock":
         return vq_kernels(shape, -(-shape.nb // K), K, False, index_bytes)
-    if design in ("today", "no_dc"):
-        return vq_kernels(shape, shape.nb, None, design == "today", index_bytes)
+    if design in ("block_dc", "walk_dc", "walk_dc_split"):
+        seg = segment_steps if design == "walk_dc_split" else 0
+        return vq_kernels(shape, shape.nb, None, design == "block_dc", index_bytes, seg)
     raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
 
 

@@ -23,6 +23,7 @@ from layer_speed import build
 from torch.profiler import ProfilerActivity, profile
 
 from vqattn.layers import ATTENTIONS
+from vqattn.ops.triton import block_caches
 
 
 def add_precision_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,9 +88,13 @@ def main(argv=None) -> None:
     parser.add_argument("--block-len", type=int, default=None)
     parser.add_argument("--impl", default="auto", choices=["auto", "chunk", "triton"])
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--segment-steps", type=int, default=None,
+                        help="the cache walks' segments (block_caches.SEGMENT_STEPS): 0 never splits; default: the "
+                             "GPU chooses")
     add_precision_arguments(parser)
     args = parser.parse_args(argv)
     set_precision(args)
+    block_caches.SEGMENT_STEPS = args.segment_steps
     torch.manual_seed(0)
     step = op_step(args) if args.what == "op" else layer_step(args)
     for _ in range(2):  # warm-up: Triton's compilation and the allocator's pools
@@ -152,10 +157,15 @@ def floor_rows(args, measured: dict[str, float], gpu: str | None) -> list[str]:
         return ["no floor model for this GPU (kernel_floor.GPUS)"]
     code_dims = 32 if args.what == "layer" else 64  # a layer scores the codes on its 30 slow RoPE pairs, padded
     shape = Shape(B=args.batch, H=args.heads, T=args.length, S=args.num_codes, Dc=code_dims)
-    rows = [f"\nagainst the floor on an {gpu} (kernel_floor.py, design today)",
+    # the walks split as the kernels split them here
+    programs = -(-args.num_codes // block_caches._code_tile(64)) * args.batch * args.heads
+    seg_steps, nseg = block_caches._segments(shape.nb + 1, programs, torch.device("cuda"))
+    design = "walk_dc_split" if nseg > 1 else "walk_dc"
+    rows = [f"\nagainst the floor on an {gpu} (kernel_floor.py, design {design}"
+            + (f", segments of {seg_steps} steps)" if nseg > 1 else ")"),
             "| kernel | measured ms | floor ms | floor / measured |", "|---|---:|---:|---:|"]
     modelled = 0.0
-    for cost in kernels("today", shape):
+    for cost in kernels(design, shape, segment_steps=seg_steps):
         ms, floor = measured.get(cost.name), cost.floor_s(gpu) * 1000
         if ms is None:
             continue

@@ -12,7 +12,7 @@ import pytest
 # One (T, 16) half tensor: 256·16·2 = 8192 bytes; one (T,) float32: 1024; the codes: 2048.
 # A cache: S·(Dv·2 + 4) = 8·36 = 288 bytes, four of them 1152; a cache gradient 8·16·2 = 256, four 1024;
 # the float32 state S·(Dv + 1)·4 = 544; the float32 codebook 8·16·4 = 512.
-TODAY = {
+BLOCK_DC = {
     # k and k_rot read, a bool per row of each written
     "_nonfinite_rows_kernel": (0, 8192 + 8192 + 256 + 256),
     # two TF32 products (each at twice a bf16 product's time) of 2·256·8·16 = 65536; k, both codebook parts
@@ -47,31 +47,57 @@ def small(kernel_floor):
     return kernel_floor.Shape(B=1, H=1, T=256, D=16, Dv=16, S=8, L=64, Dc=16)
 
 
-def test_today_counts_by_hand(kernel_floor, small):
-    costs = kernel_floor.kernels("today", small)
-    assert [c.name for c in costs] == list(TODAY)
-    assert {c.name: (c.flop, c.bytes) for c in costs} == TODAY
+def test_block_dc_counts_by_hand(kernel_floor, small):
+    costs = kernel_floor.kernels("block_dc", small)
+    assert [c.name for c in costs] == list(BLOCK_DC)
+    assert {c.name: (c.flop, c.bytes) for c in costs} == BLOCK_DC
 
 
-def test_no_dc_moves_the_cache_gradient_into_the_walk(kernel_floor, small):
-    today = {c.name: c for c in kernel_floor.kernels("today", small)}
-    no_dc = {c.name: c for c in kernel_floor.kernels("no_dc", small)}
+def test_walk_dc_moves_the_cache_gradient_into_the_walk(kernel_floor, small):
+    block_dc = {c.name: c for c in kernel_floor.kernels("block_dc", small)}
+    walk_dc = {c.name: c for c in kernel_floor.kernels("walk_dc", small)}
     code, walk = "_code_backward_kernel", "_prefix_backward_kernel"
-    assert no_dc[code].flop == today[code].flop - 4 * 16384 and no_dc[code].bytes == today[code].bytes - 1024
-    # the walk forms dC itself: qc·cᵀ and wᵀ·dO a block, reading qc, dO, lse and the codebook instead of dC
-    assert no_dc[walk].flop == today[walk].flop + 4 * 2 * 16384
-    assert no_dc[walk].bytes == today[walk].bytes - 1024 + 2 * 8192 + 1024 + 512
+    assert walk_dc[code].flop == block_dc[code].flop - 4 * 16384 and walk_dc[code].bytes == block_dc[code].bytes - 1024
+    # the walk forms dC itself: qc·cᵀ and wᵀ·dO a block, reading qc, dO, lse, the codebook and the four blocks'
+    # counts (4·8·4 = 128) instead of dC, and reads the window's dv (8192) to add its own
+    assert walk_dc[walk].flop == block_dc[walk].flop + 4 * 2 * 16384
+    assert walk_dc[walk].bytes == block_dc[walk].bytes - 1024 + 2 * 8192 + 1024 + 512 + 128 + 8192
+
+
+def test_split_walks_by_hand(kernel_floor, small):
+    """Segments of 2 steps: the forward walk's 5 steps in 3 segments, the reverse walk's 4 in 2; a segment's sum
+    is a float32 state, 544 bytes."""
+    walk_dc = {c.name: c for c in kernel_floor.kernels("walk_dc", small)}
+    costs = kernel_floor.kernels("walk_dc_split", small, segment_steps=2)
+    split = {c.name: c for c in costs}
+    assert [c.name for c in costs] == ["_nonfinite_rows_kernel", "_nearest_kernel", "_prefix_segment_kernel",
+                                       "_segment_scan_kernel", "_prefix_kernel", "_window_code_forward_kernel",
+                                       "_output_delta_kernel", "_window_backward_kernel", "_code_backward_kernel",
+                                       "_reverse_segment_kernel", "_prefix_backward_kernel"]
+    # Δᵀ V of every block; codes and v read, three sums written
+    assert (split["_prefix_segment_kernel"].flop, split["_prefix_segment_kernel"].bytes) == (
+        4 * 16384, 2048 + 8192 + 3 * 544)
+    # both scans read and write their sums, the forward's also reads the initial cache
+    assert split["_segment_scan_kernel"].bytes == 2 * (3 + 2) * 544 + 544
+    # dC of every block: qc·cᵀ and wᵀ·dO; qc, dO, lse, the codebook and the counts read, two sums written
+    assert (split["_reverse_segment_kernel"].flop, split["_reverse_segment_kernel"].bytes) == (
+        4 * 2 * 16384, 2 * 8192 + 1024 + 512 + 128 + 2 * 544)
+    # each walk reads its segments' starts
+    assert split["_prefix_kernel"].bytes == walk_dc["_prefix_kernel"].bytes + 3 * 544
+    assert split["_prefix_backward_kernel"].bytes == walk_dc["_prefix_backward_kernel"].bytes + 2 * 544
+    # segments that cover the walk split nothing
+    assert kernel_floor.kernels("walk_dc_split", small, segment_steps=8) == kernel_floor.kernels("walk_dc", small)
 
 
 def test_superblock_gathers_the_keys_between_its_caches(kernel_floor, small):
     # K = 2: query blocks 1, 2, 3 read (b − 1) mod 2 = 0, 1, 0 blocks through their codes; 2 caches a sequence
     assert kernel_floor.gathered_blocks(4, 2) == 1
     costs = {c.name: c for c in kernel_floor.kernels("superblock", small, K=2)}
-    today = {c.name: c for c in kernel_floor.kernels("today", small)}
+    block_dc = {c.name: c for c in kernel_floor.kernels("block_dc", small)}
     forward = "_window_code_forward_kernel"
     # one (64, 64) tile more, qc·c_zᵀ and p·v; two caches fewer (2·288 bytes), the codes read
-    assert costs[forward].flop == today[forward].flop + 2 * 131072
-    assert costs[forward].bytes == today[forward].bytes - 2 * 288 + 2048
+    assert costs[forward].flop == block_dc[forward].flop + 2 * 131072
+    assert costs[forward].bytes == block_dc[forward].bytes - 2 * 288 + 2048
 
 
 def test_floors_take_the_larger_term(kernel_floor):
@@ -82,12 +108,12 @@ def test_floors_take_the_larger_term(kernel_floor):
     assert memory.floor_s("H200") == pytest.approx(max(1.0, 3 * bandwidth / kernel_floor.GPUS["H200"][1]))
 
 
-def test_fla_and_today_at_the_benchmark_shape(kernel_floor):
-    """The issue's figures: today 962 GFLOP and about 2.8 ms on an H100; fla 120 GFLOP, 4.29 GB, 1.28 ms."""
+def test_fla_and_block_dc_at_the_benchmark_shape(kernel_floor):
+    """The plan's figures: block_dc 962 GFLOP and about 2.8 ms on an H100; fla 120 GFLOP, 4.29 GB, 1.28 ms."""
     shape = kernel_floor.Shape(B=8, H=16, T=8192)
-    today, fla = kernel_floor.kernels("today", shape), kernel_floor.kernels("fla", shape)
-    assert sum(c.flop for c in today) / 1e9 == pytest.approx(962, abs=1)
-    assert sum(c.floor_s("H100") for c in today) * 1e3 == pytest.approx(2.8, abs=0.05)
+    block_dc, fla = kernel_floor.kernels("block_dc", shape), kernel_floor.kernels("fla", shape)
+    assert sum(c.flop for c in block_dc) / 1e9 == pytest.approx(962, abs=1)
+    assert sum(c.floor_s("H100") for c in block_dc) * 1e3 == pytest.approx(2.8, abs=0.05)
     assert sum(c.flop for c in fla) / 1e9 == pytest.approx(120, abs=1)
     assert sum(c.bytes for c in fla) / 1e9 == pytest.approx(4.29, abs=0.01)
 
@@ -99,7 +125,7 @@ def test_gpu_names(kernel_floor):
 
 
 def test_cli_prints_every_design(kernel_floor, capsys):
-    kernel_floor.main(["--length", "8192", "--designs", "today", "superblock", "--superblock-blocks", "4", "8"])
+    kernel_floor.main(["--length", "8192", "--designs", "block_dc", "superblock", "--superblock-blocks", "4", "8"])
     out = capsys.readouterr().out
     assert out.count("| **total** |") == 3 and "_prefix_backward_kernel" in out
     with pytest.raises(ValueError):
@@ -109,4 +135,4 @@ def test_cli_prints_every_design(kernel_floor, capsys):
 def test_the_script_runs():
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_floor.py"
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True).stdout
-    assert out.count("| **total** |") == 8  # four designs at 8k and 32k
+    assert out.count("| **total** |") == 10  # five designs at 8k and 32k

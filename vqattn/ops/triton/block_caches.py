@@ -34,11 +34,16 @@ if triton is not None:
 
 # Floats of one program's running tile of value sums (codes × value dims) kept in registers.
 TILE_FLOATS = 4096
-# Steps of a cache walk per program. One program per tile of codes and sequence walks its blocks in sequence, each
-# step waiting on memory: at 8192 tokens (B·H = 128, S = 512) 1024 programs of 128 steps each. Split into segments
-# (fla's chunk_h_split), the segments' sums are formed in parallel, a short scan gives every segment its first
-# cache, and the segments walk in parallel; 0: one walk per program.
-SEGMENT_STEPS = 16
+# Steps of a cache walk per program: None chooses by the GPU (:func:`_segments`), 0 never splits, n > 0 splits into
+# segments of n steps. One program per tile of codes and sequence walks the blocks in sequence, each step waiting on
+# memory; split into segments (fla's chunk_h_split), the segments' sums are formed in parallel, a short scan gives
+# every segment its start, and the segments walk in parallel: more programs, each walk shorter, for twice the steps
+# and the segments' sums in memory. That pays only where the unsplit programs leave SMs idle.
+SEGMENT_STEPS: int | None = None
+# Programs of a walk per SM that fill it (the walks fit two per SM by their registers).
+WALK_PROGRAMS_PER_SM = 2
+# The fewest steps a segment takes when the GPU chooses.
+MIN_SEGMENT_STEPS = 8
 
 
 if triton is not None:
@@ -423,7 +428,8 @@ def prefix_forward(index, weights, v, counts0, sums0, *, block_len: int, fold: i
     meta = dict(L=block_len, BS=_code_tile(BDV), BDV=BDV, HARD=hard, DOT=dot, PREC=prec)
     grid = (triton.cdiv(S, meta["BS"]), B * H)
     inputs = dict(IDX=idx, WTS=wts, V=v, sv_b=v.stride(0), sv_h=v.stride(1), sv_t=v.stride(2), H=H, T=T, S=S, DV=DV)
-    seg_steps, nseg = _segments(nb + 1)  # the walk's steps: one per block, and one past the last
+    # the walk's steps: one per block, and one past the last
+    seg_steps, nseg = _segments(nb + 1, grid[0] * grid[1], v.device)
     base_n, base_c = n0, c0
     if nseg > 1:  # every segment's first cache, from the segments' sums
         base_n, base_c = torch.empty(B * H, nseg, S, **f32), torch.empty(B * H, nseg, S, DV, **f32)
@@ -436,10 +442,18 @@ def prefix_forward(index, weights, v, counts0, sums0, *, block_len: int, fold: i
     return Prefix(idx, wts, v, meta, grid, fold, cache_n, cache_c, fold_n, fold_c)
 
 
-def _segments(steps: int) -> tuple[int, int]:
-    """A walk of ``steps`` sequential steps split into segments of :data:`SEGMENT_STEPS` (one segment if that is
-    0 or covers them all): (steps per segment, segments)."""
-    seg_steps = SEGMENT_STEPS if 0 < SEGMENT_STEPS < steps else steps
+def _segments(steps: int, programs: int, device: torch.device) -> tuple[int, int]:
+    """A walk of ``steps`` sequential steps in each of ``programs`` programs, split into segments: (steps per
+    segment, segments). :data:`SEGMENT_STEPS` when set; else on a GPU as many segments as fill its SMs
+    (:data:`WALK_PROGRAMS_PER_SM` each) with the unsplit programs too few to, each of at least
+    :data:`MIN_SEGMENT_STEPS` steps; one segment under the interpreter."""
+    seg_steps = SEGMENT_STEPS
+    if seg_steps is None:
+        slots = WALK_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count \
+            if device.type == "cuda" else 0
+        wanted = triton.cdiv(slots, programs)
+        seg_steps = max(MIN_SEGMENT_STEPS, triton.cdiv(steps, wanted)) if wanted > 1 else 0
+    seg_steps = seg_steps if 0 < seg_steps < steps else steps
     return seg_steps, triton.cdiv(steps, seg_steps)
 
 
@@ -475,7 +489,8 @@ def reverse_walk(p: Prefix, d_fold_n, d_fold_c, *, d_cache_n=None, d_cache_c=Non
         dval.copy_(d_values) if d_values is not None else dval.zero_()
     d_weights = dval if hard else torch.empty(B, H, T, S, **f32)
     walk = _walk_arguments(p, queries) if queries is not None else _read_arguments(p, d_cache_n, d_cache_c)
-    seg_steps, nseg = _segments(triton.cdiv(T, p.meta["L"]))  # the reverse walk's steps: one per block
+    # the reverse walk's steps: one per block
+    seg_steps, nseg = _segments(triton.cdiv(T, p.meta["L"]), p.grid[0] * p.grid[1], p.v.device)
     totals_n = totals_c = d_n0  # unread without segments
     if nseg > 1:  # every segment's running sum from its later segments' sums
         totals_n, totals_c = torch.empty(B * H, nseg, S, **f32), torch.empty(B * H, nseg, S, DV, **f32)
