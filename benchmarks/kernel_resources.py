@@ -56,6 +56,7 @@ def record(args, path: str) -> None:
 
     import vqattn.codebook as codebook
     import vqattn.ops.nonfinite as nonfinite
+    import vqattn.ops.triton.block_caches as block_caches
     import vqattn.ops.triton.finite as finite
     import vqattn.ops.triton.nearest as nearest
     import vqattn.ops.triton.rotation as rotation
@@ -70,6 +71,7 @@ def record(args, path: str) -> None:
     for module in (nearest, assign, codebook):
         module.runs_assignment_kernels = assignment_kernels
     window_codes.INTERPRET = False
+    block_caches.SEGMENT_STEPS = args.segment_steps
     window_codes._capability = lambda device: divmod(args.arch, 10)  # the launch settings of the GPU compiled for
 
     launches = {}
@@ -192,6 +194,9 @@ def main(argv=None) -> None:
     parser.add_argument("--block-len", type=int, default=None)
     parser.add_argument("--arch", type=int, default=90, help="the compute capability compiled for (90: H100, H200)")
     parser.add_argument("--dump", help="a folder to write each launch's SASS listing to")
+    parser.add_argument("--segment-steps", type=int, default=None,
+                        help="split the cache walks into segments of this many steps (block_caches.SEGMENT_STEPS; "
+                             "a recorded step runs on the CPU, where they split only so)")
     parser.add_argument("--compiler-python", default=sys.executable,
                         help="the Python (and so the Triton) that compiles the launches (default: this one)")
     add_precision_arguments(parser)

@@ -211,6 +211,47 @@ def test_backward_writes_no_per_block_cache_gradient(assign):
     assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in (q, v))
 
 
+@pytest.mark.parametrize("assign", ["hard", "soft"])
+def test_nonfinite_window_keys_are_zeroed_in_the_kernels(assign):
+    """A NaN in the window's keys of a call whose keys come assigned (as the layers call): the kernels read its row
+    as zeros, so exactly the queries that see it are NaN (the poison) and the others are the clean call's; its
+    gradient is 0; no masked copy of the keys or of their gradient is made; a returned state keeps the row
+    zeroed."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class MaskedCopies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.startswith("masked_fill"):
+                self.shapes.append(tuple(args[0].shape))
+            return func(*args, **(kwargs or {}))
+
+    T, J = 100, 70  # J in the raw window a state keeps (positions 64..99)
+    q, k, v, c, q_rot, k_rot = (x.detach().to(DEVICE, torch.float32) for x in vq_inputs(assign, "rotated", T))
+    a = vq_assign(k[..., :c.shape[-1]], c, assign=assign)
+    k_rot_bad = k_rot.clone()
+    k_rot_bad[1, 0, J, 3] = float("nan")
+    kw = dict(causal=True, assign=assign, block_len=L, exact_window=True, impl="triton", q_rot=q_rot, assignment=a)
+    clean = vq_attention(q, k, v, c, k_rot=k_rot, **kw)
+    k_rot_bad.requires_grad_()
+    with MaskedCopies() as copies:
+        out = vq_attention(q, k, v, c, k_rot=k_rot_bad, **kw)
+        seen = torch.zeros(out.shape[:3], dtype=torch.bool, device=out.device)
+        seen[1, 0, J:] = True
+        out[~seen].sum().backward()
+    assert [shape for shape in copies.shapes if len(shape) == 4] == []
+    assert torch.equal(out.isnan().any(-1), seen) and out.isnan().all(-1)[seen].all()
+    torch.testing.assert_close(out[~seen], clean[~seen], rtol=0, atol=1e-6)
+    grad = k_rot_bad.grad
+    assert torch.isfinite(grad).all() and (grad[1, 0, J] == 0).all() and grad.abs().sum() > 0
+    _, state = vq_attention(q, k, v, c, k_rot=k_rot_bad.detach(), return_state=True, **kw)
+    kept = state.keys.shape[2]
+    assert torch.isfinite(state.keys).all() and (state.keys[1, 0, J - (T - kept)] == 0).all()
+
+
 @pytest.mark.parametrize("assign,window", [("hard", "exact"), ("soft", "rotated")])
 def test_bfloat16_inputs(assign, window):
     """bf16 q, k, v (and codebook) accumulate in float32: within bf16's rounding of the float64 definition. The

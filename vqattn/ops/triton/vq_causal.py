@@ -38,9 +38,9 @@ class VQCausal(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qw, kw, v, qc, codebook, index, weights, counts0, sums0, code_bias, scale: float, L: int,
-                fold: int):
+                fold: int, bad):
         p = prefix_forward(index, weights, v, counts0, sums0, block_len=L, fold=fold)
-        f = window_code_forward(qw, kw, v, qc, codebook, p.cache_n, p.cache_c, code_bias, scale, L)
+        f = window_code_forward(qw, kw, v, qc, codebook, p.cache_n, p.cache_c, code_bias, scale, L, bad=bad)
         if p.hard and not ctx.needs_input_grad[7]:  # counts of one-hot rows: no gradient reaches anything
             ctx.mark_non_differentiable(p.fold_n)
         ctx.save_for_backward(*(getattr(f, name) for name in TENSORS), *(getattr(p, name) for name in PREFIX_TENSORS))
@@ -64,18 +64,21 @@ class VQCausal(torch.autograd.Function):
         d_values, d_weights, d_n0, d_c0 = reverse_walk(p, d_fold_n, d_fold_c, queries=queries, d_values=dv)
         w_dtype, n_dtype, c_dtype = ctx.dtypes
         return (dqw, dkw, d_values, dqc[..., :f.code_dims], codebook_gradient(f, dcb), None,
-                None if p.hard else d_weights.to(w_dtype), d_n0.to(n_dtype), d_c0.to(c_dtype), None, None, None, None)
+                None if p.hard else d_weights.to(w_dtype), d_n0.to(n_dtype), d_c0.to(c_dtype), None, None, None, None,
+                None)
 
 
 @torch.compiler.disable  # a graph break: torch.compile runs the kernels as they are
 def fused_vq_causal(qw, kw, v, qc, codebook, index, weights, counts0, sums0, *, code_bias, scale: float,
-                    block_len: int, fold: int):
+                    block_len: int, fold: int, bad=None):
     """Causal codebook attention of every query block over its window and the cache of the blocks before it.
 
     qw, kw (B, H, T, D) the window's queries and keys, v (B, H, T, Dv), qc (B, H, T, Dc) the code queries, codebook
     (H, S, Dc); index (B, H, T) long (hard) or weights (B, H, T, S) (soft; the other None); counts0 (B, H, S),
     sums0 (B, H, S, Dv) the cache before position 0; code_bias (nb,) the code logits' bias per query block or
-    None. Returns out (B, H, T, Dv) in the inputs' dtype and the state (B, H, S), (B, H, S, Dv) float32 after the
-    first ``fold`` blocks; differentiable in every tensor but index and code_bias.
+    None; bad (B, H, T) bool the rows of kw read as zeros (non-finite keys; their gradient is 0), or None. Returns
+    out (B, H, T, Dv) in the inputs' dtype and the state (B, H, S), (B, H, S, Dv) float32 after the first ``fold``
+    blocks; differentiable in every tensor but index, code_bias and bad.
     """
-    return VQCausal.apply(qw, kw, v, qc, codebook, index, weights, counts0, sums0, code_bias, scale, block_len, fold)
+    return VQCausal.apply(qw, kw, v, qc, codebook, index, weights, counts0, sums0, code_bias, scale, block_len, fold,
+                          bad)

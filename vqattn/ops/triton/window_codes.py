@@ -153,6 +153,18 @@ if triton is not None:
         return tl.dot(k, tl.trans(c), input_precision=PREC)
 
     @triton.jit
+    def _window_keys(KW, BAD, skw_b, skw_h, skw_t, b, h, bh, rows, T, D, L: tl.constexpr, BD: tl.constexpr,
+                     DOT: tl.constexpr, HAS_BAD: tl.constexpr):
+        """The window's keys of ``rows`` (L, BD) as DOT, and with HAS_BAD which of them are bad (L,) (non-finite:
+        read as zeros, as the unfused forms zero them beforehand; their gradient is 0)."""
+        kw = _load_rows(KW, skw_b, skw_h, skw_t, b, h, rows, T, D, BD, DOT)
+        bad = tl.zeros([L], tl.int1)
+        if HAS_BAD:
+            bad = tl.load(BAD + bh * T + rows, mask=(rows >= 0) & (rows < T), other=0) != 0
+            kw = tl.where(bad[:, None], tl.zeros_like(kw), kw)
+        return kw, bad
+
+    @triton.jit
     def _window_logits(qw, kw, rows, cols, T, scale2, PREC: tl.constexpr):
         """σ qw·kwᵀ (L, L) in base 2 (``scale2`` = σ log2 e), −inf where a key is after the query or outside the
         sequence."""
@@ -207,13 +219,13 @@ if triton is not None:
         return m_new, z, acc
 
     @triton.jit
-    def _window_code_forward_kernel(QW, KW, V, QC, CB, CNT, SUM, BIAS, O, LSE,
+    def _window_code_forward_kernel(QW, KW, V, QC, CB, CNT, SUM, BIAS, BAD, O, LSE,
                         sqw_b, sqw_h, sqw_t, skw_b, skw_h, skw_t, sv_b, sv_h, sv_t, sqc_b, sqc_h, sqc_t,
                         so_b, so_h, so_t,
                         H, T, S, D, DC, DV, scale,
                         L: tl.constexpr, BD: tl.constexpr, BDC: tl.constexpr, BDV: tl.constexpr,
                         BS: tl.constexpr, HAS_CODES: tl.constexpr, PER_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        DOT: tl.constexpr, SUM_DOT: tl.constexpr, PREC: tl.constexpr):
+                        DOT: tl.constexpr, SUM_DOT: tl.constexpr, PREC: tl.constexpr, HAS_BAD: tl.constexpr):
         blk, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // H, bh % H
         nb = tl.cdiv(T, L)
@@ -225,9 +237,9 @@ if triton is not None:
         acc = tl.zeros([L, BDV], tl.float32)
         # both blocks' keys and values loaded before either is scored: one trip to memory, not two
         cols = rows - L
-        kw_prev = _load_rows(KW, skw_b, skw_h, skw_t, b, h, cols, T, D, BD, DOT)
+        kw_prev, bad_prev = _window_keys(KW, BAD, skw_b, skw_h, skw_t, b, h, bh, cols, T, D, L, BD, DOT, HAS_BAD)
         v_prev = _load_rows(V, sv_b, sv_h, sv_t, b, h, cols, T, DV, BDV, DOT)
-        kw = _load_rows(KW, skw_b, skw_h, skw_t, b, h, rows, T, D, BD, DOT)
+        kw, bad = _window_keys(KW, BAD, skw_b, skw_h, skw_t, b, h, bh, rows, T, D, L, BD, DOT, HAS_BAD)
         v = _load_rows(V, sv_b, sv_h, sv_t, b, h, rows, T, DV, BDV, DOT)
         ones = tl.full([L], 1.0, tl.float32)
         # the current block first: its diagonal keeps every row's max finite from the start
@@ -279,11 +291,11 @@ if triton is not None:
         return p.to(DOT), ds.to(DOT)
 
     @triton.jit
-    def _window_backward_kernel(QW, KW, V, DO, LSE, DELTA, DQW, DKW, DV_,
+    def _window_backward_kernel(QW, KW, V, DO, LSE, DELTA, BAD, DQW, DKW, DV_,
                                 sqw_b, sqw_h, sqw_t, skw_b, skw_h, skw_t, sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t,
                                 sdqw_b, sdqw_h, sdqw_t, sdkw_b, sdkw_h, sdkw_t, sdv_b, sdv_h, sdv_t,
                                 H, T, D, DV, scale, L: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-                                DOT: tl.constexpr, PREC: tl.constexpr):
+                                DOT: tl.constexpr, PREC: tl.constexpr, HAS_BAD: tl.constexpr):
         """The window's gradients: of query block blk (dqw), and of key block blk's window keys and values (dkw,
         dv), each written once, in its input's dtype, by its own strides (the inputs' memory order). Key block blk
         is read by query blocks blk and blk + 1, so the program recomputes the next block's probabilities over it
@@ -301,9 +313,9 @@ if triton is not None:
         do_n, lse_n, delta_n = _output_grads(DO, LSE, DELTA, sdo_b, sdo_h, sdo_t, b, h, bh, next_rows, T, DV, BDV,
                                              DOT)
         cols = rows - L
-        kw_prev = _load_rows(KW, skw_b, skw_h, skw_t, b, h, cols, T, D, BD, DOT)
+        kw_prev, bad_prev = _window_keys(KW, BAD, skw_b, skw_h, skw_t, b, h, bh, cols, T, D, L, BD, DOT, HAS_BAD)
         v_prev = _load_rows(V, sv_b, sv_h, sv_t, b, h, cols, T, DV, BDV, DOT)
-        kw = _load_rows(KW, skw_b, skw_h, skw_t, b, h, rows, T, D, BD, DOT)
+        kw, bad = _window_keys(KW, BAD, skw_b, skw_h, skw_t, b, h, bh, rows, T, D, L, BD, DOT, HAS_BAD)
         v = _load_rows(V, sv_b, sv_h, sv_t, b, h, rows, T, DV, BDV, DOT)
         # the previous key block: its share of dq (its own dk and dv are the previous program's)
         p, ds = _window_grads(qw, kw_prev, v_prev, do_dot, lse, delta, rows, cols, T, scale2, DOT, PREC)
@@ -318,7 +330,7 @@ if triton is not None:
         p, ds = _window_grads(qn, kw, v, do_n, lse_n, delta_n, next_rows, rows, T, scale2, DOT, PREC)
         dk = tl.dot(tl.trans(ds), qn, dk, input_precision=PREC)
         dv = tl.dot(tl.trans(p), do_n, dv, input_precision=PREC)
-        _store_rows(DKW, sdkw_b, sdkw_h, sdkw_t, b, h, rows, T, D, dk * scale, BD)
+        _store_rows(DKW, sdkw_b, sdkw_h, sdkw_t, b, h, rows, T, D, tl.where(bad[:, None], 0.0, dk * scale), BD)
         _store_rows(DV_, sdv_b, sdv_h, sdv_t, b, h, rows, T, DV, dv, BDV)
 
     @triton.jit
@@ -478,6 +490,7 @@ class WindowCodes:
     cnt: torch.Tensor
     sm: torch.Tensor
     bias: torch.Tensor
+    bad: torch.Tensor  # (B·H, T) uint8: window keys read as zeros (non-finite); qw without any (unread)
     out: torch.Tensor
     lse: torch.Tensor
     meta: dict
@@ -489,8 +502,10 @@ class WindowCodes:
         return self.meta["HAS_CODES"]
 
 
-def window_code_forward(qw, kw, v, qc, codebook, counts, sums, code_bias, scale: float, L: int) -> WindowCodes:
-    """The forward kernel's launch (see :func:`fused_window_code_attention`); ``.out`` holds the output."""
+def window_code_forward(qw, kw, v, qc, codebook, counts, sums, code_bias, scale: float, L: int,
+                        bad=None) -> WindowCodes:
+    """The forward kernel's launch (see :func:`fused_window_code_attention`); ``.out`` holds the output. ``bad``
+    (B, H, T) bool: rows of kw the kernels read as zeros, or None."""
     B, H, T, D = qw.shape
     has_codes = codebook is not None
     S, code_dims = codebook.shape[-2:] if has_codes else (0, 0)
@@ -501,6 +516,7 @@ def window_code_forward(qw, kw, v, qc, codebook, counts, sums, code_bias, scale:
     cnt = counts.contiguous() if has_codes else qw
     sm = sums.contiguous() if has_codes else qw
     bias = code_bias.float().contiguous() if code_bias is not None else qw
+    bad_rows = bad.contiguous().view(torch.uint8) if bad is not None else qw
     # in v's memory order, token-major in a layer: its (B, T, H·Dv) reshape for the output projection is a view
     out = empty_like_order(v)
     lse = torch.empty(B * H, T, device=qw.device, dtype=torch.float32)
@@ -508,13 +524,14 @@ def window_code_forward(qw, kw, v, qc, codebook, counts, sums, code_bias, scale:
     DC = cb.shape[-1] if has_codes else 0  # the kernels see the padded width
     meta = dict(L=L, BD=_width(D), BDC=_width(DC), BDV=_width(DV), BS=CODE_TILE, HAS_CODES=has_codes,
                 PER_BLOCK=has_codes and codebook.dim() == 5, HAS_BIAS=has_codes and code_bias is not None,
-                DOT=dot, SUM_DOT=_sum_dot(dot), PREC=prec)
+                DOT=dot, SUM_DOT=_sum_dot(dot), PREC=prec, HAS_BAD=bad is not None)
     grid = (triton.cdiv(T, L), B * H)
     _window_code_forward_kernel[grid](
-        QW=qw, KW=kw, V=v, QC=qc, CB=cb, CNT=cnt, SUM=sm, BIAS=bias, O=out, LSE=lse, **_stride_args("qw", qw),
+        QW=qw, KW=kw, V=v, QC=qc, CB=cb, CNT=cnt, SUM=sm, BIAS=bias, BAD=bad_rows, O=out, LSE=lse,
+        **_stride_args("qw", qw),
         **_stride_args("kw", kw), **_stride_args("v", v), **_stride_args("qc", qc), **_stride_args("o", out),
         H=H, T=T, S=S, D=D, DC=DC, DV=DV, scale=float(scale), **meta, **FORWARD_LAUNCH)
-    return WindowCodes(qw, kw, v, qc, cb, cnt, sm, bias, out, lse, meta, float(scale), code_dims)
+    return WindowCodes(qw, kw, v, qc, cb, cnt, sm, bias, bad_rows, out, lse, meta, float(scale), code_dims)
 
 
 def output_delta(f: WindowCodes, grad_out: torch.Tensor) -> torch.Tensor:
@@ -532,11 +549,11 @@ def window_backward(f: WindowCodes, grad_out: torch.Tensor, delta: torch.Tensor)
     B, H, T, D = f.qw.shape
     dqw, dkw, dv = empty_like_order(f.qw), empty_like_order(f.kw), empty_like_order(f.v)
     _window_backward_kernel[(triton.cdiv(T, f.meta["L"]), B * H)](
-        QW=f.qw, KW=f.kw, V=f.v, DO=grad_out, LSE=f.lse, DELTA=delta, DQW=dqw, DKW=dkw, DV_=dv,
+        QW=f.qw, KW=f.kw, V=f.v, DO=grad_out, LSE=f.lse, DELTA=delta, BAD=f.bad, DQW=dqw, DKW=dkw, DV_=dv,
         **_stride_args("qw", f.qw), **_stride_args("kw", f.kw), **_stride_args("v", f.v),
         **_stride_args("do", grad_out), **_stride_args("dqw", dqw), **_stride_args("dkw", dkw),
         **_stride_args("dv", dv), H=H, T=T, D=D, DV=f.v.shape[-1], scale=f.scale, L=f.meta["L"], BD=f.meta["BD"],
-        BDV=f.meta["BDV"], DOT=f.meta["DOT"], PREC=f.meta["PREC"], **BACKWARD_LAUNCH)
+        BDV=f.meta["BDV"], DOT=f.meta["DOT"], PREC=f.meta["PREC"], HAS_BAD=f.meta["HAS_BAD"], **BACKWARD_LAUNCH)
     return dqw, dkw, dv
 
 
@@ -590,7 +607,7 @@ class FusedWindowCodes(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qw, kw, v, qc, codebook, counts, sums, code_bias, scale: float, L: int):
         f = window_code_forward(qw, kw, v, qc, codebook, counts, sums, code_bias, scale, L)
-        ctx.save_for_backward(f.qw, f.kw, f.v, f.qc, f.cb, f.cnt, f.sm, f.bias, f.out, f.lse)
+        ctx.save_for_backward(*(getattr(f, name) for name in TENSORS))
         ctx.forward = dataclasses.replace(f, **dict.fromkeys(TENSORS))  # the tensors are saved, not held
         return f.out
 
@@ -615,7 +632,7 @@ class FusedWindowCodes(torch.autograd.Function):
 
 
 # WindowCodes' tensor fields, in the order FusedWindowCodes saves them
-TENSORS = ("qw", "kw", "v", "qc", "cb", "cnt", "sm", "bias", "out", "lse")
+TENSORS = ("qw", "kw", "v", "qc", "cb", "cnt", "sm", "bias", "bad", "out", "lse")
 
 
 @torch.compiler.disable  # a graph break: torch.compile runs the kernels as they are

@@ -39,7 +39,7 @@ from ..common.memory_cap import block_memory_bias
 from ..common.records import replaced
 from ..common.statistics import Assignment, cat_time, code_counts, code_statistics, map_time
 from ..common.window_codes import WindowCodeInputs, window_code_attention
-from ..nonfinite import zero_assignment_rows
+from ..nonfinite import zero_assignment_rows, zero_rows
 from .fused import fused_causal
 from .mixture import mixture_attention
 from .state import Inputs, VQState
@@ -174,6 +174,7 @@ def _fused_causal(x: Inputs, *, L: int, counts0, sums0, fold_blocks: int, first_
     only kernel that would leak them, runs the chunk form)."""
     return fused_causal(x.q, x.k, x.v, x.codebook, x.assignment, L=L, scale=x.scale, exact_window=x.exact_window,
                         counts0=counts0, sums0=sums0, fold_blocks=fold_blocks, window_k=x.window_k, window_q=x.q_rot,
+                        window_bad=x.window_bad,
                         memory_bias=block_memory_bias(first_block, -(-x.q.shape[2] // L), L, x.memory_cap,
                                                       device=x.q.device, dtype=counts0.dtype))
 
@@ -219,4 +220,7 @@ def chunk_form(x: Inputs, state: VQState | None, *, return_state: bool, fused: b
         return out, None
     a = x.assignment
     window = x.assign_keys(x.k[:, :, keep:]) if a is None else map_time(lambda w: window_tail(w, keep), a)
-    return out, VQState(counts, sums, window_tail(x.window_k, keep), window_tail(x.v, keep), length, L, window)
+    keys = window_tail(x.window_k, keep)
+    if x.window_bad is not None:  # the kernels zeroed them as they read them; a state keeps them zeroed
+        keys = zero_rows(keys, window_tail(x.window_bad, keep))
+    return out, VQState(counts, sums, keys, window_tail(x.v, keep), length, L, window)

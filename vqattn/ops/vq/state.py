@@ -60,7 +60,9 @@ class Inputs(NamedTuple):
     Triton form, which accumulates in float32). q (B, H, T, Dc), k (B, H, T, D) or None (keys that come assigned),
     v (B, H, T, Dv); codebook (H, S, Dc); the keys' ``assignment``, or None for the chunk form to assign group by
     group (so that no (T, S) tensor exists at once); q_rot, k_rot the window's own queries and keys (RoPE) or None;
-    ``bad`` (B, H, T) the rows of non-finite keys, zeroed in k and k_rot, or None; block length L, scale σ."""
+    ``bad`` (B, H, T) the rows of non-finite keys, zeroed in k and k_rot, or None; block length L, scale σ.
+    ``window_bad``: those rows when k_rot (and k, then unread) keep them, for the fused kernels to zero as they read
+    the window's keys (no masked copy of the keys and of their gradient), or None."""
 
     q: torch.Tensor
     k: torch.Tensor | None
@@ -77,6 +79,7 @@ class Inputs(NamedTuple):
     exact_window: bool
     schedule: Schedule
     memory_cap: int | None = None
+    window_bad: torch.Tensor | None = None
 
     @property
     def window_k(self) -> torch.Tensor:
@@ -187,15 +190,18 @@ def _fused_unsupported(q, k, v, *, assign, exact_window, block_len, state) -> st
     return unsupported(L, (q.shape[-1], k.shape[-1], v.shape[-1]), q.dtype)
 
 
-def _without_nonfinite_keys(k, k_rot, *, causal: bool, state):
+def _without_nonfinite_keys(k, k_rot, *, causal: bool, state, in_kernel: bool = False):
     """k and k_rot with the rows of non-finite keys zeroed, those rows ``bad`` (B, H, T), and the poison (B, H, T, 1)
     that makes NaN the outputs that see them. Inside the kernels a bad key would also reach queries that cannot see
     it, so it reaches the outputs only through the poison (:mod:`vqattn.ops.nonfinite`). ``bad`` and the poison are
-    None when no key is bad and that is known for free (:func:`~vqattn.ops.nonfinite.may_be_nonfinite`)."""
+    None when no key is bad and that is known for free (:func:`~vqattn.ops.nonfinite.may_be_nonfinite`). With
+    ``in_kernel`` the keys stay as they are: the fused kernels zero the ``bad`` rows of the window's keys as they
+    read them, and nothing else reads k."""
     bad, poison = nonfinite_keys(k) if k_rot is None else nonfinite_keys(k, k_rot)
     if not may_be_nonfinite(bad):
         return k, k_rot, None, None
-    k, k_rot = zero_rows(k, bad), None if k_rot is None else zero_rows(k_rot, bad)
+    if not in_kernel:
+        k, k_rot = zero_rows(k, bad), None if k_rot is None else zero_rows(k_rot, bad)
     return k, k_rot, bad, visible_poison(poison, causal=causal, state_counts=None if state is None else state.counts)
 
 
@@ -217,13 +223,17 @@ def prepare(q, k, v, codebook, *, form: str, causal: bool, assign: str, temperat
     q, k, v, q_rot, k_rot = (None if t is None else t.to(tensor_dtype) for t in (q, k, v, q_rot, k_rot))
     c = codebook.to(dtype)
     c = c.unsqueeze(0).expand(q.shape[1], -1, -1) if c.dim() == 2 else c  # (H, S, Dc)
-    k, k_rot, bad, poison = _without_nonfinite_keys(k, k_rot, causal=causal, state=state)
+    # The fused causal blocks of a first call (a training step) whose keys come assigned read only the window's keys:
+    # those zero their bad rows in the kernels
+    in_kernel = (form == "triton" and causal and state is None and exact_window and k_rot is not None
+                 and assignment is not None)
+    k, k_rot, bad, poison = _without_nonfinite_keys(k, k_rot, causal=causal, state=state, in_kernel=in_kernel)
     if state is not None:
         state = state.to(dtype)
         state = dataclasses.replace(state, keys=state.keys.to(tensor_dtype), values=state.values.to(tensor_dtype))
     L = block_len or (state.block_len if state is not None else DEFAULT_BLOCK_LEN)
     x = Inputs(q, k, v, c, None, q_rot, k_rot, bad, assign, temperature, L,
                k.shape[-1] ** -0.5 if scale is None else scale,  # k's D: q's may be the codes' narrower width
-               exact_window, schedule, memory_cap)
+               exact_window, schedule, memory_cap, bad if in_kernel else None)
     whole = not causal or state is not None or form == "recurrent"
     return replaced(x, assignment=_keys_assignment(assignment, dtype, x, whole=whole)), state, poison
