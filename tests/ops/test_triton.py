@@ -211,12 +211,13 @@ def test_backward_writes_no_per_block_cache_gradient(assign):
     assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in (q, v))
 
 
-@pytest.mark.parametrize("assign", ["hard", "soft"])
-def test_nonfinite_window_keys_are_zeroed_in_the_kernels(assign):
-    """A NaN in the window's keys of a call whose keys come assigned (as the layers call): the kernels read its row
-    as zeros, so exactly the queries that see it are NaN (the poison) and the others are the clean call's; its
-    gradient is 0; no masked copy of the keys or of their gradient is made; a returned state keeps the row
-    zeroed."""
+@pytest.mark.parametrize("assign,given", [("hard", True), ("soft", True), ("hard", False)])
+@pytest.mark.parametrize("where", ["k_rot", "k"])
+def test_nonfinite_window_keys_are_zeroed_in_the_kernels(assign, given, where):
+    """A NaN in a key (the window's k_rot, or k, which the assignment reads) of a call whose keys come assigned (as
+    the layers call) or are assigned hard inside: the kernels read its window row as zeros, so exactly the queries
+    that see it are NaN (the poison) and the others are the clean call's; its gradient is 0; no masked copy of the
+    keys or of their gradient is made; a returned state keeps the row zeroed."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class MaskedCopies(TorchDispatchMode):
@@ -231,14 +232,16 @@ def test_nonfinite_window_keys_are_zeroed_in_the_kernels(assign):
 
     T, J = 100, 70  # J in the raw window a state keeps (positions 64..99)
     q, k, v, c, q_rot, k_rot = (x.detach().to(DEVICE, torch.float32) for x in vq_inputs(assign, "rotated", T))
-    a = vq_assign(k[..., :c.shape[-1]], c, assign=assign)
-    k_rot_bad = k_rot.clone()
-    k_rot_bad[1, 0, J, 3] = float("nan")
+    # every key of the codes' width (an assignment inside reads k with the codebook)
+    k, q_rot, k_rot = (x[..., :c.shape[-1]].contiguous() for x in (k, q_rot, k_rot))
+    a = vq_assign(k, c, assign=assign) if given else None
+    k_bad, k_rot_bad = k.clone(), k_rot.clone()
+    (k_rot_bad if where == "k_rot" else k_bad)[1, 0, J, 3] = float("nan")
     kw = dict(causal=True, assign=assign, block_len=L, exact_window=True, impl="triton", q_rot=q_rot, assignment=a)
     clean = vq_attention(q, k, v, c, k_rot=k_rot, **kw)
     k_rot_bad.requires_grad_()
     with MaskedCopies() as copies:
-        out = vq_attention(q, k, v, c, k_rot=k_rot_bad, **kw)
+        out = vq_attention(q, k_bad, v, c, k_rot=k_rot_bad, **kw)
         seen = torch.zeros(out.shape[:3], dtype=torch.bool, device=out.device)
         seen[1, 0, J:] = True
         out[~seen].sum().backward()
@@ -247,7 +250,7 @@ def test_nonfinite_window_keys_are_zeroed_in_the_kernels(assign):
     torch.testing.assert_close(out[~seen], clean[~seen], rtol=0, atol=1e-6)
     grad = k_rot_bad.grad
     assert torch.isfinite(grad).all() and (grad[1, 0, J] == 0).all() and grad.abs().sum() > 0
-    _, state = vq_attention(q, k, v, c, k_rot=k_rot_bad.detach(), return_state=True, **kw)
+    _, state = vq_attention(q, k_bad, v, c, k_rot=k_rot_bad.detach(), return_state=True, **kw)
     kept = state.keys.shape[2]
     assert torch.isfinite(state.keys).all() and (state.keys[1, 0, J - (T - kept)] == 0).all()
 

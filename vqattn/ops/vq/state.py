@@ -223,10 +223,12 @@ def prepare(q, k, v, codebook, *, form: str, causal: bool, assign: str, temperat
     q, k, v, q_rot, k_rot = (None if t is None else t.to(tensor_dtype) for t in (q, k, v, q_rot, k_rot))
     c = codebook.to(dtype)
     c = c.unsqueeze(0).expand(q.shape[1], -1, -1) if c.dim() == 2 else c  # (H, S, Dc)
-    # The fused causal blocks of a first call (a training step) whose keys come assigned read only the window's keys:
-    # those zero their bad rows in the kernels
+    # The fused causal blocks of a first call (a training step) read k only to assign it, and only when it is not
+    # assigned already: the window's keys zero their bad rows in the kernels. A hard assignment of a bad key is a
+    # valid code (the nearest-code kernel keeps code 0 against NaN scores) that only the queries that see the key
+    # read; soft weights of one would be NaN, and so would the codebook's gradient through them.
     in_kernel = (form == "triton" and causal and state is None and exact_window and k_rot is not None
-                 and assignment is not None)
+                 and (assignment is not None or assign == "hard"))
     k, k_rot, bad, poison = _without_nonfinite_keys(k, k_rot, causal=causal, state=state, in_kernel=in_kernel)
     if state is not None:
         state = state.to(dtype)
