@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from vqattn.layers import build_attention
 from vqattn.ops.common.layout import memory_order
@@ -211,6 +212,39 @@ def test_backward_writes_no_per_block_cache_gradient(assign):
     assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in (q, v))
 
 
+class MaskedCopies(TorchDispatchMode):
+    """The shapes of the tensors a block of code masks (masked_fill) while it is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.startswith("masked_fill"):
+            self.shapes.append(tuple(args[0].shape))
+        return func(*args, **(kwargs or {}))
+
+
+def test_window_attention_zeroes_a_nonfinite_key_in_the_kernels():
+    """A NaN key in window attention: NaN exactly for the queries whose window holds it, the others the clean
+    call's; its gradient 0; the kernels zero the row as they read it, without a masked copy of the keys."""
+    T, J = 100, 40
+    q, k, v = (x.detach().to(DEVICE, torch.float32) for x in leaves((B, H, T, D), (B, H, T, D), (B, H, T, DV)))
+    clean = window_attention(q, k, v, block_len=L, impl="triton")
+    k_bad = k.clone()
+    k_bad[0, 1, J, 2] = float("nan")
+    k_bad.requires_grad_()
+    with MaskedCopies() as copies:
+        out = window_attention(q, k_bad, v, block_len=L, impl="triton")
+        seen = torch.zeros(out.shape[:3], dtype=torch.bool, device=out.device)
+        seen[0, 1, J:(J // L + 2) * L] = True  # J's block and the next
+        out[~seen].sum().backward()
+    assert [shape for shape in copies.shapes if len(shape) == 4] == []
+    assert torch.equal(out.isnan().any(-1), seen) and out.isnan().all(-1)[seen].all()
+    torch.testing.assert_close(out[~seen], clean[~seen], rtol=0, atol=1e-6)
+    assert torch.isfinite(k_bad.grad).all() and (k_bad.grad[0, 1, J] == 0).all() and k_bad.grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize("assign,given", [("hard", True), ("soft", True), ("hard", False)])
 @pytest.mark.parametrize("where", ["k_rot", "k"])
 def test_nonfinite_window_keys_are_zeroed_in_the_kernels(assign, given, where):
@@ -218,18 +252,6 @@ def test_nonfinite_window_keys_are_zeroed_in_the_kernels(assign, given, where):
     the layers call) or are assigned hard inside: the kernels read its window row as zeros, so exactly the queries
     that see it are NaN (the poison) and the others are the clean call's; its gradient is 0; no masked copy of the
     keys or of their gradient is made; a returned state keeps the row zeroed."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class MaskedCopies(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.shapes = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.__name__.startswith("masked_fill"):
-                self.shapes.append(tuple(args[0].shape))
-            return func(*args, **(kwargs or {}))
-
     T, J = 100, 70  # J in the raw window a state keeps (positions 64..99)
     q, k, v, c, q_rot, k_rot = (x.detach().to(DEVICE, torch.float32) for x in vq_inputs(assign, "rotated", T))
     # every key of the codes' width (an assignment inside reads k with the codebook)

@@ -66,9 +66,10 @@ def _chunked(q, k, v, L: int, scale: float, schedule: Schedule) -> torch.Tensor:
     return time_range(cat_groups(outs), 0, T)
 
 
-def _fused(q, k, v, L: int, scale: float, schedule: Schedule) -> torch.Tensor:
-    """:func:`_chunked` as one Triton kernel (the schedule has no meaning there)."""
-    return fused_window_code_attention(q, k, v, scale=scale, block_len=L)
+def _fused(q, k, v, L: int, scale: float, schedule: Schedule, bad=None) -> torch.Tensor:
+    """:func:`_chunked` as one Triton kernel (the schedule has no meaning there); ``bad`` (B, H, T): rows of k the
+    kernels read as zeros, or None."""
+    return fused_window_code_attention(q, k, v, scale=scale, block_len=L, bad=bad)
 
 
 def _recurrent(q, k, v, state: WindowState, scale: float, fused: bool = False) -> tuple[torch.Tensor, WindowState]:
@@ -190,7 +191,9 @@ def window_attention(
     blocks_of = _chunked
     if form == "triton":
         blocks_of, L_run = _fused, L
-    if may_be_nonfinite(bad):
+    if may_be_nonfinite(bad) and form == "triton":  # the kernels zero the bad rows as they read them
+        out = _fused(q, k, v, L_run, scale, schedule, bad=bad) + window_poison(bad, L, dtype)
+    elif may_be_nonfinite(bad):
         out = blocks_of(q, zero_rows(k, bad), v, L_run, scale, schedule) + window_poison(bad, L, dtype)
     else:
         out = blocks_of(q, k, v, L_run, scale, schedule)

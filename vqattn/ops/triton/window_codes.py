@@ -605,8 +605,8 @@ class FusedWindowCodes(torch.autograd.Function):
     """out (B, H, T, Dv) of the module's attention; see :func:`fused_window_code_attention`."""
 
     @staticmethod
-    def forward(ctx, qw, kw, v, qc, codebook, counts, sums, code_bias, scale: float, L: int):
-        f = window_code_forward(qw, kw, v, qc, codebook, counts, sums, code_bias, scale, L)
+    def forward(ctx, qw, kw, v, qc, codebook, counts, sums, code_bias, scale: float, L: int, bad):
+        f = window_code_forward(qw, kw, v, qc, codebook, counts, sums, code_bias, scale, L, bad=bad)
         ctx.save_for_backward(*(getattr(f, name) for name in TENSORS))
         ctx.forward = dataclasses.replace(f, **dict.fromkeys(TENSORS))  # the tensors are saved, not held
         return f.out
@@ -628,7 +628,7 @@ class FusedWindowCodes(torch.autograd.Function):
                          None if dcnt is None else dcnt.view(B, H, -1, S), dsum.view(B, H, -1, S, DV)]
         return (*(None if g is None else g.to(x.dtype) for g, x in zip(grads, (f.qw, f.kw, f.v, f.qc, f.cb, f.cnt,
                                                                                f.sm))),
-                None, None, None)
+                None, None, None, None)
 
 
 # WindowCodes' tensor fields, in the order FusedWindowCodes saves them
@@ -637,7 +637,7 @@ TENSORS = ("qw", "kw", "v", "qc", "cb", "cnt", "sm", "bias", "bad", "out", "lse"
 
 @torch.compiler.disable  # a graph break: torch.compile runs the kernels as they are
 def fused_window_code_attention(qw, kw, v, *, scale: float, block_len: int, qc=None, codebook=None, counts=None,
-                                sums=None, code_bias=None):
+                                sums=None, code_bias=None, bad=None):
     """Softmax attention of every query over its window (the keys of its block and the one before, causally) and,
     given ``codebook``, the codes (see the module doc).
 
@@ -645,9 +645,10 @@ def fused_window_code_attention(qw, kw, v, *, scale: float, block_len: int, qc=N
     None), codebook (H, S, Dc) shared by the blocks or (B, H, nb, S, Dc) every block's own (ovq's slot means),
     counts (B, H, nb, S) and sums (B, H, nb, S, Dv) every block's cache (nb = ⌈T/L⌉, float32); code_bias (nb,)
     a bias on every code logit of a query block (``memory_cap``'s log min(1, M / n_b), the same as weighing the
-    block's counts and sums by its exponential) or None. Differentiable in every tensor but code_bias. Returns out
+    block's counts and sums by its exponential) or None; bad (B, H, T) bool the rows of kw read as zeros (non-finite
+    keys; their gradient is 0) or None. Differentiable in every tensor but code_bias and bad. Returns out
     (B, H, T, Dv) in the inputs' dtype.
     """
     if codebook is not None and qc is None:
         qc = qw
-    return FusedWindowCodes.apply(qw, kw, v, qc, codebook, counts, sums, code_bias, scale, block_len)
+    return FusedWindowCodes.apply(qw, kw, v, qc, codebook, counts, sums, code_bias, scale, block_len, bad)
