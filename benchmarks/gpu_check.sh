@@ -8,7 +8,9 @@
 #   3. profile_8k, profile_32k, profile_layer
 #                          the vq_hard step kernel by kernel, each beside its floor (benchmarks/kernel_floor.py)
 #   4. train               python train.py on the GPU at seq_len 8192, softmax and vq_hard: tokens/s side by side
-#   5. tests               the CUDA tests, with whatever time is left
+#   5. profile_64k, profile_64k_one_walk
+#                          the op at 64k (B·H = 16) with its cache walks split, and unsplit
+#   6. tests               the CUDA tests, with whatever time is left
 #
 # The default run fits GPU_CHECK_SECONDS (default 290). GPU_CHECK_STAGES (names, space-separated) runs only those
 # stages, the extra ones below too; GPU_CHECK_TESTS (a pytest -k expression) selects tests. Needs torch with CUDA,
@@ -61,14 +63,17 @@ fi
 layers="python benchmarks/layer_speed.py --device cuda --autocast bf16 --dim 1024 --heads 16 --tokens 65536 --reps 5 --rounds 1 --in-process"
 ops="python benchmarks/attention_speed.py --device cuda --dtype bfloat16 --heads 16 --reps 5 --rounds 1 --modes default --in-process"
 profile="python benchmarks/kernel_profile.py --what op --method vq_hard_rope --top 14"
-stage layers 90 $layers --lengths 8192 32768 --layers softmax window vq_hard vq_soft ovq
-stage layers_64k 30 $layers --lengths 65536 --layers softmax vq_hard
-stage ops 45 bash -c "$ops --batch 8 --lengths 8192 --methods sdpa vq_hard_rope window; \
+stage layers 80 $layers --lengths 8192 32768 --layers softmax window vq_hard vq_soft ovq
+stage layers_64k 25 $layers --lengths 65536 --layers softmax vq_hard
+stage ops 35 bash -c "$ops --batch 8 --lengths 8192 --methods sdpa vq_hard_rope window; \
   $ops --batch 2 --lengths 32768 --methods sdpa vq_hard_rope window"
-stage profile_8k 20 $profile --batch 8 --length 8192
+stage profile_8k 25 $profile --batch 8 --length 8192
 stage profile_32k 20 $profile --batch 2 --length 32768
 stage profile_layer 20 python benchmarks/kernel_profile.py --what layer --method vq_hard --batch 8 --length 8192 --top 20
-stage train 70 python benchmarks/train_speed.py --attentions softmax vq_hard --seq-len 8192 --batch 8 --steps 30
+stage train 65 python benchmarks/train_speed.py --attentions softmax vq_hard --seq-len 8192 --batch 8 --steps 30
+# at 64k tokens and B·H = 16 the cache walks split in two (block_caches._segments): against one walk each
+stage profile_64k 15 $profile --batch 1 --length 65536
+stage profile_64k_one_walk 15 $profile --batch 1 --length 65536 --segment-steps 0
 stage tests 240 python -m pytest -o addopts="" -q -x -p no:cacheprovider tests/ops/test_triton.py \
   tests/ops/test_triton_ovq.py ${GPU_CHECK_TESTS:+-k "$GPU_CHECK_TESTS"}
 

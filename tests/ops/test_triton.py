@@ -365,8 +365,9 @@ def test_block_caches(assign, T, fold, num_codes, segment_steps, monkeypatch):
 
 def test_walks_split_only_where_their_programs_leave_a_gpu_idle(monkeypatch):
     """On a GPU of 132 SMs (two walk programs each) the walks split into as many segments as fill it, of at least
-    MIN_SEGMENT_STEPS steps; 1024 programs (8k tokens, B·H = 128) fill it unsplit. SEGMENT_STEPS overrides; the
-    interpreter's CPU never splits by itself."""
+    MIN_SEGMENT_STEPS steps, where that at least doubles the programs in flight: 1024 programs (8k tokens,
+    B·H = 128) and 256 (32k, B·H = 32) stay unsplit. SEGMENT_STEPS overrides; the interpreter's CPU never splits
+    by itself."""
     from types import SimpleNamespace
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
@@ -374,9 +375,9 @@ def test_walks_split_only_where_their_programs_leave_a_gpu_idle(monkeypatch):
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
     segments = block_caches_module._segments
     assert segments(129, 1024, gpu) == (129, 1)
-    assert segments(513, 256, gpu) == (257, 2)  # 32k tokens, B·H = 32: 264 slots for 256 programs
-    assert segments(1025, 128, gpu) == (342, 3)
-    assert segments(129, 16, gpu) == (8, 17)  # 17 segments wanted: 8 steps each
+    assert segments(513, 256, gpu) == (513, 1)  # 32k tokens, B·H = 32: 264 slots for 256 programs
+    assert segments(1025, 128, gpu) == (513, 2)  # 64k tokens, B·H = 16
+    assert segments(129, 16, gpu) == (9, 15)  # 16 segments wanted: 9 steps each
     assert segments(20, 16, gpu) == (8, 3)  # never under MIN_SEGMENT_STEPS
     assert segments(1025, 128, cpu) == (1025, 1)
     monkeypatch.setattr(block_caches_module, "SEGMENT_STEPS", 0)

@@ -444,14 +444,14 @@ def prefix_forward(index, weights, v, counts0, sums0, *, block_len: int, fold: i
 
 def _segments(steps: int, programs: int, device: torch.device) -> tuple[int, int]:
     """A walk of ``steps`` sequential steps in each of ``programs`` programs, split into segments: (steps per
-    segment, segments). :data:`SEGMENT_STEPS` when set; else on a GPU as many segments as fill its SMs
-    (:data:`WALK_PROGRAMS_PER_SM` each) with the unsplit programs too few to, each of at least
+    segment, segments). :data:`SEGMENT_STEPS` when set; else on a GPU whose SMs (:data:`WALK_PROGRAMS_PER_SM`
+    each) hold at least twice the unsplit programs, as many segments as fill them, each of at least
     :data:`MIN_SEGMENT_STEPS` steps; one segment under the interpreter."""
     seg_steps = SEGMENT_STEPS
     if seg_steps is None:
         slots = WALK_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count \
             if device.type == "cuda" else 0
-        wanted = triton.cdiv(slots, programs)
+        wanted = slots // programs  # segments per walk that at least double the programs in flight
         seg_steps = max(MIN_SEGMENT_STEPS, triton.cdiv(steps, wanted)) if wanted > 1 else 0
     seg_steps = seg_steps if 0 < seg_steps < steps else steps
     return seg_steps, triton.cdiv(steps, seg_steps)
