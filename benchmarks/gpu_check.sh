@@ -8,9 +8,7 @@
 #   3. profile_8k, profile_32k, profile_layer
 #                          the vq_hard step kernel by kernel, each beside its floor (benchmarks/kernel_floor.py)
 #   4. train               python train.py on the GPU at seq_len 8192, softmax and vq_hard: tokens/s side by side
-#   5. profile_64k, profile_64k_one_walk
-#                          the op at 64k (B·H = 16) with its cache walks split, and unsplit
-#   6. tests               the CUDA tests, with whatever time is left
+#   5. tests               the CUDA tests, with whatever time is left
 #
 # The default run fits GPU_CHECK_SECONDS (default 290). GPU_CHECK_STAGES (names, space-separated) runs only those
 # stages, the extra ones below too; GPU_CHECK_TESTS (a pytest -k expression) selects tests. Needs torch with CUDA,
@@ -71,9 +69,6 @@ stage profile_8k 25 $profile --batch 8 --length 8192
 stage profile_32k 20 $profile --batch 2 --length 32768
 stage profile_layer 20 python benchmarks/kernel_profile.py --what layer --method vq_hard --batch 8 --length 8192 --top 20
 stage train 65 python benchmarks/train_speed.py --attentions softmax vq_hard --seq-len 8192 --batch 8 --steps 30
-# at 64k tokens and B·H = 16 the cache walks split in two (block_caches._segments): against one walk each
-stage profile_64k 15 $profile --batch 1 --length 65536
-stage profile_64k_one_walk 15 $profile --batch 1 --length 65536 --segment-steps 0
 stage tests 240 python -m pytest -o addopts="" -q -x -p no:cacheprovider tests/ops/test_triton.py \
   tests/ops/test_triton_ovq.py ${GPU_CHECK_TESTS:+-k "$GPU_CHECK_TESTS"}
 
@@ -84,6 +79,10 @@ extra tests_elsewhere 180 python -m pytest -o addopts="" -q -p no:cacheprovider 
 extra layers_compiled 180 $layers --lengths 8192 32768 --layers softmax vq_hard vq_soft --compile
 # fla autotunes every kernel on first use, which takes minutes
 extra ops_peer 200 $ops --batch 8 --lengths 8192 --methods sdpa fla_simple_gla
+# the reverse walk forming the caches' gradients itself (vq_causal.WALK_CACHE_GRADIENT), and with the walks split
+# as the GPU chooses at 64k tokens, B·H = 16 (block_caches.SEGMENT_STEPS)
+extra profile_8k_walk_dc 25 $profile --batch 8 --length 8192 --walk-cache-gradient
+extra profile_64k_split 25 $profile --batch 1 --length 65536 --walk-cache-gradient --segment-steps -1
 extra profile_soft 30 $profile --method vq_soft_rope --batch 8 --length 8192
 extra profile_layer_soft 40 python benchmarks/kernel_profile.py --what layer --method vq_soft --batch 8 --length 8192
 extra profile_window_op 20 python benchmarks/kernel_profile.py --what op --method window --batch 8 --length 8192

@@ -10,13 +10,13 @@ read once and each output written once, however often its programs reread it fro
 
 The designs (:data:`DESIGNS`):
 
-* ``block_dc``: every block's cache, (S, Dv) bf16 sums and (S,) float32 counts (1056 bytes per token and head at
-  S = 512, L = 64), written by the prefix walk, read by the forward and by the backward's code part; that part
-  writes every block's cache gradient dC (S, Dv), which the reverse walk reads (vqattn before the walk formed dC).
+* ``block_dc`` (:data:`CURRENT`, the kernels' default): every block's cache, (S, Dv) bf16 sums and (S,) float32
+  counts (1056 bytes per token and head at S = 512, L = 64), written by the prefix walk, read by the forward and by
+  the backward's code part; that part writes every block's cache gradient dC (S, Dv), which the reverse walk reads.
 * ``walk_dc``: as block_dc, but the reverse walk forms each block's dC_b = exp2(σ qc·c − lse)ᵀ dO itself, from qc,
   dO and the logsumexp: two products per block more in the walk, one less in the code part, no dC in memory; the
   walk adds the values' gradient to the window's in place.
-* ``walk_dc_split`` (:data:`CURRENT`, what the kernels do): walk_dc with both walks split into segments of
+* ``walk_dc_split``: walk_dc with both walks split into segments of
   ``SEGMENT_STEPS`` steps (fla's chunk_h_split): the segments' sums (float32 states; the backward's formed from the
   queries, its dC products twice), two scans, every segment's walk from its own start.
 * ``superblock``: caches only every K blocks (K·L tokens); a query attends to the keys between its superblock's
@@ -61,7 +61,7 @@ TF32_COST = 2
 F32 = 4
 INDEX_BYTES = 8  # the codes are int64
 DESIGNS = ("block_dc", "walk_dc", "walk_dc_split", "superblock", "fla")
-CURRENT = "walk_dc_split"  # what vqattn's kernels do (vqattn/ops/triton/vq_causal.py)
+CURRENT = "block_dc"  # what vqattn's kernels do by default (vqattn/ops/triton/vq_causal.py)
 SEGMENT_STEPS = 16  # block_caches.SEGMENT_STEPS: the steps of a split cache walk's segment
 
 

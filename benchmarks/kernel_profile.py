@@ -23,7 +23,7 @@ from layer_speed import build
 from torch.profiler import ProfilerActivity, profile
 
 from vqattn.layers import ATTENTIONS
-from vqattn.ops.triton import block_caches
+from vqattn.ops.triton import block_caches, vq_causal
 
 
 def add_precision_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,13 +88,16 @@ def main(argv=None) -> None:
     parser.add_argument("--block-len", type=int, default=None)
     parser.add_argument("--impl", default="auto", choices=["auto", "chunk", "triton"])
     parser.add_argument("--top", type=int, default=25)
-    parser.add_argument("--segment-steps", type=int, default=None,
-                        help="the cache walks' segments (block_caches.SEGMENT_STEPS): 0 never splits; default: the "
-                             "GPU chooses")
+    parser.add_argument("--segment-steps", type=int, default=0,
+                        help="the cache walks' segments (block_caches.SEGMENT_STEPS): 0 never splits (the default), "
+                             "-1: the GPU chooses")
+    parser.add_argument("--walk-cache-gradient", action="store_true",
+                        help="the reverse walk forms the caches' gradients itself (vq_causal.WALK_CACHE_GRADIENT)")
     add_precision_arguments(parser)
     args = parser.parse_args(argv)
     set_precision(args)
-    block_caches.SEGMENT_STEPS = args.segment_steps
+    block_caches.SEGMENT_STEPS = None if args.segment_steps < 0 else args.segment_steps
+    vq_causal.WALK_CACHE_GRADIENT = args.walk_cache_gradient
     torch.manual_seed(0)
     step = op_step(args) if args.what == "op" else layer_step(args)
     for _ in range(2):  # warm-up: Triton's compilation and the allocator's pools
@@ -160,7 +163,7 @@ def floor_rows(args, measured: dict[str, float], gpu: str | None) -> list[str]:
     # the walks split as the kernels split them here
     programs = -(-args.num_codes // block_caches._code_tile(64)) * args.batch * args.heads
     seg_steps, nseg = block_caches._segments(shape.nb + 1, programs, torch.device("cuda"))
-    design = "walk_dc_split" if nseg > 1 else "walk_dc"
+    design = ("walk_dc_split" if nseg > 1 else "walk_dc") if vq_causal.WALK_CACHE_GRADIENT else "block_dc"
     rows = [f"\nagainst the floor on an {gpu} (kernel_floor.py, design {design}"
             + (f", segments of {seg_steps} steps)" if nseg > 1 else ")"),
             "| kernel | measured ms | floor ms | floor / measured |", "|---|---:|---:|---:|"]

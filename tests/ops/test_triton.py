@@ -13,7 +13,7 @@ from vqattn.layers import build_attention
 from vqattn.ops.common.layout import memory_order
 from vqattn.ops.common.statistics import map_time
 from vqattn.ops.triton import block_caches as block_caches_module
-from vqattn.ops.triton import triton
+from vqattn.ops.triton import triton, vq_causal
 from vqattn.ops.triton.block_caches import block_caches
 from vqattn.ops.triton.finite import nonfinite_rows
 from vqattn.ops.triton.nearest import code_residuals, nearest_codes
@@ -71,12 +71,15 @@ def test_vq_attention(assign, window, T):
 
 
 @pytest.mark.parametrize("assign,window", [("hard", "rotated"), ("soft", "exact"), ("hard", "codes")])
-@pytest.mark.parametrize("segment_steps", [pytest.param(1, marks=pytest.mark.slow), 3])
-def test_vq_attention_with_split_walks(assign, window, segment_steps, monkeypatch):
-    """The cache walks split into segments of 1 or 3 blocks (summed in parallel, then scanned) give the
-    definition's outputs and gradients, with the memory bound's bias on the codes, and a state continued from one
-    call to the next (its state gradient folded in mid-walk)."""
+@pytest.mark.parametrize("segment_steps,walk", [pytest.param(1, True, marks=pytest.mark.slow), (3, True), (0, True),
+                                                (3, False)])
+def test_vq_attention_with_split_walks(assign, window, segment_steps, walk, monkeypatch):
+    """The cache walks split into segments of 1 or 3 blocks (summed in parallel, then scanned) or not, with the
+    caches' gradients formed in the reverse walk (``walk``) or read from the code backward, give the definition's
+    outputs and gradients, with the memory bound's bias on the codes, and a state continued from one call to the
+    next (its state gradient folded in mid-walk)."""
     monkeypatch.setattr(block_caches_module, "SEGMENT_STEPS", segment_steps)
+    monkeypatch.setattr(vq_causal, "WALK_CACHE_GRADIENT", walk)
     compare(vq_call(naive_vq_attention, assign, window, memory_cap=40),
             vq_call(vq_attention, assign, window, "triton", memory_cap=40), vq_inputs(assign, window, 170))
     q, k, v, c, *rotated = (x.detach().to(DEVICE, torch.float32) for x in vq_inputs(assign, window, 170))
@@ -162,9 +165,12 @@ def test_chunked_calls_equal_one_call(assign, window):
     assert state.length == chunk_state.length and torch.equal(state.keys, chunk_state.keys)
 
 
-def test_gradient_of_a_continued_states_counts():
+@pytest.mark.parametrize("walk", [False, True])
+def test_gradient_of_a_continued_states_counts(walk, monkeypatch):
     """A hard state whose counts need a gradient (here a leaf): the kernels carry it, against the chunk form in
-    float64. Without one, hard counts are not differentiable and the backward skips their gradient."""
+    float64, with the caches' gradients read or formed in the walk. Without one, hard counts are not
+    differentiable and the backward skips their gradient."""
+    monkeypatch.setattr(vq_causal, "WALK_CACHE_GRADIENT", walk)
     q, k, v, c = (x.detach() for x in vq_inputs("hard", "exact", 100, generator=torch.Generator().manual_seed(4)))
     _, state = vq_attention(q[:, :, :70], k[:, :, :70], v[:, :, :70], c, causal=True, block_len=L,
                             exact_window=True, impl="chunk", return_state=True)
@@ -184,10 +190,12 @@ def test_gradient_of_a_continued_states_counts():
 
 
 @pytest.mark.parametrize("assign", ["hard", "soft"])
-def test_backward_writes_no_per_block_cache_gradient(assign):
-    """The reverse cache walk forms every block's cache gradient from the queries that read the cache: the
-    backward allocates no (B·H, nb, S, Dv) tensor (1 GB at 8192 tokens on a GPU); the forward's caches are the only
-    per-block tensors."""
+@pytest.mark.parametrize("walk", [False, True])
+def test_where_the_cache_gradient_is_formed(assign, walk, monkeypatch):
+    """With WALK_CACHE_GRADIENT the reverse cache walk forms every block's cache gradient from the queries that
+    read the cache: the backward allocates no (B·H, nb, S, Dv) tensor (1 GB at 8192 tokens on a GPU); by default
+    the code backward writes it for the walk to read."""
+    monkeypatch.setattr(vq_causal, "WALK_CACHE_GRADIENT", walk)
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Allocations(TorchDispatchMode):
@@ -207,8 +215,8 @@ def test_backward_writes_no_per_block_cache_gradient(assign):
     out = vq_call(vq_attention, assign, "exact", "triton")(q, k, v, c)
     with Allocations() as backward:
         out.square().sum().backward()
-    per_block = {(B * H, nb, S, DV), (B, H, nb, S, DV), (B * H, nb, S), (B, H, nb, S)}
-    assert not per_block & set(backward.shapes), backward.shapes
+    per_block = {(B * H, nb, S, DV), (B, H, nb, S, DV)}
+    assert bool(per_block & set(backward.shapes)) != walk, backward.shapes
     assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in (q, v))
 
 

@@ -1,15 +1,19 @@
 """The fused causal vq step as one autograd Function: the prefix walk (:mod:`.block_caches`) writes every block's
 cache and the window-code kernel (:mod:`.window_codes`) reads it.
 
-Its backward does not write the caches' gradients. Block b's, for a tile of codes,
+Its backward needs every block's cache gradient, for a tile of codes
 
     dC_b = w_nᵀ dO_b        dn_b = −w_nᵀ Δ_b        w_n = exp2(σ qc·c + β_b − lse)   (the codes' probability per count)
 
-needs only the block's code queries, output gradients and logsumexp, so the reverse cache walk forms it block by
-block as it goes, as fla's ``chunk_bwd_kernel_dh`` builds its state gradient from q and dO: the (B·H, nb, S, Dv)
-cache gradient (1 GB at 8192 tokens, bf16, B·H = 128, S = 512) is neither written by the code backward nor read by
-the walk. The walk also adds its value gradients to the window's (in place for hard keys), instead of a separate
-sum of the two.
+and takes it one of two ways (:data:`WALK_CACHE_GRADIENT`):
+
+* the code backward writes it for every block, (B·H, nb, S, Dv) in the sums' dtype (1 GB at 8192 tokens, bf16,
+  B·H = 128, S = 512), and the reverse cache walk reads it (the default);
+* the reverse walk forms it block by block from the block's code queries, output gradients and logsumexp, as fla's
+  ``chunk_bwd_kernel_dh`` builds its state gradient from q and dO: nothing per block reaches memory, but the
+  walk's sequential steps grow (docs/performance.md: measured slower on an H200).
+
+Either way the walk adds its value gradients to the window's (in place for hard keys) instead of a separate sum.
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ from .window_codes import (
 
 # the prefix's tensors that the backward reads beside the window-code forward's
 PREFIX_TENSORS = ("idx", "wts", "v", "cache_n", "cache_c")
+# Whether the reverse walk forms every block's cache gradient itself (no per-block gradient in memory) instead of
+# reading the code backward's. On an H200 (bf16, B·H·T = 2²⁰, S = 512) the walk took 1.82 ms that way against
+# 0.94 reading it, and the code backward 0.85 against 1.19 writing it: 0.5 ms slower, for 1 GB less at 8192 tokens.
+WALK_CACHE_GRADIENT = False
 
 
 class VQCausal(torch.autograd.Function):
@@ -58,10 +66,14 @@ class VQCausal(torch.autograd.Function):
         grad_out = _unit_last(grad_out)
         delta = output_delta(f, grad_out)
         dqw, dkw, dv = window_backward(f, grad_out, delta)
-        dqc, dcb, _, _ = code_backward(f, grad_out, delta, codebook_grad=ctx.needs_input_grad[4], counts_grad=False,
-                                       cache_grad=False)
-        queries = CacheQueries(f, grad_out, delta, counts_grad=ctx.needs_input_grad[7])
-        d_values, d_weights, d_n0, d_c0 = reverse_walk(p, d_fold_n, d_fold_c, queries=queries, d_values=dv)
+        counts_grad = not p.hard or ctx.needs_input_grad[7]  # soft weights' gradient holds the counts'
+        dqc, dcb, dcnt, dsum = code_backward(f, grad_out, delta, codebook_grad=ctx.needs_input_grad[4],
+                                             counts_grad=counts_grad, cache_grad=not WALK_CACHE_GRADIENT)
+        if WALK_CACHE_GRADIENT:
+            caches = dict(queries=CacheQueries(f, grad_out, delta, counts_grad=counts_grad))
+        else:
+            caches = dict(d_cache_n=dcnt, d_cache_c=dsum)
+        d_values, d_weights, d_n0, d_c0 = reverse_walk(p, d_fold_n, d_fold_c, d_values=dv, **caches)
         w_dtype, n_dtype, c_dtype = ctx.dtypes
         return (dqw, dkw, d_values, dqc[..., :f.code_dims], codebook_gradient(f, dcb), None,
                 None if p.hard else d_weights.to(w_dtype), d_n0.to(n_dtype), d_c0.to(c_dtype), None, None, None, None,
