@@ -429,7 +429,7 @@ def _float32_dot() -> str:
     """How float32 inputs multiply on a GPU: in TF32 where PyTorch's float32 matmuls may
     (:func:`~vqattn.ops.triton.float32_tensor_cores`), else in IEEE float32, which Triton forms on the CUDA cores:
     by ptxas (sm_90) the kernels then take 3-34× the instructions of the bfloat16 ones and spill kilobytes
-    per thread (docs/performance.md)."""
+    per thread (docs/archive/performance_gpu_history.md)."""
     return "tf32" if float32_tensor_cores() else "ieee"
 
 
