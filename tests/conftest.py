@@ -11,6 +11,15 @@ if not torch.cuda.is_available():
 from vqattn.ops.blocks import Schedule  # noqa: E402
 
 
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (pyproject's addopts) starts one worker per core that other work leaves idle as the suite
+    starts, as the trainer's ``threads: auto`` counts them (at least 1; ``--maxprocesses`` still caps it): on a busy
+    machine more workers than idle cores stall one another."""
+    from vqattn.utils import idle_cores
+
+    return max(1, idle_cores())
+
+
 def pytest_configure(config):
     """Under pytest-xdist every worker is one core: one intra-op thread, also for the processes its tests start
     (train.py, DDP ranks), and inductor compiles in the worker instead of a pool of its own. Workers that each spin
