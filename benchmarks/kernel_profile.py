@@ -161,7 +161,7 @@ def floor_rows(args, measured: dict[str, float], gpu: str | None) -> list[str]:
     code_dims = 32 if args.what == "layer" else 64  # a layer scores the codes on its 30 slow RoPE pairs, padded
     shape = Shape(B=args.batch, H=args.heads, T=args.length, S=args.num_codes, Dc=code_dims)
     # the walks split as the kernels split them here
-    programs = -(-args.num_codes // block_caches._code_tile(64)) * args.batch * args.heads
+    programs = -(-args.num_codes // block_caches.walk_code_tile(64)) * args.batch * args.heads
     seg_steps, nseg = block_caches._segments(shape.nb + 1, programs, torch.device("cuda"))
     design = ("walk_dc_split" if nseg > 1 else "walk_dc") if vq_causal.WALK_CACHE_GRADIENT else "block_dc"
     rows = [f"\nagainst the floor on an {gpu} (kernel_floor.py, design {design}"

@@ -60,7 +60,7 @@ def record(args, path: str) -> None:
     import vqattn.ops.triton.finite as finite
     import vqattn.ops.triton.nearest as nearest
     import vqattn.ops.triton.rotation as rotation
-    import vqattn.ops.triton.window_codes as window_codes
+    import vqattn.ops.triton.utils as utils
     import vqattn.ops.vq.assign as assign
 
     # the kernels a CUDA tensor takes, and their half-precision products (the interpreter's own are float32)
@@ -70,9 +70,9 @@ def record(args, path: str) -> None:
     assignment_kernels = lambda k: k.dtype in nearest.SUPPORTED_DTYPES  # noqa: E731
     for module in (nearest, assign, codebook):
         module.runs_assignment_kernels = assignment_kernels
-    window_codes.INTERPRET = False
+    utils.INTERPRET = False
     block_caches.SEGMENT_STEPS = args.segment_steps
-    window_codes._capability = lambda device: divmod(args.arch, 10)  # the launch settings of the GPU compiled for
+    utils.capability = lambda device: divmod(args.arch, 10)  # the launch settings of the GPU compiled for
 
     launches = {}
     run = interpreter.InterpretedFunction.run

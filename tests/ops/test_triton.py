@@ -196,8 +196,6 @@ def test_where_the_cache_gradient_is_formed(assign, walk, monkeypatch):
     read the cache: the backward allocates no (B·H, nb, S, Dv) tensor (1 GB at 8192 tokens on a GPU); by default
     the code backward writes it for the walk to read."""
     monkeypatch.setattr(vq_causal, "WALK_CACHE_GRADIENT", walk)
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     class Allocations(TorchDispatchMode):
         def __init__(self):
             super().__init__()
@@ -411,18 +409,18 @@ def test_nearest_codes(dtype, T):
 if triton is not None:
     import triton.language as tl
 
-    from vqattn.ops.triton.window_codes import _tf32_parts, tf32_parts
+    from vqattn.ops.triton.utils import split_tf32, tf32_parts
 
     @triton.jit
     def _tf32_parts_kernel(X, HI, LO):
         offsets = tl.arange(0, 1024)
-        hi, lo = _tf32_parts(tl.load(X + offsets))
+        hi, lo = split_tf32(tl.load(X + offsets))
         tl.store(HI + offsets, hi)
         tl.store(LO + offsets, lo)
 
 
 def test_tf32_parts_split_float32_into_two_tf32_values():
-    """_tf32_parts, which lets half keys multiply float32 codes in two exact TF32 products: hi and lo have no bits
+    """split_tf32, which lets half keys multiply float32 codes in two exact TF32 products: hi and lo have no bits
     below TF32's 10 mantissa bits (the tensor cores drop those), hi + lo is x to 2⁻²², and hi is x truncated."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1024, generator=g) * torch.logspace(-6, 6, 1024)
@@ -453,25 +451,25 @@ def test_float32_products_follow_pytorchs_matmul_precision(monkeypatch, float32_
     products either way, and the interpreter multiplies in IEEE float32 whatever the setting."""
     import triton.language as tl
 
-    from vqattn.ops.triton import float32_tensor_cores, window_codes
+    from vqattn.ops.triton import float32_tensor_cores, utils
 
-    monkeypatch.setattr(window_codes, "INTERPRET", False)  # the products a GPU takes
-    half = window_codes._float32_products(torch.bfloat16), window_codes._dot_dtype(torch.bfloat16)
+    monkeypatch.setattr(utils, "INTERPRET", False)  # the products a GPU takes
+    half = utils.float32_products(torch.bfloat16), utils.dot_dtype(torch.bfloat16)
     torch.set_float32_matmul_precision("highest")
     assert not float32_tensor_cores()
-    assert window_codes._dot_dtype(torch.float32) == (tl.float32, "ieee")
-    assert window_codes._float32_products(torch.float32) == dict(PREC="ieee", EXACT_PREC="ieee", HALF_ROWS=False)
+    assert utils.dot_dtype(torch.float32) == (tl.float32, "ieee")
+    assert utils.float32_products(torch.float32) == dict(PREC="ieee", EXACT_PREC="ieee", HALF_ROWS=False)
     for allow in (lambda: torch.set_float32_matmul_precision("high"),
                   lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", True)):
         torch.set_float32_matmul_precision("highest")
         allow()
         assert float32_tensor_cores()
-        assert window_codes._dot_dtype(torch.float32) == (tl.float32, "tf32")
-        assert window_codes._float32_products(torch.float32) == dict(PREC="tf32", EXACT_PREC="tf32", HALF_ROWS=False)
-        assert (window_codes._float32_products(torch.bfloat16), window_codes._dot_dtype(torch.bfloat16)) == half
+        assert utils.dot_dtype(torch.float32) == (tl.float32, "tf32")
+        assert utils.float32_products(torch.float32) == dict(PREC="tf32", EXACT_PREC="tf32", HALF_ROWS=False)
+        assert (utils.float32_products(torch.bfloat16), utils.dot_dtype(torch.bfloat16)) == half
     assert half == (dict(PREC="tf32x3", EXACT_PREC="tf32", HALF_ROWS=True), (tl.bfloat16, "tf32"))
-    monkeypatch.setattr(window_codes, "INTERPRET", True)
-    assert window_codes._dot_dtype(torch.float32) == (tl.float32, "ieee")
+    monkeypatch.setattr(utils, "INTERPRET", True)
+    assert utils.dot_dtype(torch.float32) == (tl.float32, "ieee")
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the interpreter multiplies float32 in IEEE whatever the precision")
@@ -490,13 +488,13 @@ def test_float32_inputs_multiply_in_tf32_where_pytorch_allows_it(assign, window,
 def test_register_caps_only_for_the_gpu_whose_compiler_was_read(monkeypatch):
     """``maxnreg`` (three programs per SM) on sm_90 alone: ptxas' allocations were read there (tests/
     test_benchmarks.py compiles the capped kernel); for sm_80 the capped code backward spills."""
-    from vqattn.ops.triton import window_codes
+    from vqattn.ops.triton import utils
 
-    assert window_codes.three_programs_per_sm(torch.device("cpu")) == {}  # the interpreter's
+    assert utils.three_programs_per_sm(torch.device("cpu")) == {}  # the interpreter's
     cuda = torch.device("cuda")
     for capability, launch in (((9, 0), dict(maxnreg=168)), ((8, 0), {}), ((10, 0), {})):
-        monkeypatch.setattr(window_codes, "_capability", lambda device, c=capability: c)
-        assert window_codes.three_programs_per_sm(cuda) == launch
+        monkeypatch.setattr(utils, "capability", lambda device, c=capability: c)
+        assert utils.three_programs_per_sm(cuda) == launch
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T", [1, 100])

@@ -25,12 +25,13 @@ import torch
 
 from ..common.layout import empty_like_order
 from . import triton
-from .window_codes import WindowCodes, _dot_dtype, _unit_last, _width, three_programs_per_sm
+from .utils import dot_dtype, register_width, three_programs_per_sm, unit_last
+from .window_codes import WindowCodes
 
 if triton is not None:
     import triton.language as tl
 
-    from .window_codes import LOG2E, _load_rows
+    from .utils import LOG2E, load_rows
 
 # Floats of one program's running tile of value sums (codes × value dims) kept in registers.
 TILE_FLOATS = 4096
@@ -94,7 +95,7 @@ if triton is not None:
         sequence)."""
         rows = blk * L + tl.arange(0, L)
         w = _assignment_tile(IDX, WTS, bh, rows, codes, T, S, HARD)
-        v = _load_rows(V, sv_b, sv_h, sv_t, bh // H, bh % H, rows, T, DV, BDV, DOT)
+        v = load_rows(V, sv_b, sv_h, sv_t, bh // H, bh % H, rows, T, DV, BDV, DOT)
         return n + tl.sum(w, 0), tl.dot(tl.trans(w.to(DOT)), v, sums, input_precision=PREC)
 
     @triton.jit
@@ -186,8 +187,8 @@ if triton is not None:
         rows = blk * L + tl.arange(0, L)
         inside = rows < T
         b, h = bh // H, bh % H
-        qc = _load_rows(QC, sqc_b, sqc_h, sqc_t, b, h, rows, T, DC, BDC, DOT)
-        do = _load_rows(DO, sdo_b, sdo_h, sdo_t, b, h, rows, T, DV, BDV, SUM_DOT)
+        qc = load_rows(QC, sqc_b, sqc_h, sqc_t, b, h, rows, T, DC, BDC, DOT)
+        do = load_rows(DO, sdo_b, sdo_h, sdo_t, b, h, rows, T, DV, BDV, SUM_DOT)
         lse = tl.load(LSE + bh * T + rows, mask=inside, other=0.0)
         blocks = blk + tl.zeros([BS], tl.int32)  # the block index as a vector: masks of one type
         n = tl.load(CNT + (bh * nb + blk) * S + codes, mask=present & (blocks < nb), other=0.0)
@@ -245,7 +246,7 @@ if triton is not None:
             tl.store(DVAL + value_offsets, d_values.to(DVAL.dtype.element_ty), mask=row_mask & held[:, None])
         else:
             tl.atomic_add(DVAL + value_offsets, d_values, mask=row_mask)
-            v = _load_rows(V, sv_b, sv_h, sv_t, bh // H, bh % H, rows, T, DV, BDV, DOT)
+            v = load_rows(V, sv_b, sv_h, sv_t, bh // H, bh % H, rows, T, DV, BDV, DOT)
             d_w = tl.dot(v, tl.trans(g_sums.to(DOT)), input_precision=PREC) + g_n[None, :]
             tl.store(DWTS + (bh * T + rows[:, None]) * S + codes[None, :], d_w,
                      mask=(rows[:, None] < T) & present[None, :])
@@ -381,7 +382,7 @@ def cache_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
-def _code_tile(dv_width: int) -> int:
+def walk_code_tile(dv_width: int) -> int:
     return max(16, min(64, TILE_FLOATS // dv_width))
 
 
@@ -415,7 +416,7 @@ def prefix_forward(index, weights, v, counts0, sums0, *, block_len: int, fold: i
     hard = index is not None
     idx = index.contiguous() if hard else v
     wts = weights.contiguous() if not hard else v
-    v = _unit_last(v)
+    v = unit_last(v)
     n0, c0 = counts0.float().contiguous(), sums0.float().contiguous()
     f32 = dict(device=v.device, dtype=torch.float32)
     # Every block's value sums in bfloat16 for bfloat16 values (cache_dtype): the largest tensor of the fused
@@ -424,10 +425,10 @@ def prefix_forward(index, weights, v, counts0, sums0, *, block_len: int, fold: i
     cache_n = torch.empty(B, H, nb, S, **f32)
     fold_n, fold_c = torch.empty(B, H, S, **f32), torch.empty(B, H, S, DV, **f32)
     # Half values multiply in their own type, soft weights and gradient sums rounded to it (as flash attention
-    # rounds its probabilities); float32 values in float32 (window_codes._dot_dtype: IEEE, or TF32 if allowed).
-    dot, prec = _dot_dtype(v.dtype)
-    BDV = _width(DV)
-    meta = dict(L=block_len, BS=_code_tile(BDV), BDV=BDV, HARD=hard, DOT=dot, PREC=prec)
+    # rounds its probabilities); float32 values in float32 (window_codes.dot_dtype: IEEE, or TF32 if allowed).
+    dot, prec = dot_dtype(v.dtype)
+    BDV = register_width(DV)
+    meta = dict(L=block_len, BS=walk_code_tile(BDV), BDV=BDV, HARD=hard, DOT=dot, PREC=prec)
     grid = (triton.cdiv(S, meta["BS"]), B * H)
     inputs = dict(IDX=idx, WTS=wts, V=v, sv_b=v.stride(0), sv_h=v.stride(1), sv_t=v.stride(2), H=H, T=T, S=S, DV=DV)
     # the walk's steps: one per block, and one past the last

@@ -18,12 +18,12 @@ from __future__ import annotations
 import torch
 
 from . import triton
-from .window_codes import CODE_TILE, _dot_dtype, _strides, _sum_dot, _unit_last, _width
+from .utils import CODE_TILE, dot_dtype, register_width, row_strides, sum_dot, unit_last
 
 if triton is not None:  # the kernel's helpers exist only where Triton does: the op library needs torch alone
     import triton.language as tl
 
-    from .window_codes import LOG2E, _code_tile, _load_rows, _online_softmax_step, _store_rows, _window_logits
+    from .utils import LOG2E, code_tile, load_rows, online_softmax_step, store_rows, window_logits
 
 # The query's tile: tl.dot's smallest row count.
 ROWS = 16
@@ -44,26 +44,26 @@ if triton is not None:
         b, h = bh // H, bh % H
         rows = tl.arange(0, ROWS)
         scale2 = scale * LOG2E  # the softmax in base 2
-        qw = _load_rows(QW, sqw_b, sqw_h, sqw_t, b, h, rows, 1, D, BD, DOT)
+        qw = load_rows(QW, sqw_b, sqw_h, sqw_t, b, h, rows, 1, D, BD, DOT)
         at_last = tl.zeros([ROWS], tl.int32) + W - 1  # every row scores as the query at the window's end
         m = tl.full([ROWS], float("-inf"), tl.float32)
         z = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, BDV], tl.float32)
         for w0 in range(0, W, BW):
             cols = w0 + tl.arange(0, BW)
-            kw = _load_rows(KW, skw_b, skw_h, skw_t, b, h, cols, W, D, BD, DOT)
-            v = _load_rows(V, sv_b, sv_h, sv_t, b, h, cols, W, DV, BDV, DOT)
-            m, z, acc = _online_softmax_step(m, z, acc, _window_logits(qw, kw, at_last, cols, W, scale2, PREC), v,
+            kw = load_rows(KW, skw_b, skw_h, skw_t, b, h, cols, W, D, BD, DOT)
+            v = load_rows(V, sv_b, sv_h, sv_t, b, h, cols, W, DV, BDV, DOT)
+            m, z, acc = online_softmax_step(m, z, acc, window_logits(qw, kw, at_last, cols, W, scale2, PREC), v,
                                              tl.full([BW], 1.0, tl.float32), DOT, PREC)
         if HAS_CODES:
-            qc = _load_rows(QC, sqc_b, sqc_h, sqc_t, b, h, rows, 1, DC, BDC, DOT)
+            qc = load_rows(QC, sqc_b, sqc_h, sqc_t, b, h, rows, 1, DC, BDC, DOT)
             book = bh if PER_SEQUENCE else h
             for s0 in range(0, S, BS):
                 # a memory_cap weight comes in the counts and sums (one per step: weigh_memory), so no bias here
-                code_logits, _, counts, sums = _code_tile(CB, CNT, SUM, book, bh, 0.0, s0, S, DC, DV, qc, scale2,
+                code_logits, _, counts, sums = code_tile(CB, CNT, SUM, book, bh, 0.0, s0, S, DC, DV, qc, scale2,
                                                           BS, BDC, BDV, DOT, SUM_DOT, PREC)
-                m, z, acc = _online_softmax_step(m, z, acc, code_logits, sums, counts, SUM_DOT, PREC)
-        _store_rows(O, so_b, so_h, so_t, b, h, rows, 1, DV, acc / z[:, None], BDV)
+                m, z, acc = online_softmax_step(m, z, acc, code_logits, sums, counts, SUM_DOT, PREC)
+        store_rows(O, so_b, so_h, so_t, b, h, rows, 1, DV, acc / z[:, None], BDV)
 
 
 def needs_grad(*tensors) -> bool:
@@ -88,16 +88,16 @@ def fused_decode_step(qw, kw, v, *, scale: float, qc=None, codebook=None, counts
     W, DV = kw.shape[2], v.shape[-1]
     has_codes = codebook is not None
     S, DC = codebook.shape[-2:] if has_codes else (0, 0)
-    qw, kw, v = _unit_last(qw), _unit_last(kw), _unit_last(v)
-    qc = _unit_last(qc if qc is not None else qw) if has_codes else qw
+    qw, kw, v = unit_last(qw), unit_last(kw), unit_last(v)
+    qc = unit_last(qc if qc is not None else qw) if has_codes else qw
     cb = codebook.contiguous() if has_codes else qw
     cnt = counts.contiguous() if has_codes else qw
     sm = sums.contiguous() if has_codes else qw
     out = torch.empty(B, H, 1, DV, device=v.device, dtype=v.dtype)
-    dot, prec = _dot_dtype(qw.dtype)
-    _decode_kernel[(B * H,)](qw, kw, v, qc, cb, cnt, sm, out, *_strides(qw), *_strides(kw), *_strides(v),
-                             *_strides(qc), *_strides(out), H, W, S, D, DC, DV, float(scale), ROWS=ROWS,
-                             BW=WINDOW_TILE, BD=_width(D), BDC=_width(DC), BDV=_width(DV), BS=CODE_TILE,
+    dot, prec = dot_dtype(qw.dtype)
+    _decode_kernel[(B * H,)](qw, kw, v, qc, cb, cnt, sm, out, *row_strides(qw), *row_strides(kw), *row_strides(v),
+                             *row_strides(qc), *row_strides(out), H, W, S, D, DC, DV, float(scale), ROWS=ROWS,
+                             BW=WINDOW_TILE, BD=register_width(D), BDC=register_width(DC), BDV=register_width(DV), BS=CODE_TILE,
                              HAS_CODES=has_codes, PER_SEQUENCE=has_codes and codebook.dim() == 4, DOT=dot,
-                             SUM_DOT=_sum_dot(dot), PREC=prec)
+                             SUM_DOT=sum_dot(dot), PREC=prec)
     return out

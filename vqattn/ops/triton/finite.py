@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import triton
-from .window_codes import MAX_DIM, SUPPORTED_DTYPES, _unit_last, _width
+from .utils import MAX_DIM, SUPPORTED_DTYPES, register_width, unit_last
 
 if triton is not None:
     import triton.language as tl
@@ -42,9 +42,9 @@ def runs_finite_kernel(x: torch.Tensor) -> bool:
 def nonfinite_rows(x: torch.Tensor) -> torch.Tensor:
     """(B, H, T, D) -> (B, H, T) bool: the row holds a NaN or ±inf entry."""
     B, H, T, D = x.shape
-    x = _unit_last(x.detach())
+    x = unit_last(x.detach())
     out = torch.empty(B, H, T, device=x.device, dtype=torch.bool)
     grid = (triton.cdiv(T, ROW_BLOCK), B * H)
     _nonfinite_rows_kernel[grid](x, out, x.stride(0), x.stride(1), x.stride(2), H, T, D, R=ROW_BLOCK,
-                                 BD=_width(D))
+                                 BD=register_width(D))
     return out

@@ -8,7 +8,7 @@ reach memory. Ties go to the first code, as ``torch.max`` and ``argmax`` break t
 products under the interpreter and for float32 keys (TF32 where PyTorch's float32 matmuls may be, as
 :func:`~vqattn.ops.triton.float32_tensor_cores` tells), and on a GPU for half keys two TF32 products of exact operands,
 the keys with the codes' leading and trailing TF32 parts (about float32's accuracy at tensor-core speed;
-:func:`~vqattn.ops.triton.window_codes._dot_half_rows`), the codebook split once per call
+:func:`~vqattn.ops.triton.window_codes.dot_half_rows`), the codebook split once per call
 (:func:`~vqattn.ops.triton.window_codes.tf32_parts`) rather than every tile in every program.
 """
 
@@ -18,12 +18,12 @@ import torch
 
 from ..common.layout import empty_like_order
 from . import triton
-from .window_codes import MAX_DIM, SUPPORTED_DTYPES, _float32_products, _unit_last, _width, code_parts
+from .utils import MAX_DIM, SUPPORTED_DTYPES, code_parts, float32_products, register_width, unit_last
 
 if triton is not None:
     import triton.language as tl
 
-    from .window_codes import _dot_code_parts, _load_rows, _store_rows
+    from .utils import dot_code_parts, load_rows, store_rows
 
 KEY_BLOCK = 64
 CODE_TILE = 64
@@ -45,14 +45,14 @@ if triton is not None:
         blk, bh = tl.program_id(0), tl.program_id(1)
         h = bh % H
         rows = blk * L + tl.arange(0, L)
-        k = _load_rows(K, sk_b, sk_h, sk_t, bh // H, h, rows, T, D, BD, tl.float32)
+        k = load_rows(K, sk_b, sk_h, sk_t, bh // H, h, rows, T, D, BD, tl.float32)
         dims = tl.arange(0, BD)
         best = tl.full([L], float("-inf"), tl.float32)
         best_code = tl.zeros([L], tl.int32)
         for s0 in range(0, S, BS):
             codes = s0 + tl.arange(0, BS)
             present = codes < S
-            dots = _dot_code_parts(k, C, C_LO, (h * S + codes[:, None]) * D + dims[None, :],
+            dots = dot_code_parts(k, C, C_LO, (h * S + codes[:, None]) * D + dims[None, :],
                                    present[:, None] & (dims[None, :] < D), HALF_ROWS, PREC, EXACT_PREC)
             # absent codes score −inf
             half_norms = tl.load(HALF_NORMS + h * S + codes, mask=present, other=float("inf"))
@@ -69,12 +69,12 @@ if triton is not None:
         blk, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // H, bh % H
         rows = blk * L + tl.arange(0, L)
-        k = _load_rows(K, sk_b, sk_h, sk_t, b, h, rows, T, D, BD, tl.float32)
+        k = load_rows(K, sk_b, sk_h, sk_t, b, h, rows, T, D, BD, tl.float32)
         index = tl.load(IDX + bh * T + rows, mask=rows < T, other=0)
         dims = tl.arange(0, BD)
         c = tl.load(C + (h * S + index[:, None]) * D + dims[None, :], mask=(rows[:, None] < T) & (dims[None, :] < D),
                     other=0.0)
-        _store_rows(OUT, so_b, so_h, so_t, b, h, rows, T, D, (k - c) * tl.load(FACTOR), BD)
+        store_rows(OUT, so_b, so_h, so_t, b, h, rows, T, D, (k - c) * tl.load(FACTOR), BD)
 
 
 def runs_assignment_kernels(k: torch.Tensor) -> bool:
@@ -90,13 +90,13 @@ def nearest_codes(k: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     (B, H, T) int64, by the kernel of the module doc."""
     B, H, T, D = k.shape
     S = codebook.shape[1]
-    k, codebook = _unit_last(k), codebook.float().contiguous()
+    k, codebook = unit_last(k), codebook.float().contiguous()
     half_norms = 0.5 * codebook.square().sum(-1)  # (H, S), once per call rather than per tile of every program
     index = torch.empty(B, H, T, device=k.device, dtype=torch.int64)
     grid = (triton.cdiv(T, ASSIGN_KEYS), B * H)
     _nearest_kernel[grid](k, *code_parts(codebook, k.dtype), half_norms, index, k.stride(0), k.stride(1),
-                          k.stride(2), H, T, S, D, L=ASSIGN_KEYS, BS=CODE_TILE, BD=_width(D),
-                          **_float32_products(k.dtype), **ASSIGN_LAUNCH)
+                          k.stride(2), H, T, S, D, L=ASSIGN_KEYS, BS=CODE_TILE, BD=register_width(D),
+                          **float32_products(k.dtype), **ASSIGN_LAUNCH)
     return index
 
 
@@ -109,8 +109,8 @@ def code_residuals(k: torch.Tensor, codebook: torch.Tensor, index: torch.Tensor,
     subtracts the keys and scales into a third."""
     B, H, T, D = k.shape
     out = empty_like_order(k)
-    k, codebook, index = _unit_last(k), codebook.float().contiguous(), index.contiguous()
+    k, codebook, index = unit_last(k), codebook.float().contiguous(), index.contiguous()
     _residual_kernel[(triton.cdiv(T, KEY_BLOCK), B * H)](
         k, codebook, index, factor.float().reshape(1), out, k.stride(0), k.stride(1), k.stride(2), out.stride(0),
-        out.stride(1), out.stride(2), H, T, codebook.shape[1], D, L=KEY_BLOCK, BD=_width(D))
+        out.stride(1), out.stride(2), H, T, codebook.shape[1], D, L=KEY_BLOCK, BD=register_width(D))
     return out

@@ -29,12 +29,12 @@ from __future__ import annotations
 import torch
 
 from . import triton
-from .window_codes import _float32_products, _strides, _unit_last, _width
+from .utils import float32_products, register_width, row_strides, unit_last
 
 if triton is not None:
     import triton.language as tl
 
-    from .window_codes import _dot_half_rows, _load_rows
+    from .utils import dot_half_rows, load_rows
 
 # Slots scored per inner step: a (L, SLOT_TILE) score tile and a (SLOT_TILE, D) tile of key sums.
 SLOT_TILE = 32
@@ -67,7 +67,7 @@ if triton is not None:
                            other=0.0)
             means = sums / tl.where(n > 0, n, 1.0)[:, None]
             centre_sq = tl.where(n > 0, tl.sum(means * means, 1), float("inf"))
-            score = centre_sq[None, :] - 2 * _dot_half_rows(keys, means, HALF_ROWS, PREC, EXACT_PREC)
+            score = centre_sq[None, :] - 2 * dot_half_rows(keys, means, HALF_ROWS, PREC, EXACT_PREC)
             tile_best = tl.min(score, 1)
             tile_slot = tl.argmin(score, 1, tie_break_left=True).to(tl.int32) + s0
             better = tile_best < best  # strictly: an earlier tile keeps a tie
@@ -101,7 +101,7 @@ if triton is not None:
         local = tl.arange(0, L)
         for blk in range(0, tl.cdiv(T, L)):
             rows = blk * L + local
-            keys = _load_rows(K, sk_b, sk_h, sk_t, b, h, rows, T, D, BD, tl.float32)
+            keys = load_rows(K, sk_b, sk_h, sk_t, b, h, rows, T, D, BD, tl.float32)
             key_sq = tl.sum(keys * keys, 1)
             old_score, old_slot = _nearest_slot(keys, CNT, SUM, S, D, L, BD, BS, PREC, EXACT_PREC, HALF_ROWS)
             valid = rows < T
@@ -134,12 +134,12 @@ def fused_online_slots(memory_keys: torch.Tensor, counts: torch.Tensor, key_sums
     multiple of L (the last block is partial). No gradient (the choice is discrete)."""
     B, H, T, D = memory_keys.shape
     S = counts.shape[-1]
-    keys = _unit_last(memory_keys.detach())
+    keys = unit_last(memory_keys.detach())
     # scratch copies that the kernel updates block after block
     cnt = counts.detach().to(torch.float32, copy=True).contiguous()
     sums = key_sums.detach().to(torch.float32, copy=True).contiguous()
     out = torch.empty(B, H, T, device=keys.device, dtype=torch.long)
-    _online_slots_kernel[(B * H,)](keys, cnt, sums, out, *_strides(keys), H, T, S, D, float(threshold),
+    _online_slots_kernel[(B * H,)](keys, cnt, sums, out, *row_strides(keys), H, T, S, D, float(threshold),
                                    1.0 if decay is None else float(decay), L=L,
-                                   BD=_width(D), BS=SLOT_TILE, **_float32_products(keys.dtype))
+                                   BD=register_width(D), BS=SLOT_TILE, **float32_products(keys.dtype))
     return out

@@ -14,7 +14,7 @@ import torch
 
 from ..common.layout import empty_in_order
 from . import triton
-from .window_codes import MAX_DIM, SUPPORTED_DTYPES, _width
+from .utils import MAX_DIM, SUPPORTED_DTYPES, register_width
 
 if triton is not None:
     import triton.language as tl
@@ -70,6 +70,6 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float, r
     _rotation_kernel[(triton.cdiv(T, ROW_BLOCK), B * H)](
         x, cos.contiguous(), sin.contiguous(), raw, out, x.stride(0), x.stride(1), x.stride(2), raw.stride(0),
         raw.stride(1), raw.stride(2), out.stride(0), out.stride(1), out.stride(2), H, T, D // 2, first_pair,
-        float(sign), R=ROW_BLOCK, BH=_width(D // 2),
+        float(sign), R=ROW_BLOCK, BH=register_width(D // 2),
         ADD_RAW=raw_grad is not None)
     return out

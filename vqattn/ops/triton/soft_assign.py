@@ -16,10 +16,10 @@ tensor cores; its backward makes three more passes over (T, S) tensors and two m
 * **codes' gradient**: dc_s = (Σ_j ds_js k_j − c_s Σ_j ds_js) / τ, one program per (tile of codes, head, slice of
   the keys) walking its key blocks, the slices' sums added atomically.
 
-Products of float32 operands take :func:`~vqattn.ops.triton.window_codes._float32_precision`'s precision (three TF32
+Products of float32 operands take :func:`~vqattn.ops.triton.window_codes.float32_precision`'s precision (three TF32
 products beside half keys on a GPU; for float32 keys IEEE float32, or TF32 where PyTorch's float32 matmuls may be);
 the keys' products with the codes and with the scores' gradient take two
-(:func:`~vqattn.ops.triton.window_codes._dot_half_rows`: half keys are exact in TF32, so only the other operand
+(:func:`~vqattn.ops.triton.window_codes.dot_half_rows`: half keys are exact in TF32, so only the other operand
 splits). Everything accumulates in float32.
 """
 
@@ -30,12 +30,12 @@ import torch
 from ..common.layout import empty_like_order
 from . import triton
 from .nearest import ASSIGN_KEYS, ASSIGN_LAUNCH
-from .window_codes import _float32_products, _unit_last, _width
+from .utils import float32_products, register_width, unit_last
 
 if triton is not None:
     import triton.language as tl
 
-    from .window_codes import LOG2E, _dot_half_rows, _load_rows
+    from .utils import LOG2E, dot_half_rows, load_rows
 
 KEY_BLOCK = 64
 CODE_TILE = 64
@@ -57,7 +57,7 @@ if triton is not None:
         """(k·c_s − ‖c_s‖²/2) for the codes of one tile (−inf past S): k (L, BD) float32, C (H, S, D) float32, HN
         (H, S) the codes' ‖c_s‖²/2 (formed once per call, not per tile of every program)."""
         half_norms = tl.load(HN + h * S + codes, mask=codes < S, other=float("inf"))  # absent codes score −inf
-        return _dot_half_rows(k, _codes(C, h, codes, S, D, BD), HALF_ROWS, PREC, EXACT_PREC) - half_norms[None, :]
+        return dot_half_rows(k, _codes(C, h, codes, S, D, BD), HALF_ROWS, PREC, EXACT_PREC) - half_norms[None, :]
 
     @triton.jit
     def _codes(C, h, codes, S, D, BD: tl.constexpr):
@@ -77,7 +77,7 @@ if triton is not None:
         blk, bh = tl.program_id(0), tl.program_id(1)
         h = bh % H
         rows = blk * L + tl.arange(0, L)
-        k = _load_rows(K, sk_b, sk_h, sk_t, bh // H, h, rows, T, D, BD, tl.float32)
+        k = load_rows(K, sk_b, sk_h, sk_t, bh // H, h, rows, T, D, BD, tl.float32)
         scale2 = LOG2E / tl.load(TAU + h)  # the softmax in base 2, as the window-code kernels run theirs
         row_max = tl.full([L], float("-inf"), tl.float32)
         row_sum = tl.zeros([L], tl.float32)
@@ -120,7 +120,7 @@ if triton is not None:
         tl.store(R + bh * T + rows, r, mask=rows < T)
         if TAU_GRAD:  # dτ = −Σ ds·x / τ with x = scores / τ: this block's part
             # Σ_s ds_js (k_j·c_s − ‖c_s‖²/2) = k_j·(Σ_s ds_js c_s) − Σ_s ds_js ‖c_s‖²/2: the scores never formed
-            k = _load_rows(K, sk_b, sk_h, sk_t, bh // H, h, rows, T, D, BD, tl.float32)
+            k = load_rows(K, sk_b, sk_h, sk_t, bh // H, h, rows, T, D, BD, tl.float32)
             ds_x = tl.sum(k * dk, 1) - ds_hn
             tl.store(DTAU + bh * tl.num_programs(0) + blk, -tl.sum(ds_x, 0) * inv_tau * inv_tau)
 
@@ -141,8 +141,8 @@ if triton is not None:
             at, mask = _tile(bh, rows, codes, T, S)
             r = tl.load(R + bh * T + rows, mask=rows < T, other=0.0)
             ds = tl.load(P + at, mask=mask, other=0.0) * (tl.load(G + at, mask=mask, other=0.0) - r[:, None])
-            k = _load_rows(K, sk_b, sk_h, sk_t, b, h, rows, T, D, BD, tl.float32)
-            acc += _dot_half_rows(tl.trans(k), tl.trans(ds), HALF_ROWS, PREC, EXACT_PREC)
+            k = load_rows(K, sk_b, sk_h, sk_t, b, h, rows, T, D, BD, tl.float32)
+            acc += dot_half_rows(tl.trans(k), tl.trans(ds), HALF_ROWS, PREC, EXACT_PREC)
             ds_sum += tl.sum(ds, 0)
         present = (codes[:, None] < S) & (dims[None, :] < D)
         ptrs = (h * S + codes[:, None]) * D + dims[None, :]
@@ -158,12 +158,12 @@ class SoftAssign(torch.autograd.Function):
     def forward(ctx, k, c, tau):
         B, H, T, D = k.shape
         S = c.shape[1]
-        k = _unit_last(k)
+        k = unit_last(k)
         half_norms = 0.5 * c.square().sum(-1)
         weights = torch.empty(B, H, T, S, device=k.device, dtype=torch.float32)
         _soft_assign_kernel[(triton.cdiv(T, ASSIGN_KEYS), B * H)](  # as the hard assignment's (nearest.py)
             k, c, half_norms, tau, weights, k.stride(0), k.stride(1), k.stride(2), H, T, S, D, L=ASSIGN_KEYS,
-            BS=CODE_TILE, BD=_width(D), **_float32_products(k.dtype), **ASSIGN_LAUNCH)
+            BS=CODE_TILE, BD=register_width(D), **float32_products(k.dtype), **ASSIGN_LAUNCH)
         ctx.save_for_backward(k, c, half_norms, tau, weights)
         return weights
 
@@ -176,8 +176,8 @@ class SoftAssign(torch.autograd.Function):
         S = c.shape[1]
         grad = grad.float().contiguous()
         blocks = triton.cdiv(T, KEY_BLOCK)
-        shape = dict(L=KEY_BLOCK, BS=CODE_TILE, BD=_width(D))
-        products = _float32_products(k.dtype)
+        shape = dict(L=KEY_BLOCK, BS=CODE_TILE, BD=register_width(D))
+        products = float32_products(k.dtype)
         strides = k.stride(0), k.stride(1), k.stride(2)
         grad_k = empty_like_order(k, dtype=torch.float32)  # in k's memory order (common/layout.py)
         row_sums = torch.empty(B, H, T, device=k.device, dtype=torch.float32)

@@ -23,15 +23,8 @@ import dataclasses
 import torch
 
 from .block_caches import CacheQueries, prefix_forward, reverse_walk
-from .window_codes import (
-    TENSORS,
-    _unit_last,
-    code_backward,
-    codebook_gradient,
-    output_delta,
-    window_backward,
-    window_code_forward,
-)
+from .utils import unit_last
+from .window_codes import TENSORS, code_backward, codebook_gradient, output_delta, window_backward, window_code_forward
 
 # the prefix's tensors that the backward reads beside the window-code forward's
 PREFIX_TENSORS = ("idx", "wts", "v", "cache_n", "cache_c")
@@ -63,7 +56,7 @@ class VQCausal(torch.autograd.Function):
         saved = ctx.saved_tensors
         f = dataclasses.replace(ctx.forward, **dict(zip(TENSORS, saved[:len(TENSORS)])))
         p = dataclasses.replace(ctx.prefix, **dict(zip(PREFIX_TENSORS, saved[len(TENSORS):])))
-        grad_out = _unit_last(grad_out)
+        grad_out = unit_last(grad_out)
         delta = output_delta(f, grad_out)
         dqw, dkw, dv = window_backward(f, grad_out, delta)
         counts_grad = not p.hard or ctx.needs_input_grad[7]  # soft weights' gradient holds the counts'

@@ -19,7 +19,7 @@ autograd then carries back through the prefix to the values and the assignment.
 One program per (query block, batch·head). Loads are cast to ``DOT`` (the input's half type on a GPU, so the
 products run on tensor cores; float32 under the interpreter, whose half-precision products are wrong), every product
 accumulates in float32, and float32 inputs multiply in IEEE float32, or in TF32 where PyTorch's own float32 matmuls
-may (:func:`~vqattn.ops.triton.float32_tensor_cores`, :func:`_float32_dot`).
+may (:func:`~vqattn.ops.triton.float32_tensor_cores`, :func:`~vqattn.ops.triton.utils.float32_dot`).
 """
 
 from __future__ import annotations
@@ -27,23 +27,27 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 
 from ..common.layout import empty_like_order
-from . import INTERPRET, float32_tensor_cores, triton
+from . import triton
+from .utils import (
+    CODE_TILE,
+    MAX_DIM,
+    SUPPORTED_DTYPES,
+    aligned_code_dims,
+    dot_dtype,
+    register_width,
+    stride_args,
+    sum_dot,
+    three_programs_per_sm,
+    unit_last,
+)
 
 if triton is not None:
     import triton.language as tl
 
-# Codes scored per inner step of the kernels (a (L, CODE_TILE) logit tile).
-CODE_TILE = 64
-# The largest feature width a program holds in registers.
-MAX_DIM = 256
-# Code dims are zero-padded to a multiple of this many elements (32 bytes of a half type): rows whose width and
-# stride are not let Triton load and store them only one element per instruction, and keep them out of the
-# asynchronous copies that pipeline the code tiles. A layer's slow-pair code scores have Dc = 30.
-CODE_DIM_ALIGN = 16
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+    from .utils import LOG2E, block_bias, code_tile, load_rows, online_softmax_step, store_rows, window_logits
+
 
 
 def unsupported(L: int, dims: tuple[int, ...], dtype: torch.dtype) -> str | None:
@@ -66,23 +70,6 @@ def unsupported(L: int, dims: tuple[int, ...], dtype: torch.dtype) -> str | None
 # stay fixed until a GPU run measures them again.
 FORWARD_LAUNCH = dict(num_warps=4, num_stages=1)
 BACKWARD_LAUNCH = dict(num_warps=4, num_stages=3)
-# The most registers per thread at which three programs of 4 warps share an SM (65536 registers, allocated to a
-# thread in units of 8): Triton's ``maxnreg`` caps a kernel there where ptxas would take a few more without need.
-THREE_PROGRAMS_REGISTERS = 168
-
-
-def _capability(device: torch.device) -> tuple[int, int]:
-    """The CUDA compute capability of ``device``; (0, 0) elsewhere (the interpreter's CPU)."""
-    return torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
-
-
-def three_programs_per_sm(device: torch.device) -> dict:
-    """``maxnreg`` at :data:`THREE_PROGRAMS_REGISTERS` on a Hopper GPU (sm_90), where ptxas' allocations of the
-    capped kernels were read to fit without spilling; nothing elsewhere (for sm_80 the capped code backward
-    spills 72 bytes)."""
-    return dict(maxnreg=THREE_PROGRAMS_REGISTERS) if _capability(device)[0] == 9 else {}
-
-
 def _code_backward_launch(meta: dict, codebook_grad: bool, device: torch.device) -> dict:
     """The launch settings of the backward's code part. As the vq_hard layer runs it (bfloat16, code dims up to 32,
     no codebook gradient) ptxas allocates it 171 registers (Triton 3.9, sm_90), two programs per SM; capped at
@@ -95,128 +82,17 @@ def _code_backward_launch(meta: dict, codebook_grad: bool, device: torch.device)
 
 
 if triton is not None:
-    # The softmax runs in base 2, as flash attention's does: logits scaled by σ log2(e) (and biases by log2(e)),
-    # probabilities 2^(l − m), and the logsumexp stored in base 2. tl.exp2 is one ex2.approx.ftz per element (Triton
-    # 3.6 and 3.9), where tl.exp is ex2.approx.f32, which keeps subnormal results and around which ptxas adds a range
-    # fix-up of four instructions.
-    LOG2E = tl.constexpr(1.4426950408889634)
-
-    @triton.jit
-    def _load_rows(ptr, sb, sh, st, b, h, rows, T, width, BW: tl.constexpr, DOT: tl.constexpr):
-        """x[b, h, rows, :width] of a (B, H, T, width) tensor with unit last stride, zero outside, as DOT."""
-        cols = tl.arange(0, BW)
-        mask = (rows[:, None] >= 0) & (rows[:, None] < T) & (cols[None, :] < width)
-        x = tl.load(ptr + b * sb + h * sh + rows[:, None] * st + cols[None, :], mask=mask, other=0.0)
-        return x.to(DOT)
-
-    @triton.jit
-    def _store_rows(ptr, sb, sh, st, b, h, rows, T, width, x, BW: tl.constexpr):
-        cols = tl.arange(0, BW)
-        mask = (rows[:, None] >= 0) & (rows[:, None] < T) & (cols[None, :] < width)
-        tl.store(ptr + b * sb + h * sh + rows[:, None] * st + cols[None, :], x.to(ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _tf32_parts(x):
-        """float32 x as hi + lo, both exact in TF32 (10 mantissa bits): hi is x with its 13 low mantissa bits
-        cleared, lo the rest (x − hi, exact) rounded to TF32 to nearest, so hi + lo is within 2⁻²² of x."""
-        hi = (x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
-        lo = ((x - hi).to(tl.uint32, bitcast=True) + 0x1000) & 0xFFFFE000
-        return hi, lo.to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _dot_parts(a, hi, lo, EXACT_PREC: tl.constexpr):
-        """a·hiᵀ + a·loᵀ (M, N) in float32, two products of operands exact in TF32, the second added in the first's
-        accumulator."""
-        return tl.dot(a, tl.trans(lo), tl.dot(a, tl.trans(hi), input_precision=EXACT_PREC), input_precision=EXACT_PREC)
-
-    @triton.jit
-    def _dot_half_rows(a, b, HALF_ROWS: tl.constexpr, PREC: tl.constexpr, EXACT_PREC: tl.constexpr):
-        """a·bᵀ (M, N) in float32 of float32 a (M, K) and b (N, K). With HALF_ROWS (a holds half-typed values,
-        exact in TF32) b splits into :func:`_tf32_parts` b_hi + b_lo, so two products of exact operands,
-        a·b_hiᵀ + a·b_loᵀ in EXACT_PREC, give about float32's accuracy (b off by 2⁻²²) where PREC's three TF32
-        products (tf32x3) would also split a, which has no low part; otherwise one product in PREC."""
-        if HALF_ROWS:
-            hi, lo = _tf32_parts(b)
-            return _dot_parts(a, hi, lo, EXACT_PREC)
-        return tl.dot(a, tl.trans(b), input_precision=PREC)
-
-    @triton.jit
-    def _dot_code_parts(k, C, C_LO, at, inside, HALF_ROWS: tl.constexpr, PREC: tl.constexpr,
-                        EXACT_PREC: tl.constexpr):
-        """k·cᵀ (M, N) in float32 of float32 rows k (M, K) and a tile of codes read at offsets ``at`` (mask
-        ``inside``). With HALF_ROWS (k holds half values, exact in TF32) C and C_LO hold the codes' leading and
-        trailing TF32 parts (:func:`code_parts`, split once per call), multiplied as :func:`_dot_half_rows` does;
-        otherwise C holds the codes, one product in PREC."""
-        c = tl.load(C + at, mask=inside, other=0.0)
-        if HALF_ROWS:
-            return _dot_parts(k, c, tl.load(C_LO + at, mask=inside, other=0.0), EXACT_PREC)
-        return tl.dot(k, tl.trans(c), input_precision=PREC)
-
     @triton.jit
     def _window_keys(KW, BAD, skw_b, skw_h, skw_t, b, h, bh, rows, T, D, L: tl.constexpr, BD: tl.constexpr,
                      DOT: tl.constexpr, HAS_BAD: tl.constexpr):
         """The window's keys of ``rows`` (L, BD) as DOT, and with HAS_BAD which of them are bad (L,) (non-finite:
         read as zeros, as the unfused forms zero them beforehand; their gradient is 0)."""
-        kw = _load_rows(KW, skw_b, skw_h, skw_t, b, h, rows, T, D, BD, DOT)
+        kw = load_rows(KW, skw_b, skw_h, skw_t, b, h, rows, T, D, BD, DOT)
         bad = tl.zeros([L], tl.int1)
         if HAS_BAD:
             bad = tl.load(BAD + bh * T + rows, mask=(rows >= 0) & (rows < T), other=0) != 0
             kw = tl.where(bad[:, None], tl.zeros_like(kw), kw)
         return kw, bad
-
-    @triton.jit
-    def _window_logits(qw, kw, rows, cols, T, scale2, PREC: tl.constexpr):
-        """σ qw·kwᵀ (L, L) in base 2 (``scale2`` = σ log2 e), −inf where a key is after the query or outside the
-        sequence."""
-        s = tl.dot(qw, tl.trans(kw), input_precision=PREC) * scale2
-        visible = (cols[None, :] >= 0) & (cols[None, :] < T) & (cols[None, :] <= rows[:, None])
-        return tl.where(visible, s, float("-inf"))
-
-    @triton.jit
-    def _code_tile(CB, CNT, SUM, book, cache, bias, s0, S, DC, DV, qc, scale2, BS: tl.constexpr, BDC: tl.constexpr,
-                   BDV: tl.constexpr, DOT: tl.constexpr, SUM_DOT: tl.constexpr, PREC: tl.constexpr):
-        """Codes s0..s0+BS of codebook ``book`` (a row of the (·, S, DC) codebook: the head's, or the block's own)
-        read with cache ``cache`` (a row of the (·, S) counts and (·, S, DV) sums): their logits without the counts,
-        l_s = σ qc·c_s + bias (rows, BS) in base 2 (``scale2`` = σ log2 e; −inf for empty and absent codes; ``bias``
-        the block's memory bias, natural), the codes (BS, BDC) as DOT, their counts n_s (BS,) (0 for absent codes)
-        and value sums C_s (BS, BDV) as SUM_DOT.
-
-        A code's softmax weight is exp(l_s + log n_s) and its value the mean C_s / n_s; their product is
-        exp(l_s)·C_s, so the counts only weigh the normaliser (Σ exp(l_s)·n_s) and no tile takes a logarithm or
-        divides (by ptxas, the precise log of the counts was about a third of the forward's code loop)."""
-        codes = s0 + tl.arange(0, BS)
-        present = codes < S
-        dc, dv = tl.arange(0, BDC), tl.arange(0, BDV)
-        c = tl.load(CB + (book * S + codes[:, None]) * DC + dc[None, :],
-                    mask=present[:, None] & (dc[None, :] < DC), other=0.0).to(DOT)
-        n = tl.load(CNT + cache * S + codes, mask=present, other=0.0)
-        sums = tl.load(SUM + (cache * S + codes[:, None]) * DV + dv[None, :],
-                       mask=present[:, None] & (dv[None, :] < DV), other=0.0).to(SUM_DOT)
-        offset = tl.where(n > 0, bias * LOG2E, float("-inf"))
-        logits = tl.dot(qc, tl.trans(c), input_precision=PREC) * scale2 + offset[None, :]
-        return logits, c, n, sums
-
-    @triton.jit
-    def _block_bias(BIAS, blk, HAS_BIAS: tl.constexpr):
-        """The memory bias of query block ``blk`` on its code logits (``memory_cap``), 0 without one."""
-        bias = 0.0
-        if HAS_BIAS:
-            bias = tl.load(BIAS + blk)
-        return bias
-
-    @triton.jit
-    def _online_softmax_step(m, z, acc, logits, values, weights, VALUE_DOT: tl.constexpr, PREC: tl.constexpr):
-        """Flash attention's update of the running max m (L,), normaliser z (L,) and numerator acc (L, Dv) by one
-        tile of base-2 logits (L, n) over its values (n, Dv), each value of weight ``weights`` (n,) in the normaliser: 1
-        for the window's keys, the counts for the codes' sums (:func:`_code_tile`). The tile's temporaries stay
-        local: the window's tiles are (L, L), the codes' (L, CODE_TILE), and a loop-carried name must keep one
-        shape."""
-        m_new = tl.maximum(m, tl.max(logits, 1))
-        rescale = tl.exp2(m - m_new)
-        p = tl.exp2(logits - m_new[:, None])
-        z = z * rescale + tl.sum(p * weights[None, :], 1)
-        acc = tl.dot(p.to(VALUE_DOT), values, acc * rescale[:, None], input_precision=PREC)  # added in the product
-        return m_new, z, acc
 
     @triton.jit
     def _window_code_forward_kernel(QW, KW, V, QC, CB, CNT, SUM, BIAS, BAD, O, LSE,
@@ -231,32 +107,32 @@ if triton is not None:
         nb = tl.cdiv(T, L)
         rows = blk * L + tl.arange(0, L)
         scale2 = scale * LOG2E
-        qw = _load_rows(QW, sqw_b, sqw_h, sqw_t, b, h, rows, T, D, BD, DOT)
+        qw = load_rows(QW, sqw_b, sqw_h, sqw_t, b, h, rows, T, D, BD, DOT)
         m = tl.full([L], float("-inf"), tl.float32)
         z = tl.zeros([L], tl.float32)
         acc = tl.zeros([L, BDV], tl.float32)
         # both blocks' keys and values loaded before either is scored: one trip to memory, not two
         cols = rows - L
         kw_prev, bad_prev = _window_keys(KW, BAD, skw_b, skw_h, skw_t, b, h, bh, cols, T, D, L, BD, DOT, HAS_BAD)
-        v_prev = _load_rows(V, sv_b, sv_h, sv_t, b, h, cols, T, DV, BDV, DOT)
+        v_prev = load_rows(V, sv_b, sv_h, sv_t, b, h, cols, T, DV, BDV, DOT)
         kw, bad = _window_keys(KW, BAD, skw_b, skw_h, skw_t, b, h, bh, rows, T, D, L, BD, DOT, HAS_BAD)
-        v = _load_rows(V, sv_b, sv_h, sv_t, b, h, rows, T, DV, BDV, DOT)
+        v = load_rows(V, sv_b, sv_h, sv_t, b, h, rows, T, DV, BDV, DOT)
         ones = tl.full([L], 1.0, tl.float32)
         # the current block first: its diagonal keeps every row's max finite from the start
-        m, z, acc = _online_softmax_step(m, z, acc, _window_logits(qw, kw, rows, rows, T, scale2, PREC), v, ones,
+        m, z, acc = online_softmax_step(m, z, acc, window_logits(qw, kw, rows, rows, T, scale2, PREC), v, ones,
                                          DOT, PREC)
-        m, z, acc = _online_softmax_step(m, z, acc, _window_logits(qw, kw_prev, rows, cols, T, scale2, PREC), v_prev,
+        m, z, acc = online_softmax_step(m, z, acc, window_logits(qw, kw_prev, rows, cols, T, scale2, PREC), v_prev,
                                          ones, DOT, PREC)
         if HAS_CODES:
-            qc = _load_rows(QC, sqc_b, sqc_h, sqc_t, b, h, rows, T, DC, BDC, DOT)
+            qc = load_rows(QC, sqc_b, sqc_h, sqc_t, b, h, rows, T, DC, BDC, DOT)
             cache = bh * nb + blk
             book = cache if PER_BLOCK else h
-            bias = _block_bias(BIAS, blk, HAS_BIAS)
+            bias = block_bias(BIAS, blk, HAS_BIAS)
             for s0 in range(0, S, BS):
-                code_logits, _, counts, sums = _code_tile(CB, CNT, SUM, book, cache, bias, s0, S, DC, DV, qc,
+                code_logits, _, counts, sums = code_tile(CB, CNT, SUM, book, cache, bias, s0, S, DC, DV, qc,
                                                           scale2, BS, BDC, BDV, DOT, SUM_DOT, PREC)
-                m, z, acc = _online_softmax_step(m, z, acc, code_logits, sums, counts, SUM_DOT, PREC)
-        _store_rows(O, so_b, so_h, so_t, b, h, rows, T, DV, acc / z[:, None], BDV)
+                m, z, acc = online_softmax_step(m, z, acc, code_logits, sums, counts, SUM_DOT, PREC)
+        store_rows(O, so_b, so_h, so_t, b, h, rows, T, DV, acc / z[:, None], BDV)
         tl.store(LSE + bh * T + rows, m + tl.log2(z), mask=rows < T)  # base 2
 
     @triton.jit
@@ -268,8 +144,8 @@ if triton is not None:
         blk, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // H, bh % H
         rows = blk * L + tl.arange(0, L)
-        do = _load_rows(DO, sdo_b, sdo_h, sdo_t, b, h, rows, T, DV, BDV, tl.float32)
-        out = _load_rows(O, so_b, so_h, so_t, b, h, rows, T, DV, BDV, tl.float32)
+        do = load_rows(DO, sdo_b, sdo_h, sdo_t, b, h, rows, T, DV, BDV, tl.float32)
+        out = load_rows(O, so_b, so_h, so_t, b, h, rows, T, DV, BDV, tl.float32)
         tl.store(DELTA + bh * T + rows, tl.sum(do * out, 1), mask=rows < T)
 
     @triton.jit
@@ -277,7 +153,7 @@ if triton is not None:
                       DOT: tl.constexpr):
         """What the backward pass reads of the outputs of rows ``rows``: their gradients dO as DOT, their
         logsumexp and Δ_i = dO_i·out_i (zeros past T)."""
-        do = _load_rows(DO, sdo_b, sdo_h, sdo_t, b, h, rows, T, DV, BDV, DOT)
+        do = load_rows(DO, sdo_b, sdo_h, sdo_t, b, h, rows, T, DV, BDV, DOT)
         lse = tl.load(LSE + bh * T + rows, mask=rows < T, other=0.0)
         delta = tl.load(DELTA + bh * T + rows, mask=rows < T, other=0.0)
         return do, lse, delta
@@ -286,7 +162,7 @@ if triton is not None:
     def _window_grads(qw, kw, v, do, lse, delta, rows, cols, T, scale2, DOT: tl.constexpr, PREC: tl.constexpr):
         """The probabilities p (rows, cols) of one window tile from the stored logsumexp (base 2), and the logits'
         gradient ds = p (dO·vᵀ − Δ), both as DOT (ds without the scale σ)."""
-        p = tl.exp2(_window_logits(qw, kw, rows, cols, T, scale2, PREC) - lse[:, None])
+        p = tl.exp2(window_logits(qw, kw, rows, cols, T, scale2, PREC) - lse[:, None])
         ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None])
         return p.to(DOT), ds.to(DOT)
 
@@ -306,17 +182,17 @@ if triton is not None:
         rows = blk * L + tl.arange(0, L)
         scale2 = scale * LOG2E
         do_dot, lse, delta = _output_grads(DO, LSE, DELTA, sdo_b, sdo_h, sdo_t, b, h, bh, rows, T, DV, BDV, DOT)
-        qw = _load_rows(QW, sqw_b, sqw_h, sqw_t, b, h, rows, T, D, BD, DOT)
+        qw = load_rows(QW, sqw_b, sqw_h, sqw_t, b, h, rows, T, D, BD, DOT)
         # the next query block, and both key blocks, loaded before any is used: one trip to memory, not three
         next_rows = rows + L
-        qn = _load_rows(QW, sqw_b, sqw_h, sqw_t, b, h, next_rows, T, D, BD, DOT)
+        qn = load_rows(QW, sqw_b, sqw_h, sqw_t, b, h, next_rows, T, D, BD, DOT)
         do_n, lse_n, delta_n = _output_grads(DO, LSE, DELTA, sdo_b, sdo_h, sdo_t, b, h, bh, next_rows, T, DV, BDV,
                                              DOT)
         cols = rows - L
         kw_prev, bad_prev = _window_keys(KW, BAD, skw_b, skw_h, skw_t, b, h, bh, cols, T, D, L, BD, DOT, HAS_BAD)
-        v_prev = _load_rows(V, sv_b, sv_h, sv_t, b, h, cols, T, DV, BDV, DOT)
+        v_prev = load_rows(V, sv_b, sv_h, sv_t, b, h, cols, T, DV, BDV, DOT)
         kw, bad = _window_keys(KW, BAD, skw_b, skw_h, skw_t, b, h, bh, rows, T, D, L, BD, DOT, HAS_BAD)
-        v = _load_rows(V, sv_b, sv_h, sv_t, b, h, rows, T, DV, BDV, DOT)
+        v = load_rows(V, sv_b, sv_h, sv_t, b, h, rows, T, DV, BDV, DOT)
         # the previous key block: its share of dq (its own dk and dv are the previous program's)
         p, ds = _window_grads(qw, kw_prev, v_prev, do_dot, lse, delta, rows, cols, T, scale2, DOT, PREC)
         dqw = tl.dot(ds, kw_prev, input_precision=PREC)  # the sums accumulate in the products, σ after
@@ -325,13 +201,13 @@ if triton is not None:
         dqw = tl.dot(ds, kw, dqw, input_precision=PREC)
         dk = tl.dot(tl.trans(ds), qw, input_precision=PREC)
         dv = tl.dot(tl.trans(p), do_dot, input_precision=PREC)
-        _store_rows(DQW, sdqw_b, sdqw_h, sdqw_t, b, h, rows, T, D, dqw * scale, BD)
+        store_rows(DQW, sdqw_b, sdqw_h, sdqw_t, b, h, rows, T, D, dqw * scale, BD)
         # ... and from the next query block (absent past the last block: zero rows add nothing)
         p, ds = _window_grads(qn, kw, v, do_n, lse_n, delta_n, next_rows, rows, T, scale2, DOT, PREC)
         dk = tl.dot(tl.trans(ds), qn, dk, input_precision=PREC)
         dv = tl.dot(tl.trans(p), do_n, dv, input_precision=PREC)
-        _store_rows(DKW, sdkw_b, sdkw_h, sdkw_t, b, h, rows, T, D, tl.where(bad[:, None], 0.0, dk * scale), BD)
-        _store_rows(DV_, sdv_b, sdv_h, sdv_t, b, h, rows, T, DV, dv, BDV)
+        store_rows(DKW, sdkw_b, sdkw_h, sdkw_t, b, h, rows, T, D, tl.where(bad[:, None], 0.0, dk * scale), BD)
+        store_rows(DV_, sdv_b, sdv_h, sdv_t, b, h, rows, T, DV, dv, BDV)
 
     @triton.jit
     def _code_backward_kernel(QC, CB, CNT, SUM, BIAS, DO, LSE, DELTA, DQC, DCB, DCNT, DSUM,
@@ -353,15 +229,15 @@ if triton is not None:
         rows = blk * L + tl.arange(0, L)
         scale2 = scale * LOG2E
         do_dot, lse, delta = _output_grads(DO, LSE, DELTA, sdo_b, sdo_h, sdo_t, b, h, bh, rows, T, DV, BDV, DOT)
-        qc = _load_rows(QC, sqc_b, sqc_h, sqc_t, b, h, rows, T, DC, BDC, DOT)
+        qc = load_rows(QC, sqc_b, sqc_h, sqc_t, b, h, rows, T, DC, BDC, DOT)
         dqc = tl.zeros([L, BDC], tl.float32)
         dc_cols, dv_cols = tl.arange(0, BDC), tl.arange(0, BDV)
         cache = bh * nb + blk
         book = cache if PER_BLOCK else h
-        bias = _block_bias(BIAS, blk, HAS_BIAS)
+        bias = block_bias(BIAS, blk, HAS_BIAS)
         do_sums = do_dot.to(SUM_DOT)
         for s0 in range(0, S, BS):
-            code_logits, c, n, sums = _code_tile(CB, CNT, SUM, book, cache, bias, s0, S, DC, DV, qc, scale2, BS,
+            code_logits, c, n, sums = code_tile(CB, CNT, SUM, book, cache, bias, s0, S, DC, DV, qc, scale2, BS,
                                                  BDC, BDV, DOT, SUM_DOT, PREC)
             # w_n = w / n, the codes' probabilities per count (0 for empty codes); with means C / n the logits'
             # gradient w (dO·C / n − Δ) is w_n (dO·C − n Δ)
@@ -388,94 +264,7 @@ if triton is not None:
                          d_sums.to(DSUM.dtype.element_ty), mask=present[:, None] & (dv_cols[None, :] < DV))
                 if COUNTS_GRAD:
                     tl.store(DCNT + cache * S + codes, -tl.sum(w_n * delta[:, None], 0), mask=present)
-        _store_rows(DQC, sdqc_b, sdqc_h, sdqc_t, b, h, rows, T, DC, dqc * scale, BDC)
-
-def _width(n: int) -> int:
-    """The register width of a feature dim: a power of two, at least 16 (tl.dot's smallest)."""
-    return max(16, triton.next_power_of_2(n))
-
-
-def _unit_last(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def _strides(x: torch.Tensor) -> tuple[int, int, int]:
-    return x.stride(0), x.stride(1), x.stride(2)
-
-
-def _stride_args(name: str, x: torch.Tensor) -> dict:
-    """x's batch, head and token strides as a keyed launch's ``s{name}_b``, ``s{name}_h``, ``s{name}_t``."""
-    return {f"s{name}_{axis}": stride for axis, stride in zip("bht", _strides(x))}
-
-
-def _aligned_code_dims(x: torch.Tensor) -> torch.Tensor:
-    """x (..., Dc) zero-padded to a multiple of ``CODE_DIM_ALIGN`` dims: zeros add nothing to q·c, and the padded
-    dims' gradients are dropped (sliced off as views)."""
-    return F.pad(x, (0, -x.shape[-1] % CODE_DIM_ALIGN)) if x.shape[-1] % CODE_DIM_ALIGN else x
-
-
-def _dot_dtype(dtype: torch.dtype):
-    """The products' operand type and precision: the input's half type in TF32-exact products on a GPU; float32 in
-    :func:`_float32_dot`'s precision for float32 inputs, and under the interpreter (whose half-precision products are
-    wrong) in IEEE float32."""
-    if INTERPRET:
-        return tl.float32, "ieee"
-    if dtype == torch.float32:
-        return tl.float32, _float32_dot()
-    return (tl.bfloat16 if dtype == torch.bfloat16 else tl.float16), "tf32"
-
-
-def _float32_dot() -> str:
-    """How float32 inputs multiply on a GPU: in TF32 where PyTorch's float32 matmuls may
-    (:func:`~vqattn.ops.triton.float32_tensor_cores`), else in IEEE float32, which Triton forms on the CUDA cores:
-    by ptxas (sm_90) the kernels then take 3-34× the instructions of the bfloat16 ones and spill kilobytes
-    per thread (docs/archive/performance_gpu_history.md)."""
-    return "tf32" if float32_tensor_cores() else "ieee"
-
-
-def _sum_dot(dot):
-    """The operand type of the products with the codes' value sums beside operands of type ``dot``: float32 (TF32
-    products, float16's 10 mantissa bits) for float16, whose largest value (65504) a sum of many values passes;
-    ``dot`` itself otherwise (bfloat16 has float32's range)."""
-    return tl.float32 if dot == tl.float16 else dot
-
-
-def _float32_precision(dtype: torch.dtype) -> str:
-    """How float32 operands multiply beside inputs of ``dtype``: three TF32 products on a GPU for half inputs (about
-    float32's accuracy at tensor-core speed), :func:`_float32_dot`'s precision for float32 inputs, IEEE float32 under
-    the interpreter."""
-    if INTERPRET:
-        return "ieee"
-    return _float32_dot() if dtype == torch.float32 else "tf32x3"
-
-
-def _exact_precision(dtype: torch.dtype) -> str:
-    """How float32 operands that hold values of half type ``dtype`` multiply with operands exact in TF32 (other half
-    values, one-hot rows, :func:`_dot_half_rows`'s parts): one TF32 product on a GPU, exact there (a float16 or
-    bfloat16 value has at most TF32's 10 mantissa bits, and the sums accumulate in float32); as the other float32
-    products for float32 inputs (:func:`_float32_precision`)."""
-    return "ieee" if _float32_precision(dtype) == "ieee" else "tf32"
-
-
-def tf32_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_tf32_parts` of a float32 tensor on the host, bit for bit: a codebook split once per call, where each
-    program of a kernel would split every tile it reads."""
-    hi = (x.view(torch.int32) & -0x2000).view(torch.float32)
-    return hi, (((x - hi).view(torch.int32) + 0x1000) & -0x2000).view(torch.float32)
-
-
-def code_parts(codebook: torch.Tensor, key_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (C, C_LO) of :func:`_dot_code_parts` for a float32 codebook beside keys of ``key_dtype``: its TF32 parts
-    for half keys, else the codebook itself (C_LO unread)."""
-    return tf32_parts(codebook) if _float32_products(key_dtype)["HALF_ROWS"] else (codebook, codebook)
-
-
-def _float32_products(dtype: torch.dtype) -> dict:
-    """The constexprs of :func:`_dot_half_rows` for rows loaded into float32 from a tensor of ``dtype``: PREC,
-    EXACT_PREC, and HALF_ROWS, whether they hold half-typed values (exact in TF32)."""
-    return dict(PREC=_float32_precision(dtype), EXACT_PREC=_exact_precision(dtype),
-                HALF_ROWS=dtype in (torch.float16, torch.bfloat16))
-
+        store_rows(DQC, sdqc_b, sdqc_h, sdqc_t, b, h, rows, T, DC, dqc * scale, BDC)
 
 @dataclasses.dataclass
 class WindowCodes:
@@ -510,9 +299,9 @@ def window_code_forward(qw, kw, v, qc, codebook, counts, sums, code_bias, scale:
     has_codes = codebook is not None
     S, code_dims = codebook.shape[-2:] if has_codes else (0, 0)
     DV = v.shape[-1]
-    qw, kw, v = _unit_last(qw), _unit_last(kw), _unit_last(v)
-    qc = _aligned_code_dims(_unit_last(qc)) if has_codes else qw
-    cb = _aligned_code_dims(codebook).contiguous() if has_codes else qw
+    qw, kw, v = unit_last(qw), unit_last(kw), unit_last(v)
+    qc = aligned_code_dims(unit_last(qc)) if has_codes else qw
+    cb = aligned_code_dims(codebook).contiguous() if has_codes else qw
     cnt = counts.contiguous() if has_codes else qw
     sm = sums.contiguous() if has_codes else qw
     bias = code_bias.float().contiguous() if code_bias is not None else qw
@@ -520,16 +309,16 @@ def window_code_forward(qw, kw, v, qc, codebook, counts, sums, code_bias, scale:
     # in v's memory order, token-major in a layer: its (B, T, H·Dv) reshape for the output projection is a view
     out = empty_like_order(v)
     lse = torch.empty(B * H, T, device=qw.device, dtype=torch.float32)
-    dot, prec = _dot_dtype(qw.dtype)
+    dot, prec = dot_dtype(qw.dtype)
     DC = cb.shape[-1] if has_codes else 0  # the kernels see the padded width
-    meta = dict(L=L, BD=_width(D), BDC=_width(DC), BDV=_width(DV), BS=CODE_TILE, HAS_CODES=has_codes,
+    meta = dict(L=L, BD=register_width(D), BDC=register_width(DC), BDV=register_width(DV), BS=CODE_TILE, HAS_CODES=has_codes,
                 PER_BLOCK=has_codes and codebook.dim() == 5, HAS_BIAS=has_codes and code_bias is not None,
-                DOT=dot, SUM_DOT=_sum_dot(dot), PREC=prec, HAS_BAD=bad is not None)
+                DOT=dot, SUM_DOT=sum_dot(dot), PREC=prec, HAS_BAD=bad is not None)
     grid = (triton.cdiv(T, L), B * H)
     _window_code_forward_kernel[grid](
         QW=qw, KW=kw, V=v, QC=qc, CB=cb, CNT=cnt, SUM=sm, BIAS=bias, BAD=bad_rows, O=out, LSE=lse,
-        **_stride_args("qw", qw),
-        **_stride_args("kw", kw), **_stride_args("v", v), **_stride_args("qc", qc), **_stride_args("o", out),
+        **stride_args("qw", qw),
+        **stride_args("kw", kw), **stride_args("v", v), **stride_args("qc", qc), **stride_args("o", out),
         H=H, T=T, S=S, D=D, DC=DC, DV=DV, scale=float(scale), **meta, **FORWARD_LAUNCH)
     return WindowCodes(qw, kw, v, qc, cb, cnt, sm, bias, bad_rows, out, lse, meta, float(scale), code_dims)
 
@@ -539,7 +328,7 @@ def output_delta(f: WindowCodes, grad_out: torch.Tensor) -> torch.Tensor:
     B, H, T, DV = f.v.shape
     delta = torch.empty(B * H, T, device=f.v.device, dtype=torch.float32)
     _output_delta_kernel[(triton.cdiv(T, f.meta["L"]), B * H)](
-        O=f.out, DO=grad_out, DELTA=delta, **_stride_args("o", f.out), **_stride_args("do", grad_out), H=H, T=T,
+        O=f.out, DO=grad_out, DELTA=delta, **stride_args("o", f.out), **stride_args("do", grad_out), H=H, T=T,
         DV=DV, L=f.meta["L"], BDV=f.meta["BDV"])
     return delta
 
@@ -550,9 +339,9 @@ def window_backward(f: WindowCodes, grad_out: torch.Tensor, delta: torch.Tensor)
     dqw, dkw, dv = empty_like_order(f.qw), empty_like_order(f.kw), empty_like_order(f.v)
     _window_backward_kernel[(triton.cdiv(T, f.meta["L"]), B * H)](
         QW=f.qw, KW=f.kw, V=f.v, DO=grad_out, LSE=f.lse, DELTA=delta, BAD=f.bad, DQW=dqw, DKW=dkw, DV_=dv,
-        **_stride_args("qw", f.qw), **_stride_args("kw", f.kw), **_stride_args("v", f.v),
-        **_stride_args("do", grad_out), **_stride_args("dqw", dqw), **_stride_args("dkw", dkw),
-        **_stride_args("dv", dv), H=H, T=T, D=D, DV=f.v.shape[-1], scale=f.scale, L=f.meta["L"], BD=f.meta["BD"],
+        **stride_args("qw", f.qw), **stride_args("kw", f.kw), **stride_args("v", f.v),
+        **stride_args("do", grad_out), **stride_args("dqw", dqw), **stride_args("dkw", dkw),
+        **stride_args("dv", dv), H=H, T=T, D=D, DV=f.v.shape[-1], scale=f.scale, L=f.meta["L"], BD=f.meta["BD"],
         BDV=f.meta["BDV"], DOT=f.meta["DOT"], PREC=f.meta["PREC"], HAS_BAD=f.meta["HAS_BAD"], **BACKWARD_LAUNCH)
     return dqw, dkw, dv
 
@@ -584,8 +373,8 @@ def code_backward(f: WindowCodes, grad_out: torch.Tensor, delta: torch.Tensor, *
     _code_backward_kernel[(nb, B * H)](
         QC=f.qc, CB=f.cb, CNT=f.cnt, SUM=f.sm, BIAS=f.bias, DO=grad_out, LSE=f.lse, DELTA=delta, DQC=dqc,
         DCB=unused if dcb is None else dcb, DCNT=unused if dcnt is None else dcnt,
-        DSUM=unused if dsum is None else dsum, **_stride_args("qc", f.qc), **_stride_args("do", grad_out),
-        **_stride_args("dqc", dqc), H=H, T=T, S=S, DC=DC, DV=DV, scale=f.scale, **meta,
+        DSUM=unused if dsum is None else dsum, **stride_args("qc", f.qc), **stride_args("do", grad_out),
+        **stride_args("dqc", dqc), H=H, T=T, S=S, DC=DC, DV=DV, scale=f.scale, **meta,
         **_code_backward_launch(meta, codebook_grad, f.qw.device))
     return dqc, dcb, dcnt, dsum
 
@@ -615,7 +404,7 @@ class FusedWindowCodes(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         f = dataclasses.replace(ctx.forward, **dict(zip(TENSORS, ctx.saved_tensors)))
-        grad_out = _unit_last(grad_out)
+        grad_out = unit_last(grad_out)
         delta = output_delta(f, grad_out)
         dqw, dkw, dv = window_backward(f, grad_out, delta)
         grads = [dqw, dkw, dv, None, None, None, None]
