@@ -252,6 +252,25 @@ if triton is not None:
                      mask=(rows[:, None] < T) & present[None, :])
 
     @triton.jit
+    def _reverse_step(IDX, WTS, V, DNB, DCB, DVAL, DWTS, QC, c, CNT, BIAS, DO, LSE, DELTA, g_n, g_sums, blk, bh, nb,
+                      sv_b, sv_h, sv_t, sd_b, sd_h, sd_t, sqc_b, sqc_h, sqc_t, sdo_b, sdo_h, sdo_t, H, T, S, DC, DV,
+                      codes, present, tile_mask, offsets, scale2, L: tl.constexpr, BS: tl.constexpr, BDC: tl.constexpr,
+                      BDV: tl.constexpr, HARD: tl.constexpr, HAS_BIAS: tl.constexpr, COUNTS_GRAD: tl.constexpr,
+                      DOT: tl.constexpr, SUM_DOT: tl.constexpr, PREC: tl.constexpr, WALK_DC: tl.constexpr,
+                      ADD_TO_DVAL: tl.constexpr):
+        """Block blk of the reverse walk: the gradient of block blk + 2's cache added to the running sums g, which
+        then hold the gradient of block blk's statistics; the block's value (and soft weight) gradients written from
+        g; returns g."""
+        d_n, d_sums = _block_cache_grad(DNB, DCB, QC, c, CNT, BIAS, DO, LSE, DELTA, sqc_b, sqc_h, sqc_t, sdo_b, sdo_h,
+                                        sdo_t, blk + 2, bh, nb, H, T, S, DC, DV, codes, present, tile_mask, offsets,
+                                        scale2, L, BS, BDC, BDV, HAS_BIAS, COUNTS_GRAD, DOT, SUM_DOT, PREC, WALK_DC)
+        g_n += d_n
+        g_sums += d_sums
+        _value_grads(IDX, WTS, V, DVAL, DWTS, g_n, g_sums, blk, bh, sv_b, sv_h, sv_t, sd_b, sd_h, sd_t, H, T, S, DV,
+                     codes, present, L, BS, BDV, HARD, DOT, PREC, ADD_TO_DVAL)
+        return g_n, g_sums
+
+    @triton.jit
     def _walk_codes(CB, bh, H, S, DC, codes, present, BS: tl.constexpr, BDC: tl.constexpr, DOT: tl.constexpr,
                     WALK_DC: tl.constexpr):
         """This program's tile of codes (BS, BDC) of the head's codebook CB (H, S, DC), read once for a whole
@@ -324,28 +343,22 @@ if triton is not None:
         g_sums += f_sums
         for back in range(0, hi - mid):
             blk = hi - 1 - back
-            d_n, d_sums = _block_cache_grad(DNB, DCB, QC, c, CNT, BIAS, DO, LSE, DELTA, sqc_b, sqc_h, sqc_t, sdo_b,
-                                            sdo_h, sdo_t, blk + 2, bh, nb, H, T, S, DC, DV, codes, present, tile_mask,
-                                            offsets, scale2, L, BS, BDC, BDV, HAS_BIAS, COUNTS_GRAD, DOT, SUM_DOT, PREC,
-                                            WALK_DC)
-            g_n += d_n
-            g_sums += d_sums
-            _value_grads(IDX, WTS, V, DVAL, DWTS, g_n, g_sums, blk, bh, sv_b, sv_h, sv_t, sd_b, sd_h, sd_t, H, T, S,
-                         DV, codes, present, L, BS, BDV, HARD, DOT, PREC, ADD_TO_DVAL)
+            g_n, g_sums = _reverse_step(IDX, WTS, V, DNB, DCB, DVAL, DWTS, QC, c, CNT, BIAS, DO, LSE, DELTA, g_n, g_sums,
+                                        blk, bh, nb, sv_b, sv_h, sv_t, sd_b, sd_h, sd_t, sqc_b, sqc_h, sqc_t, sdo_b,
+                                        sdo_h, sdo_t, H, T, S, DC, DV, codes, present, tile_mask, offsets, scale2, L,
+                                        BS, BDC, BDV, HARD, HAS_BIAS, COUNTS_GRAD, DOT, SUM_DOT, PREC, WALK_DC,
+                                        ADD_TO_DVAL)
         f_n, f_sums = _load_cache(DNF, DCF, bh, S, DV, codes, offsets, present & (folds > lo) & (folds <= hi),
                                   tile_mask)
         g_n += f_n
         g_sums += f_sums
         for back in range(0, mid - lo):
             blk = mid - 1 - back
-            d_n, d_sums = _block_cache_grad(DNB, DCB, QC, c, CNT, BIAS, DO, LSE, DELTA, sqc_b, sqc_h, sqc_t, sdo_b,
-                                            sdo_h, sdo_t, blk + 2, bh, nb, H, T, S, DC, DV, codes, present, tile_mask,
-                                            offsets, scale2, L, BS, BDC, BDV, HAS_BIAS, COUNTS_GRAD, DOT, SUM_DOT, PREC,
-                                            WALK_DC)
-            g_n += d_n
-            g_sums += d_sums
-            _value_grads(IDX, WTS, V, DVAL, DWTS, g_n, g_sums, blk, bh, sv_b, sv_h, sv_t, sd_b, sd_h, sd_t, H, T, S,
-                         DV, codes, present, L, BS, BDV, HARD, DOT, PREC, ADD_TO_DVAL)
+            g_n, g_sums = _reverse_step(IDX, WTS, V, DNB, DCB, DVAL, DWTS, QC, c, CNT, BIAS, DO, LSE, DELTA, g_n, g_sums,
+                                        blk, bh, nb, sv_b, sv_h, sv_t, sd_b, sd_h, sd_t, sqc_b, sqc_h, sqc_t, sdo_b,
+                                        sdo_h, sdo_t, H, T, S, DC, DV, codes, present, tile_mask, offsets, scale2, L,
+                                        BS, BDC, BDV, HARD, HAS_BIAS, COUNTS_GRAD, DOT, SUM_DOT, PREC, WALK_DC,
+                                        ADD_TO_DVAL)
         if seg == 0:
             # the initial cache is in every block's cache, and in the state (fold = 0: only there)
             f_n, f_sums = _load_cache(DNF, DCF, bh, S, DV, codes, offsets, present & (folds == 0), tile_mask)
