@@ -71,8 +71,9 @@ def test_vq_attention(assign, window, T):
 
 
 @pytest.mark.parametrize("assign,window", [("hard", "rotated"), ("soft", "exact"), ("hard", "codes")])
-@pytest.mark.parametrize("segment_steps,walk", [pytest.param(1, True, marks=pytest.mark.slow), (3, True), (0, True),
-                                                (3, False)])
+@pytest.mark.parametrize("segment_steps,walk", [(3, True), pytest.param(1, True, marks=pytest.mark.slow),
+                                                pytest.param(0, True, marks=pytest.mark.slow),
+                                                pytest.param(3, False, marks=pytest.mark.slow)])
 def test_vq_attention_with_split_walks(assign, window, segment_steps, walk, monkeypatch):
     """The cache walks split into segments of 1 or 3 blocks (summed in parallel, then scanned) or not, with the
     caches' gradients formed in the reverse walk (``walk``) or read from the code backward, give the definition's
@@ -251,8 +252,10 @@ def test_window_attention_zeroes_a_nonfinite_key_in_the_kernels():
     assert torch.isfinite(k_bad.grad).all() and (k_bad.grad[0, 1, J] == 0).all() and k_bad.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("assign,given", [("hard", True), ("soft", True), ("hard", False)])
-@pytest.mark.parametrize("where", ["k_rot", "k"])
+@pytest.mark.parametrize("assign,given,where", [
+    ("hard", True, "k_rot"), ("hard", False, "k"), pytest.param("soft", True, "k_rot", marks=pytest.mark.slow),
+    pytest.param("hard", False, "k_rot", marks=pytest.mark.slow), pytest.param("soft", True, "k", marks=pytest.mark.slow),
+    pytest.param("hard", True, "k", marks=pytest.mark.slow)])
 def test_nonfinite_window_keys_are_zeroed_in_the_kernels(assign, given, where):
     """A NaN in a key (the window's k_rot, or k, which the assignment reads) of a call whose keys come assigned (as
     the layers call) or are assigned hard inside: the kernels read its window row as zeros, so exactly the queries
