@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .ops._checks import check_4d, check_choice, check_positive_int
+from .ops.checks import check_4d, check_choice, check_positive_int
 from .ops.common.layout import empty_like_order, memory_order
 from .ops.common.statistics import code_slots
 from .ops.precision import autocast_off

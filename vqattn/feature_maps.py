@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .ops._checks import check_positive_int, compute_dtype
+from .ops.checks import check_positive_int, compute_dtype
 from .ops.precision import autocast_off
 
 

@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .layers import ATTENTIONS, AttentionState, build_attention
-from .ops._checks import check_choice, check_positive_int, compute_dtype
+from .ops.checks import check_choice, check_positive_int, compute_dtype
 
 IGNORE_INDEX = -1  # the target value the loss and every metric skip (unlabelled positions)
 

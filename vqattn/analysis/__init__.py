@@ -30,7 +30,7 @@ from ..feature_maps import (
     draw_random_features,
     favor_logits,
 )
-from ..ops._checks import check_positive_int
+from ..ops.checks import check_positive_int
 
 # ---------------------------------------------------------------------------------------------- sparsity
 

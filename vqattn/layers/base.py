@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from ..modules.conv import ShortConvolution
 from ..modules.rope import rope_rotate
-from ..ops._checks import check_positive_int
+from ..ops.checks import check_positive_int
 
 
 @dataclass

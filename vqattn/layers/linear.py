@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..feature_maps import EluFeatures, FeatureMap, PerformerFeatures, TaylorFeatures
-from ..ops._checks import check_positive_int
+from ..ops.checks import check_positive_int
 from ..ops.linear import linear_attention
 from .base import Attention, op_result
 

@@ -8,8 +8,8 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from ..ops._checks import check_choice, check_positive_int
 from ..ops.blocks import DEFAULT_BLOCK_LEN
+from ..ops.checks import check_choice, check_positive_int
 from ..ops.kernel import kernel_attention
 from ..ops.softmax import softmax_attention
 from ..ops.window import IMPLS as WINDOW_IMPLS

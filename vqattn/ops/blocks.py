@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ._checks import check_choice, check_positive_int, size_max, size_min
+from .checks import check_choice, check_positive_int, size_max, size_min
 
 # Measured in benchmarks/attention_speed.py (docs/performance.md): at S=512, D=64, T=8192 on CPU, 64 is as
 # fast as 128 for hard and clearly faster for soft (whose exact in-block mixture costs L·S per query).

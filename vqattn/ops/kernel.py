@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_choice, check_positive_int, check_qkv, compute_dtype
+from .checks import check_choice, check_positive_int, check_qkv, compute_dtype
 from .linear import NORMALIZERS, _check_eps, _normalize
 from .precision import autocast_off
 

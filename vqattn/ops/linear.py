@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ._checks import check_4d, check_choice, check_positive_int, check_qkv, check_same_device_dtype, compute_dtype
 from .blocks import DEFAULT_BLOCK_LEN
+from .checks import check_4d, check_choice, check_positive_int, check_qkv, check_same_device_dtype, compute_dtype
 from .common.forms import FORMS, form_of, pick_form
 from .precision import autocast_off
 

@@ -1,7 +1,7 @@
 """The ops' one precision rule: they compute in float32 (float64 stays float64) whatever the ambient autocast says.
 
 Their softmaxes over thousands of keys, exp features and per-code sums lose 2-3 digits in bf16, so half-precision
-inputs are computed in float32 (:func:`~vqattn.ops._checks.compute_dtype`) and autocast is switched off inside
+inputs are computed in float32 (:func:`~vqattn.ops.checks.compute_dtype`) and autocast is switched off inside
 (:func:`autocast_off`), forward and custom backward alike.
 """
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._checks import check_qkv
+from .checks import check_qkv
 
 
 def softmax_attention(

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import check_choice, check_positive_int, check_qkv, compute_dtype, size_min
 from .blocks import (
     DEFAULT_BLOCK_LEN,
     Schedule,
@@ -33,6 +32,7 @@ from .blocks import (
     window_start,
     window_tail,
 )
+from .checks import check_choice, check_positive_int, check_qkv, compute_dtype, size_min
 from .common.forms import FORMS, decoding, form_of, pick_form
 from .common.window_codes import WindowCodeInputs, window_code_attention
 from .nonfinite import may_be_nonfinite, nonfinite_keys, window_poison, zero_rows

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 
-from .._checks import check_choice
+from ..checks import check_choice
 from ..common.forms import decoding, pick_form
 from ..precision import autocast_off
 from ..triton.decode import needs_grad

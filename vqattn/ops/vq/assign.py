@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_choice, check_positive_int, compute_dtype
+from ..checks import check_choice, check_positive_int, compute_dtype
 from ..common.statistics import Assignment, log_counts
 from ..precision import autocast_off
 from ..triton.nearest import nearest_codes, runs_assignment_kernels

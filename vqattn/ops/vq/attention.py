@@ -6,8 +6,8 @@ import dataclasses
 
 import torch
 
-from .._checks import compute_dtype
 from ..blocks import DEFAULT_BLOCK_LEN, Schedule, as_schedule
+from ..checks import compute_dtype
 from ..common.forms import decoding, form_of, pick_form
 from ..common.statistics import Assignment, code_means, code_statistics, log_counts, map_time
 from ..nonfinite import zero_assignment_rows

@@ -20,7 +20,6 @@ from typing import NamedTuple
 
 import torch
 
-from .._checks import size_max, size_min
 from ..blocks import (
     block_groups,
     blocks,
@@ -35,6 +34,7 @@ from ..blocks import (
     window_start,
     window_tail,
 )
+from ..checks import size_max, size_min
 from ..common.memory_cap import block_memory_bias
 from ..common.records import replaced
 from ..common.statistics import Assignment, cat_time, code_counts, code_statistics, map_time

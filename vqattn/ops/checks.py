@@ -1,4 +1,5 @@
-"""Input validation shared by every op: bad input raises ``ValueError`` naming the argument."""
+"""The argument checks shared by the ops, the layers, the model and the codebook: bad input raises ``ValueError``
+naming the argument and what it allows."""
 
 from __future__ import annotations
 
