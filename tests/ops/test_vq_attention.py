@@ -267,7 +267,7 @@ def test_non_causal_accepts_different_key_length():
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
 def test_floored_exp_is_exp_above_the_floor_and_exactly_zero_below(dtype):
-    from vqattn.ops.common.window_codes import EXP_FLOOR, floored_exp_
+    from vqattn.ops.common.window_code_blocks import EXP_FLOOR, floored_exp_
 
     x = torch.tensor([0.0, -1.0, -30.0, EXP_FLOOR + 1, EXP_FLOOR + 0.5, EXP_FLOOR, -87.5, -200.0, float("-inf")],
                      dtype=dtype)

@@ -5,7 +5,7 @@ Query i in block b = i // L attends to the keys j ≤ i of blocks b−1 and b:
     out_i = Σ_{j ∈ W(i)} e^{σ q_i·k_j} v_j / Σ_{j ∈ W(i)} e^{σ q_i·k_j},   W(i) = {j : (b−1)·L ≤ j ≤ i}
 
 so it sees between L and 2L−1 keys. It is ``vq_attention`` without the compressed cache, and runs the same
-block kernel (:class:`~vqattn.ops.common.window_codes.WindowCodeAttention` without codes) and the same recurrence:
+block kernel (:class:`~vqattn.ops.common.window_code_blocks.WindowCodeAttention` without codes) and the same recurrence:
 O(T·L·D) time, no T×T tensor, and a decoding state of fewer than 2L raw keys and values.
 """
 
@@ -34,7 +34,7 @@ from .blocks import (
 )
 from .checks import check_choice, check_positive_int, check_qkv, compute_dtype, size_min
 from .common.forms import FORMS, decoding, form_of, pick_form
-from .common.window_codes import WindowCodeInputs, window_code_attention
+from .common.window_code_blocks import WindowCodeInputs, window_code_attention
 from .nonfinite import may_be_nonfinite, nonfinite_keys, window_poison, zero_rows
 from .precision import autocast_off
 from .triton import require_triton

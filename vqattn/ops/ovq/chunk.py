@@ -1,7 +1,7 @@
 """Chunked (block-parallel) form of :func:`~vqattn.ops.ovq.ovq_attention`, for training and prefill.
 
 Every block's queries attend at once through the block kernel of codebook attention
-(:class:`~vqattn.ops.common.window_codes.WindowCodeAttention`): one softmax over the window logits (nb, L, 2L) and the
+(:class:`~vqattn.ops.common.window_code_blocks.WindowCodeAttention`): one softmax over the window logits (nb, L, 2L) and the
 slot logits (nb, L, S), with the slots' value sums read from one running cache (in blocks on CPU, as for
 ``vq_attention``). The slot logits σ q̃·k̄_s are the kernel's code logits with one codebook per block, the slot
 means k̄ = K / n of every block's memory (nb, S, D): one prefix sum over the blocks' statistics. Only the online
@@ -22,7 +22,7 @@ from ..common.memory_cap import block_memory_bias
 from ..common.memory_decay import block_decay, forget, span_blocks, weigh_blocks
 from ..common.records import replaced
 from ..common.statistics import Assignment, code_statistics
-from ..common.window_codes import WindowCodeInputs, window_code_attention
+from ..common.window_code_blocks import WindowCodeInputs, window_code_attention
 from ..triton.online_slots import fused_online_slots
 from .fused import fused_memory_attention
 from .memory import lagged_sum, online_slots, statistics

@@ -38,7 +38,7 @@ from ..checks import size_max, size_min
 from ..common.memory_cap import block_memory_bias
 from ..common.records import replaced
 from ..common.statistics import Assignment, cat_time, code_counts, code_statistics, map_time
-from ..common.window_codes import WindowCodeInputs, window_code_attention
+from ..common.window_code_blocks import WindowCodeInputs, window_code_attention
 from ..nonfinite import zero_assignment_rows, zero_rows
 from .fused import fused_causal
 from .mixture import mixture_attention

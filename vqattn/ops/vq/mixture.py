@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 
 from ..common.cache import CacheUpdates, LogitGradients, code_logits_of, read_cache, read_cache_backward
-from ..common.window_codes import floored_exp_
+from ..common.window_code_blocks import floored_exp_
 from ..precision import autocast_off
 
 
@@ -92,7 +92,7 @@ def _code_weights(code_logits: torch.Tensor, weights: torch.Tensor, counts: torc
     (code_logits_is + log N_is) over the codes' masses N_is = counts_s + Σ_{j ≤ i} Δ_js seen by query i (counts
     (N, S) before the first block, weights Δ (N, nb, L, S), window_mask (L, L) the causal 0/1 mask). Computed as
     e^{code_logits + log N − m} / N, whose exponent is ≤ 0 (e^{code_logits − m} alone overflows where N
-    underflows); codes below e^{−50} of the largest term (:func:`~vqattn.ops.common.window_codes.floored_exp_`) and
+    underflows); codes below e^{−50} of the largest term (:func:`~vqattn.ops.common.window_code_blocks.floored_exp_`) and
     codes of no mass weigh 0."""
     # Prefix sums within each block as a product with the causal mask: 3x faster than a cumsum over L on CPUs.
     mass = torch.matmul(window_mask, weights)  # (N, nb, L, S)
