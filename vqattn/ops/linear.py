@@ -19,11 +19,12 @@ import torch.nn.functional as F
 
 from .blocks import DEFAULT_BLOCK_LEN
 from .checks import check_4d, check_choice, check_positive_int, check_qkv, check_same_device_dtype, compute_dtype
-from .common.forms import FORMS, form_of, pick_form
+from .common.forms import IMPLS as OP_IMPLS
+from .common.forms import form_of, pick_form
 from .precision import autocast_off
 
 NORMALIZERS = ("kernel", "count", "none")
-IMPLS = tuple(form for form in FORMS if form != "triton")  # no fused kernel
+IMPLS = tuple(impl for impl in OP_IMPLS if impl != "triton")  # no fused kernel
 
 
 @dataclass

@@ -33,7 +33,7 @@ from .blocks import (
     window_tail,
 )
 from .checks import check_choice, check_positive_int, check_qkv, compute_dtype, size_min
-from .common.forms import FORMS, decoding, form_of, pick_form
+from .common.forms import IMPLS, decoding, form_of, pick_form
 from .common.window_code_blocks import WindowCodeInputs, window_code_attention
 from .nonfinite import may_be_nonfinite, nonfinite_keys, window_poison, zero_rows
 from .precision import autocast_off
@@ -85,7 +85,6 @@ def _recurrent(q, k, v, state: WindowState, scale: float, fused: bool = False) -
     return torch.cat(outs, 2), WindowState(keys, values, length, L)
 
 
-IMPLS = FORMS
 
 
 def naive_window_attention(q, k, v, *, block_len: int = DEFAULT_BLOCK_LEN, scale: float | None = None):

@@ -10,7 +10,8 @@ import torch
 from ..blocks import RECURRENT_MAX_LEN
 from ..triton import triton_device
 
-FORMS = ("auto", "chunk", "recurrent", "naive", "triton")
+# ``impl``: the values every causal op takes (linear attention: all but triton)
+IMPLS = ("auto", "chunk", "recurrent", "naive", "triton")
 
 
 def decoding(q: torch.Tensor, state) -> bool:

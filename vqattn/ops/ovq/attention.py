@@ -5,13 +5,13 @@ from __future__ import annotations
 import functools
 
 from ..checks import check_choice
-from ..common.forms import decoding, pick_form
+from ..common.forms import IMPLS, decoding, pick_form
 from ..precision import autocast_off
 from ..triton.decode import needs_grad
 from .chunk import chunk_forward
 from .naive import naive_ovq_attention
 from .recurrent import recurrent_forward
-from .state import IMPLS, OVQState, fused_unsupported, prepare
+from .state import OVQState, fused_unsupported, prepare
 
 __all__ = ["ovq_attention", "chunk_ovq_attention", "recurrent_ovq_attention", "IMPLS"]
 

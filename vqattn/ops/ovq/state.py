@@ -11,13 +11,10 @@ import torch
 
 from ..blocks import DEFAULT_BLOCK_LEN, Schedule, as_schedule
 from ..checks import check_4d, check_positive_int, check_qkv, check_same_device_dtype, compute_dtype
-from ..common.forms import FORMS
 from ..common.memory_cap import check_memory_cap
 from ..common.memory_decay import block_factor, check_memory_decay
 from ..triton import require_triton
 from ..triton.window_codes import unsupported
-
-IMPLS = FORMS
 
 
 @dataclass

@@ -16,7 +16,7 @@ from ..triton.decode import needs_grad
 from .chunk import chunk_form
 from .naive import naive_vq_attention
 from .recurrent import recurrent_form
-from .state import IMPLS, Inputs, VQState, _fused_unsupported, prepare, validate
+from .state import IMPLS, Inputs, VQState, fused_unsupported, prepare, validate
 
 __all__ = ["vq_attention", "chunk_vq_attention", "recurrent_vq_attention", "IMPLS"]
 
@@ -32,9 +32,9 @@ def _non_causal(x: Inputs) -> torch.Tensor:
 def _form(impl: str, q, k, v, *, causal, assign, exact_window, block_len, state) -> str:
     """The form that runs a call (:func:`~vqattn.ops.common.forms.pick_form`); only causal calls have a fused
     kernel."""
-    fused_unsupported = None if not causal else lambda: _fused_unsupported(
+    why_not_fused = None if not causal else lambda: fused_unsupported(
         q, k, v, assign=assign, exact_window=exact_window, block_len=block_len, state=state)
-    return pick_form(impl, q, state=state, fused_unsupported=fused_unsupported)
+    return pick_form(impl, q, state=state, fused_unsupported=why_not_fused)
 
 
 def _naive(q, k, v, codebook, dtype, *, assignment, **kwargs) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 
 from ..blocks import DEFAULT_BLOCK_LEN, Schedule
 from ..checks import check_4d, check_choice, check_positive_int, check_qkv, check_same_device_dtype, compute_dtype
-from ..common.forms import FORMS
+from ..common.forms import IMPLS
 from ..common.memory_cap import check_memory_cap
 from ..common.records import replaced
 from ..common.statistics import Assignment, map_time
@@ -19,8 +19,6 @@ from ..nonfinite import may_be_nonfinite, nonfinite_keys, visible_poison, zero_r
 from ..triton import require_triton
 from ..triton.window_codes import unsupported
 from .assign import ASSIGNMENTS, check_assignment, vq_assign
-
-IMPLS = FORMS
 
 
 @dataclass
@@ -171,7 +169,7 @@ def validate(q, k, v, codebook, *, causal, assign, block_len, exact_window, stat
         raise ValueError("impl='naive' takes no state and returns none; use impl='chunk' or 'recurrent'")
     if impl == "triton":
         require_triton(q)
-        reason = _fused_unsupported(q, k, v, assign=assign, exact_window=exact_window, block_len=block_len,
+        reason = fused_unsupported(q, k, v, assign=assign, exact_window=exact_window, block_len=block_len,
                                     state=state)
         if reason is not None:
             raise ValueError(reason)
@@ -182,7 +180,7 @@ def validate(q, k, v, codebook, *, causal, assign, block_len, exact_window, stat
                          device=q.device)
 
 
-def _fused_unsupported(q, k, v, *, assign, exact_window, block_len, state) -> str | None:
+def fused_unsupported(q, k, v, *, assign, exact_window, block_len, state) -> str | None:
     """Why the Triton form cannot compute this call, or None."""
     if assign == "soft" and not exact_window:
         return "impl='triton' has no soft mixture window: pass exact_window=True, or impl='chunk'"
