@@ -6,7 +6,7 @@ from typing import ClassVar
 
 from ..codebook import Codebook
 from ..modules.rope import pair_dims, rope_rotate_keeping, slow_pair_start
-from ..ops.blocks import DEFAULT_BLOCK_LEN
+from ..ops.blocks import DEFAULT_BLOCK_LEN, resolve_block_len
 from ..ops.checks import check_choice, check_positive_int
 from ..ops.common.memory_cap import RAW_WINDOW, layer_memory_cap
 from ..ops.vq import IMPLS as VQ_IMPLS
@@ -76,7 +76,7 @@ class VQAttention(Attention):
         mixture_window = self.assign == "soft" and not exact_window
         if mixture_window and memory_cap == RAW_WINDOW:
             memory_cap = None
-        self.memory_cap = layer_memory_cap(memory_cap, block_len or DEFAULT_BLOCK_LEN)
+        self.memory_cap = layer_memory_cap(memory_cap, resolve_block_len(block_len))
         if self.memory_cap is not None and mixture_window:
             raise ValueError("memory_cap needs exact_window=True with soft assignment (the mixture window reads the "
                              "previous block through the codes): pass memory_cap=None or exact_window=True")
@@ -87,7 +87,7 @@ class VQAttention(Attention):
         self.cache_scores = cache_scores
         self.block_len, self.exact_window = block_len, exact_window
         # a Python int, so that slicing by it is static under torch.compile
-        self.slow_start = slow_pair_start(self.head_dim, self.rope_base, 2 * (block_len or DEFAULT_BLOCK_LEN))
+        self.slow_start = slow_pair_start(self.head_dim, self.rope_base, 2 * resolve_block_len(block_len))
         self.codebook = Codebook(num_heads, num_codes, self.head_dim, assign=self.assign, **(codebook or {}))
 
     def _attend(self, q, k, v, pos, state, return_state):
@@ -123,7 +123,7 @@ class VQAttention(Attention):
         return self.codebook.usage_stats()
 
     def _op_state_floats(self, seq_len: int) -> int:
-        window = min(seq_len, 2 * (self.block_len or DEFAULT_BLOCK_LEN))  # raw keys and values
+        window = min(seq_len, 2 * resolve_block_len(self.block_len))  # raw keys and values
         return self.num_heads * self.codebook.num_codes * (self.head_dim + 1) + 2 * window * self.dim
 
 

@@ -19,6 +19,14 @@ from .checks import check_choice, check_positive_int, size_max, size_min
 # fast as 128 for hard and clearly faster for soft (whose exact in-block mixture costs L·S per query).
 DEFAULT_BLOCK_LEN = 64
 
+
+def resolve_block_len(block_len: int | None, state=None) -> int:
+    """The block length a call runs: ``block_len``, else the ``state``'s it continues (any object with a
+    ``block_len``), else :data:`DEFAULT_BLOCK_LEN`."""
+    if block_len:
+        return block_len
+    return getattr(state, "block_len", None) or DEFAULT_BLOCK_LEN
+
 # Chunks of up to this many new tokens that continue a state run token by token; longer ones (prefill) run the
 # block algorithm, whose per-call cost is re-running the state's window (< 2L tokens) once.
 RECURRENT_MAX_LEN = 4

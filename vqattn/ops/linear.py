@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .blocks import DEFAULT_BLOCK_LEN
+from .blocks import resolve_block_len
 from .checks import check_4d, check_choice, check_positive_int, check_qkv, check_same_device_dtype, compute_dtype
 from .common.forms import IMPLS as OP_IMPLS
 from .common.forms import form_of, pick_form
@@ -129,7 +129,7 @@ def linear_attention(
     if form == "recurrent":
         out, new_state = _recurrent(phi_q, phi_k, v, k_log_scale, state, normalizer, eps)
     else:
-        out, new_state = _causal(phi_q, phi_k, v, k_log_scale, state, block_len or DEFAULT_BLOCK_LEN, normalizer,
+        out, new_state = _causal(phi_q, phi_k, v, k_log_scale, state, resolve_block_len(block_len), normalizer,
                                  eps)
     return (out.to(out_dtype), new_state) if return_state else out.to(out_dtype)
 

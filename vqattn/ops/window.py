@@ -27,6 +27,7 @@ from .blocks import (
     group_windows,
     pad_to_blocks,
     prepend_window,
+    resolve_block_len,
     split_groups,
     time_range,
     window_start,
@@ -107,7 +108,7 @@ def _validate(q, k, v, block_len, state, return_state, impl) -> None:
         raise ValueError("impl='naive' takes no state and returns none; use impl='chunk' or 'recurrent'")
     if impl == "triton":
         require_triton(q)
-        L = block_len or (state.block_len if isinstance(state, WindowState) else DEFAULT_BLOCK_LEN)
+        L = resolve_block_len(block_len, state)
         reason = unsupported(L, (q.shape[-1], v.shape[-1]), q.dtype)
         if reason is not None:
             raise ValueError(reason)
@@ -160,7 +161,7 @@ def window_attention(
     """
     _validate(q, k, v, block_len, state, return_state, impl)
     schedule = as_schedule(schedule)
-    L = block_len or (state.block_len if state is not None else DEFAULT_BLOCK_LEN)
+    L = resolve_block_len(block_len, state)
     form = pick_form(impl, q, state=state, fused_unsupported=lambda: unsupported(L, (q.shape[-1], v.shape[-1]),
                                                                                   q.dtype))
     if form == "recurrent" and state is None:

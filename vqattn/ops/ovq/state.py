@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..blocks import DEFAULT_BLOCK_LEN, Schedule, as_schedule
+from ..blocks import Schedule, as_schedule, resolve_block_len
 from ..checks import check_4d, check_positive_int, check_qkv, check_same_device_dtype, compute_dtype
 from ..common.memory_cap import check_memory_cap
 from ..common.memory_decay import block_factor, check_memory_decay
@@ -151,7 +151,7 @@ def _check_state(state, inputs: dict, S: int, block_len) -> None:
 
 def fused_unsupported(q, v, block_len, state) -> str | None:
     """Why the Triton form cannot compute this call, or None (:func:`~vqattn.ops.triton.window_codes.unsupported`)."""
-    L = block_len or (state.block_len if isinstance(state, OVQState) else DEFAULT_BLOCK_LEN)
+    L = resolve_block_len(block_len, state)
     return unsupported(L, (q.shape[-1], v.shape[-1]), q.dtype)
 
 
@@ -187,7 +187,7 @@ def prepare(q, k, v, *, num_slots, block_len, scale, threshold, slots, slot_weig
         _check_state(state, given, num_slots, block_len)
     if fused:
         _check_triton(q, v, block_len, state)
-    L = block_len or (state.block_len if state is not None else DEFAULT_BLOCK_LEN)
+    L = resolve_block_len(block_len, state)
     check_memory_decay(memory_decay, L)
     dtype = compute_dtype(q.dtype)
     cast = (lambda x: None if x is None else x.to(dtype))  # noqa: E731

@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from ..blocks import DEFAULT_BLOCK_LEN, Schedule, as_schedule
+from ..blocks import Schedule, as_schedule, resolve_block_len
 from ..checks import compute_dtype
 from ..common.forms import decoding, form_of, pick_form
 from ..common.statistics import Assignment, code_means, code_statistics, log_counts, map_time
@@ -43,7 +43,7 @@ def _naive(q, k, v, codebook, dtype, *, assignment, **kwargs) -> torch.Tensor:
     if assignment is not None:
         assignment = map_time(lambda x: x.to(dtype) if x.is_floating_point() else x, assignment)
     kwargs.update(q_rot=cast(kwargs["q_rot"]), k_rot=cast(kwargs["k_rot"]),
-                  block_len=kwargs["block_len"] or DEFAULT_BLOCK_LEN)
+                  block_len=resolve_block_len(kwargs["block_len"]))
     out = naive_vq_attention(cast(q), cast(k), cast(v), cast(codebook), assignment=assignment, **kwargs)
     return out.to(q.dtype)
 

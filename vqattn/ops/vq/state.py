@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..blocks import DEFAULT_BLOCK_LEN, Schedule
+from ..blocks import Schedule, resolve_block_len
 from ..checks import check_4d, check_choice, check_positive_int, check_qkv, check_same_device_dtype, compute_dtype
 from ..common.forms import IMPLS
 from ..common.memory_cap import check_memory_cap
@@ -184,7 +184,7 @@ def fused_unsupported(q, k, v, *, assign, exact_window, block_len, state) -> str
     """Why the Triton form cannot compute this call, or None."""
     if assign == "soft" and not exact_window:
         return "impl='triton' has no soft mixture window: pass exact_window=True, or impl='chunk'"
-    L = block_len or (state.block_len if state is not None else DEFAULT_BLOCK_LEN)
+    L = resolve_block_len(block_len, state)
     return unsupported(L, (q.shape[-1], k.shape[-1], v.shape[-1]), q.dtype)
 
 
@@ -231,7 +231,7 @@ def prepare(q, k, v, codebook, *, form: str, causal: bool, assign: str, temperat
     if state is not None:
         state = state.to(dtype)
         state = dataclasses.replace(state, keys=state.keys.to(tensor_dtype), values=state.values.to(tensor_dtype))
-    L = block_len or (state.block_len if state is not None else DEFAULT_BLOCK_LEN)
+    L = resolve_block_len(block_len, state)
     x = Inputs(q, k, v, c, None, q_rot, k_rot, bad, assign, temperature, L,
                k.shape[-1] ** -0.5 if scale is None else scale,  # k's D: q's may be the codes' narrower width
                exact_window, schedule, memory_cap, bad if in_kernel else None)

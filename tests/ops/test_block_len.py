@@ -1,0 +1,33 @@
+"""One rule for the block length a call runs, which every op and layer reads."""
+
+from __future__ import annotations
+
+import torch
+
+from vqattn.functional import vq_attention, window_attention
+from vqattn.ops.blocks import DEFAULT_BLOCK_LEN, resolve_block_len
+
+
+class _State:
+    block_len = 16
+
+
+def test_the_argument_then_the_state_then_the_default():
+    assert resolve_block_len(32, _State()) == 32
+    assert resolve_block_len(None, _State()) == 16
+    assert resolve_block_len(None) == DEFAULT_BLOCK_LEN == 64
+    assert resolve_block_len(None, object()) == DEFAULT_BLOCK_LEN  # a state without one
+
+
+def test_a_continued_state_keeps_its_block_length():
+    """A call that continues a state without naming block_len runs the state's, not the default: the state
+    it returns keeps it, for vq and window attention."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 40, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    c = torch.randn(2, 6, 8, generator=g, dtype=torch.float64)
+    _, state = vq_attention(q[:, :, :30], k[:, :, :30], v[:, :, :30], c, causal=True, block_len=8, return_state=True)
+    _, after = vq_attention(q[:, :, 30:], k[:, :, 30:], v[:, :, 30:], c, causal=True, state=state, return_state=True)
+    assert state.block_len == after.block_len == 8
+    _, state = window_attention(q[:, :, :30], k[:, :, :30], v[:, :, :30], block_len=8, return_state=True)
+    _, after = window_attention(q[:, :, 30:], k[:, :, 30:], v[:, :, 30:], state=state, return_state=True)
+    assert after.block_len == 8
