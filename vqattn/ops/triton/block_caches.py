@@ -13,7 +13,10 @@ statistics), which a caller continuing the sequence keeps.
 The backward walks the blocks in reverse with the running suffix sum of the cache gradients,
 G_j = Σ_{b ≥ j+2} dC_b (plus the state's gradient for j < fold), and writes block j's value gradients Δ_j G_j and,
 for soft weights, their gradient V_j G_jᵀ + Gn_j. A hard key's value gradient comes from the one tile that holds
-its code (a masked store); soft ones add over tiles (atomic adds).
+its code (a masked store); soft ones add over tiles (atomic adds). The caches' gradients dC_b are read from memory
+or, for the vq step's :mod:`.vq_causal` with ``WALK_CACHE_GRADIENT``, formed in the walk from the queries that read
+the caches. :func:`block_caches` is the walk pair as an op of its own, which the tests check against a loop over
+blocks.
 """
 
 from __future__ import annotations

@@ -170,8 +170,9 @@ def _causal(x: Inputs, *, L: int, counts0, sums0, fold_blocks: int, first_block:
 
 
 def _fused_causal(x: Inputs, *, L: int, counts0, sums0, fold_blocks: int, first_block: int = 0):
-    """:func:`_causal` by :func:`.fused.fused_causal`, which takes no ``bad`` rows (the soft mixture window, the
-    only kernel that would leak them, runs the chunk form)."""
+    """:func:`_causal` by :func:`.fused.fused_causal`, which zeroes the ``window_bad`` rows of the window's keys as
+    it reads them and takes no ``bad`` assignment rows (the soft mixture window, the only kernel that would leak
+    them, runs the chunk form)."""
     return fused_causal(x.q, x.k, x.v, x.codebook, x.assignment, L=L, scale=x.scale, exact_window=x.exact_window,
                         counts0=counts0, sums0=sums0, fold_blocks=fold_blocks, window_k=x.window_k, window_q=x.q_rot,
                         window_bad=x.window_bad,

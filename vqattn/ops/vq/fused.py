@@ -3,8 +3,8 @@ from one chunked prefix kernel (:mod:`vqattn.ops.triton.block_caches`), then one
 codes (:mod:`vqattn.ops.triton.window_codes`).
 
 The cache of block b holds the keys of blocks ≤ b−2: its counts n_b = n_0 + Σ_{b' ≤ b−2} Δ_{b'}ᵀ1 and value sums
-C_b = C_0 + Σ_{b' ≤ b−2} Δ_{b'}ᵀ V_{b'}. One backward walks the blocks in reverse and forms the caches' gradients
-from the queries that read them, carrying them to the values, the soft weights and the initial cache. The soft
+C_b = C_0 + Σ_{b' ≤ b−2} Δ_{b'}ᵀ V_{b'}. One backward walks the blocks in reverse with the caches' gradients,
+carrying them to the values, the soft weights and the initial cache. The soft
 mixture window (``exact_window=False``) has no fused form: it runs the chunk form.
 """
 
