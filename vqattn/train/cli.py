@@ -226,6 +226,8 @@ def summarize(cfg: DictConfig, module, datamodule, trainer, run_dir: Path) -> di
         "batch_size": cfg.data.batch_size,
         "world_size": trainer.world_size,
         "device": device_name(trainer.strategy.root_device),
+        "date": time.strftime("%Y-%m-%d"),
+        "code": code_version(),
         "checkpoint": str(run_dir / "checkpoints" / "last.ckpt"),
         "codebook": module.model.codebook_stats(),
         "ddp_buffer_divergence": module.buffer_divergence,
@@ -233,6 +235,24 @@ def summarize(cfg: DictConfig, module, datamodule, trainer, run_dir: Path) -> di
     if results["data"] == "MQARDataModule":  # labels only at the answers: recall accuracy is the measure
         results["headline"], results["recall_acc"] = "recall_acc", val["val_acc"]
     return results
+
+
+def code_version() -> str:
+    """The code a run measured: the checkout's short commit (with "+changes" when its tracked files differ from it),
+    else the installed package's version, so that a table or figure built from results.json can name it."""
+    import subprocess
+
+    from .. import __version__
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        def git(*args: str) -> str:
+            return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True,
+                                  timeout=10).stdout.strip()
+        commit = git("rev-parse", "--short", "HEAD")
+        return commit + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.SubprocessError):
+        return f"vqattn {__version__}"
 
 
 def summary_text(r: dict, run_dir: Path) -> str:

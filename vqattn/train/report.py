@@ -58,8 +58,7 @@ def markdown_table(runs: list[dict]) -> str:
             f"| {state} | {r['peak_memory_mb']:,.0f} | {r['steps']} |"
         )
     kinds = sorted({r.get("peak_memory_kind", "?") for r in runs})
-    devices = sorted({r.get("device", "?") for r in runs})
-    lines += ["", f"Peak memory: {', '.join(kinds)}. Device: {'; '.join(devices)}."]
+    lines += ["", f"Peak memory: {', '.join(kinds)}. Measured by {provenance(runs)}."]
     if recall:
         lines.append("MQAR runs are ranked by recall accuracy (the headline; their bpb counts the answers only).")
     return "\n".join(lines) + "\n"
@@ -93,6 +92,15 @@ def draw_curves(ax, runs: list[dict]) -> None:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel("validation bits per byte")
+    ax.set_title(provenance(runs), fontsize=9)
+
+
+def provenance(runs: list[dict]) -> str:
+    """Which code measured the runs and when (results.json's ``code`` and ``date``), for a figure's caption: one
+    commit and one date when the runs agree, else each one."""
+    def listed(key: str) -> str:
+        return ", ".join(sorted({str(r.get(key, "?")) for r in runs}))
+    return f"code {listed('code')}, run {listed('date')}; {listed('device')}"
 
 
 def plain_log_x(ax) -> None:
