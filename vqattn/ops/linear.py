@@ -22,6 +22,7 @@ from .checks import check_4d, check_choice, check_positive_int, check_qkv, check
 from .common.forms import IMPLS as OP_IMPLS
 from .common.forms import form_of, pick_form
 from .precision import autocast_off
+from .varlen import varlen
 
 NORMALIZERS = ("kernel", "count", "none")
 IMPLS = tuple(impl for impl in OP_IMPLS if impl != "triton")  # no fused kernel
@@ -63,6 +64,7 @@ def _check_eps(eps: float | None) -> None:
         raise ValueError(f"eps must be > 0 or None, got {eps!r}")
 
 
+@varlen(("phi_q", "phi_k", "v", "k_log_scale"))
 @autocast_off
 def linear_attention(
     phi_q: torch.Tensor,

@@ -6,8 +6,10 @@ import torch
 import torch.nn.functional as F
 
 from .checks import check_qkv
+from .varlen import varlen
 
 
+@varlen(("q", "k", "v"))
 def softmax_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float | None = None
 ) -> torch.Tensor:

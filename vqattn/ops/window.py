@@ -41,6 +41,7 @@ from .precision import autocast_off
 from .triton import require_triton
 from .triton.decode import fused_decode_step, needs_grad
 from .triton.window_codes import fused_window_code_attention, unsupported
+from .varlen import varlen
 
 
 @dataclass
@@ -123,6 +124,7 @@ def _validate(q, k, v, block_len, state, return_state, impl) -> None:
                              f"{tuple(state.values.shape)} for k {tuple(k.shape)}, v {tuple(v.shape)}")
 
 
+@varlen(("q", "k", "v"))
 @autocast_off
 def window_attention(
     q: torch.Tensor,

@@ -5,9 +5,10 @@ from __future__ import annotations
 import functools
 
 from ..checks import check_choice
-from ..common.forms import IMPLS, decoding, pick_form
+from ..common.forms import IMPLS, decoding, form_of, pick_form
 from ..precision import autocast_off
 from ..triton.decode import needs_grad
+from ..varlen import varlen
 from .chunk import chunk_forward
 from .naive import naive_ovq_attention
 from .recurrent import recurrent_forward
@@ -23,32 +24,11 @@ def _run(q, k, v, form, state, return_state, fused=False, **kwargs):
     return (out.to(q.dtype), new_state) if return_state else out.to(q.dtype)
 
 
-def chunk_ovq_attention(q, k, v, *, num_slots: int, block_len: int | None = None, scale: float | None = None,
-                        threshold: float | None = None, slots=None, slot_weights=None, q_mem=None, k_mem=None,
-                        state: OVQState | None = None, return_state: bool = False, schedule="auto",
-                        memory_cap: int | None = None, memory_decay: float | None = None):
-    """The block-parallel form; arguments as :func:`ovq_attention`. A ``state`` is continued by re-running its raw
-    window (under 2L tokens) in front of the new ones. ``schedule`` ("auto", "loop", "cumsum"): how the blocks
-    read the slots' value sums (:class:`~vqattn.ops.blocks.Schedule`); never what they compute."""
-    return _run(q, k, v, chunk_forward, state, return_state, num_slots=num_slots, block_len=block_len, scale=scale,
-                threshold=threshold, slots=slots, slot_weights=slot_weights, q_mem=q_mem, k_mem=k_mem,
-                schedule=schedule, memory_cap=memory_cap, memory_decay=memory_decay)
-
-
-def recurrent_ovq_attention(q, k, v, *, num_slots: int, block_len: int | None = None, scale: float | None = None,
-                            threshold: float | None = None, slots=None, slot_weights=None, q_mem=None, k_mem=None,
-                            state: OVQState | None = None, return_state: bool = False, memory_cap: int | None = None,
-                            memory_decay: float | None = None):
-    """The token-by-token form; arguments as :func:`ovq_attention` (no state: start from an empty memory)."""
-    return _run(q, k, v, recurrent_forward, state, return_state, num_slots=num_slots, block_len=block_len,
-                scale=scale, threshold=threshold, slots=slots, slot_weights=slot_weights, q_mem=q_mem, k_mem=k_mem,
-                memory_cap=memory_cap, memory_decay=memory_decay)
-
-
+@varlen(("q", "k", "v", "slots", "slot_weights", "q_mem", "k_mem"))
 def ovq_attention(q, k, v, *, num_slots: int, block_len: int | None = None, scale: float | None = None,
                   threshold: float | None = None, slots=None, slot_weights=None, q_mem=None, k_mem=None,
                   impl: str = "auto", state: OVQState | None = None, return_state: bool = False,
-                  memory_cap: int | None = None, memory_decay: float | None = None):
+                  memory_cap: int | None = None, memory_decay: float | None = None, schedule="auto"):
     """Causal online codebook attention (see the module docstring for the math).
 
     Args:
@@ -79,6 +59,9 @@ def ovq_attention(q, k, v, *, num_slots: int, block_len: int | None = None, scal
             every block that joins it later, so the slots' mean keys and values are moving averages over about 1 / (1 − γ) keys
             (:mod:`vqattn.ops.common.memory_decay`): what a state carried over many segments needs to train as
             well as independent ones (docs/evaluation.md). None (or 1): the memory keeps every key at full weight.
+        schedule: "auto", "loop" or "cumsum": how the chunk form reads the slots' value sums
+            (:class:`~vqattn.ops.blocks.Schedule`); never what it computes. A ``state`` is continued by re-running its
+            raw window (under 2L tokens) in front of the new ones.
 
     Returns:
         out (B, H, T, Dv) in the input dtype, or (out, state) when ``return_state``.
@@ -95,5 +78,9 @@ def ovq_attention(q, k, v, *, num_slots: int, block_len: int | None = None, scal
         step = decoding(q, state) and not needs_grad(q, k, v, q_mem, k_mem, slot_weights)
         form = functools.partial(recurrent_forward if step else chunk_forward, fused=True)
         return _run(q, k, v, form, state, return_state, fused=True, **kwargs)
-    form = chunk_ovq_attention if impl == "chunk" else recurrent_ovq_attention
-    return form(q, k, v, state=state, return_state=return_state, **kwargs)
+    form = chunk_forward if impl == "chunk" else recurrent_forward
+    return _run(q, k, v, form, state, return_state, schedule=schedule, **kwargs)
+
+
+chunk_ovq_attention = form_of(ovq_attention, "chunk")
+recurrent_ovq_attention = form_of(ovq_attention, "recurrent")

@@ -13,6 +13,7 @@ from ..common.statistics import Assignment, code_means, code_statistics, log_cou
 from ..nonfinite import zero_assignment_rows
 from ..precision import autocast_off
 from ..triton.decode import needs_grad
+from ..varlen import varlen
 from .chunk import chunk_form
 from .naive import naive_vq_attention
 from .recurrent import recurrent_form
@@ -52,6 +53,7 @@ def _poisoned(out: torch.Tensor, poison: torch.Tensor | None) -> torch.Tensor:
     return out if poison is None else out + poison
 
 
+@varlen(("q", "k", "v", "q_rot", "k_rot", "assignment"))
 @autocast_off
 def vq_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, codebook: torch.Tensor, *, causal: bool,
                  assign: str = "hard", temperature: float | torch.Tensor = 1.0, block_len: int | None = None,

@@ -1,0 +1,233 @@
+"""Packed sequences (``cu_seqlens``): a packed call equals N separate calls of the float64 definitions (the naive
+forms), outputs and every input's gradient, in every form of every causal op; one sequence is today's call bit
+for bit; states are one per sequence; bad ``cu_seqlens`` get a ValueError naming it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vqattn.ops import linear, ovq, softmax, vq, window
+from vqattn.ops.varlen import cu_seqlens_from_starts, positions
+
+from triton_helpers import compare, needs_triton, on_kernel_device
+
+F64 = torch.float64
+H, D, DV, S, L = 2, 16, 8, 6, 16  # L: the Triton kernels' smallest block
+
+
+def _codebook(seed=7):
+    return torch.randn(H, S, D, generator=torch.Generator().manual_seed(seed), dtype=F64)
+
+
+def _vq(assign, window_kind, **kw):
+    """(op kwargs, extra per-token names) of a vq call: hard or soft, the codes' or the exact or RoPE's window."""
+    kw = dict(causal=True, assign=assign, exact_window=window_kind != "codes", block_len=L, **kw)
+    return kw, ("q_rot", "k_rot") if window_kind == "rotated" else ()
+
+
+# name: (op, naive form, impls, kwargs, extra per-token inputs)
+CASES = {
+    "vq_hard_codes": (vq.vq_attention, vq.naive_vq_attention, ("chunk", "recurrent"), *_vq("hard", "codes")),
+    "vq_hard_exact": (vq.vq_attention, vq.naive_vq_attention, ("chunk", "recurrent"), *_vq("hard", "exact")),
+    "vq_soft_exact_cap": (vq.vq_attention, vq.naive_vq_attention, ("chunk", "recurrent"),
+                          *_vq("soft", "exact", memory_cap=5, temperature=0.7)),
+    "vq_soft_codes": (vq.vq_attention, vq.naive_vq_attention, ("chunk", "recurrent"), *_vq("soft", "codes")),
+    "vq_hard_rotated": (vq.vq_attention, vq.naive_vq_attention, ("chunk", "recurrent"), *_vq("hard", "rotated")),
+    "ovq": (ovq.ovq_attention, ovq.naive_ovq_attention, ("chunk", "recurrent"),
+            dict(num_slots=3, block_len=L, memory_cap=5, memory_decay=0.9), ()),
+    "ovq_separate_keys": (ovq.ovq_attention, ovq.naive_ovq_attention, ("chunk", "recurrent"),
+                          dict(num_slots=3, block_len=L, threshold=0.5), ("q_mem", "k_mem")),
+    "window": (window.window_attention, window.naive_window_attention, ("chunk", "recurrent"), dict(block_len=L),
+               ()),
+    "linear": (linear.linear_attention, linear.naive_linear_attention, ("chunk", "recurrent"),
+               dict(causal=True, block_len=L), ("k_log_scale",)),
+    "softmax": (softmax.softmax_attention, softmax.softmax_attention, ("sdpa",), dict(causal=True), ()),
+}
+
+
+def _inputs(name, T, seed=0):
+    """Leaf tensors (1, H, T, …) float64 with gradients: q, k, v and the case's extra per-token inputs."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"q": (D,), "k": (D,), "v": (DV,), "q_rot": (D,), "k_rot": (D,), "q_mem": (D,), "k_mem": (D,),
+              "k_log_scale": ()}
+    names = ("q", "k", "v", *CASES[name][4])
+    x = {n: torch.randn(1, H, T, *shapes[n], generator=g, dtype=F64) for n in names}
+    if name == "linear":  # positive features
+        x["q"], x["k"] = x["q"].exp(), x["k"].exp()
+    return {n: t.requires_grad_() for n, t in x.items()}
+
+
+def _call(name, fn, x, **kw):
+    op, _, _, kwargs, _ = CASES[name]
+    args = dict(kwargs, **kw)
+    if op is linear.linear_attention:
+        return fn(x["q"], x["k"], x["v"], k_log_scale=x["k_log_scale"], **args)
+    extra = {n: t for n, t in x.items() if n not in ("q", "k", "v")}
+    if op is vq.vq_attention:
+        code = args.pop("codebook")
+        if extra:  # RoPE's window: the assignment of the position-free keys is given, as the layers pass it
+            extra["assignment"] = vq.vq_assign(x["k"], code, assign=args["assign"])
+        return fn(x["q"], x["k"], x["v"], code, **args, **extra)
+    return fn(x["q"], x["k"], x["v"], **args, **extra)
+
+
+def _grads(out, leaves, seed=3):
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)
+    grads = torch.autograd.grad((out * w).sum(), leaves, allow_unused=True)
+    return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, leaves)]  # unused: a zero gradient
+
+
+def _separate(name, x, bounds, codebook):
+    """The naive form on each sequence alone, concatenated."""
+    naive = CASES[name][1]
+    outs = []
+    for a, b in zip(bounds, bounds[1:]):
+        outs.append(_call(name, naive, {n: t[:, :, a:b] for n, t in x.items()}, **codebook))
+    return torch.cat(outs, 2)
+
+
+def _check(name, lengths, impl, *, seed=0):
+    bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    x = _inputs(name, bounds[-1], seed)
+    code = {"codebook": _codebook().requires_grad_()} if CASES[name][0] is vq.vq_attention else {}
+    leaves = [*x.values(), *code.values()]
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    kw = {} if impl == "sdpa" else {"impl": impl}
+    got = _call(name, CASES[name][0], x, cu_seqlens=cu, **kw, **code)
+    want = _separate(name, x, bounds, code)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    for g, w in zip(_grads(got, leaves), _grads(want, leaves)):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-11)
+
+
+# shorter than a block, length 1, crossing block boundaries, several blocks
+LENGTHS = [[3, 1, 13, 40, 5], [1, 1, 1], [17, 2]]
+
+
+@pytest.mark.parametrize("lengths", LENGTHS, ids=str)
+@pytest.mark.parametrize("name", CASES)
+def test_packed_equals_separate_calls(name, lengths):
+    for impl in CASES[name][2]:
+        _check(name, lengths, impl)
+
+
+@pytest.mark.parametrize("offset", range(1, L + 1))
+@pytest.mark.parametrize("name", ["vq_hard_exact", "ovq", "window", "linear"])
+def test_every_offset_of_a_block(name, offset):
+    """The second sequence starts at every position of a block."""
+    _check(name, [offset, 2 * L + 3], "chunk", seed=offset)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_one_sequence_is_the_plain_call_bit_for_bit(name):
+    x = _inputs(name, 29)
+    code = {"codebook": _codebook()} if CASES[name][0] is vq.vq_attention else {}
+    cu = torch.tensor([0, 29], dtype=torch.int32)
+    got = _call(name, CASES[name][0], x, cu_seqlens=cu, **code)
+    assert torch.equal(got, _call(name, CASES[name][0], x, **code))
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if n != "softmax"])
+def test_states_are_one_per_sequence(name):
+    """Two packed calls, the second continuing the first's states, equal the whole sequences called alone."""
+    first, second = [5, 12, 1], [9, 1, 20]
+    x = _inputs(name, sum(first) + sum(second))
+    code = {"codebook": _codebook()} if CASES[name][0] is vq.vq_attention else {}
+    op = CASES[name][0]
+    b1 = [0, *torch.tensor(first).cumsum(0).tolist()]
+    b2 = [0, *torch.tensor(second).cumsum(0).tolist()]
+    head = {n: t[:, :, :b1[-1]] for n, t in x.items()}
+    tail = {n: t[:, :, b1[-1]:] for n, t in x.items()}
+    out1, states = _call(name, op, head, cu_seqlens=torch.tensor(b1, dtype=torch.int32), return_state=True, **code)
+    assert isinstance(states, list) and len(states) == 3
+    out2 = _call(name, op, tail, cu_seqlens=torch.tensor(b2, dtype=torch.int32), state=states, **code)
+    for i in range(3):
+        whole = {n: torch.cat([h[:, :, b1[i]:b1[i + 1]], t[:, :, b2[i]:b2[i + 1]]], 2)
+                 for (n, h), t in zip(head.items(), tail.values())}
+        want = _call(name, CASES[name][1], whole, **code)
+        got = torch.cat([out1[:, :, b1[i]:b1[i + 1]], out2[:, :, b2[i]:b2[i + 1]]], 2)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["vq_hard_exact", "window", "ovq"])
+def test_causal_across_sequences(name):
+    """Changing one sequence changes no output of another."""
+    x = _inputs(name, 30)
+    code = {"codebook": _codebook()} if CASES[name][0] is vq.vq_attention else {}
+    cu = torch.tensor([0, 11, 30], dtype=torch.int32)
+    out = _call(name, CASES[name][0], x, cu_seqlens=cu, **code)
+    y = {n: t.detach().clone() for n, t in x.items()}
+    for t in y.values():
+        t[:, :, :11] = t[:, :, :11].flip(2) * 3 + 1
+    other = _call(name, CASES[name][0], y, cu_seqlens=cu, **code)
+    assert torch.equal(out[:, :, 11:], other[:, :, 11:])
+    assert not torch.allclose(out[:, :, :11], other[:, :, :11])
+
+
+BAD = [
+    (torch.tensor([0, 4, 10]), "int32"),
+    (torch.tensor([[0, 4, 10]], dtype=torch.int32), "1-D"),
+    (torch.tensor([1, 4, 10], dtype=torch.int32), "start at 0"),
+    (torch.tensor([0, 4, 9], dtype=torch.int32), "end at T = 10"),
+    (torch.tensor([0, 6, 4, 10], dtype=torch.int32), "strictly increasing"),
+    (torch.tensor([0, 4, 4, 10], dtype=torch.int32), "strictly increasing"),
+    (torch.tensor([0], dtype=torch.int32), "at least one"),
+    ([0, 4, 10], "int32"),
+]
+
+
+@pytest.mark.parametrize("cu, match", BAD, ids=[m for _, m in BAD])
+@pytest.mark.parametrize("op", [vq.vq_attention, ovq.ovq_attention, window.window_attention,
+                                linear.linear_attention, softmax.softmax_attention], ids=lambda f: f.__name__)
+def test_bad_cu_seqlens(op, cu, match):
+    q = torch.rand(1, H, 10, D, dtype=F64)
+    args = {vq.vq_attention: ((q, q, q, _codebook()), dict(causal=True)), ovq.ovq_attention: ((q, q, q),
+            dict(num_slots=2)), linear.linear_attention: ((q, q, q), dict(causal=True)),
+            softmax.softmax_attention: ((q, q, q), dict(causal=True))}.get(op, ((q, q, q), {}))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        op(*args[0], cu_seqlens=cu, **args[1])
+    with pytest.raises(ValueError, match=match):
+        op(*args[0], cu_seqlens=cu, **args[1])
+
+
+def test_batch_must_be_one_and_state_a_list():
+    q = torch.rand(2, H, 10, D, dtype=F64)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens.*B = 2"):
+        window.window_attention(q, q, q, cu_seqlens=cu)
+    _, state = window.window_attention(q[:1, :, :4], q[:1, :, :4], q[:1, :, :4], return_state=True)
+    with pytest.raises(ValueError, match="state must be a list of 2"):
+        window.window_attention(q[:1], q[:1], q[:1], cu_seqlens=cu, state=state)
+
+
+def test_helpers():
+    starts = torch.tensor([False, False, True, False, True, True, False])
+    cu = cu_seqlens_from_starts(starts)
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 2, 4, 5, 7]
+    assert positions(cu).tolist() == [0, 1, 0, 1, 0, 0, 1]
+    assert positions(cu, [3, 0, 1, 2]).tolist() == [3, 4, 0, 1, 1, 2, 3]
+
+
+@needs_triton
+@pytest.mark.parametrize("name", ["vq_hard_rotated", "vq_soft_exact_cap", "window", "ovq"])
+def test_triton_form(name):
+    """The fused kernels run the padded batch, in float32 against the float64 definitions called one sequence at
+    a time (relative RMS, as the other Triton tests)."""
+    lengths = [5, 21, 1, 34]
+    bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    x = _inputs(name, bounds[-1])
+    vq_case = CASES[name][0] is vq.vq_attention
+    leaves_ = [*x.values(), *([_codebook().requires_grad_()] if vq_case else [])]
+
+    def named(tensors):
+        return dict(zip(x, tensors)), {"codebook": tensors[-1]} if vq_case else {}
+
+    def separate(*tensors):
+        return _separate(name, *named(tensors)[:1], bounds, named(tensors)[1])
+
+    def packed(*tensors):
+        cu = torch.tensor(bounds, dtype=torch.int32, device=tensors[0].device)
+        return _call(name, CASES[name][0], named(tensors)[0], cu_seqlens=cu, impl="triton", **named(tensors)[1])
+
+    compare(separate, on_kernel_device(packed), leaves_)
