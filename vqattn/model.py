@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from .layers import ATTENTIONS, AttentionState, build_attention
 from .ops.checks import check_choice, check_positive_int, compute_dtype
+from .ops.varlen import check_cu_seqlens, positions
 
 IGNORE_INDEX = -1  # the target value the loss and every metric skip (unlabelled positions)
 
@@ -107,9 +108,9 @@ class Block(nn.Module):
         self.norm2 = nn.RMSNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x, state: AttentionState | None = None, return_state: bool = False):
+    def forward(self, x, state: AttentionState | None = None, return_state: bool = False, cu_seqlens=None):
         """x (B, T, C) -> (x (B, T, C), aux_loss scalar, state after x or None)."""
-        h, aux_loss, state = self.attn(self.norm1(x), state, return_state)
+        h, aux_loss, state = self.attn(self.norm1(x), state, return_state, cu_seqlens=cu_seqlens)
         x = x + h
         x = x + self.mlp(self.norm2(x))
         return x, aux_loss, state
@@ -167,16 +168,20 @@ class GPT(nn.Module):
                 f"(and retrain), or use pos_emb='rope' or 'none', which accept any length."
             )
 
-    def _body(self, idx: torch.Tensor, start: int, states: list[AttentionState | None] | None):
+    def _body(self, idx: torch.Tensor, start: int, states: list[AttentionState | None] | None, cu_seqlens=None):
         """Token ids (B, T) at positions start.. -> final hidden states (B, T, C), the summed auxiliary loss and
-        the new layer states (when ``states`` is given: one per layer, None = fresh start)."""
+        the new layer states (when ``states`` is given: one per layer, None = fresh start). With ``cu_seqlens``
+        (packed sequences, no states) each sequence's positions start at 0."""
         x = self.tok_emb(idx)  # (B, T, C)
         if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(start, start + idx.shape[1], device=idx.device))
+            pos = (torch.arange(start, start + idx.shape[1], device=idx.device) if cu_seqlens is None
+                   else positions(cu_seqlens))
+            x = x + self.pos_emb(pos)
         x = self.dropout(x)
         aux_losses, new_states = [], []
         for i, block in enumerate(self.blocks):
-            x, aux_loss, state = block(x, None if states is None else states[i], return_state=states is not None)
+            x, aux_loss, state = block(x, None if states is None else states[i], return_state=states is not None,
+                                       cu_seqlens=cu_seqlens)
             aux_losses.append(aux_loss)
             new_states.append(state)
         return self.norm(x), torch.stack(aux_losses).sum(), new_states
@@ -188,13 +193,24 @@ class GPT(nn.Module):
         *,
         state: GPTState | None = None,
         return_state: bool = False,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> GPTOutput:
         """idx, targets: (B, T) token ids. loss is the mean NLL; aux_loss is returned separately.
 
         ``state`` (from an earlier call with ``return_state=True``) makes idx continue the tokens it summarises;
         with ``return_state`` the output carries the state after idx. Training on consecutive segments with a
         carried state passes ``out.state.detached()`` to the next step.
+
+        ``cu_seqlens`` (int32 (N+1,), flash-attn's convention, with B = 1): idx packs N sequences (documents)
+        along T, and no token sees another sequence; positions restart at each (:mod:`vqattn.ops.varlen`). The
+        loss is the mean over all tokens, as unpacked. ``state`` is then a list of N GPTStates (None entries start
+        fresh) and the output's state such a list.
         """
+        if cu_seqlens is not None:
+            self._check_idx("idx", idx, 0)
+            bounds = check_cu_seqlens(cu_seqlens, batch=idx.shape[0], length=idx.shape[1])
+            if state is not None or return_state:
+                return self._per_sequence(idx, targets, bounds, state, return_state)
         if state is not None and not isinstance(state, GPTState):
             raise ValueError(f"state must be a GPTState or None, got {type(state).__name__}")
         start = 0 if state is None else state.pos
@@ -205,14 +221,31 @@ class GPT(nn.Module):
         layer_states = None
         if state is not None or return_state:
             layer_states = [None] * len(self.blocks) if state is None else state.layers
-        h, aux_loss, layer_states = self._body(idx, start, layer_states)
+        h, aux_loss, layer_states = self._body(idx, start, layer_states, cu_seqlens)
         logits = self.head(h)  # (B, T, V)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.flatten(0, 1).to(compute_dtype(logits.dtype)), targets.flatten(),
-                                   ignore_index=IGNORE_INDEX)
+        loss = None if targets is None else self._loss(logits, targets)
         new_state = GPTState(start + idx.shape[1], layer_states) if return_state else None
         return GPTOutput(logits, loss, aux_loss, new_state)
+
+    @staticmethod
+    def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).to(compute_dtype(logits.dtype)), targets.flatten(),
+                               ignore_index=IGNORE_INDEX)
+
+    def _per_sequence(self, idx, targets, bounds: list[int], state, return_state: bool) -> GPTOutput:
+        """A packed call with states: each sequence alone with its own state (their positions differ)."""
+        n = len(bounds) - 1
+        if state is not None and (not isinstance(state, (list, tuple)) or len(state) != n):
+            raise ValueError(f"with cu_seqlens, state must be a list of {n} GPTStates (one per sequence, None to "
+                             f"start fresh), got {type(state).__name__}")
+        if targets is not None and (not isinstance(targets, torch.Tensor) or targets.shape != idx.shape):
+            self.forward(idx, targets)  # raises the ValueError about targets
+        parts = [self(idx[:, a:b], state=None if state is None else state[i], return_state=return_state)
+                 for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+        logits = torch.cat([p.logits for p in parts], 1)
+        aux = sum(p.aux_loss * (b - a) for p, a, b in zip(parts, bounds, bounds[1:])) / bounds[-1]
+        return GPTOutput(logits, None if targets is None else self._loss(logits, targets), aux,
+                         [p.state for p in parts] if return_state else None)
 
     def forward_step(self, idx: torch.Tensor, state: GPTState | None = None) -> tuple[torch.Tensor, GPTState]:
         """Decode a chunk: idx (B, T) follows the tokens summarised by ``state`` (None: start of sequence).

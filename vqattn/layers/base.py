@@ -14,6 +14,8 @@ import torch.nn as nn
 from ..modules.conv import ShortConvolution
 from ..modules.rope import rope_rotate
 from ..ops.checks import check_positive_int
+from ..ops.varlen import check_cu_seqlens
+from ..ops.varlen import positions as token_positions
 
 
 @dataclass
@@ -166,37 +168,68 @@ class Attention(nn.Module):
             self.q_norm = nn.RMSNorm(self.head_dim) if qk_norm else nn.Identity()
             self.k_norm = nn.RMSNorm(self.head_dim) if qk_norm else nn.Identity()
 
-    def rotate(self, x: torch.Tensor, pos: int) -> torch.Tensor:
+    def rotate(self, x: torch.Tensor, pos: int | torch.Tensor) -> torch.Tensor:
         """RoPE at positions pos.. when this layer uses it, else x unchanged."""
         return rope_rotate(x, pos, self.rope_base) if self.rope else x
 
     def forward(
-        self, x: torch.Tensor, state: AttentionState | None = None, return_state: bool = False
+        self, x: torch.Tensor, state: AttentionState | None = None, return_state: bool = False,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> AttentionOutput:
         """x: (B, T, C) -> AttentionOutput(output (B, T, C), aux_loss (scalar), state or None).
 
         ``state`` summarises the tokens before x (from a previous call with ``return_state=True``); the returned
         state (only when ``return_state``) summarises them and x.
+
+        ``cu_seqlens`` (int32 (N+1,), with B = 1): x packs N sequences along T (:mod:`vqattn.ops.varlen`); each
+        is attended as a call of its own would attend it (RoPE positions, the short convolution and the op all
+        restart at its first token). ``state`` is then a list of N states (None entries start fresh) and the
+        returned state such a list.
         """
         check_layer_input(x, self.dim)
+        positions = None
+        if cu_seqlens is not None:
+            bounds = check_cu_seqlens(cu_seqlens, batch=x.shape[0], length=x.shape[1])
+            if state is not None or return_state:
+                return self._per_sequence(x, bounds, state, return_state)
+            positions = token_positions(cu_seqlens)
         if state is not None and not isinstance(state, AttentionState):
             raise ValueError(f"state must be an AttentionState or None, got {type(state).__name__}")
         b, t, c = x.shape
         qkv, conv = self.qkv(x), None  # (B, T, 3C)
         if self.conv is not None:
-            qkv, conv = self.conv(qkv, None if state is None else state.conv)
+            qkv, conv = self.conv(qkv, None if state is None else state.conv, positions)
         # Unbind before transposing: the backward pass then stacks the three gradients straight into qkv's layout,
         # where permuting first left a stacked gradient that the view back had to copy once more.
         heads = qkv.view(b, t, 3, self.num_heads, self.head_dim).unbind(2)  # 3 x (B, T, H, Dh)
         q, k, v = (h.transpose(1, 2) for h in heads)  # (B, H, T, Dh)
         q, k = self.q_norm(q), self.k_norm(k)
         pos = 0 if state is None else state.pos
-        out, aux_loss, inner = self._attend(q, k, v, pos, None if state is None else state.inner, return_state)
+        if cu_seqlens is None:
+            out, aux_loss, inner = self._attend(q, k, v, pos, None if state is None else state.inner, return_state)
+        else:  # per-token positions; no state
+            out, aux_loss, inner = self._attend(q, k, v, positions, None, False, cu_seqlens=cu_seqlens)
         y = self.resid_dropout(self.proj(out.transpose(1, 2).reshape(b, t, c)))  # (B, T, C)
         aux_loss = x.new_zeros(()) if aux_loss is None else aux_loss
         return AttentionOutput(y, aux_loss, AttentionState(pos + t, inner, conv) if return_state else None)
 
-    def _attend(self, q, k, v, pos: int, state, return_state: bool):
+    def _per_sequence(self, x, bounds: list[int], state, return_state: bool) -> AttentionOutput:
+        """A packed call with states: each sequence alone, with its own state; the aux loss their token-weighted
+        mean, as one packed call gives it."""
+        n = len(bounds) - 1
+        if state is not None and (not isinstance(state, (list, tuple)) or len(state) != n):
+            raise ValueError(f"with cu_seqlens, state must be a list of {n} AttentionStates (one per sequence, None "
+                             f"to start fresh), got {type(state).__name__}")
+        parts = [self(x[:, a:b], None if state is None else state[i], return_state)
+                 for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+        aux = sum(p.aux_loss * (b - a) for p, a, b in zip(parts, bounds, bounds[1:])) / bounds[-1]
+        return AttentionOutput(torch.cat([p.output for p in parts], 1), aux,
+                               [p.state for p in parts] if return_state else None)
+
+    def _attend(self, q, k, v, pos: int | torch.Tensor, state, return_state: bool,
+                cu_seqlens: torch.Tensor | None = None):
+        """q, k, v (B, H, T, Dh) at positions pos.. (an int; or, with ``cu_seqlens``, the (T,) positions of
+        packed sequences, then with no state) -> (out (B, H, T, Dh), aux loss or None, the op's state or None)."""
         raise NotImplementedError
 
     def state_floats(self, seq_len: int) -> int:
@@ -221,14 +254,22 @@ class CachedAttention(Attention):
     keys, query i sitting at position Tk − Tq + i.
     """
 
-    def _attend(self, q, k, v, pos, state: KVCache | None, return_state):
+    def _attend(self, q, k, v, pos, state: KVCache | None, return_state, cu_seqlens=None):
         q, k = self.rotate(q, pos), self.rotate(k, pos)
+        if cu_seqlens is not None:
+            return self._packed_quadratic(q, k, v, cu_seqlens), None, None
         if state is not None:
             k, v = torch.cat((state.k, k), dim=2), torch.cat((state.v, v), dim=2)  # (B, H, P+T, Dh)
         return self._quadratic(q, k, v), None, (KVCache(k, v) if return_state else None)
 
     def _quadratic(self, q, k, v):
         raise NotImplementedError
+
+    def _packed_quadratic(self, q, k, v, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """Causal attention of packed sequences: each one's ``_quadratic`` alone."""
+        bounds = cu_seqlens.tolist()
+        return torch.cat([self._quadratic(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b])
+                          for a, b in zip(bounds, bounds[1:])], 2)
 
     def _op_state_floats(self, seq_len: int) -> int:
         return 2 * seq_len * self.dim  # every key and value

@@ -33,7 +33,7 @@ class FeatureMapAttention(Attention):
     def _op_state_floats(self, seq_len: int) -> int:
         return self.num_heads * self.features.num_features(self.head_dim) * (self.head_dim + 1)  # Σφ(k)vᵀ, Σφ(k)
 
-    def _attend(self, q, k, v, pos, state, return_state):
+    def _attend(self, q, k, v, pos, state, return_state, cu_seqlens=None):
         q, k = self.rotate(q, pos), self.rotate(k, pos)
         phi_q, phi_k, k_log_scale = self.features.map_qk(q, k)  # (B, H, T, M), (B, H, T) or None
         result = linear_attention(
@@ -45,6 +45,7 @@ class FeatureMapAttention(Attention):
             block_len=self.block_len,
             state=state,
             return_state=return_state,
+            cu_seqlens=cu_seqlens,
         )
         out, op_state = op_result(result, return_state)
         return out, None, op_state

@@ -7,14 +7,14 @@ import math
 import torch
 
 from ..codebook import Codebook
-from ..modules.rope import rope_rotate_clamped, rope_rotate_keeping, slow_pair_start, with_raw_pairs
+from ..modules.rope import last_position, rope_rotate_clamped, rope_rotate_keeping, slow_pair_start, with_raw_pairs
 from ..ops.blocks import DEFAULT_BLOCK_LEN
 from ..ops.checks import check_choice, check_positive_int
 from ..ops.common.memory_cap import RAW_WINDOW, layer_memory_cap
 from ..ops.common.memory_decay import check_memory_decay
 from ..ops.ovq import IMPLS as OVQ_IMPLS
 from ..ops.ovq import ovq_attention
-from .base import Attention
+from .base import Attention, op_result
 
 SLOTS_BY = ("online", "codebook")
 
@@ -106,7 +106,7 @@ class OnlineVQAttention(Attention):
         # Mean occupied slots per sequence and head after the last forward (read by usage_stats, outside a step).
         self.register_buffer("last_occupied", torch.zeros((), dtype=torch.float32), persistent=False)
 
-    def _attend(self, q, k, v, pos, state, return_state):
+    def _attend(self, q, k, v, pos, state, return_state, cu_seqlens=None):
         slots, aux_loss, q_mem, k_mem = None, None, None, None
         if self.codebook is not None:
             # A decoding step (eval, with a state) records no statistics, as in the vq layers.
@@ -123,7 +123,7 @@ class OnlineVQAttention(Attention):
                 q_mem, k_mem = q, k
         else:
             q, k = self.rotate(q, pos), self.rotate(k, pos)
-        out, op_state = ovq_attention(
+        result = ovq_attention(
             q, k, v,
             num_slots=self.num_slots,
             block_len=self.block_len,
@@ -136,16 +136,21 @@ class OnlineVQAttention(Attention):
             memory_cap=self.memory_cap,
             memory_decay=self.memory_decay,
             impl=self.impl,
-            return_state=True,  # its memory gives usage_stats; the few statistics it costs are O(T·Dh)
+            # its memory gives usage_stats, for the few statistics it costs (O(T·Dh)); a packed call would return
+            # one state per sequence, computed one sequence at a time, so it asks for none
+            return_state=cu_seqlens is None,
+            cu_seqlens=cu_seqlens,
         )
-        with torch.no_grad():
-            self.last_occupied.copy_(op_state.occupied.float().mean())
+        out, op_state = op_result(result, cu_seqlens is None)
+        if op_state is not None:
+            with torch.no_grad():
+                self.last_occupied.copy_(op_state.occupied.float().mean())
         return out, aux_loss, op_state if return_state else None
 
-    def _clamped_memory_rotation(self, x: torch.Tensor, pos: int) -> torch.Tensor | None:
+    def _clamped_memory_rotation(self, x: torch.Tensor, pos: int | torch.Tensor) -> torch.Tensor | None:
         """x (B, H, T, Dh) at positions pos.. rotated with the slow pairs clamped at memory_rope_clamp, or None when
         no position passes it (then it is RoPE's rotation)."""
-        if pos + x.shape[-2] - 1 <= self.memory_rope_clamp:
+        if last_position(pos, x.shape[-2]) <= self.memory_rope_clamp:
             return None
         return rope_rotate_clamped(x, pos, self.rope_base, self.memory_clamped_from, self.memory_rope_clamp)
 

@@ -29,6 +29,9 @@ class SoftmaxAttention(CachedAttention):
         mask = torch.arange(past + t, device=q.device)[None, :] <= rows  # (T, P+T)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
+    def _packed_quadratic(self, q, k, v, cu_seqlens):
+        return softmax_attention(q, k, v, causal=True, cu_seqlens=cu_seqlens)
+
 
 class KernelSmootherAttention(CachedAttention):
     """Kernel-smoother attention (Tsai et al. 2019) with an explicit kernel: ``kernel_attention``.
@@ -76,10 +79,10 @@ class WindowAttention(Attention):
         check_choice("impl", impl, WINDOW_IMPLS)
         self.block_len, self.impl = block_len, impl
 
-    def _attend(self, q, k, v, pos, state, return_state):
+    def _attend(self, q, k, v, pos, state, return_state, cu_seqlens=None):
         q, k = self.rotate(q, pos), self.rotate(k, pos)  # the state keeps rotated keys, like a KV cache
         result = window_attention(q, k, v, block_len=self.block_len, state=state, return_state=return_state,
-                                  impl=self.impl)
+                                  impl=self.impl, cu_seqlens=cu_seqlens)
         out, op_state = op_result(result, return_state)
         return out, None, op_state
 

@@ -90,7 +90,7 @@ class VQAttention(Attention):
         self.slow_start = slow_pair_start(self.head_dim, self.rope_base, 2 * resolve_block_len(block_len))
         self.codebook = Codebook(num_heads, num_codes, self.head_dim, assign=self.assign, **(codebook or {}))
 
-    def _attend(self, q, k, v, pos, state, return_state):
+    def _attend(self, q, k, v, pos, state, return_state, cu_seqlens=None):
         # only the slow pairs' dims score the codes ("slow", under RoPE): the op gets those alone
         first_pair = self.slow_start if self.rope and self.cache_scores == "slow" else 0
         rotated = {}
@@ -114,6 +114,7 @@ class VQAttention(Attention):
             assignment=assignment,  # computed once, by the codebook, from the raw keys and codes
             memory_cap=self.memory_cap,
             impl=self.impl,
+            cu_seqlens=cu_seqlens,
             **rotated,
         )
         out, op_state = op_result(result, return_state)

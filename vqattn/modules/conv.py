@@ -17,12 +17,27 @@ class ShortConvolution(nn.Conv1d):
             self.weight.zero_()
             self.weight[:, 0, -1] = 1.0
 
-    def forward(self, h: torch.Tensor, past: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, h: torch.Tensor, past: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """h: (B, T, C) -> (out (B, T, C), the last K − 1 rows of [past, h] for the next chunk); ``past``
-        (B, K − 1, C), the rows before h (zeros at the start of a sequence)."""
+        (B, K − 1, C), the rows before h (zeros at the start of a sequence). ``positions`` (T,): each row's
+        position in its own sequence, for packed sequences (:mod:`vqattn.ops.varlen`): a row then reads no row
+        before its sequence's start (no ``past``)."""
         k = self.kernel_size[0]
+        if positions is not None:
+            return self._packed(h, positions), h[:, max(h.shape[1] - (k - 1), 0):]
         if past is None:
             past = h.new_zeros(h.shape[0], k - 1, h.shape[-1])
         full = torch.cat((past.to(h.dtype), h), dim=1)  # (B, K − 1 + T, C)
         out = super().forward(full.transpose(1, 2)).transpose(1, 2)  # (B, T, C)
         return out, full[:, full.shape[1] - (k - 1):]
+
+    def _packed(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """out_t = Σ_j w_{K−1−j} h_{t−j} over the lags j ≤ positions_t (the rows of t's own sequence)."""
+        k, t = self.kernel_size[0], h.shape[1]
+        w = self.weight[:, 0].to(h.dtype)  # (C, K)
+        out = h * w[:, -1]
+        for lag in range(1, min(k, t)):
+            shifted = torch.nn.functional.pad(h, (0, 0, lag, 0))[:, :t]  # h_{t − lag}
+            out = out + shifted * (positions >= lag).to(h.dtype)[:, None] * w[:, -1 - lag]
+        return out

@@ -17,10 +17,25 @@ def rope_frequencies(head_dim: int, base: float, device=None) -> torch.Tensor:
     return base ** (-torch.arange(head_dim // 2, dtype=torch.float64, device=device) * 2.0 / head_dim)
 
 
-def _rope_cos_sin(start: int, length: int, head_dim: int, base: float, device: torch.device,
+def token_positions(start: int | torch.Tensor, length: int, device: torch.device) -> torch.Tensor:
+    """(T,) float64 positions: start..start+T-1 for an int ``start``, or ``start`` itself, a (T,) tensor of each
+    token's position (packed sequences restart at 0: :func:`vqattn.ops.varlen.positions`)."""
+    if isinstance(start, torch.Tensor):
+        if start.shape != (length,):
+            raise ValueError(f"positions must be a ({length},) tensor, one per token, got {tuple(start.shape)}")
+        return start.to(device=device, dtype=torch.float64)
+    return torch.arange(start, start + length, dtype=torch.float64, device=device)
+
+
+def last_position(start: int | torch.Tensor, length: int) -> int:
+    """The largest position among ``length`` tokens from ``start`` (an int, or a tensor of positions)."""
+    return int(start.max()) if isinstance(start, torch.Tensor) else start + length - 1
+
+
+def _rope_cos_sin(start: int | torch.Tensor, length: int, head_dim: int, base: float, device: torch.device,
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = rope_frequencies(head_dim, base, device)  # (D/2,)
-    pos = torch.arange(start, start + length, dtype=torch.float64, device=device)  # (T,)
+    pos = token_positions(start, length, device)  # (T,)
     angle = pos[:, None] * inv_freq[None, :]  # (T, D/2), in float64
     return angle.cos().to(dtype), angle.sin().to(dtype)
 
@@ -32,15 +47,16 @@ def _rope_cos_sin_cached(start: int, length: int, head_dim: int, base: float, de
     return _rope_cos_sin(start, length, head_dim, base, device, dtype)
 
 
-def rope_cos_sin(start: int, length: int, head_dim: int, base: float, device: torch.device,
+def rope_cos_sin(start: int | torch.Tensor, length: int, head_dim: int, base: float, device: torch.device,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin (T, D/2) of RoPE's angles pos * base^(-2m/D) at positions start..start+T-1, in ``dtype``.
+    """cos and sin (T, D/2) of RoPE's angles pos * base^(-2m/D) at positions start..start+T-1 (or at the (T,)
+    positions ``start`` holds), in ``dtype``.
 
     Every layer of a forward pass (and q and k in each) rotates at the same positions, so outside
     ``torch.compile`` they are computed once and cached: in decoding that is ~20 fewer small kernels per layer and
     token. The key includes inference mode, because an inference-mode tensor cannot be saved for a backward pass.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or isinstance(start, torch.Tensor):
         return _rope_cos_sin(start, length, head_dim, base, device, dtype)
     return _rope_cos_sin_cached(start, length, head_dim, base, torch.device(device), dtype,
                                 torch.is_inference_mode_enabled())
@@ -54,8 +70,9 @@ def slow_pair_start(head_dim: int, base: float, window: int) -> int:
     return int((rope_frequencies(head_dim, base) * window >= 1).sum())
 
 
-def rope_rotate(x: torch.Tensor, start: int, base: float) -> torch.Tensor:
-    """Rotary position embedding of x: (B, H, T, D) at absolute positions start..start+T-1.
+def rope_rotate(x: torch.Tensor, start: int | torch.Tensor, base: float) -> torch.Tensor:
+    """Rotary position embedding of x: (B, H, T, D) at absolute positions start..start+T-1 (or at the (T,)
+    positions of a tensor ``start``, as packed sequences pass them).
 
     Feature pairs (x_m, x_{m+D/2}) are rotated by the angle pos * base^(-2m/D), so that
     <rope(q, i), rope(k, j)> depends on i and j only through i - j. Angles are computed in float64
@@ -64,7 +81,7 @@ def rope_rotate(x: torch.Tensor, start: int, base: float) -> torch.Tensor:
     return _rope(x, start, base, None)
 
 
-def rope_rotate_keeping(x: torch.Tensor, start: int, base: float, first_pair: int = 0
+def rope_rotate_keeping(x: torch.Tensor, start: int | torch.Tensor, base: float, first_pair: int = 0
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """(:func:`rope_rotate` of x, the unrotated ``pair_dims(x, first_pair)``): for layers that score some things
     with rotated and others with raw vectors. One autograd node, so the backward pass adds the raw part's gradient
@@ -90,7 +107,7 @@ def with_raw_pairs(rotated: torch.Tensor, raw: torch.Tensor, first_pair: int) ->
                       raw.unflatten(-1, (2, half - first_pair))), dim=-1).flatten(-2)
 
 
-def rope_rotate_clamped(x: torch.Tensor, start: int, base: float, first_pair: int, max_pos: int) -> torch.Tensor:
+def rope_rotate_clamped(x: torch.Tensor, start: int | torch.Tensor, base: float, first_pair: int, max_pos: int) -> torch.Tensor:
     """:func:`rope_rotate` of x (B, H, T, D) with the pairs m ≥ ``first_pair`` rotated by min(position, max_pos).
 
     For two positions i ≥ j those pairs turn by θ_m·(min(i, P) − min(j, P)) ∈ [0, θ_m·P]: at positions up to P it is
@@ -98,13 +115,13 @@ def rope_rotate_clamped(x: torch.Tensor, start: int, base: float, first_pair: in
     less than a radian over the raw window, never meets an angle that a training length of P did not)."""
     dtype = torch.promote_types(x.dtype, torch.float32)
     inv_freq = rope_frequencies(x.shape[-1], base, x.device)  # (D/2,)
-    pos = torch.arange(start, start + x.shape[-2], dtype=torch.float64, device=x.device)  # (T,)
+    pos = token_positions(start, x.shape[-2], x.device)  # (T,)
     clamped = torch.arange(x.shape[-1] // 2, device=x.device) >= first_pair  # (D/2,)
     angle = torch.where(clamped, pos.clamp(max=max_pos)[:, None], pos[:, None]) * inv_freq  # (T, D/2), float64
     return _rotate_by(x, angle.cos().to(dtype), angle.sin().to(dtype), None)
 
 
-def _rope(x: torch.Tensor, start: int, base: float, first_pair: int | None):
+def _rope(x: torch.Tensor, start: int | torch.Tensor, base: float, first_pair: int | None):
     dtype = torch.promote_types(x.dtype, torch.float32)
     cos, sin = rope_cos_sin(start, x.shape[-2], x.shape[-1], base, x.device, dtype)
     return _rotate_by(x, cos, sin, first_pair)

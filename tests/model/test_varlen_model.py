@@ -1,0 +1,110 @@
+"""Packed documents (``cu_seqlens``) through the layers and GPT: a packed call equals each document alone, outputs
+and gradients of the input and every parameter, for every registered attention, with RoPE, learned positions and
+the short convolution; states are one per document."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vqattn.layers import ATTENTIONS, build_attention
+from vqattn.model import GPT, GPTConfig
+
+F64 = torch.float64
+BOUNDS = [0, 5, 6, 40, 71]  # shorter than a block, one token, crossing the blocks of 16
+LAYER_KWARGS = {"vq_hard": dict(block_len=16, num_codes=8), "vq_soft": dict(block_len=16, num_codes=8),
+                "window": dict(block_len=16), "ovq": dict(block_len=16, num_slots=4), "performer": dict(block_len=16)}
+
+
+def _layer(name, **kw):
+    torch.manual_seed(0)
+    layer = build_attention(name, dim=32, num_heads=2, **LAYER_KWARGS.get(name, {}), **kw).double()
+    return layer.eval()  # no dropout, no codebook updates between the calls compared
+
+
+def _grads(y, leaves):
+    w = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=y.dtype)
+    grads = torch.autograd.grad((y * w).sum(), leaves, allow_unused=True)
+    return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, leaves)]
+
+
+@pytest.mark.parametrize("extra", [dict(rope=True), dict(short_conv=4, qk_norm=True)], ids=["rope", "conv"])
+@pytest.mark.parametrize("name", sorted(ATTENTIONS))
+def test_layer_packed_equals_each_document(name, extra):
+    layer = _layer(name, **extra)
+    x = torch.randn(1, BOUNDS[-1], 32, dtype=F64, requires_grad=True)
+    cu = torch.tensor(BOUNDS, dtype=torch.int32)
+    leaves = [x, *(p for p in layer.parameters() if p.requires_grad)]
+    got = layer(x, cu_seqlens=cu).output
+    want = torch.cat([layer(x[:, a:b]).output for a, b in zip(BOUNDS, BOUNDS[1:])], 1)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    for g, w in zip(_grads(got, leaves), _grads(want, leaves)):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("name", sorted(ATTENTIONS))
+def test_layer_states_one_per_document(name):
+    layer = _layer(name, rope=True)
+    x = torch.randn(1, BOUNDS[-1], 32, dtype=F64)
+    cu = torch.tensor(BOUNDS, dtype=torch.int32)
+    out, _, states = layer(x, cu_seqlens=cu, return_state=True)
+    assert isinstance(states, list) and len(states) == len(BOUNDS) - 1
+    nxt = torch.randn(1, 4, 32, dtype=F64)  # one more token for each document
+    more = layer(nxt, states, cu_seqlens=torch.arange(5, dtype=torch.int32)).output
+    for i, (a, b) in enumerate(zip(BOUNDS, BOUNDS[1:])):
+        alone = layer(torch.cat([x[:, a:b], nxt[:, i:i + 1]], 1)).output
+        torch.testing.assert_close(out[:, a:b], alone[:, :-1], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(more[:, i], alone[:, -1], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("pos_emb", ["rope", "learned"])
+@pytest.mark.parametrize("name", ["softmax", "vq_hard", "ovq", "performer"])
+def test_gpt_packed_loss_and_gradients(name, pos_emb):
+    torch.manual_seed(0)
+    config = GPTConfig(attention=name, n_layer=2, n_embd=32, n_head=2, seq_len=BOUNDS[-1], pos_emb=pos_emb,
+                       short_conv=3, attention_kwargs=LAYER_KWARGS.get(name, {}))
+    model = GPT(config).double().eval()
+    idx = torch.randint(0, 256, (1, BOUNDS[-1]), generator=torch.Generator().manual_seed(2))
+    targets = torch.randint(0, 256, (1, BOUNDS[-1]), generator=torch.Generator().manual_seed(3))
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = model(idx, targets, cu_seqlens=torch.tensor(BOUNDS, dtype=torch.int32))
+    pieces = [model(idx[:, a:b], targets[:, a:b]) for a, b in zip(BOUNDS, BOUNDS[1:])]
+    want = sum(p.loss * (b - a) for p, a, b in zip(pieces, BOUNDS, BOUNDS[1:])) / BOUNDS[-1]
+    torch.testing.assert_close(out.loss, want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(out.logits, torch.cat([p.logits for p in pieces], 1), rtol=1e-10, atol=1e-12)
+    for g, w in zip(torch.autograd.grad(out.loss, params, allow_unused=True),
+                    torch.autograd.grad(want, params, allow_unused=True)):
+        if g is None or w is None:
+            assert g is None and w is None or (g if w is None else w).abs().max() == 0
+        else:
+            torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-11)
+
+
+def test_gpt_states_one_per_document():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(attention="vq_soft", n_layer=2, n_embd=32, n_head=2, seq_len=128,
+                          attention_kwargs=LAYER_KWARGS["vq_soft"])).double().eval()
+    idx = torch.randint(0, 256, (1, BOUNDS[-1]))
+    out = model(idx, cu_seqlens=torch.tensor(BOUNDS, dtype=torch.int32), return_state=True)
+    assert [s.pos for s in out.state] == [b - a for a, b in zip(BOUNDS, BOUNDS[1:])]
+    step = model(idx[:, :4], state=out.state, cu_seqlens=torch.arange(5, dtype=torch.int32))
+    for i, (a, b) in enumerate(zip(BOUNDS, BOUNDS[1:])):
+        alone = model(torch.cat([idx[:, a:b], idx[:, i:i + 1]], 1)).logits
+        torch.testing.assert_close(step.logits[:, i], alone[:, -1], rtol=1e-10, atol=1e-12)
+
+
+def test_bad_packed_input():
+    model = GPT(GPTConfig(attention="window", n_layer=1, n_embd=32, n_head=2, seq_len=64))
+    idx = torch.randint(0, 256, (2, 10))
+    with pytest.raises(ValueError, match="cu_seqlens.*B = 2"):
+        model(idx, cu_seqlens=torch.tensor([0, 4, 10], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cu_seqlens must be a 1-D int32"):
+        model(idx[:1], cu_seqlens=torch.tensor([0, 4, 10]))
+    with pytest.raises(ValueError, match="end at T = 10"):
+        model(idx[:1], cu_seqlens=torch.tensor([0, 4, 12], dtype=torch.int32))
+    with pytest.raises(ValueError, match="state must be a list of 2 GPTStates"):
+        model(idx[:1], cu_seqlens=torch.tensor([0, 4, 10], dtype=torch.int32), state=model(idx[:1, :3],
+              return_state=True).state)
+    layer = model.blocks[0].attn
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        layer(torch.randn(2, 10, 32), cu_seqlens=torch.tensor([0, 4, 10], dtype=torch.int32))
