@@ -8,9 +8,12 @@ GPT's forward; with a :class:`VQAttnCache` it continues the tokens the cache sum
 cache for softmax, the constant-size codebook / slot / feature-map sums for the others, so each generated token
 costs O(1) time and memory for those (O(t) for softmax).
 
-Padding: the layers have no padding mask (a recurrent state summarises every token it was fed), so an
-``attention_mask`` may only mark right padding, and only in a forward without a cache (a causal model's outputs
-at real tokens never see the padding after them). Anything else is a ValueError.
+Padding: a batch with an ``attention_mask`` that pads rows on the left or the right (``generate`` on prompts of
+different lengths, lm-eval at a batch size above 1) runs as flash-linear-attention's layers run it: the pads are
+removed, the rows run as packed sequences (``cu_seqlens``, :mod:`vqattn.ops.varlen`), and the outputs are padded
+back: left pads get zero logits, right pads repeat their row's last real logits (generate reads every row's next
+token from the last column, so right-padded prompts generate correctly too). Each row then is exactly the row alone: positions start at its first real token. The
+cache then holds one state per row. A mask with a hole inside a row, or a row without tokens, is a ValueError.
 """
 
 from __future__ import annotations
@@ -52,20 +55,37 @@ class VQAttnCache(Cache):
     (a codebook sum does not forget), so assisted decoding, which rolls back rejected tokens, is unsupported.
     """
 
-    def __init__(self, state: GPTState | None = None):
+    def __init__(self, state: GPTState | list[GPTState] | None = None):
         super().__init__(layers=[])  # the per-layer states live in ``state``, not in transformers' layer objects
         self.state = state
+        # tokens fed per row, pads included: the length generate's positions and masks count
+        self.length = 0 if state is None else max(s.pos for s in state) if isinstance(state, list) else state.pos
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0 if self.state is None else self.state.pos
+        return self.length
+
+    @property
+    def per_row(self) -> bool:
+        """Whether the cache holds one GPTState per row (after a padded batch), not one for the batch."""
+        return isinstance(self.state, list)
 
     @property
     def batch_size(self) -> int:
         if self.state is None:
             return -1
+        if self.per_row:
+            return len(self.state)
         found = []
         map_tensors(self.state, lambda t: found.append(t.shape[0]) or t)
         return found[0] if found else -1
+
+    def rows(self) -> list[GPTState | None]:
+        """One state per row: the per-row states, or the batch's state split by row."""
+        if self.per_row:
+            return self.state
+        if self.state is None:
+            return None
+        return [map_tensors(self.state, lambda t, i=i: t[i:i + 1]) for i in range(self.batch_size)]
 
     @property
     def is_croppable(self) -> bool:
@@ -77,33 +97,43 @@ class VQAttnCache(Cache):
     def reset(self) -> None:
         self.state = None
 
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        if self.state is not None:
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], rows: Callable[[list], list]) -> None:
+        """fn on every tensor of a batch state (rows on dim 0); rows() on the list of a per-row one."""
+        if self.per_row:
+            self.state = rows(self.state)
+        elif self.state is not None:
             self.state = map_tensors(self.state, fn)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._apply(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        self._apply(lambda t: t.index_select(0, beam_idx.to(t.device)), lambda s: [s[i] for i in beam_idx.tolist()])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._apply(lambda t: t[indices])
+        self._apply(lambda t: t[indices], lambda s: [s[i] for i in torch.arange(len(s))[indices.cpu()].tolist()])
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._apply(lambda t: t.repeat_interleave(repeats, dim=0))
+        self._apply(lambda t: t.repeat_interleave(repeats, dim=0), lambda s: [x for x in s for _ in range(repeats)])
 
 
-def check_attention_mask(attention_mask: torch.Tensor | None, cached: bool) -> None:
-    """ValueError unless ``attention_mask`` (B, T) is all ones, or marks right padding in a forward without a
-    cache."""
-    if attention_mask is None or bool(attention_mask.all()):
-        return
-    mask = attention_mask.bool()
-    right_padded = bool((mask.cummin(dim=1).values == mask).all())  # no real token after a padded one
-    if cached or not right_padded:
-        raise ValueError(
-            "attention_mask with padding is unsupported by vqattn models (their recurrent states summarise every "
-            "token fed, with no padding mask): allowed are an all-ones attention_mask, or right padding in a "
-            "forward without a cache; generate with unpadded prompts, one prompt length per batch"
-        )
+def real_tokens(attention_mask: torch.Tensor | None, shape: torch.Size) -> torch.Tensor | None:
+    """The (B, T) bool mask of input_ids' real tokens (the last T columns of ``attention_mask``, which covers the
+    cached tokens too), or None when every token is real; ValueError for a mask with a hole inside a row (a pad
+    between real tokens) or a row without a token."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2 or attention_mask.shape[0] != shape[0] or attention_mask.shape[1] < shape[1]:
+        raise ValueError(f"attention_mask must be (B, T') with B = {shape[0]} and T' >= {shape[1]} (the cached "
+                         f"tokens and input_ids), got {tuple(attention_mask.shape)}")
+    mask = attention_mask[:, -shape[1]:].bool()
+    if bool(mask.all()):
+        return None
+    ones = mask.int()
+    runs = (ones[:, 1:] > ones[:, :-1]).sum(1) + ones[:, 0]  # runs of real tokens per row
+    if bool((runs != 1).any()):
+        row = int((runs != 1).nonzero()[0])
+        what = "no token" if int(runs[row]) == 0 else "a pad between real tokens"
+        raise ValueError(f"attention_mask row {row} has {what}: rows may be padded on the left or the right only, "
+                         "around at least one real token")
+    return mask
 
 
 class VQAttnPreTrainedModel(PreTrainedModel):
@@ -194,14 +224,39 @@ class VQAttnForCausalLM(VQAttnPreTrainedModel, GenerationMixin):
             raise ValueError(f"cache must be a VQAttnCache, got {type(cache).__name__}")
         if cache is None and use_cache:
             cache = VQAttnCache()
-        check_attention_mask(attention_mask, cached=cache is not None and cache.state is not None)
-        if cache is None:
+        mask = real_tokens(attention_mask, input_ids.shape)
+        if mask is not None or cache is not None and cache.per_row:
+            logits = self._unpadded(input_ids, mask, cache)
+        elif cache is None:
             logits = self.model(input_ids).logits
         else:
             out = self.model(input_ids, state=cache.state, return_state=True)
             logits, cache.state = out.logits, out.state
+        if cache is not None:
+            cache.length += input_ids.shape[1]
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
                                    ignore_index=HF_IGNORE_INDEX)
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
+
+    def _unpadded(self, input_ids: torch.Tensor, mask: torch.Tensor | None, cache: VQAttnCache | None):
+        """Logits (B, T, V) of a padded batch: its real tokens packed into one row of sequences (one per row),
+        run with cu_seqlens (and the cache's per-row states), scattered back; zeros at left pads, the row's last
+        real token's logits at right pads."""
+        mask = torch.ones_like(input_ids, dtype=torch.bool) if mask is None else mask
+        lengths = mask.sum(1)
+        cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
+        packed = input_ids[mask][None]  # (1, N): row 0's real tokens, then row 1's, ...
+        if cache is None:
+            out = self.model(packed, cu_seqlens=cu_seqlens).logits
+        else:
+            result = self.model(packed, cu_seqlens=cu_seqlens, state=cache.rows(), return_state=True)
+            out, cache.state = result.logits, result.state
+        logits = out.new_zeros(*input_ids.shape, out.shape[-1])
+        logits[mask] = out[0]
+        # right pads repeat their row's last logits: generate reads the last column for every row's next token
+        cols = torch.arange(mask.shape[1], device=mask.device)
+        last = torch.where(mask, cols, -1).max(1, keepdim=True).values  # (B, 1)
+        source = torch.minimum(cols[None], last)  # (B, T)
+        return logits.gather(1, source[..., None].expand_as(logits))
