@@ -1,7 +1,9 @@
 """Byte-level LightningDataModules (vocab 256); the synthetic MQAR task is in :mod:`vqattn.train.mqar`.
 
 Every module yields batches ``(x, y)`` of shape (B, T) long: ``y`` is ``x`` shifted by one token, and
-positions that carry no training signal hold ``IGNORE_INDEX`` (only MQAR uses that).
+positions that carry no training signal hold ``IGNORE_INDEX`` (only MQAR uses that). With packed documents
+(``data.pack_documents=true``, the byte corpora) a batch is ``(x, y, starts)``: ``starts`` (B, T) bool is True where
+a document begins in x, and at every row's first position (:class:`ByteDataModule`).
 
 Training batches are a pure function of ``(seed, batch index, rank)``: batch ``i`` on rank ``r`` draws its
 random windows from ``numpy.random.default_rng([seed, i, r])``. A run resumed from a checkpoint at global
@@ -19,12 +21,15 @@ Corpora (all byte-level, text is never decoded):
 
 from __future__ import annotations
 
+import codecs
 import glob
 import math
 import os
+import re
 import sysconfig
 import warnings
 import zlib
+from collections.abc import Sequence
 from pathlib import Path
 
 import lightning as L
@@ -137,10 +142,12 @@ class _LMDataModule(L.LightningDataModule):
 
 
 class _WindowSet(Dataset):
-    """Fixed windows of a byte tensor: item i = (data[o:o+T], data[o+1:o+T+1]) for the i-th offset."""
+    """Fixed windows of a byte tensor: item i = (data[o:o+T], data[o+1:o+T+1]) for the i-th offset; with ``starts``
+    (a bool tensor as long as data, True at each document's first byte) also the window's starts[o:o+T], its first
+    position always True."""
 
-    def __init__(self, data: torch.Tensor, offsets: torch.Tensor, seq_len: int):
-        self.data, self.offsets, self.seq_len = data, offsets, seq_len
+    def __init__(self, data: torch.Tensor, offsets: torch.Tensor, seq_len: int, starts: torch.Tensor | None = None):
+        self.data, self.offsets, self.seq_len, self.starts = data, offsets, seq_len, starts
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -148,7 +155,58 @@ class _WindowSet(Dataset):
     def __getitem__(self, i: int):
         o = int(self.offsets[i])
         chunk = self.data[o : o + self.seq_len + 1].long()
-        return chunk[:-1], chunk[1:]
+        if self.starts is None:
+            return chunk[:-1], chunk[1:]
+        starts = self.starts[o : o + self.seq_len].clone()
+        starts[0] = True  # the window sees nothing before it
+        return chunk[:-1], chunk[1:], starts
+
+
+def separator_bytes(separator: str | bytes | None) -> bytes | None:
+    """``data.separator`` as bytes: a str is read with Python's backslash escapes (``"\\n\\n"``, ``"\\x00"``, so
+    that a command line can write them) and encoded as UTF-8; None stays None."""
+    if separator is None or isinstance(separator, bytes):
+        out = separator
+    elif isinstance(separator, str):
+        try:
+            out = codecs.escape_decode(separator.encode("utf-8"))[0]
+        except ValueError as err:
+            raise ValueError(f"data.separator={separator!r} is not a valid escaped string: {err}") from None
+    else:
+        raise ValueError(f"data.separator must be a string or null, got {separator!r}")
+    if out is not None and not out:
+        raise ValueError("data.separator must not be empty (null: documents are the files, or the dataset's rows)")
+    return out
+
+
+def document_starts(units: Sequence[bytes], separator: bytes | None = None) -> torch.Tensor:
+    """Bool tensor over ``b"".join(units)``, True at the first byte of each document: each non-empty unit (a file, a
+    dataset row) starts one, and with ``separator`` so does the byte after each occurrence of it inside a unit (the
+    separator ends the document it follows; occurrences are found left to right without overlap)."""
+    starts = torch.zeros(sum(len(u) for u in units), dtype=torch.bool)
+    pattern = re.compile(re.escape(separator)) if separator else None
+    first, pos = [], 0
+    for unit in units:
+        if unit:
+            first.append(pos)
+            if pattern is not None:
+                first += [pos + m.end() for m in pattern.finditer(unit) if m.end() < len(unit)]
+        pos += len(unit)
+    starts[torch.tensor(first, dtype=torch.long)] = True
+    return starts
+
+
+def cut_units(units: Sequence[bytes], start: int, stop: int) -> list[bytes]:
+    """Bytes start..stop-1 of ``b"".join(units)`` as units: a unit the cut goes through keeps its part."""
+    out, pos = [], 0
+    for unit in units:
+        lo, hi = max(start - pos, 0), min(stop - pos, len(unit))
+        if lo < hi:
+            out.append(unit[lo:hi] if (lo, hi) != (0, len(unit)) else unit)
+        pos += len(unit)
+        if pos >= stop:
+            break
+    return out
 
 
 class ByteDataModule(_LMDataModule):
@@ -158,18 +216,51 @@ class ByteDataModule(_LMDataModule):
     Validation uses non-overlapping windows tiling the validation bytes, at most ``val_windows`` of them
     (spread evenly over the split when there are more, or the first ``val_windows`` with ``val_carried``, whose
     pass needs consecutive windows), so val bits per byte is the mean over those bytes.
-    Subclasses implement ``_load() -> (train_bytes, val_bytes)``.
+    Subclasses implement ``_units() -> (train_units, val_units)``: each split as a list of byte strings (files,
+    dataset rows), whose concatenation is the split's text (``_load`` returns the two texts).
+
+    Packed documents (``pack_documents=True``): the windows are the same (the same random offsets for a given seed,
+    batch index and rank), and each batch also carries ``starts`` (B, T) bool, True at the positions of x where a
+    document begins, and at every row's first position (the model sees nothing before it); the validation windows
+    carry theirs too. The trainer (vqattn.train.lit.LitLM) then runs the rows as one packed row cut at these starts,
+    so that no document attends to the one before it. Documents are the units (each non-empty file or row starts
+    one) and, with ``separator``, also split inside a unit after each occurrence of the separator, which stays at
+    the end of the document it ends. The targets are unchanged: the last byte of a document (its separator, or
+    the end of its file) is still trained to predict the next document's first byte, as GPT-2 style packing does.
+    ``separator``: a string read with Python's backslash escapes (``"\\n\\n"``, ``"\\x00"``) and encoded as
+    UTF-8; it needs ``pack_documents``. Packing cuts windows, so it cannot be combined with ``stream`` or
+    ``val_carried``, which read the text as one continuous stream with the state carried across windows.
     """
 
     name = "bytes"
 
-    def __init__(self, *, val_windows: int = 256, **kwargs):
+    def __init__(self, *, val_windows: int = 256, pack_documents: bool = False, separator: str | None = None,
+                 **kwargs):
         super().__init__(**kwargs)
-        self.val_windows = val_windows
+        if not isinstance(pack_documents, bool):
+            raise ValueError(f"data.pack_documents must be true or false, got {pack_documents!r}")
+        if separator is not None and not pack_documents:
+            raise ValueError(f"data.separator={separator!r} splits the documents of data.pack_documents=true: set "
+                             "data.pack_documents=true too, or leave data.separator null")
+        for key, why, fix in (("stream", "data.stream=true (set by carry_state=true) reads", "carry_state=false"),
+                              ("val_carried", "data.val_carried=true (set by carry_state=true and experiment=long) "
+                                              "validates on", "data.val_carried=false")):
+            if pack_documents and getattr(self, key):
+                raise ValueError(f"data.pack_documents=true cuts each window at its documents' starts, but {why} "
+                                 f"continuous streams with the state carried across documents: set {fix} or "
+                                 "data.pack_documents=false")
+        self.val_windows, self.pack_documents = val_windows, pack_documents
+        self.separator = separator_bytes(separator)
         self.train_data: torch.Tensor | None = None
+        self.train_starts: torch.Tensor | None = None  # with pack_documents: True at each document's first byte
+
+    def _units(self) -> tuple[list[bytes], list[bytes]]:
+        raise NotImplementedError
 
     def _load(self) -> tuple[bytes, bytes]:
-        raise NotImplementedError
+        """The training and validation texts."""
+        train, val = self._units()
+        return b"".join(train), b"".join(val)
 
     def _advice(self, split: str) -> str:
         """What to change when ``split`` is too short for one window."""
@@ -178,7 +269,8 @@ class ByteDataModule(_LMDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_data is not None:
             return
-        train, val = self._load()
+        train_units, val_units = self._units()
+        train, val = b"".join(train_units), b"".join(val_units)
         need = self.seq_len + 1
         for split, data in (("training", train), ("validation", val)):
             if len(data) < need:
@@ -189,12 +281,17 @@ class ByteDataModule(_LMDataModule):
                 )
         self.train_data = torch.frombuffer(bytearray(train), dtype=torch.uint8)
         val_data = torch.frombuffer(bytearray(val), dtype=torch.uint8)
+        val_starts = None
+        if self.pack_documents:
+            self.train_starts = document_starts(train_units, self.separator)
+            val_starts = document_starts(val_units, self.separator)
+        del train_units, val_units, train, val
         n = (len(val_data) - 1) // self.seq_len
         tiles = torch.arange(n) * self.seq_len
         if n > self.val_windows:
             spread = torch.linspace(0, n - 1, self.val_windows).round().long()
             tiles = tiles[torch.arange(self.val_windows) if self.val_carried else spread]
-        self.val_set = _WindowSet(val_data, tiles, self.seq_len)
+        self.val_set = _WindowSet(val_data, tiles, self.seq_len, val_starts)
 
     def _train_dataset(self, length: int) -> Dataset:
         if not self.stream:
@@ -208,7 +305,11 @@ class ByteDataModule(_LMDataModule):
         offsets = rng.integers(0, len(self.train_data) - self.seq_len, size=self.batch_size)
         idx = torch.from_numpy(offsets)[:, None] + torch.arange(self.seq_len + 1)  # (B, T+1)
         chunk = self.train_data[idx].long()
-        return chunk[:, :-1], chunk[:, 1:]
+        if self.train_starts is None:
+            return chunk[:, :-1], chunk[:, 1:]
+        starts = self.train_starts[idx[:, :-1]]
+        starts[:, 0] = True  # a row sees nothing before its first byte
+        return chunk[:, :-1], chunk[:, 1:], starts
 
 
 def stdlib_files(max_bytes: int) -> tuple[Path, list[Path]]:
@@ -246,6 +347,8 @@ class StdlibDataModule(ByteDataModule):
     ``zlib.crc32(relative_path) % 20 == 0`` (about 5% of files; by file so that no validation text was trained
     on), otherwise to training. Deterministic for a given Python version; it differs between Python versions.
     On CPython 3.11 with the default max_bytes=8_000_000 this is 557 files: 7.64 MB train, 0.36 MB validation.
+    Without ``pack_documents`` (the default) the files are read as one continuous stream; with it each file is a
+    document (split further at ``separator`` when one is given).
     """
 
     name = "stdlib"
@@ -254,7 +357,7 @@ class StdlibDataModule(ByteDataModule):
         super().__init__(**kwargs)
         self.max_bytes = max_bytes
 
-    def _load(self) -> tuple[bytes, bytes]:
+    def _units(self) -> tuple[list[bytes], list[bytes]]:
         root, files = stdlib_files(self.max_bytes)
         if not files:
             raise FileNotFoundError(f"no standard-library .py files found under {root}")
@@ -262,23 +365,24 @@ class StdlibDataModule(ByteDataModule):
         for path in files:
             rel = path.relative_to(root).as_posix()
             splits[zlib.crc32(rel.encode()) % 20 == 0].append(path.read_bytes())
-        return b"".join(splits[False]), b"".join(splits[True])
+        return splits[False], splits[True]
 
 
-def _read_files(pattern: str, what: str) -> bytes:
-    """Bytes of a file, or of all files matching a glob (sorted, concatenated as is: line breaks kept)."""
+def _read_files(pattern: str, what: str) -> list[bytes]:
+    """Bytes of a file, or of each file matching a glob (sorted; their concatenation is the text: line breaks kept)."""
     pattern = os.path.expanduser(str(pattern))
     paths = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
     if not paths:
         raise FileNotFoundError(f"{what}: no file found at {pattern!r} (give an existing file or a glob that matches files)")
-    return b"".join(Path(p).read_bytes() for p in paths)
+    return [Path(p).read_bytes() for p in paths]
 
 
 class TextDataModule(ByteDataModule):
     """Local text (``data=text data.path=FILE_OR_GLOB``), read as raw bytes so line breaks and encodings are kept.
 
     Validation is ``val_path`` when given, otherwise the last ``val_fraction`` (5%) of the training bytes,
-    which are then removed from training.
+    which are then removed from training. With ``pack_documents`` each file is a document (split further at
+    ``separator`` when one is given: the way to pack the documents of one file).
     """
 
     name = "text"
@@ -299,12 +403,13 @@ class TextDataModule(ByteDataModule):
         return (f"give a validation file (data.val_path=FILE), or raise data.val_fraction (now {self.val_fraction}), "
                 f"or lower model.seq_len")
 
-    def _load(self) -> tuple[bytes, bytes]:
+    def _units(self) -> tuple[list[bytes], list[bytes]]:
         train = _read_files(self.path, "data.path")
         if self.val_path:
             return train, _read_files(self.val_path, "data.val_path")
-        cut = len(train) - math.ceil(len(train) * self.val_fraction)
-        return train[:cut], train[cut:]
+        total = sum(len(unit) for unit in train)
+        cut = total - math.ceil(total * self.val_fraction)
+        return cut_units(train, 0, cut), cut_units(train, cut, total)
 
 
 class DataUnavailableError(RuntimeError):
@@ -328,6 +433,9 @@ class HubTextDataModule(ByteDataModule):
     so data/enwik8.yaml reads the Hub's parquet export (``refs/convert/parquet``).
     ``layout="splits"``: the dataset's own ``train`` and ``validation`` splits, rows concatenated as stored
     (wikitext-103-raw rows keep their trailing newline).
+    With ``pack_documents`` each row is a document (split further at ``separator`` when one is given): the
+    enwik8-raw row is the whole file, so give a separator; wikitext-103-raw's rows are single lines (headings,
+    paragraphs, blank lines), not articles.
     """
 
     ENWIK8_SPLIT = (90_000_000, 5_000_000)
@@ -350,10 +458,12 @@ class HubTextDataModule(ByteDataModule):
                 f"(or a filled datasets cache); offline, use data=default or data=text data.path=FILE."
             ) from err
 
-    def _load(self) -> tuple[bytes, bytes]:
+    def _units(self) -> tuple[list[bytes], list[bytes]]:
         if self.layout == "enwik8":
             rows = self._fetch("train")["text"]
-            data = ("" if all(r.endswith("\n") for r in rows) else "\n").join(rows).encode()
+            if not all(r.endswith("\n") for r in rows):  # joined with "\n" between them
+                rows = [*(r + "\n" for r in rows[:-1]), *rows[-1:]]
+            units = [r.encode() for r in rows]
             n_train, n_val = self.ENWIK8_SPLIT
-            return data[:n_train], data[n_train : n_train + n_val]
-        return tuple("".join(self._fetch(split)["text"]).encode() for split in ("train", "validation"))
+            return cut_units(units, 0, n_train), cut_units(units, n_train, n_train + n_val)
+        return tuple([r.encode() for r in self._fetch(split)["text"]] for split in ("train", "validation"))

@@ -18,6 +18,9 @@ the data must then be consecutive segments, ``data.stream``). A datamodule with 
 carried pass, ``data.val_carried``) adds val_loss_carried, val_bpb_carried and val_acc_carried.
 At the end of training ``buffer_divergence`` records how far the ranks' model buffers drifted apart (0 when
 the codebook EMA and feature redraws stay identical across DDP ranks, as they must).
+Packed documents (``data.pack_documents``): a batch (x, y, starts) runs as one packed row of B·T tokens cut at the
+documents' starts and at every row's start (:func:`packed_forward`), so no document sees another; the loss is the
+same mean over tokens, and the validation's position buckets count positions within each document.
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ import torch.nn.functional as F
 from torchmetrics import Metric
 
 from ..feature_maps import set_feature_step
-from ..model import GPT, IGNORE_INDEX, GPTConfig
+from ..model import GPT, IGNORE_INDEX, GPTConfig, GPTOutput
+from ..ops.varlen import cu_seqlens_from_starts
+from ..ops.varlen import positions as document_positions
 from .carry import CarriedState
 
 LN2 = math.log(2.0)
@@ -57,8 +62,9 @@ class SummedNLL(Metric):
     """Sum of per-token NLL (nats), token count and correct argmax predictions over labelled positions, in total
     and per position bucket.
 
-    Bucket k holds the targets at positions t (0-based, within the validation window; the target at t follows
-    t + 1 tokens of context) with edges[k] <= t < edges[k + 1]; the last bucket is open-ended. The states are
+    Bucket k holds the targets at positions t (0-based, within the validation window, or within its document for
+    packed documents: ``update``'s ``positions``; the target at t follows t + 1 tokens of context) with
+    edges[k] <= t < edges[k + 1]; the last bucket is open-ended. The states are
     per-bucket sums reduced with ``dist_reduce_fx="sum"``, so under DDP ``compute`` returns the exact means over
     all ranks' tokens, however unevenly the ranks' batches are sized:
         loss = sum NLL / count,  bpb = loss / ln 2 (one token is one byte),  acc = correct / count,
@@ -78,19 +84,23 @@ class SummedNLL(Metric):
         self.add_state("correct", torch.zeros(k, dtype=torch.long), dist_reduce_fx="sum")
         self.add_state("last_position", torch.tensor(0), dist_reduce_fx="max")  # names the open-ended bucket
 
-    def update(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
-        """logits (B, T, V), targets (B, T) with IGNORE_INDEX at unlabelled positions."""
+    def update(self, logits: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+        """logits (B, T, V), targets (B, T) with IGNORE_INDEX at unlabelled positions; ``positions`` (B, T) long:
+        each target's position (None: its index t in the row)."""
         mask = targets != IGNORE_INDEX  # (B, T)
         nll = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
                               reduction="none")  # (B T,), 0 where unlabelled
         correct = (logits.argmax(dim=-1) == targets) & mask  # (B, T)
-        positions = torch.arange(targets.shape[1], device=targets.device)  # (T,)
-        bucket = torch.bucketize(positions, self.edges.to(targets.device), right=True)  # (T,)
+        if positions is None:
+            positions = torch.arange(targets.shape[1], device=targets.device)  # (T,)
+            self.last_position.clamp_(min=targets.shape[1] - 1)
+        else:
+            self.last_position.copy_(torch.maximum(self.last_position, positions.max().to(self.last_position)))
+        bucket = torch.bucketize(positions, self.edges.to(targets.device), right=True)  # (T,) or (B, T)
         bucket = bucket.expand_as(targets).flatten()  # (B T,)
         self.nll_sum.index_add_(0, bucket, nll.double())
         self.count.index_add_(0, bucket, mask.flatten().long())
         self.correct.index_add_(0, bucket, correct.flatten().long())
-        self.last_position.clamp_(min=targets.shape[1] - 1)
 
     def compute(self) -> dict:
         """{"loss", "bpb", "acc"} (0-dim tensors) over all tokens and ``"by_position"``: {"A_B": {"bpb", "acc",
@@ -107,6 +117,19 @@ class SummedNLL(Metric):
             for lo, hi, nll, n, c in zip(self.lower_edges, uppers, self.nll_sum, self.count, self.correct) if n > 0
         }
         return {"loss": loss, "bpb": loss / LN2, "acc": self.correct.sum().double() / count, "by_position": by_position}
+
+
+def packed_forward(model: GPT, x: torch.Tensor, starts: torch.Tensor) -> tuple[GPTOutput, torch.Tensor]:
+    """The model on the rows of x (B, T) packed into one row of B·T tokens, cut into sequences at ``starts`` (B, T)
+    bool, True at each document's first token, and at every row's first token whatever it holds (a row continues
+    no other): ``model(x.reshape(1, B·T), cu_seqlens=...)``, so no document attends to another. Returns the output
+    with its logits back in (B, T, V), and each token's position within its document, (B, T) long."""
+    b, t = x.shape
+    starts = starts.to(device=x.device, dtype=torch.bool).clone()
+    starts[:, 0] = True
+    cu_seqlens = cu_seqlens_from_starts(starts.reshape(-1))
+    out = model(x.reshape(1, b * t), cu_seqlens=cu_seqlens)
+    return out._replace(logits=out.logits.reshape(b, t, -1)), document_positions(cu_seqlens).reshape(b, t)
 
 
 def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
@@ -278,8 +301,14 @@ class LitLM(L.LightningModule):
             self._stream_groups = getattr(self.trainer.datamodule, "stream_groups", 1)
 
     def training_step(self, batch, batch_idx):
-        x, y = batch  # (B, T) each
-        out = self.model(x) if self.carry is None else self._carried_forward(x)
+        x, y, *packed = batch  # (B, T) each; packed documents add their starts (B, T) bool
+        if packed and self.carry is not None:
+            raise ValueError("carry_state=true continues each row from the last step's state: it cannot train on "
+                             "packed documents (data.pack_documents=true)")
+        if packed:
+            out, _ = packed_forward(self.model, x, packed[0])
+        else:
+            out = self.model(x) if self.carry is None else self._carried_forward(x)
         nll = F.cross_entropy(out.logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE_INDEX)
         loss = nll + self.aux_weight * out.aux_loss
         self.log_dict({"train_loss": loss, "train_nll": nll, "train_aux": out.aux_loss})
@@ -320,10 +349,15 @@ class LitLM(L.LightningModule):
         return float((gathered - gathered[0]).abs().max())
 
     def validation_step(self, batch, batch_idx, dataloader_idx=0):
-        """Loader 0: independent windows. Loader 1 (data.val_carried): consecutive segments, state carried."""
-        x, y = batch
+        """Loader 0: independent windows (packed documents: cut at their starts, positions counted in each document).
+        Loader 1 (data.val_carried): consecutive segments, state carried."""
+        x, y, *packed = batch
         if dataloader_idx == 0:
-            self.val_nll.update(self.model(x).logits, y)
+            if packed:
+                out, pos = packed_forward(self.model, x, packed[0])
+                self.val_nll.update(out.logits, y, pos)
+            else:
+                self.val_nll.update(self.model(x).logits, y)
             return
         if batch_idx == 0:
             self.val_carry.reset()
