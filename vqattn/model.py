@@ -168,14 +168,15 @@ class GPT(nn.Module):
                 f"(and retrain), or use pos_emb='rope' or 'none', which accept any length."
             )
 
-    def _body(self, idx: torch.Tensor, start: int, states: list[AttentionState | None] | None, cu_seqlens=None):
+    def _body(self, idx: torch.Tensor, start: int, states: list[AttentionState | None] | None, cu_seqlens=None,
+              bounds: list[int] | None = None):
         """Token ids (B, T) at positions start.. -> final hidden states (B, T, C), the summed auxiliary loss and
         the new layer states (when ``states`` is given: one per layer, None = fresh start). With ``cu_seqlens``
         (packed sequences, no states) each sequence's positions start at 0."""
         x = self.tok_emb(idx)  # (B, T, C)
         if self.pos_emb is not None:
             pos = (torch.arange(start, start + idx.shape[1], device=idx.device) if cu_seqlens is None
-                   else positions(cu_seqlens))
+                   else positions(bounds, device=idx.device))
             x = x + self.pos_emb(pos)
         x = self.dropout(x)
         aux_losses, new_states = [], []
@@ -221,7 +222,8 @@ class GPT(nn.Module):
         layer_states = None
         if state is not None or return_state:
             layer_states = [None] * len(self.blocks) if state is None else state.layers
-        h, aux_loss, layer_states = self._body(idx, start, layer_states, cu_seqlens)
+        h, aux_loss, layer_states = self._body(idx, start, layer_states, cu_seqlens,
+                                               None if cu_seqlens is None else bounds)
         logits = self.head(h)  # (B, T, V)
         loss = None if targets is None else self._loss(logits, targets)
         new_state = GPTState(start + idx.shape[1], layer_states) if return_state else None

@@ -6,10 +6,11 @@ import torch
 
 pytest.importorskip("transformers")
 
+from test_hf import hf_model  # noqa: E402
+
 from vqattn.hf import VQAttnByteTokenizer  # noqa: E402
 
 from model_helpers import NAMES  # noqa: E402
-from test_hf import hf_model  # noqa: E402
 
 PROMPTS = (3, 7, 1, 5)
 NEW = 6

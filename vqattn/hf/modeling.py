@@ -12,8 +12,9 @@ Padding: a batch with an ``attention_mask`` that pads rows on the left or the ri
 different lengths, lm-eval at a batch size above 1) runs as flash-linear-attention's layers run it: the pads are
 removed, the rows run as packed sequences (``cu_seqlens``, :mod:`vqattn.ops.varlen`), and the outputs are padded
 back: left pads get zero logits, right pads repeat their row's last real logits (generate reads every row's next
-token from the last column, so right-padded prompts generate correctly too). Each row then is exactly the row alone: positions start at its first real token. The
-cache then holds one state per row. A mask with a hole inside a row, or a row without tokens, is a ValueError.
+token from the last column, so right-padded prompts generate correctly too). Each row then is exactly the row
+alone: positions start at its first real token. The cache then holds one state per row. A mask with a hole inside
+a row, or a row without tokens, is a ValueError.
 """
 
 from __future__ import annotations

@@ -192,7 +192,7 @@ class Attention(nn.Module):
             bounds = check_cu_seqlens(cu_seqlens, batch=x.shape[0], length=x.shape[1])
             if state is not None or return_state:
                 return self._per_sequence(x, bounds, state, return_state)
-            positions = token_positions(cu_seqlens)
+            positions = token_positions(bounds, device=x.device)
         if state is not None and not isinstance(state, AttentionState):
             raise ValueError(f"state must be an AttentionState or None, got {type(state).__name__}")
         b, t, c = x.shape

@@ -60,16 +60,19 @@ def cu_seqlens_from_starts(starts: torch.Tensor) -> torch.Tensor:
     return bounds.to(torch.int32)
 
 
-def positions(cu_seqlens: torch.Tensor, offsets: Sequence[int] | None = None) -> torch.Tensor:
+def positions(cu_seqlens: torch.Tensor | Sequence[int], offsets: Sequence[int] | None = None,
+              device: torch.device | None = None) -> torch.Tensor:
     """(T,) long: each token's position in its own sequence (plus ``offsets[i]`` for sequence i, the length a
-    state already holds), the per-token positions of RoPE in a packed call."""
-    bounds = cu_seqlens.long()
-    lengths = bounds[1:] - bounds[:-1]
-    starts = torch.repeat_interleave(bounds[:-1], lengths)
-    pos = torch.arange(int(bounds[-1]), device=cu_seqlens.device) - starts
-    if offsets is not None:
-        pos = pos + torch.repeat_interleave(torch.as_tensor(list(offsets), device=pos.device), lengths)
-    return pos
+    state already holds), the per-token positions of RoPE in a packed call. ``cu_seqlens`` may be the boundaries
+    as Python ints (what :func:`check_cu_seqlens` returns: no host read of a device tensor)."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        device = cu_seqlens.device if device is None else device
+        cu_seqlens = cu_seqlens.tolist()
+    starts = [a - (0 if offsets is None else offsets[i]) for i, a in enumerate(cu_seqlens[:-1])]
+    lengths = [b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])]
+    first = torch.repeat_interleave(torch.tensor(starts, device=device), torch.tensor(lengths, device=device),
+                                    output_size=cu_seqlens[-1])
+    return torch.arange(cu_seqlens[-1], device=device) - first
 
 
 def _time_map(x, fn):
@@ -103,16 +106,15 @@ def _per_sequence(call, per_token: dict, bounds: list[int], state, return_state:
 
 
 def _padded_batch(call, per_token: dict, bounds: list[int]):
-    total = bounds[-1]
-    b = torch.tensor(bounds, device=next(x for x in per_token.values() if isinstance(x, torch.Tensor)).device)
-    lengths = b[1:] - b[:-1]
-    width = int(lengths.max())
-    slot = torch.arange(width, device=b.device)
-    index = torch.where(slot < lengths[:, None], b[:-1, None] + slot, total)  # (N, L_max), T = the zero pad
+    device = next(x for x in per_token.values() if isinstance(x, torch.Tensor)).device
+    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+    width, total = max(lengths), bounds[-1]
+    slot = torch.arange(width, device=device)
+    start, length = (torch.tensor(x, device=device)[:, None] for x in (bounds[:-1], lengths))
+    index = torch.where(slot < length, start + slot, total)  # (N, L_max) into T; T is the zero pad
     out = call(**{name: _time_map(x, lambda t: _padded(t, index)) for name, x in per_token.items()},
                state=None, return_state=False)  # (N, H, L_max, Dv)
-    seq = torch.repeat_interleave(torch.arange(len(lengths), device=b.device), lengths)
-    flat = seq * width + torch.arange(total, device=b.device) - b[:-1][seq]
+    flat = (slot + torch.arange(len(lengths), device=device)[:, None] * width)[slot < length]  # real slots, in order
     return out.movedim(0, 1).flatten(1, 2)[:, flat].unsqueeze(0)  # (1, H, T, Dv)
 
 
