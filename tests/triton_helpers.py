@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vqattn.ops.triton import INTERPRET, triton
+from vqattn.ops.devices import INTERPRET, triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(triton is None or (DEVICE == "cpu" and not INTERPRET),

@@ -12,8 +12,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from vqattn.layers import build_attention
 from vqattn.ops.common.layout import memory_order
 from vqattn.ops.common.statistics import map_time
+from vqattn.ops.devices import triton
 from vqattn.ops.triton import block_caches as block_caches_module
-from vqattn.ops.triton import triton, vq_causal
+from vqattn.ops.triton import vq_causal
 from vqattn.ops.triton.block_caches import block_caches
 from vqattn.ops.triton.finite import nonfinite_rows
 from vqattn.ops.triton.nearest import code_residuals, nearest_codes

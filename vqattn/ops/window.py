@@ -36,9 +36,9 @@ from .blocks import (
 from .checks import check_choice, check_positive_int, check_qkv, compute_dtype, size_min
 from .common.forms import IMPLS, decoding, form_of, pick_form
 from .common.window_code_blocks import WindowCodeInputs, window_code_attention
+from .devices import require_triton
 from .nonfinite import may_be_nonfinite, nonfinite_keys, window_poison, zero_rows
 from .precision import autocast_off
-from .triton import require_triton
 from .triton.decode import fused_decode_step, needs_grad
 from .triton.window_codes import fused_window_code_attention, unsupported
 from .varlen import varlen

@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from ..blocks import RECURRENT_MAX_LEN
-from ..triton import triton_device
+from ..devices import triton_device
 
 # ``impl``: the values every causal op takes (linear attention: all but triton)
 IMPLS = ("auto", "chunk", "recurrent", "naive", "triton")

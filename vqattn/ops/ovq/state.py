@@ -13,7 +13,7 @@ from ..blocks import Schedule, as_schedule, resolve_block_len
 from ..checks import check_4d, check_positive_int, check_qkv, check_same_device_dtype, compute_dtype
 from ..common.memory_cap import check_memory_cap
 from ..common.memory_decay import block_factor, check_memory_decay
-from ..triton import require_triton
+from ..devices import require_triton
 from ..triton.window_codes import unsupported
 
 

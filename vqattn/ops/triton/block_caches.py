@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 
 from ..common.layout import empty_like_order
-from . import triton
+from ..devices import triton
 from .utils import dot_dtype, register_width, three_programs_per_sm, unit_last
 from .window_codes import WindowCodes
 

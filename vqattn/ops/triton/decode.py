@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from . import triton
+from ..devices import triton
 from .utils import CODE_TILE, dot_dtype, register_width, row_strides, sum_dot, unit_last
 
 if triton is not None:  # the kernel's helpers exist only where Triton does: the op library needs torch alone

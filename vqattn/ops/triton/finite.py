@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import triton
+from ..devices import triton
 from .utils import MAX_DIM, SUPPORTED_DTYPES, register_width, unit_last
 
 if triton is not None:

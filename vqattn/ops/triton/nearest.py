@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..common.layout import empty_like_order
-from . import triton
+from ..devices import triton
 from .utils import MAX_DIM, SUPPORTED_DTYPES, code_parts, float32_products, register_width, unit_last
 
 if triton is not None:

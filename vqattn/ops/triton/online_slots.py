@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from . import triton
+from ..devices import triton
 from .utils import float32_products, register_width, row_strides, unit_last
 
 if triton is not None:

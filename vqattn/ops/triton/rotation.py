@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..common.layout import empty_in_order
-from . import triton
+from ..devices import triton
 from .utils import MAX_DIM, SUPPORTED_DTYPES, register_width
 
 if triton is not None:

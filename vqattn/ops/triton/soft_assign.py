@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..common.layout import empty_like_order
-from . import triton
+from ..devices import triton
 from .nearest import ASSIGN_KEYS, ASSIGN_LAUNCH
 from .utils import float32_products, register_width, unit_last
 

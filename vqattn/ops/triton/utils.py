@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import INTERPRET, float32_tensor_cores, triton
+from ..devices import INTERPRET, triton
+from . import float32_tensor_cores
 
 if triton is not None:
     import triton.language as tl

@@ -29,7 +29,7 @@ import dataclasses
 import torch
 
 from ..common.layout import empty_like_order
-from . import triton
+from ..devices import triton
 from .utils import (
     CODE_TILE,
     MAX_DIM,

@@ -15,8 +15,8 @@ from ..common.forms import IMPLS
 from ..common.memory_cap import check_memory_cap
 from ..common.records import replaced
 from ..common.statistics import Assignment, map_time
+from ..devices import require_triton
 from ..nonfinite import may_be_nonfinite, nonfinite_keys, visible_poison, zero_rows
-from ..triton import require_triton
 from ..triton.window_codes import unsupported
 from .assign import ASSIGNMENTS, check_assignment, vq_assign
 

@@ -1,0 +1,38 @@
+"""Where the fused Triton kernels can run: whether Triton imports, whether the interpreter is on, and the predicate
+on a tensor's device that the ops (and :mod:`vqattn.ops.common.forms`' "auto" rule) ask. It imports no kernel, so
+every op package may import it.
+
+Triton is optional: without it (or on a CPU) the ops run their PyTorch forms. ``TRITON_INTERPRET=1`` runs the same
+kernels on CPU tensors under Triton's interpreter, slowly but exactly.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+except ImportError:  # the op library needs torch alone
+    triton = None
+
+# Read when the kernels are defined, as Triton itself reads it: set it before the first import of vqattn.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_device(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels can run on x's device: CUDA with Triton installed, or the CPU under
+    ``TRITON_INTERPRET=1``."""
+    if triton is None:
+        return False
+    return x.device.type == "cuda" or (INTERPRET and x.device.type == "cpu")
+
+
+def require_triton(x: torch.Tensor) -> None:
+    """ValueError naming what ``impl="triton"`` needs, unless the kernels can run on x's device."""
+    if triton is None:
+        raise ValueError("impl='triton' needs the triton package (pip install triton)")
+    if not triton_device(x):
+        raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on a CPU), got a tensor on "
+                         f"{x.device}")
