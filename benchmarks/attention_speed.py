@@ -241,7 +241,7 @@ def main():
                         help="measure every method this many times, interleaved; the ratio is the median of the "
                              "per-round ratios, so a slow spell of a shared machine hits SDPA and vq alike")
     parser.add_argument("--impl", default="auto", choices=["auto", "chunk", "triton"],
-                        help="the form of vq_attention and window_attention (auto: triton on CUDA where it applies)")
+                        help="the impl of vq_attention and window_attention (auto: triton on CUDA where it applies)")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="the inputs' dtype")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=4)

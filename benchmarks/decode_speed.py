@@ -11,7 +11,7 @@ feature-space sums. Ratios are softmax / X from the same run.
 
 The per-token figure is the median over ``--steps`` single-token steps after the prefill (one warm-up step first).
 The last column is ``GPT.generate`` end to end (prefill of a 1024-token prompt plus ``--new-tokens`` tokens).
-``--step-impl`` picks the decoding step's form in the window, vq and ovq layers: "auto" (on CUDA the fused Triton
+``--step-impl`` picks the decoding step's impl in the window, vq and ovq layers: "auto" (on CUDA the fused Triton
 step, one kernel per layer and token) or "recurrent" (the PyTorch step); the prefill runs "auto" either way.
 
     python benchmarks/decode_speed.py --device cuda --lengths 1024 4096 8192 32768 --step-impl recurrent
@@ -54,8 +54,8 @@ def prefill(model: GPT, context: int, device: str, chunk: int = 2048):
 
 
 @contextlib.contextmanager
-def step_form(model: GPT, impl: str):
-    """The attention layers that take an op form (``impl``) run ``impl`` inside (those without keep theirs)."""
+def using_impl(model: GPT, impl: str):
+    """The attention layers that take an op ``impl`` run ``impl`` inside (those without keep theirs)."""
     layers = [m for m in model.modules() if hasattr(m, "impl")]
     before = [m.impl for m in layers]
     for m in layers:
@@ -72,7 +72,7 @@ def ms_per_token(model: GPT, context: int, steps: int, device: str, step_impl: s
     state = prefill(model, context, device)
     token = torch.randint(0, 256, (1, 1), device=device)
     times = []
-    with step_form(model, step_impl):
+    with using_impl(model, step_impl):
         _, state = model.forward_step(token, state)  # warm-up
         for _ in range(steps):
             sync()
@@ -84,7 +84,7 @@ def ms_per_token(model: GPT, context: int, steps: int, device: str, step_impl: s
 
 
 def generate_tokens_per_sec(model: GPT, new_tokens: int, device: str) -> float:
-    """``GPT.generate`` with the layers' own forms (its prefill and steps pick theirs by "auto")."""
+    """``GPT.generate`` with the layers' own impls (its prefill and steps pick theirs by "auto")."""
     prompt = torch.randint(0, 256, (1, 1024), device=device)
     start = time.perf_counter()
     model.generate(prompt, max_new_tokens=new_tokens, temperature=1.0)
@@ -107,7 +107,7 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--step-impl", default="auto", choices=["auto", "recurrent"],
-                        help="the decoding step's form in the window, vq and ovq layers (auto: the fused Triton "
+                        help="the decoding step's impl in the window, vq and ovq layers (auto: the fused Triton "
                              "step on CUDA)")
     add_threads_argument(parser)
     args = parser.parse_args()

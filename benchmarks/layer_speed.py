@@ -90,7 +90,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--num-codes", type=int, default=512, help="codes per head of the vq layers")
     parser.add_argument("--impl", default="auto", choices=["auto", "chunk", "triton"],
-                        help="the op form of the vq, window and ovq layers (auto: triton on CUDA where it applies)")
+                        help="the op impl of the vq, window and ovq layers (auto: triton on CUDA where it applies)")
     parser.add_argument("--tokens", type=int, default=None,
                         help="tokens per step: B = tokens // T (at least 1); default B = 1")
     parser.add_argument("--reps", type=int, default=3)

@@ -26,14 +26,14 @@ def on_kernel_device(fn):
     return run
 
 
-def triton_marked(forms):
-    """The names of ``forms`` as parameters, the form "triton" skipped where its kernels cannot run."""
-    return [pytest.param(f, marks=needs_triton) if f == "triton" else f for f in forms]
+def triton_marked(impls):
+    """The names of ``impls`` as parameters, the impl "triton" skipped where its kernels cannot run."""
+    return [pytest.param(impl, marks=needs_triton) if impl == "triton" else impl for impl in impls]
 
 
-def as_form_runs(op, form: str):
-    """op as ``form`` runs it: the Triton form on DEVICE (:func:`on_kernel_device`), every other form as it is."""
-    return on_kernel_device(op) if form == "triton" else op
+def as_impl_runs(op, impl: str):
+    """op as ``impl`` runs it: the Triton impl on DEVICE (:func:`on_kernel_device`), every other impl as it is."""
+    return on_kernel_device(op) if impl == "triton" else op
 
 
 @pytest.fixture

@@ -258,7 +258,7 @@ def test_recurrent_continues_a_chunked_state(scaled_first):
     torch.testing.assert_close(state.kv, full_state.kv, rtol=1e-10, atol=1e-12)
 
 
-def test_forms_reject_what_they_cannot_do():
+def test_impls_reject_what_they_cannot_do():
     phi_q, phi_k, v = (x.detach() for x in _inputs())
     with pytest.raises(ValueError, match="impl='naive' takes no state"):
         linear_attention(phi_q, phi_k, v, causal=True, impl="naive", return_state=True)

@@ -1,4 +1,4 @@
-"""``memory_cap``: the memory (codes, slots) weighs as if it held at most M keys. Every form against the float64
+"""``memory_cap``: the memory (codes, slots) weighs as if it held at most M keys. Every impl against the float64
 reference (tests/references.py), outputs and gradients, at lengths that are not multiples of the block, and state
 continuation; a cap no query's memory reaches changes nothing (what a model trained at T ≤ M computes)."""
 
@@ -9,11 +9,11 @@ from vqattn.functional import vq_attention
 from vqattn.ops.blocks import Schedule
 
 from references import ref_vq_attention
-from triton_helpers import DEVICE, as_form_runs, triton_marked
+from triton_helpers import DEVICE, as_impl_runs, triton_marked
 
 F64 = torch.float64
 L, CAP = 16, 40  # the bias starts at block 4 (n = 48 > 40 keys before the window)
-FORMS = {
+IMPLS = {
     "naive": dict(impl="naive"),
     "chunk-loop": dict(impl="chunk", schedule=Schedule("loop", 3)),
     "chunk-cumsum": dict(impl="chunk", schedule=Schedule("cumsum", 3)),
@@ -44,15 +44,15 @@ def relative_errors(got, ref):
     return [((a - b).abs().max() / b.abs().max().clamp(min=1)).item() for a, b in zip(got, ref) if a is not None]
 
 
-@pytest.mark.parametrize("form", triton_marked(FORMS))
+@pytest.mark.parametrize("impl", triton_marked(IMPLS))
 @pytest.mark.parametrize("assign,exact_window", CASES)
-def test_every_form_matches_the_reference(form, assign, exact_window):
-    dtype = torch.float32 if form == "triton" else F64
+def test_every_impl_matches_the_reference(impl, assign, exact_window):
+    dtype = torch.float32 if impl == "triton" else F64
     tensors, grad = inputs(dtype=dtype)
     kw = dict(causal=True, assign=assign, block_len=L, exact_window=exact_window, memory_cap=CAP)
     if not exact_window:
         tensors = {**tensors, "q_rot": None, "k_rot": None}
-    got = run(as_form_runs(lambda **t: vq_attention(**t, **kw, **FORMS[form]), form), tensors, grad, exact_window)
+    got = run(as_impl_runs(lambda **t: vq_attention(**t, **kw, **IMPLS[impl]), impl), tensors, grad, exact_window)
     ref = run(lambda **t: ref_vq_attention(**{n: x.double() for n, x in t.items()}, causal=True, assign=assign,
                                            block_len=L, exact_window=exact_window, memory_cap=CAP),
               tensors, grad, exact_window)
@@ -106,7 +106,7 @@ def test_bad_caps_are_one_line_errors(kwargs, message):
         vq_attention(tensors["q"], tensors["k"], tensors["v"], tensors["codebook"], **kw)
 
 
-OVQ_FORMS = {  # ovq_attention's impl; the chunk form's schedules through chunk_ovq_attention
+OVQ_IMPLS = {  # ovq_attention's impl; the chunk impl's schedules through chunk_ovq_attention
     "chunk-loop": dict(schedule=Schedule("loop", 3)),
     "chunk-cumsum": dict(schedule=Schedule("cumsum", 3)),
     "recurrent": dict(impl="recurrent"),
@@ -124,23 +124,23 @@ def ovq_inputs(T=110, *, dtype=F64, given: str = "online"):
                 **extra), grad
 
 
-@pytest.mark.parametrize("form", triton_marked(OVQ_FORMS))
+@pytest.mark.parametrize("impl", triton_marked(OVQ_IMPLS))
 @pytest.mark.parametrize("given", ["online", "weights"])
-def test_every_ovq_form_matches_the_definition(form, given):
+def test_every_ovq_impl_matches_the_definition(impl, given):
     from vqattn.ops.ovq import chunk_ovq_attention, ovq_attention
 
-    dtype = torch.float32 if form == "triton" else F64
+    dtype = torch.float32 if impl == "triton" else F64
     tensors, grad = ovq_inputs(dtype=dtype, given=given)
     kw = dict(num_slots=6, block_len=L, memory_cap=CAP)
 
-    def run_ovq(name, forms):
+    def run_ovq(name, impl_kwargs):
         leaves = {n: x.detach().clone().requires_grad_() for n, x in tensors.items()}
-        op = chunk_ovq_attention if "schedule" in forms else ovq_attention
-        out = as_form_runs(lambda **t: op(**t, **kw, **forms), name)(**leaves)
+        op = chunk_ovq_attention if "schedule" in impl_kwargs else ovq_attention
+        out = as_impl_runs(lambda **t: op(**t, **kw, **impl_kwargs), name)(**leaves)
         out.backward(grad.to(out.dtype))
         return [out.detach().double()] + [leaves[n].grad.double() for n in sorted(leaves)]
 
-    got, ref = run_ovq(form, OVQ_FORMS[form]), run_ovq("naive", dict(impl="naive"))
+    got, ref = run_ovq(impl, OVQ_IMPLS[impl]), run_ovq("naive", dict(impl="naive"))
     uncapped = ovq_attention(**tensors, num_slots=6, block_len=L, impl="naive")
     assert (ref[0] - uncapped.double()).abs().max() > 1e-3  # the cap is active at this length
     assert max(relative_errors(got, ref)) < (1e-4 if dtype == torch.float32 else 1e-10)

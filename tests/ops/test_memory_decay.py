@@ -1,9 +1,9 @@
 """``memory_decay`` γ: each block of L keys keeps γ^L of its weight in ovq's memory for every block that joins
 it later.
 
-The definition (the naive form) against a direct float64 sum over blocks written here; every other form against the
+The definition (the naive impl) against a direct float64 sum over blocks written here; every other impl against the
 definition, outputs and every input's gradient, with online slots, given slot weights, a memory cap, lengths that
-are not multiples of the block, and a γ strong enough that the block forms run a long call in spans; chunked calls
+are not multiples of the block, and a γ strong enough that the block impls run a long call in spans; chunked calls
 continuing the state; the online assignment's kernel; bad values."""
 
 import math
@@ -17,13 +17,13 @@ from vqattn.ops.ovq import chunk_ovq_attention, ovq_attention
 from vqattn.ops.ovq.memory import online_slots
 from vqattn.ops.ovq.naive import naive_online_slots
 
-from triton_helpers import DEVICE, as_form_runs, needs_triton, triton_marked
+from triton_helpers import DEVICE, as_impl_runs, needs_triton, triton_marked
 
 F64 = torch.float64
 B, H, D, S, L, CAP = 1, 2, 16, 6, 16, 40
 SLOW = 0.98  # g = γ^L ≈ 0.72 per block
-FAST = math.exp(-5 / L)  # g = e^−5: a pass of the block forms spans 6 blocks (4 new ones), so T = 100 runs in two
-FORMS = {
+FAST = math.exp(-5 / L)  # g = e^−5: a pass of the block impls spans 6 blocks (4 new ones), so T = 100 runs in two
+IMPLS = {
     "chunk-loop": dict(schedule=Schedule("loop", 3)),
     "chunk-cumsum": dict(schedule=Schedule("cumsum", 3)),
     "recurrent": dict(impl="recurrent"),
@@ -81,17 +81,17 @@ def test_the_definition_is_the_decayed_sum(gamma):
     torch.testing.assert_close(got, direct_decayed(q, k, v, slots, gamma, CAP), rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("form", triton_marked(FORMS))
+@pytest.mark.parametrize("impl", triton_marked(IMPLS))
 @pytest.mark.parametrize("given", ["online", "weights"])
 @pytest.mark.parametrize("gamma", [SLOW, FAST])
-def test_every_form_matches_the_definition(form, given, gamma):
-    """T = 100 (not a multiple of L; with FAST, the block forms run it in two spans)."""
-    dtype = torch.float32 if form == "triton" else F64
+def test_every_impl_matches_the_definition(impl, given, gamma):
+    """T = 100 (not a multiple of L; with FAST, the block impls run it in two spans)."""
+    dtype = torch.float32 if impl == "triton" else F64
     tensors, grad = inputs(100, given=given, dtype=dtype)
     kw = dict(num_slots=S, block_len=L, memory_cap=CAP, memory_decay=gamma,
               threshold=None if given == "weights" else 1.1)
-    op = chunk_ovq_attention if "schedule" in FORMS[form] else ovq_attention
-    got = outputs_and_grads(as_form_runs(lambda **t: op(**t, **kw, **FORMS[form]), form), tensors, grad)
+    op = chunk_ovq_attention if "schedule" in IMPLS[impl] else ovq_attention
+    got = outputs_and_grads(as_impl_runs(lambda **t: op(**t, **kw, **IMPLS[impl]), impl), tensors, grad)
     ref = outputs_and_grads(lambda **t: ovq_attention(**{n: x.double() for n, x in t.items()}, **kw, impl="naive"),
                             tensors, grad)
     forgetless = ovq_attention(**{n: x.double() for n, x in tensors.items()}, **{**kw, "memory_decay": None},
@@ -102,7 +102,7 @@ def test_every_form_matches_the_definition(form, given, gamma):
 
 
 def test_fast_forgetting_splits_long_calls():
-    """The premise of the FAST cases: T = 100 exceeds one pass of the block forms (T = 150 two)."""
+    """The premise of the FAST cases: T = 100 exceeds one pass of the block impls (T = 150 two)."""
     assert (span_blocks(FAST**L) - 2) * L < 100 <= 2 * (span_blocks(FAST**L) - 2) * L
     assert span_blocks(SLOW**L) * L > 150
 
@@ -131,7 +131,7 @@ def test_gamma_one_forgets_nothing():
 
 @pytest.mark.parametrize("gamma", [SLOW, FAST])
 def test_online_slots_forget(gamma):
-    """The chunk form's assignment and, on the kernel, the Triton one choose the definition's slots with
+    """The chunk impl's assignment and, on the kernel, the Triton one choose the definition's slots with
     forgetting (threshold 1.1: keys join slots, whose moving-average means differ from the plain ones)."""
     keys = torch.randn(B, H, 150, D, dtype=F64, generator=torch.Generator().manual_seed(3))
     counts, sums = torch.zeros(B, H, 48), torch.zeros(B, H, 48, D)
@@ -176,7 +176,7 @@ def _memory_with_a_closed_slot():
 
 def test_a_forgotten_slot_stays_closed():
     """Slots open in order after the last opened one, never in a slot that forgetting closed (the definition, the
-    chunk form's assignment, and the kernel): the first novel key opens slot 3."""
+    chunk impl's assignment, and the kernel): the first novel key opens slot 3."""
     from vqattn.ops.ovq.memory import assign_block
     from vqattn.ops.ovq.naive import _assign_online
 

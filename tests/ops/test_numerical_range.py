@@ -1,4 +1,4 @@
-"""Codebook attention at large logit magnitudes: every form against a float64 reference over a grid of input scales.
+"""Codebook attention at large logit magnitudes: every impl against a float64 reference over a grid of input scales.
 
 Queries, keys, codes and values are drawn N(0, 1) and q, k and the codes multiplied by a scale s. The code logits
 σ q·c then spread over ~s²·√D nats and a soft key's log-posterior log Δ over ~s²·D, so at s = 12 (D = 16) a pair's
@@ -21,8 +21,8 @@ from triton_helpers import needs_triton, on_kernel_device
 
 F64 = torch.float64
 WINDOWS = {"mixture": False, "exact": True}  # soft keys' window read through the codes, or the raw keys
-VQ_FORMS = {
-    "naive": dict(form=naive_vq_attention),
+VQ_IMPLS = {
+    "naive": dict(op=naive_vq_attention),
     "chunk-loop": dict(impl="chunk", schedule=Schedule("loop", 3)),
     "chunk-cumsum": dict(impl="chunk", schedule=Schedule("cumsum", 3)),
     "recurrent": dict(impl="recurrent"),
@@ -58,9 +58,9 @@ def max_errors(got, ref, floor: float = 1.0) -> list[float]:
     return errors
 
 
-def vq_call(form: str, assign: str, window: str, block_len: int):
-    kwargs = dict(VQ_FORMS[form])
-    op = kwargs.pop("form", vq_attention)
+def vq_call(impl: str, assign: str, window: str, block_len: int):
+    kwargs = dict(VQ_IMPLS[impl])
+    op = kwargs.pop("op", vq_attention)
     return lambda q, k, v, c: op(q, k, v, c, causal=True, assign=assign, exact_window=WINDOWS[window],
                                  block_len=block_len, **kwargs)
 
@@ -68,22 +68,22 @@ def vq_call(form: str, assign: str, window: str, block_len: int):
 @pytest.mark.parametrize("scale", [1, 4, 8, 12])
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("assign", ["hard", "soft"])
-@pytest.mark.parametrize("form", ["naive", "chunk-loop", "chunk-cumsum", "recurrent"])
-def test_vq_forms_match_the_reference_to_1e9_at_any_scale(form, assign, window, scale):
+@pytest.mark.parametrize("impl", ["naive", "chunk-loop", "chunk-cumsum", "recurrent"])
+def test_vq_impls_match_the_reference_to_1e9_at_any_scale(impl, assign, window, scale):
     """T = 100 in blocks of 16 (7 blocks, the last partial; groups of 3 blocks carry their caches), float64."""
     inputs, grad = scaled_inputs(scale)
     ref = outputs_and_grads(lambda q, k, v, c: ref_vq_attention(q, k, v, c, causal=True, assign=assign,
                                                                  exact_window=WINDOWS[window], block_len=16),
                             inputs, grad)
-    got = outputs_and_grads(vq_call(form, assign, window, 16), inputs, grad)
+    got = outputs_and_grads(vq_call(impl, assign, window, 16), inputs, grad)
     assert max(max_errors(got, ref)) < 1e-9
 
 
 @pytest.mark.parametrize("scale", [1, 4, 8, 12])
 @pytest.mark.parametrize("assignment", ["online", "slots", "slot_weights"])
-def test_ovq_forms_match_naive_to_1e9_at_any_scale(assignment, scale):
+def test_ovq_impls_match_naive_to_1e9_at_any_scale(assignment, scale):
     """Online slots, given slots and given soft slot weights, whose logs spread over ~4·s·3 nats: down to about
-    e^{−300}, not into float64's subnormals, where no form can resolve the gradient 1/n of a slot's mean."""
+    e^{−300}, not into float64's subnormals, where no impl can resolve the gradient 1/n of a slot's mean."""
     (q, k, v, _), grad = scaled_inputs(scale, T=100, D=16)
     S = 8
     g = torch.Generator().manual_seed(1)
@@ -106,12 +106,12 @@ def test_ovq_forms_match_naive_to_1e9_at_any_scale(assignment, scale):
 @pytest.mark.parametrize("scale", [1, 2, 3])
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("assign", ["hard", "soft"])
-@pytest.mark.parametrize("form", ["chunk-loop", "chunk-cumsum", "recurrent"])
-def test_vq_float32_matches_float64_at_the_width_users_train(form, assign, window, scale):
+@pytest.mark.parametrize("impl", ["chunk-loop", "chunk-cumsum", "recurrent"])
+def test_vq_float32_matches_float64_at_the_width_users_train(impl, assign, window, scale):
     """D = S = L = 64 as the layers' defaults, T = 200 (4 blocks, the last partial). Stated tolerances, relative to
     each tensor's largest entry: 1e-4 for the outputs, 1e-3 for the gradients (measured: under 2e-5 for all)."""
     inputs, grad = scaled_inputs(scale, T=200, D=64, S=64)
-    call = vq_call(form, assign, window, 64)
+    call = vq_call(impl, assign, window, 64)
     ref = outputs_and_grads(call, inputs, grad)
     out_error, *grad_errors = max_errors(outputs_and_grads(call, [x.float() for x in inputs], grad), ref, 0.0)
     assert out_error < 1e-4 and max(grad_errors) < 1e-3

@@ -46,15 +46,15 @@ def test_op_takes_the_contract_keywords(name):
 
 
 @pytest.mark.parametrize("name", OPS)
-def test_forms_agree_and_return_the_same_convention(name):
+def test_impls_agree_and_return_the_same_convention(name):
     """T = 37 in blocks of 8, float64: the chunk, recurrent and naive forms and every impl of the op agree;
     return_state gives (out, state) and the state continues the sequence."""
     op, chunk, recurrent, naive, inputs = OPS[name]
     args, kwargs = inputs(*_qkv())
     kwargs = dict(kwargs, block_len=8)
     ref = naive(*args, **kwargs)
-    for form in (chunk, recurrent):
-        torch.testing.assert_close(form(*args, **kwargs), ref, rtol=1e-10, atol=1e-12)
+    for fixed in (chunk, recurrent):
+        torch.testing.assert_close(fixed(*args, **kwargs), ref, rtol=1e-10, atol=1e-12)
     for impl in ("auto", "chunk", "recurrent", "naive"):
         torch.testing.assert_close(op(*args, impl=impl, **kwargs), ref, rtol=1e-10, atol=1e-12)
     head = [x[:, :, :30] if x.dim() == 4 and x.shape[2] == 37 else x for x in args]
@@ -65,7 +65,7 @@ def test_forms_agree_and_return_the_same_convention(name):
 
 
 @pytest.mark.parametrize("name", OPS)
-def test_forms_fix_their_form(name):
+def test_fixed_impls_take_no_impl(name):
     _, chunk, _, _, inputs = OPS[name]
     args, kwargs = inputs(*_qkv(T=5))
     with pytest.raises(TypeError, match="impl"):

@@ -55,7 +55,7 @@ def test_window_attention_compiles_and_matches_eager():
 
 @pytest.mark.slow
 @needs_triton
-def test_triton_forms_compile_around_their_kernels():
+def test_triton_impls_compile_around_their_kernels():
     """impl="triton" under torch.compile: every kernel launch is a graph break (dynamo does not trace into the
     kernels' autograd functions), and the compiled call matches eager (soft: the cache walk's gradients reach the
     weights and the codebook too)."""

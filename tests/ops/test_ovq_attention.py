@@ -161,8 +161,8 @@ def test_keys_get_gradients_through_the_memory():
 def test_is_softmax_while_the_memory_is_empty(T, mode):
     tensors, fixed = make_inputs(T, mode)
     ref = ref_softmax_attention(tensors["q"], tensors["k"], tensors["v"], causal=True)
-    for form in (chunk_ovq_attention, recurrent_ovq_attention, naive_ovq_attention):
-        torch.testing.assert_close(form(**tensors, **fixed), ref, atol=1e-12, rtol=0)
+    for op in (chunk_ovq_attention, recurrent_ovq_attention, naive_ovq_attention):
+        torch.testing.assert_close(op(**tensors, **fixed), ref, atol=1e-12, rtol=0)
 
 
 def _random_memory(occupied, seed):
@@ -209,8 +209,8 @@ def test_growth_edge_cases():
     assert got == [S - 1, S - 1]
 
 
-@pytest.mark.parametrize("form", [chunk_ovq_attention, recurrent_ovq_attention, naive_ovq_attention])
-def test_empty_slots_give_no_nan(form):
+@pytest.mark.parametrize("op", [chunk_ovq_attention, recurrent_ovq_attention, naive_ovq_attention])
+def test_empty_slots_give_no_nan(op):
     """Many more slots than keys (online and given): outputs and gradients are finite."""
     for mode in ("online", "slots", "weights"):
         tensors, fixed = make_inputs(3 * L + 2, mode)
@@ -221,7 +221,7 @@ def test_empty_slots_give_no_nan(form):
             w = torch.zeros(B, H, 3 * L + 2, 40, dtype=F64)
             w[..., 5] = 0.5
             tensors["slot_weights"] = w
-        out, grads = outputs_and_grads(form, tensors, fixed)
+        out, grads = outputs_and_grads(op, tensors, fixed)
         assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads.values())
 
 

@@ -39,7 +39,7 @@ def test_window_attention(T):
 
 # (assign, window): the straight-through hard window, the raw-key window, and the raw window of RoPE's own
 # queries and keys with the codes scored on fewer dims (as the layers call it)
-FORMS = [("hard", "codes"), ("hard", "exact"), ("soft", "exact"), ("hard", "rotated"), ("soft", "rotated")]
+ASSIGN_WINDOWS = [("hard", "codes"), ("hard", "exact"), ("soft", "exact"), ("hard", "rotated"), ("soft", "rotated")]
 
 
 def vq_inputs(assign, window, T, scale=1.0, generator=None):
@@ -64,7 +64,7 @@ def vq_call(attention, assign, window, impl=None, **kwargs):
     return call
 
 
-@pytest.mark.parametrize("assign,window", FORMS)
+@pytest.mark.parametrize("assign,window", ASSIGN_WINDOWS)
 @pytest.mark.parametrize("T", [1, 40, 100])
 def test_vq_attention(assign, window, T):
     compare(vq_call(naive_vq_attention, assign, window), vq_call(vq_attention, assign, window, "triton"),
@@ -94,7 +94,7 @@ def test_vq_attention_with_split_walks(assign, window, segment_steps, walk, monk
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("assign,window", FORMS)
+@pytest.mark.parametrize("assign,window", ASSIGN_WINDOWS)
 def test_vq_attention_large_logits_and_empty_codes(assign, window):
     """Inputs at 4× the scale (logits in the tens) and half the codes far from every key: those never hold a key
     (empty caches, log 0 = −inf) yet their logits are the largest."""
@@ -638,7 +638,7 @@ def test_unsupported_calls_say_why():
             window_attention(q.double(), k.double(), v.double(), impl="triton")
 
 
-def test_auto_keeps_the_pytorch_forms_on_a_cpu():
+def test_auto_keeps_the_pytorch_impls_on_a_cpu():
     """impl="auto" runs the Triton kernel only on CUDA: on a CPU, under the interpreter too, it is the chunk form
     (same result to the bit)."""
     q, k, v, c = (x.detach() for x in vq_inputs("hard", "exact", 50))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vqattn.ops.common.forms import pick_form
+from vqattn.ops.common.impls import pick_impl
 from vqattn.ops.ovq import naive_ovq_attention, ovq_attention
 from vqattn.ops.ovq.memory import online_slots
 from vqattn.ops.ovq.naive import naive_online_slots
@@ -122,7 +122,7 @@ def test_unsupported_calls_say_why():
             ovq_attention(q.double(), k.double(), v.double(), num_slots=S, block_len=L, impl="triton")
 
 
-def test_auto_keeps_the_chunk_form_on_a_cpu():
+def test_auto_keeps_the_chunk_impl_on_a_cpu():
     """impl="auto" runs the Triton kernels only on CUDA: on a CPU, under the interpreter too, it is the chunk form
     (same result to the bit)."""
     q, k, v = (x.detach().float() for x in ovq_inputs("online", 40))
@@ -184,4 +184,4 @@ def test_fused_decoding_step_is_forward_only():
     grads = torch.autograd.grad(out.sum(), (q, k, v))
     assert all(torch.isfinite(g).all() for g in grads) and grads[2][:, :, 19:].abs().sum() > 0
     with torch.no_grad():
-        assert pick_form("auto", q[:, :, 19:].cpu(), state=state, fused_unsupported=lambda: None) == "recurrent"
+        assert pick_impl("auto", q[:, :, 19:].cpu(), state=state, fused_unsupported=lambda: None) == "recurrent"

@@ -211,7 +211,7 @@ def test_helpers():
 
 @needs_triton
 @pytest.mark.parametrize("name", ["vq_hard_rotated", "vq_soft_exact_cap", "window", "ovq"])
-def test_triton_form(name):
+def test_triton_impl(name):
     """The fused kernels run the padded batch, in float32 against the float64 definitions called one sequence at
     a time (relative RMS, as the other Triton tests)."""
     lengths = [5, 21, 1, 34]

@@ -73,7 +73,7 @@ class OnlineVQAttention(Attention):
         unrotated) rotate by min(position, P) (:func:`~vqattn.modules.rope.rope_rotate_clamped`): up to P nothing
         changes, and past P no memory score meets a slow-pair angle that positions up to P did not produce (it
         reads past the training length worse than no clamp: docs/evaluation.md); None: no clamp;
-        ``impl``: the op's form (``ovq_attention``'s: "auto" runs the Triton kernels on CUDA where they apply);
+        ``impl``: the op's impl (``ovq_attention``'s: "auto" runs the Triton kernels on CUDA where they apply);
         ``attention_kwargs`` go to :class:`Attention`."""
         super().__init__(dim, num_heads, **attention_kwargs)
         check_positive_int("num_slots", num_slots)

@@ -73,7 +73,7 @@ class WindowAttention(Attention):
 
     def __init__(self, dim: int, num_heads: int, *, block_len: int = DEFAULT_BLOCK_LEN, impl: str = "auto",
                  **attention_kwargs):
-        """``impl``: the op's form (``window_attention``'s: "auto" runs the Triton kernel on CUDA)."""
+        """``impl``: the op's impl (``window_attention``'s: "auto" runs the Triton kernel on CUDA)."""
         super().__init__(dim, num_heads, **attention_kwargs)
         check_positive_int("block_len", block_len)
         check_choice("impl", impl, WINDOW_IMPLS)

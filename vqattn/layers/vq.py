@@ -62,7 +62,7 @@ class VQAttention(Attention):
         window does and trains better (docs/evaluation.md); None: no bound. The soft mixture window
         (``exact_window=False``) reads the previous block through the codes, so it takes no bound ("window" gives
         None there);
-        ``impl``: the op's form (``vq_attention``'s: "auto" runs the Triton kernel on CUDA where it applies);
+        ``impl``: the op's impl (``vq_attention``'s: "auto" runs the Triton kernel on CUDA where it applies);
         ``attention_kwargs`` go to :class:`Attention`."""
         super().__init__(dim, num_heads, **attention_kwargs)
         if self.rope and not exact_window:

@@ -216,7 +216,7 @@ def prepend_window(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torc
 
 def attend_one(window_logits, window_values, code_logits=None, means=None) -> torch.Tensor:
     """One query's softmax over its window keys (B, H, 1, W) and, if given, the codes (B, H, 1, S): the
-    recurrent (decoding) form of a block's attention."""
+    recurrent (decoding) impl of a block's attention."""
     if code_logits is None:
         return torch.softmax(window_logits, -1) @ window_values
     probs = torch.softmax(torch.cat([window_logits, code_logits], -1), -1)

@@ -1,8 +1,8 @@
 """Where the fused Triton kernels can run: whether Triton imports, whether the interpreter is on, and the predicate
-on a tensor's device that the ops (and :mod:`vqattn.ops.common.forms`' "auto" rule) ask. It imports no kernel, so
+on a tensor's device that the ops (and :mod:`vqattn.ops.common.impls`' "auto" rule) ask. It imports no kernel, so
 every op package may import it.
 
-Triton is optional: without it (or on a CPU) the ops run their PyTorch forms. ``TRITON_INTERPRET=1`` runs the same
+Triton is optional: without it (or on a CPU) the ops run their PyTorch impls. ``TRITON_INTERPRET=1`` runs the same
 kernels on CPU tensors under Triton's interpreter, slowly but exactly.
 """
 

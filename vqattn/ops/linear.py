@@ -5,7 +5,7 @@ With features φ: (B, H, T, D) -> (B, H, T, M) the attention weights are κ_ts =
     out_t = Σ_s κ_ts v_s / n_t = φ(q_t)ᵀ (Σ_s φ(k_s) v_sᵀ) / n_t,
 
 so the T×T matrix is never formed: the key side collapses to an (M × Dv) matrix plus an (M) vector.
-The causal form is the chunked ("chunk form" of flash-linear-attention) evaluation: inside a chunk of C
+The causal chunk impl is the chunked (flash-linear-attention's "chunk" mode) evaluation: inside a chunk of C
 positions the masked C×C weights are used directly, across chunks an (M × Dv) prefix state carries the past.
 Cost O(T·M·Dv + T·C·(M + Dv)); memory holds one (M × Dv) state per chunk, never one per position.
 """
@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from .blocks import resolve_block_len
 from .checks import check_4d, check_choice, check_positive_int, check_qkv, check_same_device_dtype, compute_dtype
-from .common.forms import IMPLS as OP_IMPLS
-from .common.forms import form_of, pick_form
+from .common.impls import IMPLS as OP_IMPLS
+from .common.impls import pick_impl, with_impl
 from .precision import autocast_off
 from .varlen import varlen
 
@@ -111,24 +111,24 @@ def linear_attention(
     state stays float32. Under ``torch.autocast`` the op still computes in float32 (autocast is disabled
     inside) and returns v's dtype.
 
-    impl: "chunk" (the block form above; non-causal: the two products), "recurrent" (causal, token by token
+    impl: "chunk" (the chunked evaluation above; non-causal: the two products), "recurrent" (causal, token by token
     from ``state``: decoding), "naive" (:func:`naive_linear_attention`, the (Tq, Tk) weights spelled out: for
     checking, no state), or "auto": recurrent for a ``state`` and at most ``RECURRENT_MAX_LEN`` new tokens,
-    chunk otherwise (:func:`~vqattn.ops.common.forms.pick_form`). All give the same result to rounding.
+    chunk otherwise (:func:`~vqattn.ops.common.impls.pick_impl`). All give the same result to rounding.
     """
     phi_q, phi_k, v, k_log_scale, out_dtype = _checked_inputs(
         phi_q, phi_k, v, k_log_scale, causal=causal, eps=eps, normalizer=normalizer, block_len=block_len,
         state=state, return_state=return_state, impl=impl,
     )
-    form = pick_form(impl, phi_q, state=state, fused_unsupported=None)
-    if form == "naive":
+    impl = pick_impl(impl, phi_q, state=state, fused_unsupported=None)
+    if impl == "naive":
         out = naive_linear_attention(phi_q, phi_k, v, causal=causal, k_log_scale=k_log_scale, eps=eps,
                                      normalizer=normalizer)
         return out.to(out_dtype)
     if not causal:
         out = _noncausal(phi_q, phi_k, v, k_log_scale, normalizer, eps)
         return out.to(out_dtype)
-    if form == "recurrent":
+    if impl == "recurrent":
         out, new_state = _recurrent(phi_q, phi_k, v, k_log_scale, state, normalizer, eps)
     else:
         out, new_state = _causal(phi_q, phi_k, v, k_log_scale, state, resolve_block_len(block_len), normalizer,
@@ -141,7 +141,7 @@ def naive_linear_attention(phi_q, phi_k, v, *, causal: bool, k_log_scale=None, e
     """The definition: the weights κ_ts = φ(q_t)·φ(k_s)·e^{k_log_scale_s} (Tq, Tk) spelled out, masked to s ≤ t
     when causal, out_t = Σ_s κ_ts v_s / n_t (``normalizer`` as :func:`linear_attention`). The log scales enter
     relative to their max (detached), which the kernel normaliser cancels and the others multiply back.
-    ``block_len`` is the chunk form's and never changes the result: taken so that every form has the op's
+    ``block_len`` is the chunk impl's and never changes the result: taken so that every impl has the op's
     arguments.
     phi_q: (B, H, Tq, M), phi_k: (B, H, Tk, M), v: (B, H, Tk, Dv) -> (B, H, Tq, Dv)."""
     Tq, Tk = phi_q.shape[2], phi_k.shape[2]
@@ -161,7 +161,7 @@ def naive_linear_attention(phi_q, phi_k, v, *, causal: bool, k_log_scale=None, e
 
 
 def _recurrent(phi_q, phi_k, v, ls, state, normalizer, eps):
-    """Token by token from ``state`` (the recurrence the chunk form evaluates a block at a time): with the sums'
+    """Token by token from ``state`` (the recurrence the chunk impl evaluates a block at a time): with the sums'
     reference r ← max(r, ls_t), kv ← e^{r_old − r} kv + e^{ls_t − r} φ(k_t) v_tᵀ, k_sum likewise, and query t reads
     φ(q_t)·kv / n_t. Returns (out (B, H, T, Dv), the LinearState after the last token)."""
     B, H, T, M = phi_k.shape
@@ -232,7 +232,7 @@ def _noncausal(phi_q, phi_k, v, ls, normalizer, eps):
 
 
 def _causal(phi_q, phi_k, v, ls, state, C, normalizer, eps):
-    """Chunked causal form; see ``linear_attention``. Returns (out in the compute dtype, new LinearState)."""
+    """The causal chunk impl; see ``linear_attention``. Returns (out in the compute dtype, new LinearState)."""
     B, H, T, M = phi_k.shape
     Dv, dt = v.shape[-1], v.dtype
     scaled = ls is not None or (state is not None and state.log_scale is not None)
@@ -355,8 +355,8 @@ def _check_state(state: LinearState, phi_k: torch.Tensor, v: torch.Tensor) -> No
         raise ValueError(f"state.log_scale must have shape (B, H) = {(B, H)}, got {tuple(state.log_scale.shape)}")
 
 
-chunk_linear_attention = form_of(linear_attention, "chunk")
-recurrent_linear_attention = form_of(linear_attention, "recurrent")
+chunk_linear_attention = with_impl(linear_attention, "chunk")
+recurrent_linear_attention = with_impl(linear_attention, "recurrent")
 
 __all__ = ["LinearState", "linear_attention", "chunk_linear_attention", "recurrent_linear_attention",
            "naive_linear_attention", "NORMALIZERS", "IMPLS"]

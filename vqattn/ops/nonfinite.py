@@ -14,7 +14,7 @@ output the poison
 which is 0, or NaN once a non-finite key is visible. A state carries it in its counts, so decoding after such a key
 stays NaN. A given soft assignment's weights of a bad key are NaN too; they are zeroed where a kernel reads them for
 queries that cannot see the key: the soft mixture's window (group by group, never a copy of the whole (T, S)
-weights, the op's largest input) and the recurrent and non-causal forms. Elsewhere they only enter the cache,
+weights, the op's largest input) and the recurrent and non-causal impls. Elsewhere they only enter the cache,
 which only the queries that see the key read. :func:`~vqattn.ops.window.window_attention` does the same over each
 query's raw window only (:func:`window_poison`): a bad key stops mattering once it has left the window. Everything
 is masked tensor arithmetic: no host synchronisation in a training step. Only on a CPU in eager mode, where reading

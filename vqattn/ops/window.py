@@ -34,7 +34,7 @@ from .blocks import (
     window_tail,
 )
 from .checks import check_choice, check_positive_int, check_qkv, compute_dtype, size_min
-from .common.forms import IMPLS, decoding, form_of, pick_form
+from .common.impls import IMPLS, decoding, pick_impl, with_impl
 from .common.window_code_blocks import WindowCodeInputs, window_code_attention
 from .devices import require_triton
 from .nonfinite import may_be_nonfinite, nonfinite_keys, window_poison, zero_rows
@@ -154,7 +154,7 @@ def window_attention(
             a ``state`` and at most ``RECURRENT_MAX_LEN`` new tokens and no gradient needed, the fused decoding
             step, :mod:`vqattn.ops.triton.decode`), or "auto": for a ``state`` and at most ``RECURRENT_MAX_LEN``
             new tokens the fused step on CUDA with grad mode off, else recurrent; triton for other CUDA calls it
-            supports (docs/ops.md), chunk otherwise (:func:`~vqattn.ops.common.forms.pick_form`).
+            supports (docs/ops.md), chunk otherwise (:func:`~vqattn.ops.common.impls.pick_impl`).
 
     Returns:
         out (B, H, T, Dv) in the input dtype (computed in float32 for half precision and under autocast), or
@@ -164,21 +164,21 @@ def window_attention(
     _validate(q, k, v, block_len, state, return_state, impl)
     schedule = as_schedule(schedule)
     L = resolve_block_len(block_len, state)
-    form = pick_form(impl, q, state=state, fused_unsupported=lambda: unsupported(L, (q.shape[-1], v.shape[-1]),
+    impl = pick_impl(impl, q, state=state, fused_unsupported=lambda: unsupported(L, (q.shape[-1], v.shape[-1]),
                                                                                   q.dtype))
-    if form == "recurrent" and state is None:
+    if impl == "recurrent" and state is None:
         state = WindowState(k[:, :, :0], v[:, :, :0], 0, L)
     # the Triton kernel reads half precision as it is and accumulates in float32
     in_dtype = q.dtype
-    dtype = in_dtype if form == "triton" else compute_dtype(in_dtype)
+    dtype = in_dtype if impl == "triton" else compute_dtype(in_dtype)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if form == "naive":
+    if impl == "naive":
         return naive_window_attention(q, k, v, block_len=L, scale=scale).to(in_dtype)
     if state is not None:
         state = WindowState(state.keys.to(dtype), state.values.to(dtype), state.length, state.block_len)
-    fused_step = form == "triton" and decoding(q, state) and not needs_grad(q, k, v)
-    if form == "recurrent" or fused_step:
+    fused_step = impl == "triton" and decoding(q, state) and not needs_grad(q, k, v)
+    if impl == "recurrent" or fused_step:
         out, new_state = _recurrent(q, k, v, state, scale, fused=fused_step)
         return (out.to(in_dtype), new_state) if return_state else out.to(in_dtype)
     T, start = q.shape[2], 0
@@ -188,12 +188,12 @@ def window_attention(
     L_run = L if state is not None or return_state else size_min(L, T)  # one block: same result, less padding
     # Inside the block kernel a non-finite key would also reach the earlier queries of its block (through their
     # masked entries): it is zeroed there and reaches exactly the queries that see it as NaN (vqattn.ops.nonfinite).
-    # The state keeps the key itself. The recurrent form has no masked entries.
+    # The state keeps the key itself. The recurrent impl has no masked entries.
     bad, _ = nonfinite_keys(k)
     blocks_of = _chunked
-    if form == "triton":
+    if impl == "triton":
         blocks_of, L_run = _fused, L
-    if may_be_nonfinite(bad) and form == "triton":  # the kernels zero the bad rows as they read them
+    if may_be_nonfinite(bad) and impl == "triton":  # the kernels zero the bad rows as they read them
         out = _fused(q, k, v, L_run, scale, schedule, bad=bad) + window_poison(bad, L, dtype)
     elif may_be_nonfinite(bad):
         out = blocks_of(q, zero_rows(k, bad), v, L_run, scale, schedule) + window_poison(bad, L, dtype)
@@ -209,5 +209,5 @@ def window_attention(
     return out, WindowState(window_tail(k, keep), window_tail(v, keep), length, L)
 
 
-chunk_window_attention = form_of(window_attention, "chunk")
-recurrent_window_attention = form_of(window_attention, "recurrent")
+chunk_window_attention = with_impl(window_attention, "chunk")
+recurrent_window_attention = with_impl(window_attention, "recurrent")

@@ -10,8 +10,8 @@ keys: every memory logit gets the bias
 code's share of the memory and its mean value, and only stops the memory's total weight growing
 without bound against the window's. A model trained on sequences of T ≤ M tokens never sees the bias (n_i < T);
 past T the memory's log-counts stay in the range of training (docs/evaluation.md measures why this matters). It is
-a function of the positions alone, so it needs no gradient, and every form applies it to the same keys: the block
-forms per block (all queries of block b share n_b), the recurrent forms per token, the naive forms per query.
+a function of the positions alone, so it needs no gradient, and every impl applies it to the same keys: the block
+impls per block (all queries of block b share n_b), the recurrent impls per token, the naive impls per query.
 """
 
 from __future__ import annotations
@@ -98,6 +98,6 @@ def block_memory_bias(first_block: int, num_blocks: int, block_len: int, memory_
 
 
 def query_memory_bias(T: int, block_len: int, memory_cap: int | None, *, device, dtype) -> torch.Tensor | None:
-    """log min(1, M / n_i) (T, 1) for queries 0..T−1 (the naive forms: n_i = max(0, i // L − 1)·L), or None."""
+    """log min(1, M / n_i) (T, 1) for queries 0..T−1 (the naive impls: n_i = max(0, i // L − 1)·L), or None."""
     bias = block_memory_bias(0, -(-T // block_len), block_len, memory_cap, device=device, dtype=dtype)
     return None if bias is None else bias.repeat_interleave(block_len)[:T, None]

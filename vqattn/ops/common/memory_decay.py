@@ -11,7 +11,7 @@ The online assignment scores the same moving averages. Without it, a state carri
 slots with the means of thousands of keys from earlier segments, which no gradient of the current one shapes
 (docs/evaluation.md measures what that costs).
 
-The naive and recurrent forms multiply the memory by g as each block joins. The block forms weigh block b' of a call
+The naive and recurrent impls multiply the memory by g as each block joins. The block impls weigh block b' of a call
 by g^−(b'+1) instead, so that block b reads g^−(b−1) times the decayed memory: the means do not change, and the
 count's logit log n gains the bias (b − 1)·log g (:func:`block_decay`). The factors grow as g^−nb, so a call is run
 in spans of at most :data:`MAX_DECAY_E_FOLDS` e-folds (:func:`span_blocks`), each continuing the state of the last.
@@ -23,7 +23,7 @@ import math
 
 import torch
 
-# The most that g^−b' may grow within one pass of the block forms: e^30 ≈ 1e13 leaves float32 (and its gradients,
+# The most that g^−b' may grow within one pass of the block impls: e^30 ≈ 1e13 leaves float32 (and its gradients,
 # which shrink as g^b) far from overflow and underflow.
 MAX_DECAY_E_FOLDS = 30.0
 
@@ -31,7 +31,7 @@ MAX_DECAY_E_FOLDS = 30.0
 def check_memory_decay(memory_decay, block_len: int) -> None:
     """None, or γ in (0, 1] with γ^L ≥ e^−10: a block may lose at most 10 e-folds of weight per later block (a
     horizon under L / 10 keys, a fraction of the raw window, would leave no memory to read), so that one pass of the
-    block forms spans at least 3 blocks (:func:`span_blocks`)."""
+    block impls spans at least 3 blocks (:func:`span_blocks`)."""
     if memory_decay is None:
         return
     if isinstance(memory_decay, bool) or not isinstance(memory_decay, (int, float)) or not 0 < memory_decay <= 1:
@@ -67,14 +67,14 @@ def keys_in_memory(blocks: int, block_len: int, factor: float | None):
 
 
 def span_blocks(factor: float | None) -> int | None:
-    """The most blocks one pass of the block forms may hold with forgetting g (None: any number)."""
+    """The most blocks one pass of the block impls may hold with forgetting g (None: any number)."""
     if factor is None:
         return None
     return int(MAX_DECAY_E_FOLDS / -math.log(factor))
 
 
 def block_decay(num_blocks: int, factor: float, *, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """For the blocks 0..nb−1 of one pass of the block forms, whose memory before block 1 is the state's: the weights
+    """For the blocks 0..nb−1 of one pass of the block impls, whose memory before block 1 is the state's: the weights
     g^−(b'+1) (nb,) of the blocks' statistics, and the biases (b − 1)⁺·log g (nb,) on their memory logits (the
     log of the factor g^(b−1) that takes the weighted memory back to the decayed one)."""
     b = torch.arange(num_blocks, device=device, dtype=torch.float64)

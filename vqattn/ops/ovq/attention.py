@@ -1,11 +1,11 @@
-"""The entry point :func:`ovq_attention`, its forms, and the choice of form (``impl``)."""
+"""The entry point :func:`ovq_attention`, its impls, and the choice of ``impl``."""
 
 from __future__ import annotations
 
 import functools
 
 from ..checks import check_choice
-from ..common.forms import IMPLS, decoding, form_of, pick_form
+from ..common.impls import IMPLS, decoding, pick_impl, with_impl
 from ..precision import autocast_off
 from ..triton.decode import needs_grad
 from ..varlen import varlen
@@ -18,9 +18,9 @@ __all__ = ["ovq_attention", "chunk_ovq_attention", "recurrent_ovq_attention", "I
 
 
 @autocast_off
-def _run(q, k, v, form, state, return_state, fused=False, **kwargs):
+def _run(q, k, v, forward, state, return_state, fused=False, **kwargs):
     x = prepare(q, k, v, state=state, fused=fused, **kwargs)
-    out, new_state = form(x, None if state is None else state.to(x.dtype, raw=x.k.dtype), return_state)
+    out, new_state = forward(x, None if state is None else state.to(x.dtype, raw=x.k.dtype), return_state)
     return (out.to(q.dtype), new_state) if return_state else out.to(q.dtype)
 
 
@@ -42,13 +42,13 @@ def ovq_attention(q, k, v, *, num_slots: int, block_len: int | None = None, scal
         slots: (B, H, T) integer slot of every key (given assignment), or
         slot_weights: (B, H, T, S) non-negative weights of every key (given soft assignment, with gradients).
         q_mem, k_mem: (B, H, T, D) the memory's queries and keys, when not q and k (e.g. without RoPE).
-        impl: "chunk", "recurrent", "naive", "triton" (the chunk form's online assignment and attention as
+        impl: "chunk", "recurrent", "naive", "triton" (the chunk impl's online assignment and attention as
             Triton kernels, forward and backward: CUDA tensors, or the CPU under ``TRITON_INTERPRET=1``; float32 or
             half precision, block_len a power of two from 16 to 128; with a state and at most ``RECURRENT_MAX_LEN``
             new tokens and no gradient needed, the fused decoding step, :mod:`vqattn.ops.triton.decode`), or
             "auto": for a state and at most ``RECURRENT_MAX_LEN`` new tokens the fused step on CUDA with grad mode
             off, else recurrent; triton for other CUDA calls it supports, chunk otherwise
-            (:func:`~vqattn.ops.common.forms.pick_form`).
+            (:func:`~vqattn.ops.common.impls.pick_impl`).
         state: an :class:`OVQState` from an earlier call; the inputs then continue that sequence.
         return_state: also return the state after this call.
         memory_cap: the memory weighs as if it held at most this many keys: a bias log min(1, memory_cap / n) on
@@ -59,7 +59,7 @@ def ovq_attention(q, k, v, *, num_slots: int, block_len: int | None = None, scal
             every block that joins it later, so the slots' mean keys and values are moving averages over about 1 / (1 − γ) keys
             (:mod:`vqattn.ops.common.memory_decay`): what a state carried over many segments needs to train as
             well as independent ones (docs/evaluation.md). None (or 1): the memory keeps every key at full weight.
-        schedule: "auto", "loop" or "cumsum": how the chunk form reads the slots' value sums
+        schedule: "auto", "loop" or "cumsum": how the chunk impl reads the slots' value sums
             (:class:`~vqattn.ops.blocks.Schedule`); never what it computes. A ``state`` is continued by re-running its
             raw window (under 2L tokens) in front of the new ones.
 
@@ -73,14 +73,14 @@ def ovq_attention(q, k, v, *, num_slots: int, block_len: int | None = None, scal
         if state is not None or return_state:
             raise ValueError("impl='naive' takes no state and returns none; use impl='chunk' or 'recurrent'")
         return naive_ovq_attention(q, k, v, **kwargs)
-    impl = pick_form(impl, q, state=state, fused_unsupported=lambda: fused_unsupported(q, v, block_len, state))
-    if impl == "triton":  # one fused step per token when decoding without gradients, else the chunk form's kernels
+    impl = pick_impl(impl, q, state=state, fused_unsupported=lambda: fused_unsupported(q, v, block_len, state))
+    if impl == "triton":  # one fused step per token when decoding without gradients, else the chunk impl's kernels
         step = decoding(q, state) and not needs_grad(q, k, v, q_mem, k_mem, slot_weights)
-        form = functools.partial(recurrent_forward if step else chunk_forward, fused=True)
-        return _run(q, k, v, form, state, return_state, fused=True, **kwargs)
-    form = chunk_forward if impl == "chunk" else recurrent_forward
-    return _run(q, k, v, form, state, return_state, schedule=schedule, **kwargs)
+        forward = functools.partial(recurrent_forward if step else chunk_forward, fused=True)
+        return _run(q, k, v, forward, state, return_state, fused=True, **kwargs)
+    forward = chunk_forward if impl == "chunk" else recurrent_forward
+    return _run(q, k, v, forward, state, return_state, schedule=schedule, **kwargs)
 
 
-chunk_ovq_attention = form_of(ovq_attention, "chunk")
-recurrent_ovq_attention = form_of(ovq_attention, "recurrent")
+chunk_ovq_attention = with_impl(ovq_attention, "chunk")
+recurrent_ovq_attention = with_impl(ovq_attention, "recurrent")

@@ -1,4 +1,4 @@
-"""Chunked (block-parallel) form of :func:`~vqattn.ops.ovq.ovq_attention`, for training and prefill.
+"""The chunk (block-parallel) impl of :func:`~vqattn.ops.ovq.ovq_attention`, for training and prefill.
 
 Every block's queries attend at once through the block kernel of codebook attention
 (:class:`~vqattn.ops.common.window_code_blocks.WindowCodeAttention`): one softmax over the window logits (nb, L, 2L) and the
@@ -8,7 +8,7 @@ means k̄ = K / n of every block's memory (nb, S, D): one prefix sum over the bl
 assignment runs block after block, without gradient. Time O(T·(L + S)·D), memory O(T·(L + S) + (T/L)·S·D): no T×T
 tensor.
 
-The Triton form (``fused``) is this algorithm with the online assignment
+The Triton impl (``fused``) is this algorithm with the online assignment
 (:func:`~vqattn.ops.triton.online_slots.fused_online_slots`) and the attention
 (:func:`~vqattn.ops.ovq.fused.fused_memory_attention`) as kernels.
 """

@@ -1,4 +1,4 @@
-"""The fused (Triton) form of :func:`~vqattn.ops.ovq.ovq_attention`'s attention: vq's fused window + codes kernel
+"""The fused (Triton) impl of :func:`~vqattn.ops.ovq.ovq_attention`'s attention: vq's fused window + codes kernel
 (:mod:`vqattn.ops.triton.window_codes`) with one codebook per block, the slots' mean keys of the memory it reads.
 
 Block b reads the memory M_{b−2} on top of the state's: per slot its count n_bs, mean key k̄_bs = K_bs / n_bs and

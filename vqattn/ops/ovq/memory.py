@@ -1,4 +1,4 @@
-"""The memory of :func:`~vqattn.ops.ovq.ovq_attention`, shared by its chunked and recurrent forms: the online
+"""The memory of :func:`~vqattn.ops.ovq.ovq_attention`, shared by its chunk and recurrent impls: the online
 assignment of one block of keys to slots, the per-block slot statistics and their lagged prefix sums, and the
 memory's logits and values."""
 

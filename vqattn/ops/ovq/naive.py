@@ -92,7 +92,7 @@ def naive_online_slots(memory_keys: torch.Tensor, num_slots: int, block_len: int
                        memory_decay: float | None = None) -> torch.Tensor:
     """The slots that the definition's online assignment gives memory keys (B, H, T, D) from an empty memory: block
     after block, each against the memory of the blocks before it (each weighing γ^L less per block after it, with
-    ``memory_decay`` γ) -> (B, H, T) long. For checking the fast forms."""
+    ``memory_decay`` γ) -> (B, H, T) long. For checking the fast impls."""
     g = block_factor(memory_decay, block_len) or 1.0
     B, H, T, D = memory_keys.shape
     counts = memory_keys.new_zeros(B, H, num_slots)

@@ -1,4 +1,4 @@
-"""Recurrent (decoding) form of :func:`~vqattn.ops.ovq.ovq_attention`: one token at a time, O((2L + S)·D) each.
+"""Recurrent (decoding) impl of :func:`~vqattn.ops.ovq.ovq_attention`: one token at a time, O((2L + S)·D) each.
 
 A token at position p attends to the state's raw window (positions from ``window_start(p, L)`` on) plus itself,
 and to the S memory slots. When a block leaves the window it is assigned (online: against the memory as it stands,
@@ -22,7 +22,7 @@ def _absorb(state: OVQState, L: int, threshold: float,
             decay: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The state's memory (times the forgetting factor ``decay`` g) plus its first L raw positions (the block leaving
     the window, assigned against the memory before it): counts, key and value sums."""
-    dtype = state.counts.dtype  # the raw window may be in half precision (the Triton form)
+    dtype = state.counts.dtype  # the raw window may be in half precision (the Triton impl)
     memory_keys = (state.keys if state.memory_keys is None else state.memory_keys)[:, :, :L].to(dtype)
     weights = None if state.slot_weights is None else state.slot_weights[:, :, :L]
     slots = None if state.slots is None else state.slots[:, :, :L]

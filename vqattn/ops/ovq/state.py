@@ -1,5 +1,5 @@
 """The decoding state of :func:`~vqattn.ops.ovq.ovq_attention`, and the argument checks and casts that its three
-forms share."""
+impls share."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ class OVQState:
                         q.new_zeros(B, H, 0, S) if slot_weights else None, 0, block_len)
 
     def to(self, dtype: torch.dtype, raw: torch.dtype | None = None) -> "OVQState":
-        """The state in ``dtype``; its raw window (keys, values, memory keys) in ``raw`` when given (the Triton form
+        """The state in ``dtype``; its raw window (keys, values, memory keys) in ``raw`` when given (the Triton impl
         keeps half-precision inputs as they are, the memory in float32)."""
         def cast(name, x):
             if not isinstance(x, torch.Tensor) or not x.is_floating_point():
@@ -69,7 +69,7 @@ class OVQState:
 
 class Inputs(NamedTuple):
     """Validated inputs. q, k: (B, H, T, D) window query/keys; q_mem, k_mem: (B, H, T, D) memory query/keys;
-    v: (B, H, T, Dv), in the compute ``dtype`` (for the Triton form: as given, half precision included, which its
+    v: (B, H, T, Dv), in the compute ``dtype`` (for the Triton impl: as given, half precision included, which its
     kernels accumulate in float32); slots (B, H, T) long or slot_weights (B, H, T, S) (in ``dtype``) for a given
     assignment, both None for the online one; S slots, block length L, scale σ, novelty threshold."""
 
@@ -85,7 +85,7 @@ class Inputs(NamedTuple):
     scale: float
     threshold: float
     separate_keys: bool  # whether k_mem was given (then the state keeps it)
-    schedule: Schedule  # how the chunked form reads the slots' value sums (never what it computes)
+    schedule: Schedule  # how the chunk impl reads the slots' value sums (never what it computes)
     dtype: torch.dtype  # of the memory's statistics and the state: float32 for half precision, else the inputs'
     memory_cap: int | None = None  # the memory weighs as if it held at most this many keys (vqattn.ops.common)
     memory_decay: float | None = None  # γ: each key's weight in the memory shrinks by γ per later key
@@ -150,7 +150,7 @@ def _check_state(state, inputs: dict, S: int, block_len) -> None:
 
 
 def fused_unsupported(q, v, block_len, state) -> str | None:
-    """Why the Triton form cannot compute this call, or None (:func:`~vqattn.ops.triton.window_codes.unsupported`)."""
+    """Why the Triton impl cannot compute this call, or None (:func:`~vqattn.ops.triton.window_codes.unsupported`)."""
     L = resolve_block_len(block_len, state)
     return unsupported(L, (q.shape[-1], v.shape[-1]), q.dtype)
 
@@ -165,7 +165,7 @@ def _check_triton(q, v, block_len, state) -> None:
 def prepare(q, k, v, *, num_slots, block_len, scale, threshold, slots, slot_weights, q_mem, k_mem,
             state, schedule="auto", fused=False, memory_cap=None, memory_decay=None) -> Inputs:
     """Validate every argument (ValueError naming it) and cast the tensors to the compute dtype (float32 for half
-    precision, float64 stays float64), or for the Triton form (``fused``) keep q, k, v, q_mem, k_mem as they are.
+    precision, float64 stays float64), or for the Triton impl (``fused``) keep q, k, v, q_mem, k_mem as they are.
     Call with autocast off."""
     check_qkv(q, k, v, causal=True)
     check_positive_int("num_slots", num_slots)

@@ -1,4 +1,4 @@
-"""Every block's code cache in one pass: the chunked prefix of the fused vq form (fla's ``chunk_fwd_h``).
+"""Every block's code cache in one pass: the chunked prefix of the fused vq impl (fla's ``chunk_fwd_h``).
 
 The cache that block b's queries read holds the keys of blocks ≤ b−2 and what came before the sequence:
 
@@ -436,7 +436,7 @@ def prefix_forward(index, weights, v, counts0, sums0, *, block_len: int, fold: i
     n0, c0 = counts0.float().contiguous(), sums0.float().contiguous()
     f32 = dict(device=v.device, dtype=torch.float32)
     # Every block's value sums in bfloat16 for bfloat16 values (cache_dtype): the largest tensor of the fused
-    # form (the counts, and the running sums, stay float32).
+    # impl (the counts, and the running sums, stay float32).
     cache_c = torch.empty(B, H, nb, S, DV, device=v.device, dtype=cache_dtype(v.dtype))
     cache_n = torch.empty(B, H, nb, S, **f32)
     fold_n, fold_c = torch.empty(B, H, S, **f32), torch.empty(B, H, S, DV, **f32)

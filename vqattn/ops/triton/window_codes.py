@@ -86,7 +86,7 @@ if triton is not None:
     def _window_keys(KW, BAD, skw_b, skw_h, skw_t, b, h, bh, rows, T, D, L: tl.constexpr, BD: tl.constexpr,
                      DOT: tl.constexpr, HAS_BAD: tl.constexpr):
         """The window's keys of ``rows`` (L, BD) as DOT, and with HAS_BAD which of them are bad (L,) (non-finite:
-        read as zeros, as the unfused forms zero them beforehand; their gradient is 0)."""
+        read as zeros, as the unfused impls zero them beforehand; their gradient is 0)."""
         kw = load_rows(KW, skw_b, skw_h, skw_t, b, h, rows, T, D, BD, DOT)
         bad = tl.zeros([L], tl.int1)
         if HAS_BAD:

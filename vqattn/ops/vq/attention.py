@@ -1,4 +1,4 @@
-"""The entry point :func:`vq_attention`: validation, precision, and the choice of form (``impl``)."""
+"""The entry point :func:`vq_attention`: validation, precision, and the choice of ``impl``."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ import torch
 
 from ..blocks import Schedule, as_schedule, resolve_block_len
 from ..checks import compute_dtype
-from ..common.forms import decoding, form_of, pick_form
+from ..common.impls import decoding, pick_impl, with_impl
 from ..common.statistics import Assignment, code_means, code_statistics, log_counts, map_time
 from ..nonfinite import zero_assignment_rows
 from ..precision import autocast_off
 from ..triton.decode import needs_grad
 from ..varlen import varlen
-from .chunk import chunk_form
+from .chunk import chunk_forward
 from .naive import naive_vq_attention
-from .recurrent import recurrent_form
+from .recurrent import recurrent_forward
 from .state import IMPLS, Inputs, VQState, fused_unsupported, prepare, validate
 
 __all__ = ["vq_attention", "chunk_vq_attention", "recurrent_vq_attention", "IMPLS"]
@@ -30,12 +30,12 @@ def _non_causal(x: Inputs) -> torch.Tensor:
     return torch.softmax(logits, dim=-1) @ code_means(counts, sums)
 
 
-def _form(impl: str, q, k, v, *, causal, assign, exact_window, block_len, state) -> str:
-    """The form that runs a call (:func:`~vqattn.ops.common.forms.pick_form`); only causal calls have a fused
+def _pick_impl(impl: str, q, k, v, *, causal, assign, exact_window, block_len, state) -> str:
+    """The impl that runs a call (:func:`~vqattn.ops.common.impls.pick_impl`); only causal calls have a fused
     kernel."""
     why_not_fused = None if not causal else lambda: fused_unsupported(
         q, k, v, assign=assign, exact_window=exact_window, block_len=block_len, state=state)
-    return pick_form(impl, q, state=state, fused_unsupported=why_not_fused)
+    return pick_impl(impl, q, state=state, fused_unsupported=why_not_fused)
 
 
 def _naive(q, k, v, codebook, dtype, *, assignment, **kwargs) -> torch.Tensor:
@@ -85,7 +85,7 @@ def vq_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, codebook: to
             σ q_rot·k_rot, the codes' σ q·c, and k is assigned. RoPE passes the rotated q and k, so the window is RoPE
             attention and the codes stay position-free (a state keeps k_rot). With an ``assignment`` too, q and the
             codebook may be narrower (Dc < D): the codes are scored on those dims alone, at Dc/D of the work.
-        impl: the form that computes it, as flash-linear-attention's ``mode``: "chunk" (the block algorithm),
+        impl: what computes it, as flash-linear-attention's ``mode``: "chunk" (the block algorithm),
             "recurrent" (token by token, O(1) per token: decoding), "naive" (the definition,
             :func:`naive_vq_attention`, one (T, T) softmax: for checking, no state), "triton" (the block algorithm
             as one fused kernel forward and one backward, :mod:`vqattn.ops.triton`: CUDA tensors, or the CPU under
@@ -93,9 +93,9 @@ def vq_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, codebook: to
             needed, the fused decoding step, :mod:`vqattn.ops.triton.decode`), or "auto": for a ``state`` and at
             most ``RECURRENT_MAX_LEN`` new tokens the fused step on CUDA with grad mode off, else recurrent; triton
             for other causal CUDA calls it supports (docs/ops.md), chunk otherwise
-            (:func:`~vqattn.ops.common.forms.pick_form`, the rule of every causal op). All give the same result
+            (:func:`~vqattn.ops.common.impls.pick_impl`, the rule of every causal op). All give the same result
             to rounding.
-        schedule: how the chunk form runs its blocks (:class:`~vqattn.ops.blocks.Schedule`): "auto", "loop"
+        schedule: how the chunk impl runs its blocks (:class:`~vqattn.ops.blocks.Schedule`): "auto", "loop"
             or "cumsum"; never changes the result.
         memory_cap: causal only: the codes weigh as if they held at most this many keys, a bias
             log min(1, memory_cap / n) on their logits where n keys lie before the query's window
@@ -110,30 +110,30 @@ def vq_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, codebook: to
     validate(q, k, v, codebook, causal=causal, assign=assign, block_len=block_len, exact_window=exact_window,
              state=state, return_state=return_state, impl=impl, q_rot=q_rot, k_rot=k_rot, assignment=assignment,
              memory_cap=memory_cap)
-    form = _form(impl, q, k, v, causal=causal, assign=assign, exact_window=exact_window, block_len=block_len,
-                 state=state)
+    impl = _pick_impl(impl, q, k, v, causal=causal, assign=assign, exact_window=exact_window, block_len=block_len,
+                      state=state)
     in_dtype = q.dtype
-    if form == "naive":
+    if impl == "naive":
         return _naive(q, k, v, codebook, compute_dtype(in_dtype), causal=causal, assign=assign,
                       temperature=temperature, block_len=block_len, scale=scale, exact_window=exact_window,
                       assignment=assignment, q_rot=q_rot, k_rot=k_rot, memory_cap=memory_cap)
-    x, state, poison = prepare(q, k, v, codebook, form=form, causal=causal, assign=assign, temperature=temperature,
+    x, state, poison = prepare(q, k, v, codebook, impl=impl, causal=causal, assign=assign, temperature=temperature,
                                block_len=block_len, scale=scale, exact_window=exact_window, state=state,
                                assignment=assignment, q_rot=q_rot, k_rot=k_rot, schedule=as_schedule(schedule),
                                memory_cap=memory_cap)
     if not causal:
         return _poisoned(_non_causal(x), poison).to(in_dtype)
-    fused_step = form == "triton" and decoding(q, state) and not needs_grad(
+    fused_step = impl == "triton" and decoding(q, state) and not needs_grad(
         x.q, x.k, x.v, x.codebook, x.q_rot, x.k_rot, x.assignment.weights)
-    if form == "recurrent" or fused_step:
-        out, new_state = recurrent_form(x, state, fused=fused_step)
+    if impl == "recurrent" or fused_step:
+        out, new_state = recurrent_forward(x, state, fused=fused_step)
     else:
-        out, new_state = chunk_form(x, state, return_state=return_state, fused=form == "triton")
+        out, new_state = chunk_forward(x, state, return_state=return_state, fused=impl == "triton")
     out = _poisoned(out, poison).to(in_dtype)
     if return_state and poison is not None:  # the state carries the poison in its counts
         new_state = dataclasses.replace(new_state, counts=new_state.counts + poison[:, :, -1])
     return (out, new_state) if return_state else out
 
 
-chunk_vq_attention = form_of(vq_attention, "chunk")
-recurrent_vq_attention = form_of(vq_attention, "recurrent")
+chunk_vq_attention = with_impl(vq_attention, "chunk")
+recurrent_vq_attention = with_impl(vq_attention, "recurrent")

@@ -1,4 +1,4 @@
-"""The block (chunk) form of causal codebook attention: the Transformer-VQ algorithm.
+"""The chunk (block) impl of causal codebook attention: the Transformer-VQ algorithm.
 
 Queries run in blocks of L. Block b attends, with one softmax, to its window (blocks b−1 and b, one logit per key,
 causally masked) and to the S codes, which carry the counts n_s and value sums Σ_j Δ_js v_j of blocks ≤ b−2 and
@@ -172,7 +172,7 @@ def _causal(x: Inputs, *, L: int, counts0, sums0, fold_blocks: int, first_block:
 def _fused_causal(x: Inputs, *, L: int, counts0, sums0, fold_blocks: int, first_block: int = 0):
     """:func:`_causal` by :func:`.fused.fused_causal`, which zeroes the ``window_bad`` rows of the window's keys as
     it reads them and takes no ``bad`` assignment rows (the soft mixture window, the only kernel that would leak
-    them, runs the chunk form)."""
+    them, runs the chunk impl)."""
     return fused_causal(x.q, x.k, x.v, x.codebook, x.assignment, L=L, scale=x.scale, exact_window=x.exact_window,
                         counts0=counts0, sums0=sums0, fold_blocks=fold_blocks, window_k=x.window_k, window_q=x.q_rot,
                         window_bad=x.window_bad,
@@ -185,7 +185,7 @@ def block_bytes(B: int, H: int, L: int, S: int, element_size: int) -> int:
     return B * H * L * (S + 2 * L) * element_size
 
 
-def chunk_form(x: Inputs, state: VQState | None, *, return_state: bool, fused: bool = False):
+def chunk_forward(x: Inputs, state: VQState | None, *, return_state: bool, fused: bool = False):
     """Causal block algorithm over x (:class:`~vqattn.ops.vq.state.Inputs`), new tokens that may continue ``state``,
     whose raw window is re-run in front (a state keeps the window's keys: k_rot with RoPE). ``fused``: the blocks run
     in the Triton kernel (:mod:`.fused`: exact or hard windows). Returns (out, state or None)."""

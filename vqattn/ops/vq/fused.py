@@ -1,11 +1,11 @@
-"""The fused (Triton) form of causal codebook attention (:mod:`vqattn.ops.triton.vq_causal`): every block's cache
+"""The fused (Triton) impl of causal codebook attention (:mod:`vqattn.ops.triton.vq_causal`): every block's cache
 from one chunked prefix kernel (:mod:`vqattn.ops.triton.block_caches`), then one kernel for the window and the
 codes (:mod:`vqattn.ops.triton.window_codes`).
 
 The cache of block b holds the keys of blocks ≤ b−2: its counts n_b = n_0 + Σ_{b' ≤ b−2} Δ_{b'}ᵀ1 and value sums
 C_b = C_0 + Σ_{b' ≤ b−2} Δ_{b'}ᵀ V_{b'}. One backward walks the blocks in reverse with the caches' gradients,
 carrying them to the values, the soft weights and the initial cache. The soft
-mixture window (``exact_window=False``) has no fused form: it runs the chunk form.
+mixture window (``exact_window=False``) has no fused impl: it runs the chunk impl.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def straight_through_keys(k: torch.Tensor, codebook: torch.Tensor, index: torch.
 
 def fused_causal(q, k, v, c, a: Assignment, *, L: int, scale: float, exact_window: bool, counts0, sums0,
                  fold_blocks: int, window_k, window_q=None, memory_bias=None, window_bad=None):
-    """The fused form of :func:`~vqattn.ops.vq.chunk._causal`: q (B, H, T, Dc), c (H, S, Dc), window_k
+    """The fused impl of :func:`~vqattn.ops.vq.chunk._causal`: q (B, H, T, Dc), c (H, S, Dc), window_k
     (B, H, T, D) the window's keys and window_q its queries (None: q); ``a`` the keys' Assignment (in float32 or
     float64); counts0 (B, H, S), sums0 (B, H, S, Dv) the cache before position 0 (float32). q, k, v and the window's
     tensors may be half precision: the kernel accumulates in float32. ``memory_bias`` (nb,): the codes' logit bias

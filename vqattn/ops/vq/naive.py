@@ -1,6 +1,6 @@
 """The definition of codebook attention, written as the math: explicit assignments and one (T, T) softmax, no
 blocks, no caches. Every logit is formed in log space (log-sum-exp over the codes, log-softmax assignments), so the
-definition stays finite at any logit magnitude. Quadratic in T: the reference that the chunk and recurrent forms
+definition stays finite at any logit magnitude. Quadratic in T: the reference that the chunk and recurrent impls
 are tested against (in float64), not a path to run.
 """
 

@@ -1,9 +1,9 @@
-"""Recurrent (decoding) form of causal :func:`~vqattn.ops.vq.vq_attention`: one new token at a time,
+"""Recurrent (decoding) impl of causal :func:`~vqattn.ops.vq.vq_attention`: one new token at a time,
 O((2L + S)·D) each.
 
 A token at position p attends to the raw window of the state (positions from ``window_start(p, L)`` on) plus
 itself, and to the S codes with logit σ q·c_s + log n_s. When a block leaves the window it is folded into the
-counts and value sums once. This is the block algorithm's math for a block of one query, so both forms agree to
+counts and value sums once. This is the block algorithm's math for a block of one query, so both impls agree to
 rounding (tested in float64).
 """
 
@@ -45,7 +45,8 @@ def _attend(q, keys, values, c, window: Assignment, state: VQState, *, scale, ex
 
 def _attend_fused(q, keys, values, c, window: Assignment, state: VQState, *, scale, exact_window, q_window, weight):
     """:func:`_attend` as one Triton kernel (:mod:`vqattn.ops.triton.decode`), forward only; the hard window scores
-    its keys' codes. The soft mixture window has no fused form (the form picker keeps it recurrent)."""
+    its keys' codes. The soft mixture window has no fused impl (:func:`~vqattn.ops.common.impls.pick_impl` keeps it
+    recurrent)."""
     window_keys = keys if exact_window else straight_through_keys(keys, c.to(keys.dtype), window.index)
     counts, sums = weigh_memory(state.counts, state.sums, weight)
     return fused_decode_step(q if q_window is None else q_window, window_keys, values, scale=scale, qc=q,
@@ -72,7 +73,7 @@ def _step(q, k, v, c, a: Assignment, state: VQState, *, scale, exact_window, q_w
                         map_time(lambda x: window_tail(x, drop), window))
 
 
-def recurrent_form(x: Inputs, state: VQState | None, fused: bool = False):
+def recurrent_forward(x: Inputs, state: VQState | None, fused: bool = False):
     """Token-by-token vq_attention of x (:class:`~vqattn.ops.vq.state.Inputs`, keys assigned) continuing ``state``
     (None: an empty one). With q_rot, k_rot (RoPE) the window scores them, and q and the codebook may have another
     width Dc (they score only the codes). ``fused``: each token's attention is one Triton kernel (forward only).

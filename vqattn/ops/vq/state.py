@@ -1,5 +1,5 @@
 """The decoding state of :func:`~vqattn.ops.vq.vq_attention`, the argument checks, and the validated inputs
-(:class:`Inputs`) that its forms share, as in :mod:`vqattn.ops.ovq.state`."""
+(:class:`Inputs`) that its impls share, as in :mod:`vqattn.ops.ovq.state`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from ..blocks import Schedule, resolve_block_len
 from ..checks import check_4d, check_choice, check_positive_int, check_qkv, check_same_device_dtype, compute_dtype
-from ..common.forms import IMPLS
+from ..common.impls import IMPLS
 from ..common.memory_cap import check_memory_cap
 from ..common.records import replaced
 from ..common.statistics import Assignment, map_time
@@ -55,8 +55,8 @@ class VQState:
 
 class Inputs(NamedTuple):
     """A call's validated inputs in the compute dtype (half-precision q, k, v, q_rot, k_rot kept as they are for the
-    Triton form, which accumulates in float32). q (B, H, T, Dc), k (B, H, T, D) or None (keys that come assigned),
-    v (B, H, T, Dv); codebook (H, S, Dc); the keys' ``assignment``, or None for the chunk form to assign group by
+    Triton impl, which accumulates in float32). q (B, H, T, Dc), k (B, H, T, D) or None (keys that come assigned),
+    v (B, H, T, Dv); codebook (H, S, Dc); the keys' ``assignment``, or None for the chunk impl to assign group by
     group (so that no (T, S) tensor exists at once); q_rot, k_rot the window's own queries and keys (RoPE) or None;
     ``bad`` (B, H, T) the rows of non-finite keys, zeroed in k and k_rot, or None; block length L, scale σ.
     ``window_bad``: those rows when k_rot (and k, then unread) keep them, for the fused kernels to zero as they read
@@ -181,7 +181,7 @@ def validate(q, k, v, codebook, *, causal, assign, block_len, exact_window, stat
 
 
 def fused_unsupported(q, k, v, *, assign, exact_window, block_len, state) -> str | None:
-    """Why the Triton form cannot compute this call, or None."""
+    """Why the Triton impl cannot compute this call, or None."""
     if assign == "soft" and not exact_window:
         return "impl='triton' has no soft mixture window: pass exact_window=True, or impl='chunk'"
     L = resolve_block_len(block_len, state)
@@ -205,19 +205,19 @@ def _without_nonfinite_keys(k, k_rot, *, causal: bool, state, in_kernel: bool = 
 
 def _keys_assignment(assignment: Assignment | None, dtype, x: Inputs, *, whole: bool) -> Assignment | None:
     """The given assignment in the compute ``dtype``; else x's keys assigned here when ``whole``, or None (the chunk
-    form then assigns group by group, so that no (T, S) tensor exists at once)."""
+    impl then assigns group by group, so that no (T, S) tensor exists at once)."""
     if assignment is not None:
         return map_time(lambda t: t.to(dtype) if t.is_floating_point() else t, assignment)
     return x.assign_keys(x.k) if whole else None
 
 
-def prepare(q, k, v, codebook, *, form: str, causal: bool, assign: str, temperature, block_len, scale,
+def prepare(q, k, v, codebook, *, impl: str, causal: bool, assign: str, temperature, block_len, scale,
             exact_window: bool, state: VQState | None, assignment: Assignment | None, q_rot, k_rot,
             schedule: Schedule, memory_cap: int | None = None):
-    """The validated arguments of a call that ``form`` computes (not naive) as :class:`Inputs`, the ``state`` in
+    """The validated arguments of a call that ``impl`` computes (not naive) as :class:`Inputs`, the ``state`` in
     the compute dtype, and the poison (B, H, T, 1) that makes NaN the outputs that see a non-finite key, or None."""
     dtype = compute_dtype(q.dtype)
-    tensor_dtype = q.dtype if form == "triton" else dtype
+    tensor_dtype = q.dtype if impl == "triton" else dtype
     q, k, v, q_rot, k_rot = (None if t is None else t.to(tensor_dtype) for t in (q, k, v, q_rot, k_rot))
     c = codebook.to(dtype)
     c = c.unsqueeze(0).expand(q.shape[1], -1, -1) if c.dim() == 2 else c  # (H, S, Dc)
@@ -225,7 +225,7 @@ def prepare(q, k, v, codebook, *, form: str, causal: bool, assign: str, temperat
     # assigned already: the window's keys zero their bad rows in the kernels. A hard assignment of a bad key is a
     # valid code (the nearest-code kernel keeps code 0 against NaN scores) that only the queries that see the key
     # read; soft weights of one would be NaN, and so would the codebook's gradient through them.
-    in_kernel = (form == "triton" and causal and state is None and exact_window and k_rot is not None
+    in_kernel = (impl == "triton" and causal and state is None and exact_window and k_rot is not None
                  and (assignment is not None or assign == "hard"))
     k, k_rot, bad, poison = _without_nonfinite_keys(k, k_rot, causal=causal, state=state, in_kernel=in_kernel)
     if state is not None:
@@ -235,5 +235,5 @@ def prepare(q, k, v, codebook, *, form: str, causal: bool, assign: str, temperat
     x = Inputs(q, k, v, c, None, q_rot, k_rot, bad, assign, temperature, L,
                k.shape[-1] ** -0.5 if scale is None else scale,  # k's D: q's may be the codes' narrower width
                exact_window, schedule, memory_cap, bad if in_kernel else None)
-    whole = not causal or state is not None or form == "recurrent"
+    whole = not causal or state is not None or impl == "recurrent"
     return replaced(x, assignment=_keys_assignment(assignment, dtype, x, whole=whole)), state, poison

@@ -1,4 +1,4 @@
-"""How a causal op picks the form that computes a call (flash-linear-attention's ``mode``): one rule for all."""
+"""How a causal op picks the impl that computes a call (flash-linear-attention's ``mode``): one rule for all."""
 
 from __future__ import annotations
 
@@ -16,18 +16,18 @@ IMPLS = ("auto", "chunk", "recurrent", "naive", "triton")
 
 def decoding(q: torch.Tensor, state) -> bool:
     """Whether a call continues a ``state`` by at most ``RECURRENT_MAX_LEN`` tokens (q: (B, H, T, D)): a decoding
-    step, which the recurrent forms (and the fused step, :mod:`vqattn.ops.triton.decode`) compute in
+    step, which the recurrent impls (and the fused step, :mod:`vqattn.ops.triton.decode`) compute in
     O(window + codes) per token, flat in the length."""
     return state is not None and q.dim() == 4 and q.shape[2] <= RECURRENT_MAX_LEN
 
 
-def pick_form(impl: str, q: torch.Tensor, *, state, fused_unsupported: Callable[[], str | None] | None) -> str:
+def pick_impl(impl: str, q: torch.Tensor, *, state, fused_unsupported: Callable[[], str | None] | None) -> str:
     """``impl`` itself, or for "auto": for a decoding step (:func:`decoding`) triton when it is fusable (below) and
     grad mode is off (the fused step is forward only: generation), else recurrent; for other calls triton when
     fusable, else chunk. Fusable: CUDA tensors, Triton imports and the op's fused kernel supports the call
     (``fused_unsupported()`` gives no reason; None: the op has no fused kernel). On a CPU, under the interpreter
     too, "auto" never picks triton. An op given triton for a decoding step runs its fused step when no input needs a
-    gradient (:func:`~vqattn.ops.triton.decode.needs_grad`), else its Triton chunk form."""
+    gradient (:func:`~vqattn.ops.triton.decode.needs_grad`), else its Triton block kernels."""
     if impl != "auto":
         return impl
     fusable = fused_unsupported is not None and q.is_cuda and triton_device(q) and fused_unsupported() is None
@@ -36,14 +36,14 @@ def pick_form(impl: str, q: torch.Tensor, *, state, fused_unsupported: Callable[
     return "triton" if fusable else "chunk"
 
 
-def form_of(op: Callable, impl: str) -> Callable:
-    """``op`` with its form fixed to ``impl``: the public ``chunk_*`` / ``recurrent_*`` functions, which take the
-    op's own arguments (one signature family) and never pick another form."""
+def with_impl(op: Callable, impl: str) -> Callable:
+    """``op`` with its ``impl`` fixed: the public ``chunk_*`` / ``recurrent_*`` functions, which take the
+    op's own arguments (one signature family) and never pick another impl."""
 
     @functools.wraps(op)
-    def form(*args, **kwargs):
+    def fixed(*args, **kwargs):
         return op(*args, impl=impl, **kwargs)
 
-    form.__name__ = form.__qualname__ = f"{impl}_{op.__name__}"
-    form.__doc__ = f"``{op.__name__}(..., impl={impl!r})``: the {impl} form, with :func:`{op.__name__}`'s arguments."
-    return form
+    fixed.__name__ = fixed.__qualname__ = f"{impl}_{op.__name__}"
+    fixed.__doc__ = f"``{op.__name__}(..., impl={impl!r})``: the {impl} impl, with :func:`{op.__name__}`'s arguments."
+    return fixed
