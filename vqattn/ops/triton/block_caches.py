@@ -43,8 +43,7 @@ TILE_FLOATS = 4096
 # each step waiting on memory; split into segments (fla's chunk_h_split), the segments' sums are formed in parallel,
 # a short scan gives every segment its start, and the segments walk in parallel: more programs, each walk shorter,
 # for twice the steps and the segments' sums in memory. That can pay only where the unsplit programs leave SMs
-# idle; on an H200 at 65536 tokens and B·H = 16 (two segments) the forward walk took 0.82 + 0.92 ms split against
-# 1.31 unsplit, and the reverse walk forming the caches' gradients 0.70 + 1.80 against 3.06.
+# idle; off by default (docs/performance.md, "Split walks at 65536 tokens").
 SEGMENT_STEPS: int | None = 0
 # Programs of a walk per SM that fill it (the walks fit two per SM by their registers).
 WALK_PROGRAMS_PER_SM = 2
@@ -377,16 +376,14 @@ if triton is not None:
             _store_cache(DN0, DC0, bh, S, DV, codes, offsets, g_n, g_sums, present, tile_mask)
 
 def _launch(hard: bool, forward: bool, device: torch.device) -> dict:
-    """Launch settings. On an H200 (S = 512, Dv = 64, bf16), once masks replaced the walks' branches, the hard
-    backward walk ran 15% faster with Triton's default prefetching (3 stages) and the soft one 1.7× slower (7.5 to
-    12.6 ms), its float32 weight tiles staged too: the soft walks keep one stage. The hard prefix walk runs in 8
-    warps: by ptxas (sm_90) 158 → 106 registers (168 → 112 under Triton 3.6), so two programs of 8 warps share an
-    SM instead of three of 4, and each block's step, the walk's sequential chain, is split over twice the warps
-    (561 → 293 instructions per warp and step). The reverse walks would fit one program of 8 warps per SM where two
-    of 4 fit now: at 32768 tokens (B·H = 32, 256 programs) that is two waves. The soft prefix walk takes 202
-    registers on sm_90 (224 under Triton 3.6), two programs per SM; capped at three programs'
-    (:func:`~vqattn.ops.triton.window_codes.three_programs_per_sm`) it takes 166-168 without spilling. The soft
-    reverse walk would spill there (192 bytes)."""
+    """Launch settings (the figures behind them: docs/performance_notes.md, "Kernel resources"). The hard backward
+    walk takes Triton's default prefetching (3 stages); the soft walks keep one stage, since staging their float32
+    weight tiles too slowed them. The hard prefix walk runs in 8 warps: fewer registers per thread, so two programs
+    of 8 warps share an SM instead of three of 4, and each block's step, the walk's sequential chain, is split over
+    twice the warps. The reverse walks stay at 4 warps: in 8, one program would fit per SM where two fit now. The
+    soft prefix walk is capped at three programs per SM
+    (:func:`~vqattn.ops.triton.window_codes.three_programs_per_sm`), where it fits without spilling; the soft
+    reverse walk would spill there, so it is not capped."""
     if hard:
         return dict(num_warps=8) if forward else {}
     return dict(num_stages=1, **three_programs_per_sm(device)) if forward else dict(num_stages=1)

@@ -1,8 +1,8 @@
 """Which rows of a (B, H, T, D) tensor hold a NaN or ±inf entry, in one pass on a GPU.
 
-PyTorch's reductions over a last dim of 64 are slow on a GPU (about 0.7 ms each for a (8, 16, 8192, 64) bf16
-tensor on an H200, where one read at the memory's speed takes 0.03 ms), and the check takes two of them per key
-tensor (:func:`vqattn.ops.nonfinite._nonfinite_rows`). One program here reads a block of rows once.
+PyTorch's reductions over a last dim of 64 are slow on a GPU (many times one read of the tensor at the memory's
+speed: docs/performance_notes.md, "Kernel resources"), and the check takes two of them per key tensor
+(:func:`vqattn.ops.nonfinite._nonfinite_rows`). One program here reads a block of rows once.
 """
 
 from __future__ import annotations

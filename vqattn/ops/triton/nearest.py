@@ -29,10 +29,8 @@ KEY_BLOCK = 64
 CODE_TILE = 64
 # The keys of one program of an assignment's forward kernel (this one, and the soft assignment's), and its launch:
 # every program reads the codebook (the two TF32 parts of each tile, from L2), so 128 keys a program halve that
-# traffic against 64 (at 8192 tokens, B·H = 128, S = 512: 4.3 → 2.1 GB); in 8 warps each warp holds as many keys as
-# with 64 in 4. By ptxas (sm_90, Triton 3.9 and 3.6): 116-128 registers, no spills, 96 KB of shared memory at 2
-# stages, so two programs (16 warps) share an SM, against two of 4 warps before; 3 stages would take 128 KB, one
-# program. Per warp and code tile 355 instructions, against 383.
+# traffic against 64; in 8 warps each warp holds as many keys as with 64 in 4. 2 stages: two programs share an SM
+# without spilling, where 3 stages' shared memory would leave one (docs/performance_notes.md, "Kernel resources").
 ASSIGN_KEYS = 128
 ASSIGN_LAUNCH = dict(num_warps=8, num_stages=2)
 

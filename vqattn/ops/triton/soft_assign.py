@@ -42,11 +42,9 @@ CODE_TILE = 64
 # Slices of the keys that the codes' gradient sums separately (then atomically): enough programs to fill a GPU
 # with a few hundred codes, and few additions into each code.
 KEY_SLICES = 16
-# The backward kernels stream float32 (T, S) tiles of the weights and their gradient, and stage none of them: three
-# stages took the keys' gradient 160 KB of shared memory and 255 registers (one program of 4 warps per SM), one takes
-# 64 KB and 223 (two); the codes' gradient 96.5 → 32 KB and 137 → 126 registers (two → four programs). The soft
-# reverse cache walk, which streams the same tiles, measured 1.7× faster at one stage than at three
-# (block_caches._launch); these kernels are not yet timed at either.
+# The backward kernels stream float32 (T, S) tiles of the weights and their gradient, and stage none of them: one
+# stage leaves twice the programs per SM of three, and the soft reverse cache walk, which streams the same tiles,
+# is faster at one stage (docs/performance_notes.md, "Kernel resources"; these kernels are not yet timed at either).
 BACKWARD_LAUNCH = dict(num_stages=1)
 
 if triton is not None:

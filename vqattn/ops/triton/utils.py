@@ -29,7 +29,7 @@ MAX_DIM = 256
 CODE_DIM_ALIGN = 16
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The most registers per thread at which three programs of 4 warps share an SM (65536 registers, allocated to a
-# thread in units of 8): Triton's ``maxnreg`` caps a kernel there where ptxas would take a few more without need.
+# thread in units of 8): Triton's ``maxnreg`` caps a kernel there where the compiler would take a few more.
 THREE_PROGRAMS_REGISTERS = 168
 
 
@@ -39,9 +39,8 @@ def capability(device: torch.device) -> tuple[int, int]:
 
 
 def three_programs_per_sm(device: torch.device) -> dict:
-    """``maxnreg`` at :data:`THREE_PROGRAMS_REGISTERS` on a Hopper GPU (sm_90), where ptxas' allocations of the
-    capped kernels were read to fit without spilling; nothing elsewhere (for sm_80 the capped code backward
-    spills 72 bytes)."""
+    """``maxnreg`` at :data:`THREE_PROGRAMS_REGISTERS` on a Hopper GPU (sm_90), where the capped kernels fit without
+    spilling; nothing elsewhere, where they would spill (docs/performance_notes.md, "Kernel resources")."""
     return dict(maxnreg=THREE_PROGRAMS_REGISTERS) if capability(device)[0] == 9 else {}
 
 
@@ -82,9 +81,8 @@ def dot_dtype(dtype: torch.dtype):
 
 def float32_dot() -> str:
     """How float32 inputs multiply on a GPU: in TF32 where PyTorch's float32 matmuls may
-    (:func:`~vqattn.ops.triton.float32_tensor_cores`), else in IEEE float32, which Triton forms on the CUDA cores:
-    by ptxas (sm_90) the kernels then take 3-34× the instructions of the bfloat16 ones and spill kilobytes
-    per thread (docs/archive/performance_gpu_history.md)."""
+    (:func:`~vqattn.ops.triton.float32_tensor_cores`), else in IEEE float32, which Triton forms on the CUDA cores,
+    many times the instructions of the bfloat16 kernels (docs/performance_notes.md, "Kernel resources")."""
     return "tf32" if float32_tensor_cores() else "ieee"
 
 
@@ -134,9 +132,8 @@ def float32_products(dtype: torch.dtype) -> dict:
 
 if triton is not None:
     # The softmax runs in base 2, as flash attention's does: logits scaled by σ log2(e) (and biases by log2(e)),
-    # probabilities 2^(l − m), and the logsumexp stored in base 2. tl.exp2 is one ex2.approx.ftz per element (Triton
-    # 3.6 and 3.9), where tl.exp is ex2.approx.f32, which keeps subnormal results and around which ptxas adds a range
-    # fix-up of four instructions.
+    # probabilities 2^(l − m), and the logsumexp stored in base 2: tl.exp2 is one instruction per element, tl.exp
+    # adds a range fix-up (docs/performance_notes.md, "Kernel resources").
     LOG2E = tl.constexpr(1.4426950408889634)
 
     @triton.jit
@@ -209,7 +206,7 @@ if triton is not None:
 
         A code's softmax weight is exp(l_s + log n_s) and its value the mean C_s / n_s; their product is
         exp(l_s)·C_s, so the counts only weigh the normaliser (Σ exp(l_s)·n_s) and no tile takes a logarithm or
-        divides (by ptxas, the precise log of the counts was about a third of the forward's code loop)."""
+        divides (a precise log of the counts would be a large share of the forward's code loop)."""
         codes = s0 + tl.arange(0, BS)
         present = codes < S
         dc, dv = tl.arange(0, BDC), tl.arange(0, BDV)

@@ -11,7 +11,7 @@ and takes it one of two ways (:data:`WALK_CACHE_GRADIENT`):
   B·H = 128, S = 512), and the reverse cache walk reads it (the default);
 * the reverse walk forms it block by block from the block's code queries, output gradients and logsumexp, as fla's
   ``chunk_bwd_kernel_dh`` builds its state gradient from q and dO: nothing per block reaches memory, but the
-  walk's sequential steps grow (docs/performance.md: measured slower on an H200).
+  walk's sequential steps grow (docs/performance.md: slower on an H200).
 
 Either way the walk adds its value gradients to the window's (in place for hard keys) instead of a separate sum.
 """
@@ -29,8 +29,8 @@ from .window_codes import TENSORS, code_backward, codebook_gradient, output_delt
 # the prefix's tensors that the backward reads beside the window-code forward's
 PREFIX_TENSORS = ("idx", "wts", "v", "cache_n", "cache_c")
 # Whether the reverse walk forms every block's cache gradient itself (no per-block gradient in memory) instead of
-# reading the code backward's. On an H200 (bf16, B·H·T = 2²⁰, S = 512) the walk took 1.82 ms that way against
-# 0.94 reading it, and the code backward 0.85 against 1.19 writing it: 0.5 ms slower, for 1 GB less at 8192 tokens.
+# reading the code backward's: off, since it trades time for that memory (docs/performance_notes.md, "Kernel
+# resources").
 WALK_CACHE_GRADIENT = False
 
 

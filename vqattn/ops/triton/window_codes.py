@@ -62,21 +62,18 @@ def unsupported(L: int, dims: tuple[int, ...], dtype: torch.dtype) -> str | None
     return None
 
 
-# The launch settings of the two kernels, measured on an H200 at S = 512, D = Dc = Dv = 64, L = 64 (bf16): Triton's
-# autotuner picked one stage for the forward and three for the backward among 4 or 8 warps and 1 to 3 stages. It is
-# not run per shape because one of those settings made an illegal memory access in the backward at Dc = 30 (the
-# layers' slow-pair code scores) under Triton 3.6: 4 warps with 1 stage did so again at the layer's input layout
-# (benchmarks/kernel_launch.py). The kernels now see those code dims padded to 32 (CODE_DIM_ALIGN); the settings
-# stay fixed until a GPU run measures them again.
+# The launch settings of the two kernels, as Triton's autotuner picked them on a GPU (docs/performance_notes.md,
+# "Kernel resources"). It is not run per shape because one candidate setting made an illegal memory access in the
+# backward at Dc = 30 (the layers' slow-pair code scores; benchmarks/kernel_launch.py). The kernels now see those
+# code dims padded to 32 (CODE_DIM_ALIGN); the settings stay fixed until they are measured again.
 FORWARD_LAUNCH = dict(num_warps=4, num_stages=1)
 BACKWARD_LAUNCH = dict(num_warps=4, num_stages=3)
 def _code_backward_launch(meta: dict, codebook_grad: bool, device: torch.device) -> dict:
-    """The launch settings of the backward's code part. As the vq_hard layer runs it (bfloat16, code dims up to 32,
-    no codebook gradient) ptxas allocates it 171 registers (Triton 3.9, sm_90), two programs per SM; capped at
-    :data:`THREE_PROGRAMS_REGISTERS` (:func:`three_programs_per_sm`) it takes 164-165 without spilling (3.6 and
-    3.9), and three programs' shared memory (60.5 KB each) fits too. Elsewhere the cap would spill (32-240 bytes:
-    64 code dims, float16's float32 sums, a codebook's gradient) or shared memory would still hold the SM to two
-    programs."""
+    """The launch settings of the backward's code part: capped at :data:`THREE_PROGRAMS_REGISTERS`
+    (:func:`three_programs_per_sm`, three programs per SM instead of two) as the vq_hard layer runs it (bfloat16,
+    code dims up to 32, no codebook gradient), where it fits without spilling and three programs' shared memory
+    fits too. Elsewhere the cap would spill (64 code dims, float16's float32 sums, a codebook's gradient) or shared
+    memory would still hold the SM to two programs (docs/performance_notes.md, "Kernel resources")."""
     capped = meta["DOT"] == tl.bfloat16 and meta["BDC"] <= 32 and not codebook_grad
     return dict(BACKWARD_LAUNCH, **three_programs_per_sm(device)) if capped else BACKWARD_LAUNCH
 
@@ -140,7 +137,7 @@ if triton is not None:
                       BDV: tl.constexpr):
         """Δ_i = dO_i·out_i (B·H, T) in float32, once per query, before the backward kernel (flash attention's
         preprocessing): its programs read Δ of two query blocks each, and would otherwise hold both blocks'
-        outputs in float32 registers (ptxas spilled them)."""
+        outputs in float32 registers, which spill."""
         blk, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // H, bh % H
         rows = blk * L + tl.arange(0, L)
