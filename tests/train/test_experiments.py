@@ -96,6 +96,28 @@ def test_report_shows_state_floats_and_ranks_mqar_by_recall():
     assert "recall" not in lm[0] and lm[2].startswith("| b | softmax | 2.0000 |")  # best bpb first
 
 
+def test_code_version_names_the_checkout():
+    import re
+
+    from vqattn.train.cli import code_version
+
+    assert re.fullmatch(r"[0-9a-f]{7,}(\+changes)?|vqattn \S+", code_version())
+
+
+def test_report_names_the_code_and_the_process_wide_peak():
+    """The table and the figure's caption name the commit, date and device of results.json; a multirun's later CPU
+    runs report their process's peak so far, and the table says what that is."""
+    from vqattn.train.report import provenance
+
+    runs = [{**fake_run("a", "window", 3.0, 0.5, 1, "StdlibDataModule"), "code": "abc1234", "date": "2026-11-28",
+             "device": "cpu (x86_64, 1 threads)", "peak_memory_kind": kind}
+            for kind in ("cpu_max_rss", "cpu_max_rss_of_process")]
+    assert provenance(runs) == "code abc1234, run 2026-11-28; cpu (x86_64, 1 threads)"
+    table = markdown_table(runs)
+    assert "Measured by code abc1234, run 2026-11-28" in table and "cpu_max_rss_of_process: the process's peak" in table
+    assert "of_process" not in markdown_table(runs[:1])
+
+
 @pytest.mark.slow
 def test_resume_with_carried_state_20_plus_20_equals_40_straight(tmp_path):
     # two stream groups: the checkpoint at step 20 holds both groups' states, mid-sequence (a reset every 32 steps)

@@ -60,11 +60,19 @@ log = logging.getLogger("train")
 register()
 
 
+_runs_in_process = 0  # the runs this process has summarised: a Hydra multirun runs its jobs one after the other in it
+
+
 def peak_memory_mb(device: torch.device) -> tuple[float, str]:
-    """Peak memory of this process: CUDA max allocated on a GPU, otherwise the peak resident set size."""
+    """Peak memory of this run: CUDA max allocated on a GPU (reset at its start), otherwise the process's peak
+    resident set size, which no call resets: after the first run of a multirun it is the peak of every run so far,
+    and its kind says so ("cpu_max_rss_of_process")."""
+    global _runs_in_process
+    _runs_in_process += 1
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20, "cuda_max_allocated"
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "cpu_max_rss"
+    kind = "cpu_max_rss" if _runs_in_process == 1 else "cpu_max_rss_of_process"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, kind
 
 
 def device_name(device: torch.device) -> str:

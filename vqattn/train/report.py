@@ -59,6 +59,9 @@ def markdown_table(runs: list[dict]) -> str:
         )
     kinds = sorted({r.get("peak_memory_kind", "?") for r in runs})
     lines += ["", f"Peak memory: {', '.join(kinds)}. Measured by {provenance(runs)}."]
+    if "cpu_max_rss_of_process" in kinds:
+        lines.append("cpu_max_rss_of_process: the process's peak over this run and the runs before it in the same "
+                     "multirun (a CPU process's peak cannot be reset); run one attention per command for its own.")
     if recall:
         lines.append("MQAR runs are ranked by recall accuracy (the headline; their bpb counts the answers only).")
     return "\n".join(lines) + "\n"
