@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .ops.checks import check_positive_int, compute_dtype
+from .ops.checks import check_positive_int, compute_dtype, resolve_scale
 from .ops.precision import autocast_off
 
 
@@ -289,7 +289,7 @@ class PerformerFeatures(FeatureMap):
             raise ValueError(f"scale must be > 0 or None, got {scale!r}")
         self.head_dim, self.m = head_dim, num_features
         self.orthogonal, self.redraw_interval, self.seed = orthogonal, redraw_interval, seed
-        self.scale = head_dim**-0.5 if scale is None else float(scale)
+        self.scale = float(resolve_scale(scale, head_dim))
         self.stabilize = stabilize
         self.step = 0
         self.draw_index = 0

@@ -1,11 +1,14 @@
-"""One rule for the block length a call runs, which every op and layer reads."""
+"""One rule for the block length a call runs and one check of it, which every op and layer reads; one rule for
+the default scale."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from vqattn.functional import vq_attention, window_attention
-from vqattn.ops.blocks import DEFAULT_BLOCK_LEN, resolve_block_len
+from vqattn.ops.blocks import DEFAULT_BLOCK_LEN, check_block_len, resolve_block_len
+from vqattn.ops.checks import resolve_scale
 
 
 class _State:
@@ -31,3 +34,16 @@ def test_a_continued_state_keeps_its_block_length():
     _, state = window_attention(q[:, :, :30], k[:, :, :30], v[:, :, :30], block_len=8, return_state=True)
     _, after = window_attention(q[:, :, 30:], k[:, :, 30:], v[:, :, 30:], state=state, return_state=True)
     assert after.block_len == 8
+
+
+@pytest.mark.parametrize("bad", [0, -8, 2.5, "64", True])
+def test_block_len_is_none_or_a_positive_int(bad):
+    check_block_len(None)
+    check_block_len(16)
+    with pytest.raises(ValueError, match="block_len must be a positive int"):
+        check_block_len(bad)
+
+
+def test_the_scale_defaults_to_one_over_the_root_of_the_head_dim():
+    assert resolve_scale(None, 16) == 16**-0.5 == 0.25
+    assert resolve_scale(0.3, 16) == 0.3

@@ -30,7 +30,7 @@ from ..feature_maps import (
     draw_random_features,
     favor_logits,
 )
-from ..ops.checks import check_positive_int
+from ..ops.checks import check_positive_int, resolve_scale
 
 # ---------------------------------------------------------------------------------------------- sparsity
 
@@ -240,7 +240,7 @@ def codebook_kernel_features(q: torch.Tensor, k: torch.Tensor, codebook: torch.T
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
     c = codebook if codebook.dim() == 3 else codebook.expand(k.shape[1], -1, -1)  # (H, S, D)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scale = resolve_scale(scale, q.shape[-1])
     q_logits = scale * q @ c.transpose(-1, -2)  # (B, H, T, S)
     phi_q = torch.exp(q_logits - q_logits.detach().amax(-1, keepdim=True))
     kc = k @ c.transpose(-1, -2)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..feature_maps import EluFeatures, FeatureMap, PerformerFeatures, TaylorFeatures
-from ..ops.checks import check_positive_int
+from ..ops.blocks import check_block_len
 from ..ops.linear import linear_attention
 from .base import Attention, op_result
 
@@ -22,8 +22,7 @@ class FeatureMapAttention(Attention):
     ):
         """``features``: kwargs of the feature map; ``attention_kwargs`` go to :class:`Attention`."""
         super().__init__(dim, num_heads, **attention_kwargs)
-        if block_len is not None:
-            check_positive_int("block_len", block_len)
+        check_block_len(block_len)
         self.block_len = block_len
         self.features = self._make_features(self.head_dim, self.layer_idx, **(features or {}))
 

@@ -6,7 +6,7 @@ from typing import ClassVar
 
 from ..codebook import Codebook
 from ..modules.rope import pair_dims, rope_rotate_keeping, slow_pair_start
-from ..ops.blocks import DEFAULT_BLOCK_LEN, resolve_block_len
+from ..ops.blocks import DEFAULT_BLOCK_LEN, check_block_len, resolve_block_len
 from ..ops.checks import check_choice, check_positive_int
 from ..ops.common.memory_cap import RAW_WINDOW, layer_memory_cap
 from ..ops.vq import IMPLS as VQ_IMPLS
@@ -71,8 +71,7 @@ class VQAttention(Attention):
                 "uncompressed window, which must then hold the raw keys (codes are position-free so that the "
                 "compressed cache stays valid). Pass exact_window=True, or use learned or no positions."
             )
-        if block_len is not None:
-            check_positive_int("block_len", block_len)
+        check_block_len(block_len)
         mixture_window = self.assign == "soft" and not exact_window
         if mixture_window and memory_cap == RAW_WINDOW:
             memory_cap = None

@@ -27,6 +27,13 @@ def resolve_block_len(block_len: int | None, state=None) -> int:
         return block_len
     return getattr(state, "block_len", None) or DEFAULT_BLOCK_LEN
 
+
+def check_block_len(block_len: int | None) -> None:
+    """ValueError unless ``block_len`` is None (the state's or the default, :func:`resolve_block_len`) or a positive
+    int."""
+    if block_len is not None:
+        check_positive_int("block_len", block_len)
+
 # Chunks of up to this many new tokens that continue a state run token by token; longer ones (prefill) run the
 # block algorithm, whose per-call cost is re-running the state's window (< 2L tokens) once.
 RECURRENT_MAX_LEN = 4

@@ -55,6 +55,11 @@ def check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
 
 
+def resolve_scale(scale, head_dim: int):
+    """The σ a call multiplies q·k by: ``scale``, else head_dim**-0.5 (SDPA's default)."""
+    return head_dim**-0.5 if scale is None else scale
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Half-precision inputs are computed and accumulated in float32."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype

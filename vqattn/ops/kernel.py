@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_choice, check_positive_int, check_qkv, compute_dtype
+from .checks import check_choice, check_positive_int, check_qkv, compute_dtype, resolve_scale
 from .linear import NORMALIZERS, _check_eps, _normalize
 from .precision import autocast_off
 
@@ -56,7 +56,7 @@ def kernel_attention(
     q, k, v = q.to(dt), k.to(dt), v.to(dt)
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
-    s = D**-0.5 if scale is None else float(scale)
+    s = float(resolve_scale(scale, D))
     if position_kernel is not None:
         position_kernel = _check_position_kernel(position_kernel, q, Tq, Tk).to(dt)
 

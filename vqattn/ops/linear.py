@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .blocks import resolve_block_len
-from .checks import check_4d, check_choice, check_positive_int, check_qkv, check_same_device_dtype, compute_dtype
+from .blocks import check_block_len, resolve_block_len
+from .checks import check_4d, check_choice, check_qkv, check_same_device_dtype, compute_dtype
 from .common.impls import IMPLS as OP_IMPLS
 from .common.impls import pick_impl, with_impl
 from .precision import autocast_off
@@ -203,8 +203,7 @@ def _checked_inputs(phi_q, phi_k, v, k_log_scale, *, causal, eps, normalizer, bl
     check_qkv(phi_q, phi_k, v, causal=causal)
     check_choice("normalizer", normalizer, NORMALIZERS)
     _check_eps(eps)
-    if block_len is not None:
-        check_positive_int("block_len", block_len)
+    check_block_len(block_len)
     check_choice("impl", impl, IMPLS)
     if not causal and (state is not None or return_state or impl == "recurrent"):
         raise ValueError("state, return_state and impl='recurrent' are only supported with causal=True")

@@ -23,6 +23,7 @@ from .blocks import (
     block_groups,
     blocks,
     cat_groups,
+    check_block_len,
     group_window_bias,
     group_windows,
     pad_to_blocks,
@@ -33,7 +34,7 @@ from .blocks import (
     window_start,
     window_tail,
 )
-from .checks import check_choice, check_positive_int, check_qkv, compute_dtype, size_min
+from .checks import check_choice, check_qkv, compute_dtype, resolve_scale, size_min
 from .common.impls import IMPLS, decoding, pick_impl, with_impl
 from .common.window_code_blocks import WindowCodeInputs, window_code_attention
 from .devices import require_triton
@@ -93,7 +94,7 @@ def naive_window_attention(q, k, v, *, block_len: int = DEFAULT_BLOCK_LEN, scale
     """The definition: causal softmax over keys j ≤ i of block(j) ≥ block(i) − 1, one (T, T) band-masked softmax.
     q, k: (B, H, T, D), v: (B, H, T, Dv) -> (B, H, T, Dv)."""
     T = q.shape[2]
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scale = resolve_scale(scale, q.shape[-1])
     i, j = torch.arange(T, device=q.device)[:, None], torch.arange(T, device=q.device)[None, :]
     visible = (j <= i) & (j // block_len >= i // block_len - 1)
     logits = (scale * q @ k.transpose(-1, -2)).masked_fill(~visible, float("-inf"))
@@ -103,8 +104,7 @@ def naive_window_attention(q, k, v, *, block_len: int = DEFAULT_BLOCK_LEN, scale
 def _validate(q, k, v, block_len, state, return_state, impl) -> None:
     check_qkv(q, k, v, causal=True)
     check_choice("impl", impl, IMPLS)
-    if block_len is not None:
-        check_positive_int("block_len", block_len)
+    check_block_len(block_len)
     if impl == "naive" and (state is not None or return_state):
         raise ValueError("impl='naive' takes no state and returns none; use impl='chunk' or 'recurrent'")
     if impl == "triton":
@@ -172,7 +172,7 @@ def window_attention(
     in_dtype = q.dtype
     dtype = in_dtype if impl == "triton" else compute_dtype(in_dtype)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scale = resolve_scale(scale, q.shape[-1])
     if impl == "naive":
         return naive_window_attention(q, k, v, block_len=L, scale=scale).to(in_dtype)
     if state is not None:

@@ -9,8 +9,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..blocks import Schedule, as_schedule, resolve_block_len
-from ..checks import check_4d, check_positive_int, check_qkv, check_same_device_dtype, compute_dtype
+from ..blocks import Schedule, as_schedule, check_block_len, resolve_block_len
+from ..checks import check_4d, check_positive_int, check_qkv, check_same_device_dtype, compute_dtype, resolve_scale
 from ..common.memory_cap import check_memory_cap
 from ..common.memory_decay import block_factor, check_memory_decay
 from ..devices import require_triton
@@ -170,8 +170,7 @@ def prepare(q, k, v, *, num_slots, block_len, scale, threshold, slots, slot_weig
     check_qkv(q, k, v, causal=True)
     check_positive_int("num_slots", num_slots)
     check_memory_cap(memory_cap)
-    if block_len is not None:
-        check_positive_int("block_len", block_len)
+    check_block_len(block_len)
     for name, x, like in (("q_mem", q_mem, q), ("k_mem", k_mem, k)):
         if x is not None:
             check_4d(name, x)
@@ -194,6 +193,6 @@ def prepare(q, k, v, *, num_slots, block_len, scale, threshold, slots, slot_weig
     keep = (lambda x: x) if fused else cast  # noqa: E731
     q, k, v = keep(q), keep(k), keep(v)
     return Inputs(q, k, v, q if q_mem is None else keep(q_mem), k if k_mem is None else keep(k_mem), slots,
-                  cast(slot_weights), num_slots, L, q.shape[-1] ** -0.5 if scale is None else float(scale),
+                  cast(slot_weights), num_slots, L, float(resolve_scale(scale, q.shape[-1])),
                   threshold, k_mem is not None, as_schedule(schedule), dtype, memory_cap,
                   None if memory_decay is None else float(memory_decay))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..blocks import DEFAULT_BLOCK_LEN
+from ..checks import resolve_scale
 from ..common.memory_cap import query_memory_bias
 from .assign import Assignment, mixture_logits
 
@@ -57,7 +58,7 @@ def naive_vq_attention(q, k, v, codebook, *, causal: bool, assign: str = "hard",
     """
     B, H, T, _ = q.shape
     c = codebook if codebook.dim() == 3 else codebook.expand(H, -1, -1)
-    scale = k.shape[-1] ** -0.5 if scale is None else scale
+    scale = resolve_scale(scale, k.shape[-1])
     code_logits = scale * q @ c.transpose(-1, -2)  # (B, H, Tq, S)
     through_codes, z = _through_codes(code_logits, k, c, assign=assign, temperature=temperature,
                                       assignment=assignment)  # (B, H, Tq, Tk)

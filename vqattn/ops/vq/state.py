@@ -9,8 +9,15 @@ from typing import NamedTuple
 
 import torch
 
-from ..blocks import Schedule, resolve_block_len
-from ..checks import check_4d, check_choice, check_positive_int, check_qkv, check_same_device_dtype, compute_dtype
+from ..blocks import Schedule, check_block_len, resolve_block_len
+from ..checks import (
+    check_4d,
+    check_choice,
+    check_qkv,
+    check_same_device_dtype,
+    compute_dtype,
+    resolve_scale,
+)
 from ..common.impls import IMPLS
 from ..common.memory_cap import check_memory_cap
 from ..common.records import replaced
@@ -155,8 +162,7 @@ def validate(q, k, v, codebook, *, causal, assign, block_len, exact_window, stat
                          "attention: use linear_attention with vqattn.analysis.codebook_kernel_features")
     check_choice("assign", assign, ASSIGNMENTS)
     check_choice("impl", impl, IMPLS)
-    if block_len is not None:
-        check_positive_int("block_len", block_len)
+    check_block_len(block_len)
     if not causal and (exact_window or state is not None or return_state or impl in ("recurrent", "triton")):
         raise ValueError("exact_window, state, return_state and impl='recurrent' or 'triton' need causal=True "
                          "(non-causal attention has no window)")
@@ -233,7 +239,7 @@ def prepare(q, k, v, codebook, *, impl: str, causal: bool, assign: str, temperat
         state = dataclasses.replace(state, keys=state.keys.to(tensor_dtype), values=state.values.to(tensor_dtype))
     L = resolve_block_len(block_len, state)
     x = Inputs(q, k, v, c, None, q_rot, k_rot, bad, assign, temperature, L,
-               k.shape[-1] ** -0.5 if scale is None else scale,  # k's D: q's may be the codes' narrower width
+               resolve_scale(scale, k.shape[-1]),  # k's D: q's may be the codes' narrower width
                exact_window, schedule, memory_cap, bad if in_kernel else None)
     whole = not causal or state is not None or impl == "recurrent"
     return replaced(x, assignment=_keys_assignment(assignment, dtype, x, whole=whole)), state, poison
