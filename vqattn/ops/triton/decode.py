@@ -83,7 +83,7 @@ def fused_decode_step(qw, kw, v, *, scale: float, qc=None, codebook=None, counts
     """
     if needs_grad(qw, kw, v, qc, codebook, counts, sums):
         raise ValueError("the fused decoding step is forward only: run it under torch.no_grad() (as generation "
-                         "does), or use impl='recurrent' (or the Triton chunk form) for gradients")
+                         "does), or use impl='recurrent' (or impl='triton' on more than RECURRENT_MAX_LEN tokens) for gradients")
     B, H, _, D = qw.shape
     W, DV = kw.shape[2], v.shape[-1]
     has_codes = codebook is not None
