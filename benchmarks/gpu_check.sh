@@ -89,5 +89,12 @@ extra profile_window_op 20 python benchmarks/kernel_profile.py --what op --metho
 extra profile_op_tf32 30 $profile --batch 8 --length 8192 --dtype float32 --tf32
 extra launch_layer 150 python benchmarks/kernel_launch.py --layouts layer --layers vq_hard
 extra decode 120 $decode --methods vq_hard ovq window softmax
+# packed documents (cu_seqlens): the padded-batch Triton path against the float64 references, and a packed
+# training run beside an unpacked one (the stdlib files are ~14 KB, so 8k rows hold a boundary or two each)
+extra tests_varlen 120 python -m pytest -o addopts="" -q -p no:cacheprovider tests/ops/test_varlen.py \
+  tests/model/test_varlen_model.py
+extra train_packed 130 bash -c "python benchmarks/train_speed.py --attentions softmax vq_hard --seq-len 8192 \
+  --batch 8 --steps 30; python benchmarks/train_speed.py --attentions softmax vq_hard --seq-len 8192 --batch 8 \
+  --steps 30 data.pack_documents=true"
 extra layers_chunk 150 $layers --lengths 8192 32768 --layers softmax window vq_hard vq_soft ovq --impl chunk
 true
