@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from .layers import ATTENTIONS, AttentionState, build_attention
 from .ops.checks import check_choice, check_positive_int, compute_dtype
-from .ops.varlen import check_cu_seqlens, positions
+from .ops.varlen import check_cu_seqlens, packed_positions
 
 IGNORE_INDEX = -1  # the target value the loss and every metric skip (unlabelled positions)
 
@@ -169,14 +169,13 @@ class GPT(nn.Module):
             )
 
     def _body(self, idx: torch.Tensor, start: int, states: list[AttentionState | None] | None, cu_seqlens=None,
-              bounds: list[int] | None = None):
+              positions: torch.Tensor | None = None):
         """Token ids (B, T) at positions start.. -> final hidden states (B, T, C), the summed auxiliary loss and
         the new layer states (when ``states`` is given: one per layer, None = fresh start). With ``cu_seqlens``
         (packed sequences, no states) each sequence's positions start at 0."""
         x = self.tok_emb(idx)  # (B, T, C)
         if self.pos_emb is not None:
-            pos = (torch.arange(start, start + idx.shape[1], device=idx.device) if cu_seqlens is None
-                   else positions(bounds, device=idx.device))
+            pos = torch.arange(start, start + idx.shape[1], device=idx.device) if positions is None else positions
             x = x + self.pos_emb(pos)
         x = self.dropout(x)
         aux_losses, new_states = [], []
@@ -207,11 +206,13 @@ class GPT(nn.Module):
         loss is the mean over all tokens, as unpacked. ``state`` is then a list of N GPTStates (None entries start
         fresh) and the output's state such a list.
         """
+        positions = None
         if cu_seqlens is not None:
             self._check_idx("idx", idx, 0)
-            bounds = check_cu_seqlens(cu_seqlens, batch=idx.shape[0], length=idx.shape[1])
             if state is not None or return_state:
+                bounds = check_cu_seqlens(cu_seqlens, batch=idx.shape[0], length=idx.shape[1])
                 return self._per_sequence(idx, targets, bounds, state, return_state)
+            positions = packed_positions(cu_seqlens, batch=idx.shape[0], length=idx.shape[1], device=idx.device)
         if state is not None and not isinstance(state, GPTState):
             raise ValueError(f"state must be a GPTState or None, got {type(state).__name__}")
         start = 0 if state is None else state.pos
@@ -222,8 +223,7 @@ class GPT(nn.Module):
         layer_states = None
         if state is not None or return_state:
             layer_states = [None] * len(self.blocks) if state is None else state.layers
-        h, aux_loss, layer_states = self._body(idx, start, layer_states, cu_seqlens,
-                                               None if cu_seqlens is None else bounds)
+        h, aux_loss, layer_states = self._body(idx, start, layer_states, cu_seqlens, positions)
         logits = self.head(h)  # (B, T, V)
         loss = None if targets is None else self._loss(logits, targets)
         new_state = GPTState(start + idx.shape[1], layer_states) if return_state else None

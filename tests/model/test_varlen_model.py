@@ -108,3 +108,21 @@ def test_bad_packed_input():
     layer = model.blocks[0].attn
     with pytest.raises(ValueError, match="cu_seqlens"):
         layer(torch.randn(2, 10, 32), cu_seqlens=torch.tensor([0, 4, 10], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("name", ["vq_hard", "ovq", "softmax"])
+def test_compiled_packed_calls_do_not_recompile_for_new_documents(name):
+    """The boundaries are read outside the compiled graph: after the first two calls (automatic dynamic shapes),
+    new boundaries and numbers of documents compile nothing new, and the outputs equal eager's."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(attention=name, n_layer=1, n_embd=32, n_head=2, seq_len=64, short_conv=3,
+                          attention_kwargs=LAYER_KWARGS.get(name, {}))).eval()  # no codebook updates between calls
+    compiled = torch.compile(model, backend="eager")
+    idx = torch.randint(0, 256, (1, 60))
+    torch._dynamo.reset()
+    bounds = [[0, 60], [0, 20, 60], [0, 5, 6, 40, 60], [0, 33, 60], [0, 1, 2, 3, 60]]
+    for i, b in enumerate(bounds):
+        cu = torch.tensor(b, dtype=torch.int32)
+        with torch._dynamo.config.patch(error_on_recompile=i >= 2):
+            out = compiled(idx, idx, cu_seqlens=cu)
+        torch.testing.assert_close(out.logits, model(idx, idx, cu_seqlens=cu).logits)

@@ -14,8 +14,7 @@ import torch.nn as nn
 from ..modules.conv import ShortConvolution
 from ..modules.rope import rope_rotate
 from ..ops.checks import check_positive_int
-from ..ops.varlen import check_cu_seqlens
-from ..ops.varlen import positions as token_positions
+from ..ops.varlen import check_cu_seqlens, packed_positions
 
 
 @dataclass
@@ -189,10 +188,10 @@ class Attention(nn.Module):
         check_layer_input(x, self.dim)
         positions = None
         if cu_seqlens is not None:
-            bounds = check_cu_seqlens(cu_seqlens, batch=x.shape[0], length=x.shape[1])
             if state is not None or return_state:
+                bounds = check_cu_seqlens(cu_seqlens, batch=x.shape[0], length=x.shape[1])
                 return self._per_sequence(x, bounds, state, return_state)
-            positions = token_positions(bounds, device=x.device)
+            positions = packed_positions(cu_seqlens, batch=x.shape[0], length=x.shape[1], device=x.device)
         if state is not None and not isinstance(state, AttentionState):
             raise ValueError(f"state must be an AttentionState or None, got {type(state).__name__}")
         b, t, c = x.shape
@@ -265,6 +264,7 @@ class CachedAttention(Attention):
     def _quadratic(self, q, k, v):
         raise NotImplementedError
 
+    @torch.compiler.disable  # the boundaries are read on the host (see vqattn.ops.varlen)
     def _packed_quadratic(self, q, k, v, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """Causal attention of packed sequences: each one's ``_quadratic`` alone."""
         bounds = cu_seqlens.tolist()

@@ -7,7 +7,7 @@ import math
 import torch
 
 from ..codebook import Codebook
-from ..modules.rope import last_position, rope_rotate_clamped, rope_rotate_keeping, slow_pair_start, with_raw_pairs
+from ..modules.rope import rope_rotate_clamped, rope_rotate_keeping, slow_pair_start, with_raw_pairs
 from ..ops.blocks import DEFAULT_BLOCK_LEN
 from ..ops.checks import check_choice, check_positive_int
 from ..ops.common.memory_cap import RAW_WINDOW, layer_memory_cap
@@ -150,7 +150,8 @@ class OnlineVQAttention(Attention):
     def _clamped_memory_rotation(self, x: torch.Tensor, pos: int | torch.Tensor) -> torch.Tensor | None:
         """x (B, H, T, Dh) at positions pos.. rotated with the slow pairs clamped at memory_rope_clamp, or None when
         no position passes it (then it is RoPE's rotation)."""
-        if last_position(pos, x.shape[-2]) <= self.memory_rope_clamp:
+        # packed sequences' positions are a tensor: rotated with the clamp, a no-op below it (no host read)
+        if not isinstance(pos, torch.Tensor) and pos + x.shape[-2] - 1 <= self.memory_rope_clamp:
             return None
         return rope_rotate_clamped(x, pos, self.rope_base, self.memory_clamped_from, self.memory_rope_clamp)
 

@@ -27,11 +27,6 @@ def token_positions(start: int | torch.Tensor, length: int, device: torch.device
     return torch.arange(start, start + length, dtype=torch.float64, device=device)
 
 
-def last_position(start: int | torch.Tensor, length: int) -> int:
-    """The largest position among ``length`` tokens from ``start`` (an int, or a tensor of positions)."""
-    return int(start.max()) if isinstance(start, torch.Tensor) else start + length - 1
-
-
 def _rope_cos_sin(start: int | torch.Tensor, length: int, head_dim: int, base: float, device: torch.device,
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = rope_frequencies(head_dim, base, device)  # (D/2,)

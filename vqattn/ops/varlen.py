@@ -27,7 +27,7 @@ import torch
 
 from .common.statistics import Assignment, map_time
 
-__all__ = ["varlen", "check_cu_seqlens", "cu_seqlens_from_starts", "positions"]
+__all__ = ["varlen", "check_cu_seqlens", "cu_seqlens_from_starts", "positions", "packed_positions"]
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, *, batch: int, length: int) -> list[int]:
@@ -73,6 +73,14 @@ def positions(cu_seqlens: torch.Tensor | Sequence[int], offsets: Sequence[int] |
     first = torch.repeat_interleave(torch.tensor(starts, device=device), torch.tensor(lengths, device=device),
                                     output_size=cu_seqlens[-1])
     return torch.arange(cu_seqlens[-1], device=device) - first
+
+
+@torch.compiler.disable
+def packed_positions(cu_seqlens: torch.Tensor, *, batch: int, length: int, device: torch.device) -> torch.Tensor:
+    """:func:`check_cu_seqlens`, then :func:`positions`: what a packed layer or model call needs, outside
+    ``torch.compile``: the boundaries are read on the host, and a compiled graph that saw them as numbers would
+    recompile for every new batch of documents."""
+    return positions(check_cu_seqlens(cu_seqlens, batch=batch, length=length), device=device)
 
 
 def _time_map(x, fn):
@@ -137,6 +145,12 @@ def varlen(per_token: tuple[str, ...]) -> Callable:
         def packed(*args, cu_seqlens: torch.Tensor | None = None, **kwargs):
             if cu_seqlens is None:
                 return op(*args, **kwargs)
+            return run_packed(args, kwargs, cu_seqlens)
+
+        # Outside torch.compile: the boundaries are read on the host, and a graph that saw them as numbers would
+        # recompile for every new batch of documents; the op itself runs as in eager mode.
+        @torch.compiler.disable
+        def run_packed(args, kwargs, cu_seqlens):
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
             given = dict(bound.arguments)
