@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from .layers import ATTENTIONS, AttentionState, build_attention
 from .ops.checks import check_choice, check_positive_int, compute_dtype
-from .ops.varlen import check_cu_seqlens, packed_positions
+from .ops.varlen import check_cu_seqlens, check_state_list, packed_positions
 
 IGNORE_INDEX = -1  # the target value the loss and every metric skip (unlabelled positions)
 
@@ -236,10 +236,7 @@ class GPT(nn.Module):
 
     def _per_sequence(self, idx, targets, bounds: list[int], state, return_state: bool) -> GPTOutput:
         """A packed call with states: each sequence alone with its own state (their positions differ)."""
-        n = len(bounds) - 1
-        if state is not None and (not isinstance(state, (list, tuple)) or len(state) != n):
-            raise ValueError(f"with cu_seqlens, state must be a list of {n} GPTStates (one per sequence, None to "
-                             f"start fresh), got {type(state).__name__}")
+        check_state_list(state, bounds, "GPTStates")
         if targets is not None and (not isinstance(targets, torch.Tensor) or targets.shape != idx.shape):
             self.forward(idx, targets)  # raises the ValueError about targets
         parts = [self(idx[:, a:b], state=None if state is None else state[i], return_state=return_state)

@@ -14,7 +14,7 @@ import torch.nn as nn
 from ..modules.conv import ShortConvolution
 from ..modules.rope import rope_rotate
 from ..ops.checks import check_positive_int
-from ..ops.varlen import check_cu_seqlens, packed_positions
+from ..ops.varlen import check_cu_seqlens, check_state_list, packed_positions
 
 
 @dataclass
@@ -215,10 +215,7 @@ class Attention(nn.Module):
     def _per_sequence(self, x, bounds: list[int], state, return_state: bool) -> AttentionOutput:
         """A packed call with states: each sequence alone, with its own state; the aux loss their token-weighted
         mean, as one packed call gives it."""
-        n = len(bounds) - 1
-        if state is not None and (not isinstance(state, (list, tuple)) or len(state) != n):
-            raise ValueError(f"with cu_seqlens, state must be a list of {n} AttentionStates (one per sequence, None "
-                             f"to start fresh), got {type(state).__name__}")
+        check_state_list(state, bounds, "AttentionStates")
         parts = [self(x[:, a:b], None if state is None else state[i], return_state)
                  for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
         aux = sum(p.aux_loss * (b - a) for p, a, b in zip(parts, bounds, bounds[1:])) / bounds[-1]

@@ -27,7 +27,7 @@ import torch
 
 from .common.statistics import Assignment, map_time
 
-__all__ = ["varlen", "check_cu_seqlens", "cu_seqlens_from_starts", "positions", "packed_positions"]
+__all__ = ["varlen", "check_cu_seqlens", "cu_seqlens_from_starts", "positions", "packed_positions", "check_state_list"]
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, *, batch: int, length: int) -> list[int]:
@@ -96,12 +96,18 @@ def _padded(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x[:, index].movedim(1, 0)
 
 
-def _per_sequence(call, per_token: dict, bounds: list[int], state, return_state: bool):
+def check_state_list(state, bounds: list[int], kind: str = "states") -> None:
+    """ValueError unless ``state`` is None or a list of one state per sequence of ``bounds`` (None entries start
+    fresh): what a packed call with states takes, in the ops, the layers and the model."""
     n = len(bounds) - 1
     if state is not None and (not isinstance(state, (list, tuple)) or len(state) != n):
-        raise ValueError(f"with cu_seqlens, state must be a list of {n} states (one per sequence, None to start "
-                         f"fresh), got {type(state).__name__}" + (f" of {len(state)}" if isinstance(state, (list, tuple))
-                                                                   else ""))
+        size = f" of {len(state)}" if isinstance(state, (list, tuple)) else ""
+        raise ValueError(f"with cu_seqlens, state must be a list of {n} {kind} (one per sequence, None to start "
+                         f"fresh), got {type(state).__name__}{size}")
+
+
+def _per_sequence(call, per_token: dict, bounds: list[int], state, return_state: bool):
+    check_state_list(state, bounds)
     outs, states = [], []
     for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
         args = {name: _time_map(x, lambda t: t[:, :, a:b]) for name, x in per_token.items()}
