@@ -28,13 +28,14 @@ import torch
 
 from ..common.layout import empty_like_order
 from ..devices import triton
+from .scans import exclusive_scan
 from .utils import dot_dtype, register_width, three_programs_per_sm, unit_last
 from .window_codes import WindowCodes
 
 if triton is not None:
     import triton.language as tl
 
-    from .utils import LOG2E, load_rows
+    from .utils import LOG2E, code_tile_layout, hard_index, load_cache, load_rows, store_cache
 
 # Floats of one program's running tile of value sums (codes × value dims) kept in registers.
 TILE_FLOATS = 4096
@@ -54,41 +55,13 @@ MIN_SEGMENT_STEPS = 8
 if triton is not None:
 
     @triton.jit
-    def _hard_index(IDX, bh, rows, T):
-        """The codes (L,) of the keys ``rows`` of a hard index (BH, T), −1 outside the sequence, in 32 bits (a long
-        index compares with a tile's codes as two 32-bit halves per element)."""
-        return tl.load(IDX + bh * T + rows, mask=(rows >= 0) & (rows < T), other=-1).to(tl.int32)
-
-    @triton.jit
     def _assignment_tile(IDX, WTS, bh, rows, codes, T, S, HARD: tl.constexpr):
         """Δ (L, BS) float32 of the keys ``rows`` to the codes ``codes``: one-hot rows of the hard index (BH, T),
         or the soft weights (BH, T, S); 0 past T and past S."""
         if HARD:
-            return (_hard_index(IDX, bh, rows, T)[:, None] == codes[None, :]).to(tl.float32)
+            return (hard_index(IDX, bh, rows, T)[:, None] == codes[None, :]).to(tl.float32)
         return tl.load(WTS + (bh * T + rows[:, None]) * S + codes[None, :],
                        mask=(rows[:, None] >= 0) & (rows[:, None] < T) & (codes[None, :] < S), other=0.0).to(tl.float32)
-
-    @triton.jit
-    def _code_tile_layout(S, DV, BS: tl.constexpr, BDV: tl.constexpr):
-        """This program's tile of codes: their indices (BS,), which of them exist, and the (BS, BDV) mask and
-        offsets of the tile in one (S, DV) matrix of value sums."""
-        codes = tl.program_id(0) * BS + tl.arange(0, BS)
-        present = codes < S
-        dv = tl.arange(0, BDV)
-        return codes, present, present[:, None] & (dv[None, :] < DV), codes[:, None] * DV + dv[None, :]
-
-    @triton.jit
-    def _load_cache(N, C, row, S, DV, codes, offsets, mask, tile_mask):
-        """The tile of cache ``row`` of counts N (·, S) and sums C (·, S, DV) (of any float type), 0 where ``mask``
-        (BS,) is off, as float32."""
-        n = tl.load(N + row * S + codes, mask=mask, other=0.0).to(tl.float32)
-        sums = tl.load(C + row * S * DV + offsets, mask=tile_mask & mask[:, None], other=0.0).to(tl.float32)
-        return n, sums
-
-    @triton.jit
-    def _store_cache(N, C, row, S, DV, codes, offsets, n, sums, mask, tile_mask):
-        tl.store(N + row * S + codes, n, mask=mask)
-        tl.store(C + row * S * DV + offsets, sums.to(C.dtype.element_ty), mask=tile_mask & mask[:, None])
 
     @triton.jit
     def _add_block(IDX, WTS, V, n, sums, blk, bh, sv_b, sv_h, sv_t, H, T, S, DV, codes, L: tl.constexpr,
@@ -108,7 +81,7 @@ if triton is not None:
         branch, for blk = nb: a straight loop body lets the compiler prefetch the next block's keys while this one
         is summed), then block blk − 1's statistics added (none for blk = 0); returns the new n, sums."""
         blocks = blk + tl.zeros([BS], tl.int32)  # the block index as a vector: masks of one type
-        _store_cache(NB, CB, bh * nb + blk, S, DV, codes, offsets, n, sums, present & (blocks < nb), tile_mask)
+        store_cache(NB, CB, bh * nb + blk, S, DV, codes, offsets, n, sums, present & (blocks < nb), tile_mask)
         return _add_block(IDX, WTS, V, n, sums, blk - 1, bh, sv_b, sv_h, sv_t, H, T, S, DV, codes, L, BDV, HARD, DOT,
                           PREC)
 
@@ -122,8 +95,8 @@ if triton is not None:
         after it."""
         bh, seg = tl.program_id(1), tl.program_id(2)
         nb = tl.cdiv(T, L)
-        codes, present, tile_mask, offsets = _code_tile_layout(S, DV, BS, BDV)
-        n, sums = _load_cache(N0, C0, bh * nseg + seg, S, DV, codes, offsets, present, tile_mask)
+        codes, present, tile_mask, offsets = code_tile_layout(S, DV, BS, BDV)
+        n, sums = load_cache(N0, C0, bh * nseg + seg, S, DV, codes, offsets, present, tile_mask)
         start = seg * seg_steps
         end = tl.minimum(start + seg_steps, nb + 1)
         mid = tl.minimum(tl.maximum(fold + 1, start), end)
@@ -132,7 +105,7 @@ if triton is not None:
             n, sums = _prefix_step(IDX, WTS, V, NB, CB, n, sums, blk, bh, nb, sv_b, sv_h, sv_t, H, T, S, DV, codes,
                                    present, tile_mask, offsets, L, BS, BDV, HARD, DOT, PREC)
         folds = fold + tl.zeros([BS], tl.int32)
-        _store_cache(NF, CF, bh, S, DV, codes, offsets, n, sums, present & (folds >= start) & (folds < end),
+        store_cache(NF, CF, bh, S, DV, codes, offsets, n, sums, present & (folds >= start) & (folds < end),
                      tile_mask)
         for blk in range(mid, end):
             n, sums = _prefix_step(IDX, WTS, V, NB, CB, n, sums, blk, bh, nb, sv_b, sv_h, sv_t, H, T, S, DV, codes,
@@ -147,35 +120,14 @@ if triton is not None:
         parallel, then a short scan over the segments)."""
         bh, seg = tl.program_id(1), tl.program_id(2)
         nb = tl.cdiv(T, L)
-        codes, present, tile_mask, offsets = _code_tile_layout(S, DV, BS, BDV)
+        codes, present, tile_mask, offsets = code_tile_layout(S, DV, BS, BDV)
         n = tl.zeros([BS], tl.float32)
         sums = tl.zeros([BS, BDV], tl.float32)
         start = seg * seg_steps
         for blk in range(start, tl.minimum(start + seg_steps, nb + 1)):
             n, sums = _add_block(IDX, WTS, V, n, sums, blk - 1, bh, sv_b, sv_h, sv_t, H, T, S, DV, codes, L, BDV,
                                  HARD, DOT, PREC)
-        _store_cache(TN, TC, bh * nseg + seg, S, DV, codes, offsets, n, sums, present, tile_mask)
-
-    @triton.jit
-    def _segment_scan_kernel(TN, TC, N0, C0, S, DV, nseg, BS: tl.constexpr, BDV: tl.constexpr,
-                             REVERSE: tl.constexpr, HAS_BASE: tl.constexpr):
-        """The segments' totals TN (B·H, nseg, S), TC (B·H, nseg, S, DV) replaced in place by their exclusive
-        prefix sums from the base N0 (B·H, S), C0 (B·H, S, DV) (with HAS_BASE, else 0), or with REVERSE by their
-        exclusive suffix sums."""
-        bh = tl.program_id(1)
-        codes, present, tile_mask, offsets = _code_tile_layout(S, DV, BS, BDV)
-        n = tl.zeros([BS], tl.float32)
-        sums = tl.zeros([BS, BDV], tl.float32)
-        if HAS_BASE:
-            n, sums = _load_cache(N0, C0, bh, S, DV, codes, offsets, present, tile_mask)
-        for i in range(0, nseg):
-            seg = i
-            if REVERSE:
-                seg = nseg - 1 - i
-            t_n, t_sums = _load_cache(TN, TC, bh * nseg + seg, S, DV, codes, offsets, present, tile_mask)
-            _store_cache(TN, TC, bh * nseg + seg, S, DV, codes, offsets, n, sums, present, tile_mask)
-            n += t_n
-            sums += t_sums
+        store_cache(TN, TC, bh * nseg + seg, S, DV, codes, offsets, n, sums, present, tile_mask)
 
     @triton.jit
     def _walk_cache_grad(QC, c, CNT, BIAS, DO, LSE, DELTA, sqc_b, sqc_h, sqc_t, sdo_b, sdo_h, sdo_t, blk, bh, nb, H,
@@ -221,7 +173,7 @@ if triton is not None:
                                            HAS_BIAS, COUNTS_GRAD, DOT, SUM_DOT, PREC)
         else:
             blocks = blk + tl.zeros([BS], tl.int32)
-            d_n, d_sums = _load_cache(DNB, DCB, bh * nb + blk, S, DV, codes, offsets, present & (blocks < nb),
+            d_n, d_sums = load_cache(DNB, DCB, bh * nb + blk, S, DV, codes, offsets, present & (blocks < nb),
                                       tile_mask)
         return d_n, d_sums
 
@@ -241,7 +193,7 @@ if triton is not None:
         if HARD:
             # this tile holds the row's code: its index against the tile's range, not a row sum over the one-hot
             first = tl.program_id(0) * BS
-            index = _hard_index(IDX, bh, rows, T)
+            index = hard_index(IDX, bh, rows, T)
             held = (index >= first) & (index < first + BS)
             if ADD_TO_DVAL:
                 d_values += tl.load(DVAL + value_offsets, mask=row_mask & held[:, None], other=0.0).to(tl.float32)
@@ -295,7 +247,7 @@ if triton is not None:
         later."""
         bh, seg = tl.program_id(1), tl.program_id(2)
         nb = tl.cdiv(T, L)
-        codes, present, tile_mask, offsets = _code_tile_layout(S, DV, BS, BDV)
+        codes, present, tile_mask, offsets = code_tile_layout(S, DV, BS, BDV)
         c = _walk_codes(CB, bh, H, S, DC, codes, present, BS, BDC, DOT, WALK_DC)
         g_n = tl.zeros([BS], tl.float32)
         g_sums = tl.zeros([BS, BDV], tl.float32)
@@ -307,7 +259,7 @@ if triton is not None:
                                             SUM_DOT, PREC, WALK_DC)
             g_n += d_n
             g_sums += d_sums
-        _store_cache(TN, TC, bh * nseg + seg, S, DV, codes, offsets, g_n, g_sums, present, tile_mask)
+        store_cache(TN, TC, bh * nseg + seg, S, DV, codes, offsets, g_n, g_sums, present, tile_mask)
 
     @triton.jit
     def _prefix_backward_kernel(IDX, WTS, V, DNB, DCB, DNF, DCF, DN0, DC0, DVAL, DWTS, TN, TC, sv_b, sv_h, sv_t,
@@ -326,13 +278,13 @@ if triton is not None:
         DELTA). Segment 0 also writes the initial cache's gradient DN0, DC0."""
         bh, seg = tl.program_id(1), tl.program_id(2)
         nb = tl.cdiv(T, L)
-        codes, present, tile_mask, offsets = _code_tile_layout(S, DV, BS, BDV)
+        codes, present, tile_mask, offsets = code_tile_layout(S, DV, BS, BDV)
         scale2 = scale * LOG2E
         c = _walk_codes(CB, bh, H, S, DC, codes, present, BS, BDC, DOT, WALK_DC)
         g_n = tl.zeros([BS], tl.float32)
         g_sums = tl.zeros([BS, BDV], tl.float32)
         if SPLIT:
-            g_n, g_sums = _load_cache(TN, TC, bh * nseg + seg, S, DV, codes, offsets, present, tile_mask)
+            g_n, g_sums = load_cache(TN, TC, bh * nseg + seg, S, DV, codes, offsets, present, tile_mask)
         lo = seg * seg_steps
         hi = tl.minimum(lo + seg_steps, nb)
         mid = tl.minimum(tl.maximum(fold, lo), hi)
@@ -340,7 +292,7 @@ if triton is not None:
         # < fold, the state's: two walks, the state's gradient added once between them, or already in the running
         # sum when its first block lies in a later segment
         folds = fold + tl.zeros([BS], tl.int32)
-        f_n, f_sums = _load_cache(DNF, DCF, bh, S, DV, codes, offsets, present & (folds > hi), tile_mask)
+        f_n, f_sums = load_cache(DNF, DCF, bh, S, DV, codes, offsets, present & (folds > hi), tile_mask)
         g_n += f_n
         g_sums += f_sums
         for back in range(0, hi - mid):
@@ -350,7 +302,7 @@ if triton is not None:
                                         sdo_h, sdo_t, H, T, S, DC, DV, codes, present, tile_mask, offsets, scale2, L,
                                         BS, BDC, BDV, HARD, HAS_BIAS, COUNTS_GRAD, DOT, SUM_DOT, PREC, WALK_DC,
                                         ADD_TO_DVAL)
-        f_n, f_sums = _load_cache(DNF, DCF, bh, S, DV, codes, offsets, present & (folds > lo) & (folds <= hi),
+        f_n, f_sums = load_cache(DNF, DCF, bh, S, DV, codes, offsets, present & (folds > lo) & (folds <= hi),
                                   tile_mask)
         g_n += f_n
         g_sums += f_sums
@@ -363,7 +315,7 @@ if triton is not None:
                                         ADD_TO_DVAL)
         if seg == 0:
             # the initial cache is in every block's cache, and in the state (fold = 0: only there)
-            f_n, f_sums = _load_cache(DNF, DCF, bh, S, DV, codes, offsets, present & (folds == 0), tile_mask)
+            f_n, f_sums = load_cache(DNF, DCF, bh, S, DV, codes, offsets, present & (folds == 0), tile_mask)
             g_n += f_n
             g_sums += f_sums
             for blk in range(0, tl.minimum(nb, 2)):
@@ -373,7 +325,7 @@ if triton is not None:
                                                 DOT, SUM_DOT, PREC, WALK_DC)
                 g_n += d_n
                 g_sums += d_sums
-            _store_cache(DN0, DC0, bh, S, DV, codes, offsets, g_n, g_sums, present, tile_mask)
+            store_cache(DN0, DC0, bh, S, DV, codes, offsets, g_n, g_sums, present, tile_mask)
 
 def _launch(hard: bool, forward: bool, device: torch.device) -> dict:
     """Launch settings (the figures behind them: docs/performance_notes.md, "Kernel resources"). The hard backward
@@ -451,8 +403,7 @@ def prefix_forward(index, weights, v, counts0, sums0, *, block_len: int, fold: i
         base_n, base_c = torch.empty(B * H, nseg, S, **f32), torch.empty(B * H, nseg, S, DV, **f32)
         _prefix_segment_kernel[(*grid, nseg)](TN=base_n, TC=base_c, **inputs, nseg=nseg, seg_steps=seg_steps, **meta,
                                               **_launch(hard, True, v.device))
-        _segment_scan_kernel[grid](TN=base_n, TC=base_c, N0=n0, C0=c0, S=S, DV=DV, nseg=nseg, BS=meta["BS"], BDV=BDV,
-                                   REVERSE=False, HAS_BASE=True)
+        exclusive_scan(base_n, base_c, code_tile=meta["BS"], base=(n0.view(B * H, S), c0.view(B * H, S, DV)))
     _prefix_kernel[(*grid, nseg)](N0=base_n, C0=base_c, NB=cache_n, CB=cache_c, NF=fold_n, CF=fold_c, **inputs,
                                   fold=fold, nseg=nseg, seg_steps=seg_steps, **meta, **_launch(hard, True, v.device))
     return Prefix(idx, wts, v, meta, grid, fold, cache_n, cache_c, fold_n, fold_c)
@@ -514,8 +465,7 @@ def reverse_walk(p: Prefix, d_fold_n, d_fold_c, *, d_cache_n=None, d_cache_c=Non
         _reverse_segment_kernel[(*p.grid, nseg)](
             TN=totals_n, TC=totals_c, **walk, H=H, T=T, S=S, DV=DV, nseg=nseg, seg_steps=seg_steps, **meta,
             **_launch(hard, False, p.v.device))
-        _segment_scan_kernel[p.grid](TN=totals_n, TC=totals_c, N0=d_n0, C0=d_c0, S=S, DV=DV, nseg=nseg,
-                                     BS=p.meta["BS"], BDV=p.meta["BDV"], REVERSE=True, HAS_BASE=False)
+        exclusive_scan(totals_n, totals_c, code_tile=p.meta["BS"], reverse=True)
     _prefix_backward_kernel[(*p.grid, nseg)](
         IDX=p.idx, WTS=p.wts, V=p.v, DNF=d_fold_n, DCF=d_fold_c, DN0=d_n0, DC0=d_c0, DVAL=dval, DWTS=d_weights,
         TN=totals_n, TC=totals_c, sv_b=p.v.stride(0), sv_h=p.v.stride(1), sv_t=p.v.stride(2), sd_b=dval.stride(0),

@@ -240,3 +240,43 @@ if triton is not None:
         z = z * rescale + tl.sum(p * weights[None, :], 1)
         acc = tl.dot(p.to(VALUE_DOT), values, acc * rescale[:, None], input_precision=PREC)  # added in the product
         return m_new, z, acc
+
+    @triton.jit
+    def window_keys(KW, BAD, skw_b, skw_h, skw_t, b, h, bh, rows, T, D, L: tl.constexpr, BD: tl.constexpr,
+                    DOT: tl.constexpr, HAS_BAD: tl.constexpr):
+        """The window's keys of ``rows`` (L, BD) as DOT, and with HAS_BAD which of them are bad (L,) (non-finite:
+        read as zeros, as the unfused impls zero them beforehand; their gradient is 0)."""
+        kw = load_rows(KW, skw_b, skw_h, skw_t, b, h, rows, T, D, BD, DOT)
+        bad = tl.zeros([L], tl.int1)
+        if HAS_BAD:
+            bad = tl.load(BAD + bh * T + rows, mask=(rows >= 0) & (rows < T), other=0) != 0
+            kw = tl.where(bad[:, None], tl.zeros_like(kw), kw)
+        return kw, bad
+
+    @triton.jit
+    def hard_index(IDX, bh, rows, T):
+        """The codes (L,) of the keys ``rows`` of a hard index (BH, T), −1 outside the sequence, in 32 bits (a long
+        index compares with a tile's codes as two 32-bit halves per element)."""
+        return tl.load(IDX + bh * T + rows, mask=(rows >= 0) & (rows < T), other=-1).to(tl.int32)
+
+    @triton.jit
+    def code_tile_layout(S, DV, BS: tl.constexpr, BDV: tl.constexpr):
+        """This program's tile of codes: their indices (BS,), which of them exist, and the (BS, BDV) mask and
+        offsets of the tile in one (S, DV) matrix of value sums."""
+        codes = tl.program_id(0) * BS + tl.arange(0, BS)
+        present = codes < S
+        dv = tl.arange(0, BDV)
+        return codes, present, present[:, None] & (dv[None, :] < DV), codes[:, None] * DV + dv[None, :]
+
+    @triton.jit
+    def load_cache(N, C, row, S, DV, codes, offsets, mask, tile_mask):
+        """The tile of cache ``row`` of counts N (·, S) and sums C (·, S, DV) (of any float type), 0 where ``mask``
+        (BS,) is off, as float32."""
+        n = tl.load(N + row * S + codes, mask=mask, other=0.0).to(tl.float32)
+        sums = tl.load(C + row * S * DV + offsets, mask=tile_mask & mask[:, None], other=0.0).to(tl.float32)
+        return n, sums
+
+    @triton.jit
+    def store_cache(N, C, row, S, DV, codes, offsets, n, sums, mask, tile_mask):
+        tl.store(N + row * S + codes, n, mask=mask)
+        tl.store(C + row * S * DV + offsets, sums.to(C.dtype.element_ty), mask=tile_mask & mask[:, None])

@@ -46,7 +46,16 @@ from .utils import (
 if triton is not None:
     import triton.language as tl
 
-    from .utils import LOG2E, block_bias, code_tile, load_rows, online_softmax_step, store_rows, window_logits
+    from .utils import (
+        LOG2E,
+        block_bias,
+        code_tile,
+        load_rows,
+        online_softmax_step,
+        store_rows,
+        window_keys,
+        window_logits,
+    )
 
 
 
@@ -80,18 +89,6 @@ def _code_backward_launch(meta: dict, codebook_grad: bool, device: torch.device)
 
 if triton is not None:
     @triton.jit
-    def _window_keys(KW, BAD, skw_b, skw_h, skw_t, b, h, bh, rows, T, D, L: tl.constexpr, BD: tl.constexpr,
-                     DOT: tl.constexpr, HAS_BAD: tl.constexpr):
-        """The window's keys of ``rows`` (L, BD) as DOT, and with HAS_BAD which of them are bad (L,) (non-finite:
-        read as zeros, as the unfused impls zero them beforehand; their gradient is 0)."""
-        kw = load_rows(KW, skw_b, skw_h, skw_t, b, h, rows, T, D, BD, DOT)
-        bad = tl.zeros([L], tl.int1)
-        if HAS_BAD:
-            bad = tl.load(BAD + bh * T + rows, mask=(rows >= 0) & (rows < T), other=0) != 0
-            kw = tl.where(bad[:, None], tl.zeros_like(kw), kw)
-        return kw, bad
-
-    @triton.jit
     def _window_code_forward_kernel(QW, KW, V, QC, CB, CNT, SUM, BIAS, BAD, O, LSE,
                         sqw_b, sqw_h, sqw_t, skw_b, skw_h, skw_t, sv_b, sv_h, sv_t, sqc_b, sqc_h, sqc_t,
                         so_b, so_h, so_t,
@@ -110,9 +107,9 @@ if triton is not None:
         acc = tl.zeros([L, BDV], tl.float32)
         # both blocks' keys and values loaded before either is scored: one trip to memory, not two
         cols = rows - L
-        kw_prev, bad_prev = _window_keys(KW, BAD, skw_b, skw_h, skw_t, b, h, bh, cols, T, D, L, BD, DOT, HAS_BAD)
+        kw_prev, bad_prev = window_keys(KW, BAD, skw_b, skw_h, skw_t, b, h, bh, cols, T, D, L, BD, DOT, HAS_BAD)
         v_prev = load_rows(V, sv_b, sv_h, sv_t, b, h, cols, T, DV, BDV, DOT)
-        kw, bad = _window_keys(KW, BAD, skw_b, skw_h, skw_t, b, h, bh, rows, T, D, L, BD, DOT, HAS_BAD)
+        kw, bad = window_keys(KW, BAD, skw_b, skw_h, skw_t, b, h, bh, rows, T, D, L, BD, DOT, HAS_BAD)
         v = load_rows(V, sv_b, sv_h, sv_t, b, h, rows, T, DV, BDV, DOT)
         ones = tl.full([L], 1.0, tl.float32)
         # the current block first: its diagonal keeps every row's max finite from the start
@@ -186,9 +183,9 @@ if triton is not None:
         do_n, lse_n, delta_n = _output_grads(DO, LSE, DELTA, sdo_b, sdo_h, sdo_t, b, h, bh, next_rows, T, DV, BDV,
                                              DOT)
         cols = rows - L
-        kw_prev, bad_prev = _window_keys(KW, BAD, skw_b, skw_h, skw_t, b, h, bh, cols, T, D, L, BD, DOT, HAS_BAD)
+        kw_prev, bad_prev = window_keys(KW, BAD, skw_b, skw_h, skw_t, b, h, bh, cols, T, D, L, BD, DOT, HAS_BAD)
         v_prev = load_rows(V, sv_b, sv_h, sv_t, b, h, cols, T, DV, BDV, DOT)
-        kw, bad = _window_keys(KW, BAD, skw_b, skw_h, skw_t, b, h, bh, rows, T, D, L, BD, DOT, HAS_BAD)
+        kw, bad = window_keys(KW, BAD, skw_b, skw_h, skw_t, b, h, bh, rows, T, D, L, BD, DOT, HAS_BAD)
         v = load_rows(V, sv_b, sv_h, sv_t, b, h, rows, T, DV, BDV, DOT)
         # the previous key block: its share of dq (its own dk and dv are the previous program's)
         p, ds = _window_grads(qw, kw_prev, v_prev, do_dot, lse, delta, rows, cols, T, scale2, DOT, PREC)
