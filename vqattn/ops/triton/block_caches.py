@@ -35,7 +35,7 @@ from .window_codes import WindowCodes
 if triton is not None:
     import triton.language as tl
 
-    from .utils import LOG2E, code_tile_layout, hard_index, load_cache, load_rows, store_cache
+    from .utils import LOG2E, cache_grad_of_queries, code_tile_layout, hard_index, load_cache, load_rows, store_cache
 
 # Floats of one program's running tile of value sums (codes × value dims) kept in registers.
 TILE_FLOATS = 4096
@@ -139,25 +139,14 @@ if triton is not None:
         probabilities per count (0 for empty codes and past T), dC = w_nᵀ dO (BS, BDV) and dn = −w_nᵀ Δ (BS,)
         (with COUNTS_GRAD, else 0). Zero for blk ≥ nb."""
         rows = blk * L + tl.arange(0, L)
-        inside = rows < T
-        b, h = bh // H, bh % H
-        qc = load_rows(QC, sqc_b, sqc_h, sqc_t, b, h, rows, T, DC, BDC, DOT)
-        do = load_rows(DO, sdo_b, sdo_h, sdo_t, b, h, rows, T, DV, BDV, SUM_DOT)
-        lse = tl.load(LSE + bh * T + rows, mask=inside, other=0.0)
         blocks = blk + tl.zeros([BS], tl.int32)  # the block index as a vector: masks of one type
         n = tl.load(CNT + (bh * nb + blk) * S + codes, mask=present & (blocks < nb), other=0.0)
         bias = 0.0
         if HAS_BIAS:
             bias = tl.load(BIAS + tl.minimum(blk, nb - 1))  # past the last block every row is outside anyway
-        offset = tl.where(n > 0, bias * LOG2E, float("-inf"))
-        logits = tl.dot(qc, tl.trans(c), input_precision=PREC) * scale2 + offset[None, :]
-        w_n = tl.where(inside[:, None], tl.exp2(logits - lse[:, None]), 0.0)
-        d_sums = tl.dot(tl.trans(w_n.to(SUM_DOT)), do, input_precision=PREC)
-        d_n = tl.zeros([BS], tl.float32)
-        if COUNTS_GRAD:
-            delta = tl.load(DELTA + bh * T + rows, mask=inside, other=0.0)
-            d_n = -tl.sum(w_n * delta[:, None], 0)
-        return d_n, d_sums
+        return cache_grad_of_queries(QC, c, n, bias, DO, LSE, DELTA, sqc_b, sqc_h, sqc_t, sdo_b, sdo_h, sdo_t,
+                                     bh // H, bh % H, bh, rows, T, DC, DV, scale2, BDC, BDV, COUNTS_GRAD, DOT,
+                                     SUM_DOT, PREC)
 
     @triton.jit
     def _block_cache_grad(DNB, DCB, QC, c, CNT, BIAS, DO, LSE, DELTA, sqc_b, sqc_h, sqc_t, sdo_b, sdo_h, sdo_t, blk,

@@ -280,3 +280,65 @@ if triton is not None:
     def store_cache(N, C, row, S, DV, codes, offsets, n, sums, mask, tile_mask):
         tl.store(N + row * S + codes, n, mask=mask)
         tl.store(C + row * S * DV + offsets, sums.to(C.dtype.element_ty), mask=tile_mask & mask[:, None])
+
+    @triton.jit
+    def output_grads(DO, LSE, DELTA, sdo_b, sdo_h, sdo_t, b, h, bh, rows, T, DV, BDV: tl.constexpr,
+                     DOT: tl.constexpr):
+        """What the backward pass reads of the outputs of rows ``rows``: their gradients dO as DOT, their
+        logsumexp and Δ_i = dO_i·out_i (zeros past T)."""
+        do = load_rows(DO, sdo_b, sdo_h, sdo_t, b, h, rows, T, DV, BDV, DOT)
+        lse = tl.load(LSE + bh * T + rows, mask=rows < T, other=0.0)
+        delta = tl.load(DELTA + bh * T + rows, mask=rows < T, other=0.0)
+        return do, lse, delta
+
+    @triton.jit
+    def cache_grad_of_queries(QC, c, n, bias, DO, LSE, DELTA, sqc_b, sqc_h, sqc_t, sdo_b, sdo_h, sdo_t, b, h, bh,
+                              rows, T, DC, DV, scale2, BDC: tl.constexpr, BDV: tl.constexpr,
+                              COUNTS_GRAD: tl.constexpr, DOT: tl.constexpr, SUM_DOT: tl.constexpr,
+                              PREC: tl.constexpr):
+        """The gradient of a cache of counts n (BS,) for a tile of its codes c (BS, BDC) from the queries ``rows``
+        that read it with memory bias ``bias`` (natural): with w_n = exp2(σ qc·c + β − lse) the codes'
+        probabilities per count (0 for empty codes and past T), dC = w_nᵀ dO (BS, BDV) float32 and dn = −w_nᵀ Δ
+        (BS,) (with COUNTS_GRAD, else 0): out_i = (Σ_s exp(l_is) C_s + window) / (Σ_s exp(l_is) n_s + window)."""
+        inside = rows < T
+        qc = load_rows(QC, sqc_b, sqc_h, sqc_t, b, h, rows, T, DC, BDC, DOT)
+        do = load_rows(DO, sdo_b, sdo_h, sdo_t, b, h, rows, T, DV, BDV, SUM_DOT)
+        lse = tl.load(LSE + bh * T + rows, mask=inside, other=0.0)
+        offset = tl.where(n > 0, bias * LOG2E, float("-inf"))
+        logits = tl.dot(qc, tl.trans(c), input_precision=PREC) * scale2 + offset[None, :]
+        w_n = tl.where(inside[:, None], tl.exp2(logits - lse[:, None]), 0.0)
+        d_sums = tl.dot(tl.trans(w_n.to(SUM_DOT)), do, input_precision=PREC)
+        d_n = tl.zeros_like(n)
+        if COUNTS_GRAD:
+            delta = tl.load(DELTA + bh * T + rows, mask=inside, other=0.0)
+            d_n = -tl.sum(w_n * delta[:, None], 0)
+        return d_n, d_sums
+
+    @triton.jit
+    def code_tile_grads(CB, CNT, SUM, book, cache, bias, s0, S, DC, DV, qc, do_sums, lse, delta, rows, T, dqc, scale2,
+                        BS: tl.constexpr, BDC: tl.constexpr, BDV: tl.constexpr, DOT: tl.constexpr,
+                        SUM_DOT: tl.constexpr, PREC: tl.constexpr):
+        """The backward of one :func:`code_tile` read by the queries ``rows``: dqc plus this tile's share (without
+        the scale σ), the logits' gradient ds (rows, BS) and w_n = exp2(l − lse), the codes' probabilities per
+        count (0 past T). With means C / n the logits' gradient w (dO·C / n − Δ) is w_n (dO·C − n Δ)."""
+        code_logits, c, n, sums = code_tile(CB, CNT, SUM, book, cache, bias, s0, S, DC, DV, qc, scale2, BS, BDC, BDV,
+                                            DOT, SUM_DOT, PREC)
+        w_n = tl.exp2(code_logits - lse[:, None])
+        w_n = tl.where(rows[:, None] < T, w_n, 0.0)
+        ds = w_n * (tl.dot(do_sums, tl.trans(sums), input_precision=PREC) - delta[:, None] * n[None, :])
+        return tl.dot(ds.to(DOT), c, dqc, input_precision=PREC), ds, w_n
+
+    @triton.jit
+    def add_codebook_grad(DCB, row, codes, present, ds, qc, scale, S, DC, BDC: tl.constexpr, DOT: tl.constexpr,
+                          PREC: tl.constexpr, OWN: tl.constexpr):
+        """σ dsᵀ qc (BS, BDC), the gradient of the codes ``codes`` (BS,) from the logits' gradient ds (rows, BS), in
+        row ``row`` of DCB (·, S, DC) float32: stored with OWN (the program's own codebook), else added atomically
+        (several programs' shares of one codebook)."""
+        dc_cols = tl.arange(0, BDC)
+        dc = tl.dot(tl.trans(ds.to(DOT)), qc, input_precision=PREC) * scale
+        at = DCB + (row * S + codes[:, None]) * DC + dc_cols[None, :]
+        inside = present[:, None] & (dc_cols[None, :] < DC)
+        if OWN:
+            tl.store(at, dc, mask=inside)
+        else:
+            tl.atomic_add(at, dc, mask=inside)

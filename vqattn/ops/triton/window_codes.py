@@ -48,10 +48,13 @@ if triton is not None:
 
     from .utils import (
         LOG2E,
+        add_codebook_grad,
         block_bias,
         code_tile,
+        code_tile_grads,
         load_rows,
         online_softmax_step,
+        output_grads,
         store_rows,
         window_keys,
         window_logits,
@@ -143,16 +146,6 @@ if triton is not None:
         tl.store(DELTA + bh * T + rows, tl.sum(do * out, 1), mask=rows < T)
 
     @triton.jit
-    def _output_grads(DO, LSE, DELTA, sdo_b, sdo_h, sdo_t, b, h, bh, rows, T, DV, BDV: tl.constexpr,
-                      DOT: tl.constexpr):
-        """What the backward pass reads of the outputs of rows ``rows``: their gradients dO as DOT, their
-        logsumexp and Δ_i = dO_i·out_i (zeros past T)."""
-        do = load_rows(DO, sdo_b, sdo_h, sdo_t, b, h, rows, T, DV, BDV, DOT)
-        lse = tl.load(LSE + bh * T + rows, mask=rows < T, other=0.0)
-        delta = tl.load(DELTA + bh * T + rows, mask=rows < T, other=0.0)
-        return do, lse, delta
-
-    @triton.jit
     def _window_grads(qw, kw, v, do, lse, delta, rows, cols, T, scale2, DOT: tl.constexpr, PREC: tl.constexpr):
         """The probabilities p (rows, cols) of one window tile from the stored logsumexp (base 2), and the logits'
         gradient ds = p (dO·vᵀ − Δ), both as DOT (ds without the scale σ)."""
@@ -175,12 +168,12 @@ if triton is not None:
         b, h = bh // H, bh % H
         rows = blk * L + tl.arange(0, L)
         scale2 = scale * LOG2E
-        do_dot, lse, delta = _output_grads(DO, LSE, DELTA, sdo_b, sdo_h, sdo_t, b, h, bh, rows, T, DV, BDV, DOT)
+        do_dot, lse, delta = output_grads(DO, LSE, DELTA, sdo_b, sdo_h, sdo_t, b, h, bh, rows, T, DV, BDV, DOT)
         qw = load_rows(QW, sqw_b, sqw_h, sqw_t, b, h, rows, T, D, BD, DOT)
         # the next query block, and both key blocks, loaded before any is used: one trip to memory, not three
         next_rows = rows + L
         qn = load_rows(QW, sqw_b, sqw_h, sqw_t, b, h, next_rows, T, D, BD, DOT)
-        do_n, lse_n, delta_n = _output_grads(DO, LSE, DELTA, sdo_b, sdo_h, sdo_t, b, h, bh, next_rows, T, DV, BDV,
+        do_n, lse_n, delta_n = output_grads(DO, LSE, DELTA, sdo_b, sdo_h, sdo_t, b, h, bh, next_rows, T, DV, BDV,
                                              DOT)
         cols = rows - L
         kw_prev, bad_prev = window_keys(KW, BAD, skw_b, skw_h, skw_t, b, h, bh, cols, T, D, L, BD, DOT, HAS_BAD)
@@ -222,34 +215,24 @@ if triton is not None:
         nb = tl.cdiv(T, L)
         rows = blk * L + tl.arange(0, L)
         scale2 = scale * LOG2E
-        do_dot, lse, delta = _output_grads(DO, LSE, DELTA, sdo_b, sdo_h, sdo_t, b, h, bh, rows, T, DV, BDV, DOT)
+        do_dot, lse, delta = output_grads(DO, LSE, DELTA, sdo_b, sdo_h, sdo_t, b, h, bh, rows, T, DV, BDV, DOT)
         qc = load_rows(QC, sqc_b, sqc_h, sqc_t, b, h, rows, T, DC, BDC, DOT)
         dqc = tl.zeros([L, BDC], tl.float32)
-        dc_cols, dv_cols = tl.arange(0, BDC), tl.arange(0, BDV)
+        dv_cols = tl.arange(0, BDV)
         cache = bh * nb + blk
         book = cache if PER_BLOCK else h
         bias = block_bias(BIAS, blk, HAS_BIAS)
         do_sums = do_dot.to(SUM_DOT)
         for s0 in range(0, S, BS):
-            code_logits, c, n, sums = code_tile(CB, CNT, SUM, book, cache, bias, s0, S, DC, DV, qc, scale2, BS,
-                                                 BDC, BDV, DOT, SUM_DOT, PREC)
-            # w_n = w / n, the codes' probabilities per count (0 for empty codes); with means C / n the logits'
-            # gradient w (dO·C / n − Δ) is w_n (dO·C − n Δ)
-            w_n = tl.exp2(code_logits - lse[:, None])
-            w_n = tl.where(rows[:, None] < T, w_n, 0.0)
-            ds_codes = w_n * (tl.dot(do_sums, tl.trans(sums), input_precision=PREC) - delta[:, None] * n[None, :])
-            dqc = tl.dot(ds_codes.to(DOT), c, dqc, input_precision=PREC)
+            dqc, ds_codes, w_n = code_tile_grads(CB, CNT, SUM, book, cache, bias, s0, S, DC, DV, qc, do_sums, lse,
+                                                 delta, rows, T, dqc, scale2, BS, BDC, BDV, DOT, SUM_DOT, PREC)
             codes = s0 + tl.arange(0, BS)
             present = codes < S
             if CODEBOOK_GRAD:
-                dc = tl.dot(tl.trans(ds_codes.to(DOT)), qc, input_precision=PREC) * scale  # (BS, BDC)
-                grad_row = cache if PER_BLOCK else bh
-                at = DCB + (grad_row * S + codes[:, None]) * DC + dc_cols[None, :]
-                inside = present[:, None] & (dc_cols[None, :] < DC)
-                if PER_BLOCK:
-                    tl.store(at, dc, mask=inside)
-                else:  # nb programs of a sequence add into one row: not an (nb, S, DC) share per block
-                    tl.atomic_add(at, dc, mask=inside)
+                # every block's own codebook stores its gradient; nb programs of a sequence add into a shared one's
+                # row: not an (nb, S, DC) share per block
+                add_codebook_grad(DCB, cache if PER_BLOCK else bh, codes, present, ds_codes, qc, scale, S, DC, BDC,
+                                  DOT, PREC, PER_BLOCK)
             if CACHE_GRAD:
                 # out_i = (Σ_s exp(l_is) C_s + window) / (Σ_s exp(l_is) n_s + window): by C_s w_n dO_i, by n_s
                 # −w_n Δ_i
