@@ -74,4 +74,4 @@ def compare(fn_ref, fn_fast, inputs, dtype=torch.float32, tol=1e-5):
     for i, (g, r) in enumerate(zip(grads, ref_grads)):
         r = torch.zeros_like(inputs[i]) if r is None else r
         g = torch.zeros_like(fast_inputs[i]) if g is None else g
-        assert rel_rms(g, r) < 10 * tol, f"gradient of input {i}"
+        assert rel_rms(g, r) < 10 * tol, f"gradient of input {i}: {rel_rms(g, r)}"

@@ -82,6 +82,7 @@ def test_vq_attention_with_split_walks(assign, window, segment_steps, walk, monk
     next (its state gradient folded in mid-walk)."""
     monkeypatch.setattr(block_caches_module, "SEGMENT_STEPS", segment_steps)
     monkeypatch.setattr(vq_causal, "WALK_CACHE_GRADIENT", walk)
+    monkeypatch.setattr(vq_causal, "SUPERBLOCK_BLOCKS", 0)  # hard keys through the walks too
     compare(vq_call(naive_vq_attention, assign, window, memory_cap=40),
             vq_call(vq_attention, assign, window, "triton", memory_cap=40), vq_inputs(assign, window, 170))
     q, k, v, c, *rotated = (x.detach().to(DEVICE, torch.float32) for x in vq_inputs(assign, window, 170))
@@ -173,6 +174,7 @@ def test_gradient_of_a_continued_states_counts(walk, monkeypatch):
     float64, with the caches' gradients read or formed in the walk. Without one, hard counts are not
     differentiable and the backward skips their gradient."""
     monkeypatch.setattr(vq_causal, "WALK_CACHE_GRADIENT", walk)
+    monkeypatch.setattr(vq_causal, "SUPERBLOCK_BLOCKS", 0)  # hard keys through the walks
     q, k, v, c = (x.detach() for x in vq_inputs("hard", "exact", 100, generator=torch.Generator().manual_seed(4)))
     _, state = vq_attention(q[:, :, :70], k[:, :, :70], v[:, :, :70], c, causal=True, block_len=L,
                             exact_window=True, impl="chunk", return_state=True)
@@ -198,6 +200,8 @@ def test_where_the_cache_gradient_is_formed(assign, walk, monkeypatch):
     read the cache: the backward allocates no (B·H, nb, S, Dv) tensor (1 GB at 8192 tokens on a GPU); by default
     the code backward writes it for the walk to read."""
     monkeypatch.setattr(vq_causal, "WALK_CACHE_GRADIENT", walk)
+    monkeypatch.setattr(vq_causal, "SUPERBLOCK_BLOCKS", 0)  # hard keys through the walks
+
     class Allocations(TorchDispatchMode):
         def __init__(self):
             super().__init__()

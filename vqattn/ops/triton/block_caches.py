@@ -144,7 +144,7 @@ if triton is not None:
         bias = 0.0
         if HAS_BIAS:
             bias = tl.load(BIAS + tl.minimum(blk, nb - 1))  # past the last block every row is outside anyway
-        return cache_grad_of_queries(QC, c, n, bias, DO, LSE, DELTA, sqc_b, sqc_h, sqc_t, sdo_b, sdo_h, sdo_t,
+        return cache_grad_of_queries(QC, c, n > 0, bias, DO, LSE, DELTA, sqc_b, sqc_h, sqc_t, sdo_b, sdo_h, sdo_t,
                                      bh // H, bh % H, bh, rows, T, DC, DV, scale2, BDC, BDV, COUNTS_GRAD, DOT,
                                      SUM_DOT, PREC)
 

@@ -292,23 +292,24 @@ if triton is not None:
         return do, lse, delta
 
     @triton.jit
-    def cache_grad_of_queries(QC, c, n, bias, DO, LSE, DELTA, sqc_b, sqc_h, sqc_t, sdo_b, sdo_h, sdo_t, b, h, bh,
+    def cache_grad_of_queries(QC, c, present, bias, DO, LSE, DELTA, sqc_b, sqc_h, sqc_t, sdo_b, sdo_h, sdo_t, b, h, bh,
                               rows, T, DC, DV, scale2, BDC: tl.constexpr, BDV: tl.constexpr,
                               COUNTS_GRAD: tl.constexpr, DOT: tl.constexpr, SUM_DOT: tl.constexpr,
                               PREC: tl.constexpr):
-        """The gradient of a cache of counts n (BS,) for a tile of its codes c (BS, BDC) from the queries ``rows``
-        that read it with memory bias ``bias`` (natural): with w_n = exp2(σ qc·c + β − lse) the codes'
-        probabilities per count (0 for empty codes and past T), dC = w_nᵀ dO (BS, BDV) float32 and dn = −w_nᵀ Δ
-        (BS,) (with COUNTS_GRAD, else 0): out_i = (Σ_s exp(l_is) C_s + window) / (Σ_s exp(l_is) n_s + window)."""
+        """The gradient of a cache for a tile of its codes c (BS, BDC) from the queries ``rows`` that read it with
+        memory bias ``bias`` (natural): with w_n = exp2(σ qc·c + β − lse) the codes' probabilities per count (0
+        past T, and for codes not ``present`` (BS,): those the queries read as empty), dC = w_nᵀ dO (BS, BDV)
+        float32 and dn = −w_nᵀ Δ (BS,) (with COUNTS_GRAD, else 0): out_i = (Σ_s exp(l_is) C_s + window) /
+        (Σ_s exp(l_is) n_s + window)."""
         inside = rows < T
         qc = load_rows(QC, sqc_b, sqc_h, sqc_t, b, h, rows, T, DC, BDC, DOT)
         do = load_rows(DO, sdo_b, sdo_h, sdo_t, b, h, rows, T, DV, BDV, SUM_DOT)
         lse = tl.load(LSE + bh * T + rows, mask=inside, other=0.0)
-        offset = tl.where(n > 0, bias * LOG2E, float("-inf"))
+        offset = tl.where(present, bias * LOG2E, float("-inf"))
         logits = tl.dot(qc, tl.trans(c), input_precision=PREC) * scale2 + offset[None, :]
         w_n = tl.where(inside[:, None], tl.exp2(logits - lse[:, None]), 0.0)
         d_sums = tl.dot(tl.trans(w_n.to(SUM_DOT)), do, input_precision=PREC)
-        d_n = tl.zeros_like(n)
+        d_n = tl.zeros([c.shape[0]], tl.float32)
         if COUNTS_GRAD:
             delta = tl.load(DELTA + bh * T + rows, mask=inside, other=0.0)
             d_n = -tl.sum(w_n * delta[:, None], 0)

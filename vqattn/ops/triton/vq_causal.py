@@ -1,5 +1,7 @@
-"""The fused causal vq step as one autograd Function: the prefix walk (:mod:`.block_caches`) writes every block's
-cache and the window-code kernel (:mod:`.window_codes`) reads it.
+"""The fused causal vq step. Hard keys run with superblock caches (:mod:`.superblock`, a cache every
+:data:`SUPERBLOCK_BLOCKS` blocks, the keys in between read through their codes); soft keys, and hard ones with
+``SUPERBLOCK_BLOCKS = 0``, run the per-block design below, one autograd Function: the prefix walk
+(:mod:`.block_caches`) writes every block's cache and the window-code kernel (:mod:`.window_codes`) reads it.
 
 Its backward needs every block's cache gradient, for a tile of codes
 
@@ -23,6 +25,7 @@ import dataclasses
 import torch
 
 from .block_caches import CacheQueries, prefix_forward, reverse_walk
+from .superblock import superblock_vq_causal
 from .utils import unit_last
 from .window_codes import TENSORS, code_backward, codebook_gradient, output_delta, window_backward, window_code_forward
 
@@ -32,6 +35,9 @@ PREFIX_TENSORS = ("idx", "wts", "v", "cache_n", "cache_c")
 # reading the code backward's: off, since it trades time for that memory (docs/performance_notes.md, "Kernel
 # resources").
 WALK_CACHE_GRADIENT = False
+# Blocks per superblock cache of the hard step (K; K·L = 512 tokens, the floor model's best: docs/performance.md),
+# or 0: hard keys take the per-block walks too.
+SUPERBLOCK_BLOCKS = 8
 
 
 class VQCausal(torch.autograd.Function):
@@ -85,5 +91,8 @@ def fused_vq_causal(qw, kw, v, qc, codebook, index, weights, counts0, sums0, *, 
     out (B, H, T, Dv) in the inputs' dtype and the state (B, H, S), (B, H, S, Dv) float32 after the first ``fold``
     blocks; differentiable in every tensor but index, code_bias and bad.
     """
+    if index is not None and SUPERBLOCK_BLOCKS > 0:
+        return superblock_vq_causal(qw, kw, v, qc, codebook, index, counts0, sums0, code_bias=code_bias, scale=scale,
+                                    block_len=block_len, fold=fold, superblock=SUPERBLOCK_BLOCKS, bad=bad)
     return VQCausal.apply(qw, kw, v, qc, codebook, index, weights, counts0, sums0, code_bias, scale, block_len, fold,
                           bad)

@@ -1,0 +1,164 @@
+"""The hard vq step with superblock caches (vqattn/ops/triton/superblock.py) against the float64 definition: outputs
+and every input's gradient (q, k, v, the codebook, the rotated window pair, a continued state's cache), by relative
+RMS, at superblocks of K = 1, 2 and 3 blocks of 16 tokens, so that a sequence crosses several superblock
+boundaries. Under Triton's interpreter on a machine without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from vqattn.ops.common.statistics import map_time
+from vqattn.ops.triton import superblock as superblock_module
+from vqattn.ops.triton import vq_causal
+from vqattn.ops.vq import VQState, naive_vq_attention, vq_assign, vq_attention
+
+from triton_helpers import DEVICE, compare, leaves, nan_empty, needs_triton, rel_rms  # noqa: F401 (a fixture)
+
+pytestmark = [needs_triton, pytest.mark.usefixtures("nan_empty")]
+B, H, D, DV, S, L = 2, 2, 16, 8, 24, 16
+
+
+@pytest.fixture(params=[1, 2, 3])
+def K(request, monkeypatch):
+    """Blocks per superblock: 1 is the per-block caches, 2 and 3 gather one and two blocks' keys."""
+    monkeypatch.setattr(vq_causal, "SUPERBLOCK_BLOCKS", request.param)
+    return request.param
+
+
+def inputs(window, T, scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    Dc = D // 2 if window == "rotated" else D
+    q, k, v, c = leaves((B, H, T, Dc), (B, H, T, D), (B, H, T, DV), (H, S, Dc), scale=scale, generator=g)
+    rotated = leaves((B, H, T, D), (B, H, T, D), scale=scale, generator=g) if window == "rotated" else []
+    return [q, k, v, c, *rotated]
+
+
+def call(attention, window, impl=None, **kwargs):
+    """attention(q, k, v, c[, q_rot, k_rot]): hard keys, the straight-through window ("codes"), the raw keys'
+    ("exact"), or RoPE's rotated pair with the codes scored on fewer dims ("rotated"), as the layers call it."""
+    extra = {} if impl is None else {"impl": impl}
+
+    def run(q, k, v, c, *rotated):
+        kw = dict(causal=True, assign="hard", block_len=L, exact_window=window != "codes", **extra, **kwargs)
+        if rotated:
+            kw.update(q_rot=rotated[0], k_rot=rotated[1], assignment=vq_assign(k[..., :c.shape[-1]], c, assign="hard"))
+        return attention(q, k, v, c, **kw)
+
+    return run
+
+
+@pytest.mark.parametrize("window", ["codes", "exact", "rotated"])
+@pytest.mark.parametrize("T", [1, 20, 47, 150])
+def test_superblocks_equal_the_definition(K, window, T):
+    """T = 1, shorter than two blocks, not a multiple of L, and 150 tokens (10 blocks: 3 to 9 superblocks,
+    the last one partial)."""
+    compare(call(naive_vq_attention, window), call(vq_attention, window, "triton"), inputs(window, T))
+
+
+@pytest.mark.parametrize("window", ["exact", "rotated"])
+def test_memory_cap_biases_gathered_keys_and_caches_alike(K, window):
+    """The memory bound's bias log min(1, M / n_b) is on every code logit of query block b: its cache's and its
+    gathered keys'."""
+    compare(call(naive_vq_attention, window, memory_cap=40), call(vq_attention, window, "triton", memory_cap=40),
+            inputs(window, 150, seed=1))
+
+
+@pytest.mark.slow
+def test_large_logits_and_empty_codes(K):
+    """Inputs at 4× the scale and half the codes far from every key (empty in every cache, yet the largest
+    logits)."""
+    x = inputs("exact", 150, scale=2.0, seed=2)
+    with torch.no_grad():
+        x[3][:, S // 2:] *= 20
+    compare(call(naive_vq_attention, "exact"), call(vq_attention, "exact", "triton"), x, tol=1e-4)
+
+
+@pytest.mark.parametrize("window", ["exact", "rotated"])
+def test_chunked_calls_equal_one_call(K, window):
+    """A sequence fed as 3 chunks (each state continued across a superblock boundary, its kept state folded from
+    a cache and the blocks after it) equals one call, and the state equals the chunk impl's."""
+    q, k, v, c, *rotated = (x.detach().to(DEVICE, torch.float32) for x in inputs(window, 150))
+    whole = call(vq_attention, window, "triton")(q, k, v, c, *rotated)
+    outs, state = [], None
+    for t0, t1 in ((0, 61), (61, 110), (110, 150)):
+        piece = lambda x: x[:, :, t0:t1]  # noqa: E731
+        out, state = call(vq_attention, window, "triton", state=state, return_state=True)(
+            piece(q), piece(k), piece(v), c, *map(piece, rotated))
+        outs.append(out)
+    assert rel_rms(torch.cat(outs, 2), whole) < 1e-6
+    _, chunk_state = call(vq_attention, window, "chunk", return_state=True)(q, k, v, c, *rotated)
+    assert rel_rms(state.sums, chunk_state.sums) < 1e-6 and rel_rms(state.counts, chunk_state.counts) < 1e-6
+
+
+def test_gradients_through_a_continued_state(K):
+    """A continued state whose counts and sums are leaves, and the kept state's counts and sums in the loss: their
+    gradients (the initial cache's, through every cache and the kept state; the values', through the kept state)
+    against the chunk impl in float64."""
+    q, k, v, c = (x.detach() for x in inputs("exact", 180, seed=4))
+    _, state = vq_attention(q[:, :, :70], k[:, :, :70], v[:, :, :70], c, causal=True, block_len=L,
+                            exact_window=True, impl="chunk", return_state=True)
+    counts, sums = (x.detach().requires_grad_() for x in (state.counts, state.sums))
+
+    def run_with(impl, dtype, device):
+        def run(q, k, v, c, counts, sums):
+            start = VQState(counts, sums, *(x.to(device, dtype) for x in (state.keys, state.values)), state.length,
+                            state.block_len, map_time(lambda x: x.to(device), state.assignment))
+            out, after = vq_attention(q, k, v, c, causal=True, block_len=L, exact_window=True, impl=impl, state=start,
+                                      return_state=True)
+            return out.sum(-1) + after.counts.sum(-1, keepdim=True) + after.sums.sum((-1, -2)).unsqueeze(-1)
+        return run
+
+    rest = [x[:, :, 70:].clone().requires_grad_() for x in (q, k, v)]
+    compare(run_with("chunk", torch.float64, "cpu"), run_with("triton", torch.float32, DEVICE),
+            [*rest, c.clone().requires_grad_(), counts, sums])
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+def test_half_inputs(dtype, tol, monkeypatch):
+    """Half q, k, v (and codebook) accumulate in float32: within the half type's rounding of the definition, which
+    reads the rounded inputs (so that no argmin flips between the two)."""
+    monkeypatch.setattr(vq_causal, "SUPERBLOCK_BLOCKS", 2)
+    rounded = [x.detach().to(dtype).double().requires_grad_() for x in inputs("rotated", 150, seed=5)]
+    compare(call(naive_vq_attention, "rotated"), call(vq_attention, "rotated", "triton"), rounded, dtype=dtype,
+            tol=tol)
+
+
+class Allocations(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.__name__.startswith(("empty", "zeros", "new_empty", "new_zeros")):
+            self.shapes.append(tuple(out.shape))
+        return out
+
+
+def test_only_every_kth_block_has_a_cache(K):
+    """The forward and backward allocate caches and cache gradients for ⌊(nb − 2)/K⌋ + 1 superblocks, and no
+    per-block (nb, S, Dv) tensor."""
+    T = 150
+    nb = -(-T // L)
+    nsb = superblock_module.superblocks(nb, K)
+    q, k, v, c = (x.detach().to(DEVICE, torch.float32).requires_grad_() for x in inputs("exact", T))
+    with Allocations() as seen:
+        call(vq_attention, "exact", "triton")(q, k, v, c).square().sum().backward()
+    assert (B * H, nsb, S, DV) in seen.shapes
+    assert not {(B * H, nb, S, DV), (B, H, nb, S, DV)} & set(seen.shapes) or K == 1
+
+
+def test_superblock_count():
+    """Query block b reads cache ⌊max(b−1, 0)/K⌋: a sequence of nb blocks reads that many plus one."""
+    for K in (1, 2, 3, 8):
+        for nb in range(1, 40):
+            assert superblock_module.superblocks(nb, K) == max(max(b - 1, 0) // K for b in range(nb)) + 1
+
+
+def test_per_block_walks_stay_available(monkeypatch):
+    """SUPERBLOCK_BLOCKS = 0 runs hard keys through the per-block walks (block_caches.py), the design the GPU
+    tables compare against."""
+    monkeypatch.setattr(vq_causal, "SUPERBLOCK_BLOCKS", 0)
+    compare(call(naive_vq_attention, "exact"), call(vq_attention, "exact", "triton"), inputs("exact", 60))
