@@ -127,9 +127,9 @@ if triton is not None:
         acc = tl.zeros([L, BDV], tl.float32)
         ones = tl.full([L], 1.0, tl.float32)
         cols = rows - L
-        kw_prev, _ = window_keys(KW, BAD, skw_b, skw_h, skw_t, b, h, bh, cols, T, D, L, BD, DOT, HAS_BAD)
+        kw_prev, bad_prev = window_keys(KW, BAD, skw_b, skw_h, skw_t, b, h, bh, cols, T, D, L, BD, DOT, HAS_BAD)
         v_prev = load_rows(V, sv_b, sv_h, sv_t, b, h, cols, T, DV, BDV, DOT)
-        kw, _ = window_keys(KW, BAD, skw_b, skw_h, skw_t, b, h, bh, rows, T, D, L, BD, DOT, HAS_BAD)
+        kw, bad = window_keys(KW, BAD, skw_b, skw_h, skw_t, b, h, bh, rows, T, D, L, BD, DOT, HAS_BAD)
         v = load_rows(V, sv_b, sv_h, sv_t, b, h, rows, T, DV, BDV, DOT)
         # the current block first: its diagonal keeps every row's max finite from the start
         m, z, acc = online_softmax_step(m, z, acc, window_logits(qw, kw, rows, rows, T, scale2, PREC), v, ones,
@@ -146,7 +146,7 @@ if triton is not None:
             m, z, acc = online_softmax_step(m, z, acc, gathered_logits(qc, ck, codes, bias, scale2, PREC), vj, ones,
                                              DOT, PREC)
         for s0 in range(0, S, BS):
-            logits, _, counts, sums = code_tile(CB, CNT, SUM, h, bh * nsb + g, bias, s0, S, DC, DV, qc, scale2, BS,
+            logits, c, counts, sums = code_tile(CB, CNT, SUM, h, bh * nsb + g, bias, s0, S, DC, DV, qc, scale2, BS,
                                                 BDC, BDV, DOT, SUM_DOT, PREC)
             m, z, acc = online_softmax_step(m, z, acc, logits, sums, counts, SUM_DOT, PREC)
         store_rows(O, so_b, so_h, so_t, b, h, rows, T, DV, acc / z[:, None], BDV)
@@ -181,7 +181,7 @@ if triton is not None:
             dqc = tl.dot(ds.to(DOT), ck, dqc, input_precision=PREC)
         do_sums = do.to(SUM_DOT)
         for s0 in range(0, S, BS):
-            dqc, ds_codes, _ = code_tile_grads(CB, CNT, SUM, h, bh * nsb + g, bias, s0, S, DC, DV, qc, do_sums, lse,
+            dqc, ds_codes, w_n = code_tile_grads(CB, CNT, SUM, h, bh * nsb + g, bias, s0, S, DC, DV, qc, do_sums, lse,
                                                delta, rows, T, dqc, scale2, BS, BDC, BDV, DOT, SUM_DOT, PREC)
             if CODEBOOK_GRAD:
                 codes = s0 + tl.arange(0, BS)
