@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import re
 import statistics
@@ -44,6 +45,7 @@ from pathlib import Path
 import torch
 
 from vqattn.functional import ovq_attention, softmax_attention, vq_attention, window_attention
+from vqattn.ops.triton import vq_causal
 from vqattn.utils import add_threads_argument, tune_cpu_allocator, use_threads
 
 METHODS = ("sdpa", "vq_hard", "vq_soft", "vq_hard_rope", "vq_soft_rope", "window", "ovq")
@@ -248,14 +250,16 @@ def main():
     parser.add_argument("--num-codes", type=int, default=512)
     add_threads_argument(parser)
     add_in_process_argument(parser)
+    add_design_argument(parser)
     args = parser.parse_args()
     set_in_process(args)
+    set_design(args)
     if args.device == "cpu":  # the measuring processes get the same count
         use_threads(args.threads, "timing", children=True)
     shape = dict(B=args.batch, H=args.heads, S=args.num_codes, impl=args.impl, dtype=args.dtype)
 
     print(f"# causal fwd+bwd, B={args.batch} H={args.heads} D=64 S={args.num_codes} {args.dtype} impl={args.impl}, "
-          f"{args.device}: {machine()}, torch {torch.__version__}; "
+          f"superblock_blocks={vq_causal.SUPERBLOCK_BLOCKS}, {args.device}: {machine()}, torch {torch.__version__}; "
           f"median of {args.reps} reps in each of {args.rounds} interleaved rounds; peak MB from the {args.modes[0]} mode")
     if args.device == "cpu":
         print(f"# fresh memory costs {fresh_page_ms_per_mb():.2f} ms per MB beyond warm writes on this machine now")
@@ -291,6 +295,25 @@ def child_from_argv(argv: list[str]) -> dict:
     if mode == "tuned":
         tune_cpu_allocator()
     return child(method, int(T), device, int(reps), int(block_len) or None, mode == "compiled", **json.loads(shape))
+
+
+# The fused vq step's design for hard keys, vq_causal.SUPERBLOCK_BLOCKS (K blocks a cache; 0: every block's cache
+# and the walks), as --superblock-blocks sets it for this process and the measuring processes it starts.
+SUPERBLOCK_ENV = "VQATTN_BENCH_SUPERBLOCK_BLOCKS"
+if SUPERBLOCK_ENV in os.environ:
+    vq_causal.SUPERBLOCK_BLOCKS = int(os.environ[SUPERBLOCK_ENV])
+
+
+def add_design_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--superblock-blocks", type=int, default=None,
+                        help="hard vq keys' superblock caches of K blocks (vq_causal.SUPERBLOCK_BLOCKS; 0: the "
+                             "per-block caches and walks); default: the library's")
+
+
+def set_design(args: argparse.Namespace) -> None:
+    if args.superblock_blocks is not None:
+        os.environ[SUPERBLOCK_ENV] = str(args.superblock_blocks)
+        vq_causal.SUPERBLOCK_BLOCKS = args.superblock_blocks
 
 
 def add_in_process_argument(parser: argparse.ArgumentParser) -> None:

@@ -4,7 +4,8 @@
 #
 #   1. layers, layers_64k  the layer table: softmax, window, vq_hard, vq_soft, ovq at 8k and 32k, then vq_hard and
 #                          softmax at 64k (eager, bf16 autocast, dim 1024, 16 heads of 64, S = 512, 64k tokens a step)
-#   2. ops                 the op against SDPA at 8k and 32k (bf16 inputs, the layer's head shape)
+#   2. ops                 the op against SDPA at 8k and 32k (bf16 inputs, the layer's head shape), and at 8k
+#                          with the per-block caches (the design before superblock caches)
 #   3. profile_8k, profile_32k, profile_layer
 #                          the vq_hard step kernel by kernel, each beside its floor (benchmarks/kernel_floor.py)
 #   4. train               python train.py on the GPU at seq_len 8192, softmax and vq_hard: tokens/s side by side
@@ -63,14 +64,16 @@ ops="python benchmarks/attention_speed.py --device cuda --dtype bfloat16 --heads
 profile="python benchmarks/kernel_profile.py --what op --method vq_hard_rope --top 14"
 stage layers 80 $layers --lengths 8192 32768 --layers softmax window vq_hard vq_soft ovq
 stage layers_64k 25 $layers --lengths 65536 --layers softmax vq_hard
-stage ops 35 bash -c "$ops --batch 8 --lengths 8192 --methods sdpa vq_hard_rope window; \
-  $ops --batch 2 --lengths 32768 --methods sdpa vq_hard_rope window"
+# the third run: hard keys with every block's cache and the walks (the design before superblock caches)
+stage ops 45 bash -c "$ops --batch 8 --lengths 8192 --methods sdpa vq_hard_rope window; \
+  $ops --batch 2 --lengths 32768 --methods sdpa vq_hard_rope window; \
+  $ops --batch 8 --lengths 8192 --methods sdpa vq_hard_rope --superblock-blocks 0"
 stage profile_8k 25 $profile --batch 8 --length 8192
 stage profile_32k 20 $profile --batch 2 --length 32768
 stage profile_layer 20 python benchmarks/kernel_profile.py --what layer --method vq_hard --batch 8 --length 8192 --top 20
 stage train 65 python benchmarks/train_speed.py --attentions softmax vq_hard --seq-len 8192 --batch 8 --steps 30
-stage tests 240 python -m pytest -o addopts="" -q -x -p no:cacheprovider tests/ops/test_triton.py \
-  tests/ops/test_triton_ovq.py ${GPU_CHECK_TESTS:+-k "$GPU_CHECK_TESTS"}
+stage tests 240 python -m pytest -o addopts="" -q -x -p no:cacheprovider tests/ops/test_triton_superblock.py \
+  tests/ops/test_triton.py tests/ops/test_triton_ovq.py ${GPU_CHECK_TESTS:+-k "$GPU_CHECK_TESTS"}
 
 # Extra stages, run only when named in GPU_CHECK_STAGES.
 decode="python benchmarks/decode_speed.py --device cuda --lengths 1024 4096 8192 32768 --steps 20 --new-tokens 32"
@@ -81,8 +84,14 @@ extra layers_compiled 180 $layers --lengths 8192 32768 --layers softmax vq_hard 
 extra ops_peer 200 $ops --batch 8 --lengths 8192 --methods sdpa fla_simple_gla
 # the reverse walk forming the caches' gradients itself (vq_causal.WALK_CACHE_GRADIENT), and with the walks split
 # as the GPU chooses at 64k tokens, B·H = 16 (block_caches.SEGMENT_STEPS)
-extra profile_8k_walk_dc 25 $profile --batch 8 --length 8192 --walk-cache-gradient
-extra profile_64k_split 25 $profile --batch 1 --length 65536 --walk-cache-gradient --segment-steps -1
+# hard keys' superblock caches of K = 4 and 16 blocks beside the default 8 (vq_causal.SUPERBLOCK_BLOCKS), and the
+# per-block design (0), in the layer and kernel by kernel
+extra layers_superblocks 120 bash -c "for K in 0 4 16; do $layers --lengths 8192 32768 --layers softmax vq_hard \
+  --superblock-blocks \$K; done"
+extra profile_8k_block_dc 25 env VQATTN_BENCH_SUPERBLOCK_BLOCKS=0 $profile --batch 8 --length 8192
+extra profile_8k_walk_dc 25 env VQATTN_BENCH_SUPERBLOCK_BLOCKS=0 $profile --batch 8 --length 8192 --walk-cache-gradient
+extra profile_64k_split 25 env VQATTN_BENCH_SUPERBLOCK_BLOCKS=0 $profile --batch 1 --length 65536 \
+  --walk-cache-gradient --segment-steps -1
 extra profile_soft 30 $profile --method vq_soft_rope --batch 8 --length 8192
 extra profile_layer_soft 40 python benchmarks/kernel_profile.py --what layer --method vq_soft --batch 8 --length 8192
 extra profile_window_op 20 python benchmarks/kernel_profile.py --what op --method window --batch 8 --length 8192

@@ -10,28 +10,41 @@ read once and each output written once, however often its programs reread it fro
 
 The designs (:data:`DESIGNS`):
 
-* ``block_dc`` (:data:`CURRENT`, the kernels' default): every block's cache, (S, Dv) bf16 sums and (S,) float32
-  counts (1056 bytes per token and head at S = 512, L = 64), written by the prefix walk, read by the forward and by
-  the backward's code part; that part writes every block's cache gradient dC (S, Dv), which the reverse walk reads.
+* ``block_dc`` (the kernels' for soft keys, and for hard ones with ``vq_causal.SUPERBLOCK_BLOCKS = 0``): every
+  block's cache, (S, Dv) bf16 sums and (S,) float32 counts (1056 bytes per token and head at S = 512, L = 64),
+  written by the prefix walk, read by the forward and by the backward's code part; that part writes every block's
+  cache gradient dC (S, Dv), which the reverse walk reads.
 * ``walk_dc``: as block_dc, but the reverse walk forms each block's dC_b = exp2(σ qc·c − lse)ᵀ dO itself, from qc,
   dO and the logsumexp: two products per block more in the walk, one less in the code part, no dC in memory; the
   walk adds the values' gradient to the window's in place.
 * ``walk_dc_split``: walk_dc with both walks split into segments of
   ``SEGMENT_STEPS`` steps (fla's chunk_h_split): the segments' sums (float32 states; the backward's formed from the
   queries, its dC products twice), two scans, every segment's walk from its own start.
-* ``superblock``: caches only every K blocks (K·L tokens); a query attends to the keys between its superblock's
-  cache and its window (blocks c..b−2) through their codes, logit σ q·c_{z_j}, value v_j, in the forward and the
-  code part of the backward. The reverse walk is walk_dc's: for hard keys its running sum of the blocks' dC_b is
-  also the gradient of those keys' values, so the key side costs nothing more.
+* ``superblock`` (:data:`CURRENT`, the kernels' default for hard keys: ``vq_causal.SUPERBLOCK_BLOCKS = 8``, the
+  K here), as built (``vqattn/ops/triton/superblock.py``): a cache only every K blocks (K·L tokens),
+  nsb = ⌊max(nb − 2, 0)/K⌋ + 1 per sequence, float32 counts and sums (a :func:`state` each); a query attends to
+  the keys between its superblock's cache and its window (blocks c..b−2) through their codes, logit σ q·c_{z_j},
+  value v_j. No walk: ``_superblock_sums_kernel`` forms each superblock's own sums Δᵀ V and
+  ``segment_scan_kernel`` scans them into the caches; ``_superblock_forward_kernel`` reads window, gathered keys
+  and cache in one pass. Backward: ``_superblock_code_backward_kernel`` forms dqc from the S codes and the
+  gathered keys; ``_superblock_cache_grad_kernel`` each cache's gradient Σ wᵀ·dO over the query blocks that read
+  it (every block once), from qc, dO and the logsumexp; ``segment_scan_kernel`` again, their suffix sums;
+  ``_superblock_key_backward_kernel``, key-major, a gathered key's pᵀ·dO plus row z_j of its suffix sum, added
+  to the window's dv in place. The two scans are one row (2 launches).
+* ``superblock_walk``: the plan's superblock: caches every K blocks written by the prefix walk, the keys gathered
+  as above in the forward and the code part of the backward, and walk_dc's reverse walk, whose running sum of the
+  blocks' dC_b is also the gradient of the hard keys' values, so the key side costs nothing more.
 * ``fla``: fla's ``chunk_simple_gla`` (a D×Dv state per chunk of L): chunk_fwd_h (bf16 states) and chunk_fwd_o
   forward; chunk_fwd_h again (float32 states), chunk_bwd_dh (float32), chunk_bwd_dqkwg and chunk_bwd_dv backward.
 
 Not counted: the PyTorch glue between the kernels (the masked copies of k and k_rot and the poison of
 ``ops.nonfinite``, the codebook's TF32 split and half norms; block_dc's sum of the window's and the walk's value
-gradients), and the zero count gradients block_dc's reverse walk reads (hard counts take no gradient).
+gradients; the superblock's copies of the initial state), the zero count gradients block_dc's reverse walk
+reads (hard counts take no gradient), and the superblock's launch for a state kept after ``fold`` blocks (fold = 0
+here).
 
-Against the plan's table (B·H·T = 2²⁰; every count here is per token, so 8k and 32k agree but for the superblock's
-gathered keys and the segments):
+Against the plan's table (B·H·T = 2²⁰; every count here is per token, so 8k and 32k agree but for the superblocks'
+gathered keys and caches and the segments):
 
 * block_dc: 962 GFLOP as the plan (the nearest code's two TF32 products at half rate: 275 GFLOP, its 0.28 ms floor);
   8.55 GB against 8.74 (the plan does not itemise its bytes; 0.2 GB is one and a half (B, H, T, 64) passes).
@@ -39,14 +52,21 @@ gathered keys and the segments):
 * walk_dc: 1031 GFLOP against 876, 6.8 GB against 6.59 (H100): here the walk does the two products that form dC_b
   (+137 GFLOP) and reads qc, dO and the counts, and reads the window's dv to add to it; the plan's total leaves
   these out (its FLOPs are below block_dc's, though the walk's products outnumber the one the code part drops).
-* superblock (K = 8): 1179 GFLOP against 1087, 3.92 GB against 4.08, 1.57 and 1.40 ms against 1.48 and 1.30:
-  the walk's products as in walk_dc, and the gathered keys counted exactly (Σ_b (b−1) mod K blocks per sequence,
-  3.45 per query block at 8k); the bytes, again, are not itemised there. K = 4 and 16 give 1.60 and 1.71 ms
-  (H100, 32k): K = 8 is the best of the three.
+* superblock (K = 8): 1169 GFLOP, 6.35 GB, 2.18 ms on an H100 and 1.75 on an H200 at 8k (1172, 6.32, 2.17,
+  1.75 at 32k), against the plan's 1087, 4.08, 1.48 and 1.30. Its FLOPs are superblock_walk's but for the cache
+  gradient's two products a block (in place of the reverse walk's three) and the key-major kernel's gathered tiles
+  (59 GFLOP); its bytes are the float32 caches, nsb·state per pass and nine passes (the sums written, both scans
+  reading and rewriting, the forward, the code backward and the key backward reading, the gradients written):
+  2.5 GB at 8k. K = 4 gives 1051 GFLOP, 8.81 GB, 2.86 and 2.10 ms; K = 16 1406 GFLOP, 5.12 GB, 2.03 and 1.76 ms
+  (8k; 32k within 0.01 ms): on an H100 K = 16 is the best of the three, on an H200 K = 8 and 16 tie.
+* superblock_walk (K = 8): 1179 GFLOP against 1087, 4.09 GB against 4.08, 1.57 and 1.40 ms against 1.48 and
+  1.30: the walk's products as in walk_dc, and the gathered keys counted exactly (Σ_b (b−1) mod K blocks per
+  sequence, 3.45 per query block at 8k); the bytes, again, are not itemised there. K = 4 and 16 give 1.60 and
+  1.71 ms (H100, 8k and 32k): K = 8 is the best of the three.
 * fla: as the plan, 120 GFLOP and 4.29 GB (1.28 ms H100, 0.89 ms H200).
 
     python benchmarks/kernel_floor.py                          # every design, 8k and 32k, 64k tokens a step
-    python benchmarks/kernel_floor.py --designs walk_dc_split superblock --length 8192 --superblock-blocks 4 8 16
+    python benchmarks/kernel_floor.py --designs superblock superblock_walk block_dc --superblock-blocks 4 8 16
 """
 
 from __future__ import annotations
@@ -60,8 +80,10 @@ GPUS = {"H100": (989e12, 3.35e12), "H200": (989e12, 4.8e12)}
 TF32_COST = 2
 F32 = 4
 INDEX_BYTES = 8  # the codes are int64
-DESIGNS = ("block_dc", "walk_dc", "walk_dc_split", "superblock", "fla")
-CURRENT = "block_dc"  # what vqattn's kernels do by default (vqattn/ops/triton/vq_causal.py)
+DESIGNS = ("block_dc", "walk_dc", "walk_dc_split", "superblock", "superblock_walk", "fla")
+# What vqattn's kernels do by default for hard keys: the superblock kernels (vq_causal.SUPERBLOCK_BLOCKS = 8);
+# block_dc with SUPERBLOCK_BLOCKS = 0.
+CURRENT = "superblock"
 SEGMENT_STEPS = 16  # block_caches.SEGMENT_STEPS: the steps of a split cache walk's segment
 
 
@@ -276,6 +298,46 @@ def vq_kernels(s: Shape, n: int, K: int | None, dc: bool, ib: int, seg: int = 0)
             prefix_backward(s, dc, ib, backward_segs)]
 
 
+def superblocks(s: Shape, K: int) -> int:
+    """The caches a sequence reads under superblocks of K blocks: query block b reads cache ⌊max(b−1, 0)/K⌋."""
+    return max(s.nb - 2, 0) // K + 1
+
+
+def superblock_kernels(s: Shape, K: int, ib: int) -> list[KernelCost]:
+    """The superblock kernels (vqattn/ops/triton/superblock.py) in launch order: nsb float32 caches (counts and
+    sums, :func:`state` each), formed as each superblock's own sums and scanned; the forward reads the window, the
+    gathered keys through their codes and its superblock's cache; the backward's code part forms dqc, the cache
+    gradient kernel each cache's gradient from the queries that read it (scanned in reverse), and the key-major
+    kernel the gathered keys' and the caches' share of dv, added to the window's in place. No codebook gradient."""
+    nsb = superblocks(s, K)
+    caches_f32 = nsb * state(s)
+    codes = per_token(s, 1, ib)
+    return [
+        nonfinite_rows(s), nearest(s, ib),
+        KernelCost("_superblock_sums_kernel", f"{nsb} superblocks' sums", block_products(s, s.S, s.Dv),
+                   codes + half(s, s.Dv) + caches_f32),
+        # forward: the initial state read, the sums read and rewritten; backward: the same, and the total written
+        KernelCost("segment_scan_kernel", "both scans: the caches and their gradients' suffix sums (2 launches)", 0,
+                   state(s) + 2 * caches_f32 + 2 * caches_f32 + state(s)),
+        KernelCost("_superblock_forward_kernel", "window, gathered keys and the cache's codes, online softmax",
+                   block_products(s, 2 * s.L, s.D, s.Dv) + block_products(s, s.S, s.Dc, s.Dv)
+                   + gathered_products(s, K, s.Dc, s.Dv),
+                   half(s, s.D, s.D, s.Dv, s.Dc) + codebook(s) + caches_f32 + codes + half(s, s.Dv) + per_token(s)),
+        output_delta(s),
+        window_backward(s),
+        KernelCost("_superblock_code_backward_kernel", "codes and gathered keys: dqc",
+                   block_products(s, s.S, s.Dc, s.Dv, s.Dc) + gathered_products(s, K, s.Dc, s.Dv, s.Dc),
+                   half(s, s.Dc, s.Dv) + per_token(s, 2) + codebook(s) + caches_f32 + codes + half(s, s.Dv)
+                   + half(s, s.Dc)),
+        KernelCost("_superblock_cache_grad_kernel", f"{nsb} caches' gradients from qc, dO",
+                   block_products(s, s.S, s.Dc, s.Dv),
+                   half(s, s.Dc, s.Dv) + per_token(s) + codebook(s) + codes + nsb * s.seqs * s.S * F32 + caches_f32),
+        KernelCost("_superblock_key_backward_kernel", "gathered keys and caches: dv added to the window's",
+                   gathered_products(s, K, s.Dc, s.Dv),
+                   codes + half(s, s.Dc, s.Dv) + per_token(s) + codebook(s) + caches_f32 + 2 * half(s, s.Dv)),
+    ]
+
+
 def fla_kernels(s: Shape) -> list[KernelCost]:
     """chunk_simple_gla with a state h (D, Dv) per chunk of L: P = q, k, v, o, dO, dq, dk, dv (B, H, T, ·) half,
     h and its gradient dh (B, H, nb, D, Dv), bf16 in the forward, float32 in the backward."""
@@ -303,6 +365,8 @@ def kernels(design: str, shape: Shape, K: int = 8, index_bytes: int = INDEX_BYTE
     if design == "fla":
         return fla_kernels(shape)
     if design == "superblock":
+        return superblock_kernels(shape, K, index_bytes)
+    if design == "superblock_walk":
         return vq_kernels(shape, -(-shape.nb // K), K, False, index_bytes)
     if design in ("block_dc", "walk_dc", "walk_dc_split"):
         seg = segment_steps if design == "walk_dc_split" else 0
@@ -338,7 +402,7 @@ def main(argv=None):
     for T in args.length:
         shape = Shape(B=max(1, args.tokens // T), H=args.heads, T=T, S=args.num_codes, L=args.block_len)
         for design in args.designs:
-            for K in args.superblock_blocks if design == "superblock" else [None]:
+            for K in args.superblock_blocks if design.startswith("superblock") else [None]:
                 label = f"{design}, K = {K} ({K * shape.L} tokens)" if K else design
                 print(f"\n### {label}: B={shape.B} H={shape.H} T={T} D={shape.D} Dv={shape.Dv} S={shape.S} "
                       f"L={shape.L}, bf16, fwd+bwd\n")

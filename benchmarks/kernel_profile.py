@@ -160,15 +160,19 @@ def floor_rows(args, measured: dict[str, float], gpu: str | None) -> list[str]:
         return ["no floor model for this GPU (kernel_floor.GPUS)"]
     code_dims = 32 if args.what == "layer" else 64  # a layer scores the codes on its 30 slow RoPE pairs, padded
     shape = Shape(B=args.batch, H=args.heads, T=args.length, S=args.num_codes, Dc=code_dims)
-    # the walks split as the kernels split them here
-    programs = -(-args.num_codes // block_caches.walk_code_tile(64)) * args.batch * args.heads
-    seg_steps, nseg = block_caches._segments(shape.nb + 1, programs, torch.device("cuda"))
-    design = ("walk_dc_split" if nseg > 1 else "walk_dc") if vq_causal.WALK_CACHE_GRADIENT else "block_dc"
+    K = vq_causal.SUPERBLOCK_BLOCKS  # hard keys take the superblock kernels when K > 0, else the block designs
+    if K > 0 and args.method.startswith("vq_hard"):
+        design, seg_steps, nseg = "superblock", 0, 1
+    else:  # the walks split as the kernels split them here
+        programs = -(-args.num_codes // block_caches.walk_code_tile(64)) * args.batch * args.heads
+        seg_steps, nseg = block_caches._segments(shape.nb + 1, programs, torch.device("cuda"))
+        design = ("walk_dc_split" if nseg > 1 else "walk_dc") if vq_causal.WALK_CACHE_GRADIENT else "block_dc"
     rows = [f"\nagainst the floor on an {gpu} (kernel_floor.py, design {design}"
+            + (f", K = {K}" if design == "superblock" else "")
             + (f", segments of {seg_steps} steps)" if nseg > 1 else ")"),
             "| kernel | measured ms | floor ms | floor / measured |", "|---|---:|---:|---:|"]
     modelled = 0.0
-    for cost in kernels(design, shape, segment_steps=seg_steps):
+    for cost in kernels(design, shape, K=K, segment_steps=seg_steps):
         ms, floor = measured.get(cost.name), cost.floor_s(gpu) * 1000
         if ms is None:
             continue

@@ -26,17 +26,20 @@ import sys
 
 import torch
 from attention_speed import (
+    add_design_argument,
     add_in_process_argument,
     fresh_page_ms_per_mb,
     machine,
     note,
     run_child,
+    set_design,
     set_in_process,
     summarise,
     time_fwd_bwd,
 )
 
 from vqattn.layers import ATTENTIONS, build_attention
+from vqattn.ops.triton import vq_causal
 from vqattn.utils import add_threads_argument, tune_cpu_allocator, use_threads
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -97,8 +100,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; ratios are per-round medians")
     add_threads_argument(parser)
     add_in_process_argument(parser)
+    add_design_argument(parser)
     args = parser.parse_args(argv)
     set_in_process(args)
+    set_design(args)
     if "softmax" not in args.layers:
         args.layers = ["softmax", *args.layers]
     return args
@@ -123,7 +128,8 @@ def main(argv=None) -> None:
     compiled = (", compiled" if args.compile else "") + (", tuned allocator" if args.tuned_allocator else "")
     batch = "B=1" if args.tokens is None else f"B={args.tokens}//T"
     print(f"# layer fwd+bwd, {batch} impl={args.impl} dim={args.dim} heads={args.heads} S={args.num_codes} {args.dtype} autocast "
-          f"{args.autocast}{compiled}, training mode, {args.device}: {machine()}, torch {torch.__version__}; "
+          f"{args.autocast}{compiled}, superblock_blocks={vq_causal.SUPERBLOCK_BLOCKS}, training mode, "
+          f"{args.device}: {machine()}, torch {torch.__version__}; "
           f"median of {args.reps} reps in each of {args.rounds} interleaved rounds")
     if args.device == "cpu":
         print(f"# fresh memory costs {fresh_page_ms_per_mb():.2f} ms per MB beyond warm writes on this machine now")

@@ -33,6 +33,35 @@ BLOCK_DC = {
     "_prefix_backward_kernel": (4 * 16384, 2048 + 1024 + 2 * 544 + 8192),
 }
 
+# The built superblock design at K = 2: nsb = max(4 − 2, 0)//2 + 1 = 2 float32 caches, 2·544 = 1088 bytes; query
+# blocks 1, 2, 3 gather (b − 1) mod 2 = 0, 1, 0 key blocks, one gathered (64, 64) tile a sequence.
+SUPERBLOCK = {
+    "_nonfinite_rows_kernel": BLOCK_DC["_nonfinite_rows_kernel"],
+    "_nearest_kernel": BLOCK_DC["_nearest_kernel"],
+    # Δᵀ V, 2·8·64·16 = 16384 a block; codes and v read, two caches written
+    "_superblock_sums_kernel": (4 * 16384, 2048 + 8192 + 2 * 544),
+    # forward: the initial state read, two caches read and rewritten; backward: two gradients read and rewritten,
+    # the total written
+    "segment_scan_kernel": (0, 544 + 2 * 2 * 544 + 2 * 2 * 544 + 544),
+    # per block the window's qk and pv (131072 each) and the codes' qc·cᵀ and p·C (16384 each); the gathered tile's
+    # qc·c_zᵀ and p·v, 2·64·64·16 = 131072 each; qw, kw, v, qc, the codebook, two caches and the codes read, out and
+    # the logsumexp written
+    "_superblock_forward_kernel": (4 * (4 * 131072 + 2 * 16384) + 2 * 131072,
+                                   4 * 8192 + 512 + 2 * 544 + 2048 + 8192 + 1024),
+    "_output_delta_kernel": BLOCK_DC["_output_delta_kernel"],
+    "_window_backward_kernel": BLOCK_DC["_window_backward_kernel"],
+    # qc·cᵀ, dO·Cᵀ, ds·c a block (16384 each); the gathered tile's qc·c_zᵀ, dO·vᵀ, ds·c_z (131072 each); qc, dO, lse,
+    # Δ, the codebook, two caches, the codes and v read, dqc written
+    "_superblock_code_backward_kernel": (4 * 3 * 16384 + 3 * 131072,
+                                         2 * 8192 + 2 * 1024 + 512 + 2 * 544 + 2048 + 8192 + 8192),
+    # qc·cᵀ and wᵀ·dO a block; qc, dO, lse, the codebook, the codes, two caches' counts (2·8·4) read, two gradients
+    # written
+    "_superblock_cache_grad_kernel": (4 * 2 * 16384, 2 * 8192 + 1024 + 512 + 2048 + 2 * 8 * 4 + 2 * 544),
+    # the gathered tile's qc·c_zᵀ and pᵀ·dO; the codes, qc, dO, lse, the codebook, two suffix sums and the window's
+    # dv read, dv written
+    "_superblock_key_backward_kernel": (2 * 131072, 2048 + 2 * 8192 + 1024 + 512 + 2 * 544 + 8192 + 8192),
+}
+
 
 @pytest.fixture
 def kernel_floor(monkeypatch):
@@ -89,10 +118,17 @@ def test_split_walks_by_hand(kernel_floor, small):
     assert kernel_floor.kernels("walk_dc_split", small, segment_steps=8) == kernel_floor.kernels("walk_dc", small)
 
 
-def test_superblock_gathers_the_keys_between_its_caches(kernel_floor, small):
+def test_superblock_counts_by_hand(kernel_floor, small):
+    assert kernel_floor.superblocks(small, 2) == 2 and kernel_floor.gathered_blocks(4, 2) == 1
+    costs = kernel_floor.kernels("superblock", small, K=2)
+    assert [c.name for c in costs] == list(SUPERBLOCK)
+    assert {c.name: (c.flop, c.bytes) for c in costs} == SUPERBLOCK
+
+
+def test_superblock_walk_gathers_the_keys_between_its_caches(kernel_floor, small):
     # K = 2: query blocks 1, 2, 3 read (b − 1) mod 2 = 0, 1, 0 blocks through their codes; 2 caches a sequence
     assert kernel_floor.gathered_blocks(4, 2) == 1
-    costs = {c.name: c for c in kernel_floor.kernels("superblock", small, K=2)}
+    costs = {c.name: c for c in kernel_floor.kernels("superblock_walk", small, K=2)}
     block_dc = {c.name: c for c in kernel_floor.kernels("block_dc", small)}
     forward = "_window_code_forward_kernel"
     # one (64, 64) tile more, qc·c_zᵀ and p·v; two caches fewer (2·288 bytes), the codes read
@@ -125,9 +161,11 @@ def test_gpu_names(kernel_floor):
 
 
 def test_cli_prints_every_design(kernel_floor, capsys):
-    kernel_floor.main(["--length", "8192", "--designs", "block_dc", "superblock", "--superblock-blocks", "4", "8"])
+    kernel_floor.main(["--length", "8192", "--designs", "block_dc", "superblock", "superblock_walk",
+                       "--superblock-blocks", "4", "8"])
     out = capsys.readouterr().out
-    assert out.count("| **total** |") == 3 and "_prefix_backward_kernel" in out
+    assert out.count("| **total** |") == 5 and "_prefix_backward_kernel" in out
+    assert "_superblock_key_backward_kernel" in out
     with pytest.raises(ValueError):
         kernel_floor.kernels("no_such_design", kernel_floor.Shape(B=1, H=1, T=64))
 
@@ -135,4 +173,4 @@ def test_cli_prints_every_design(kernel_floor, capsys):
 def test_the_script_runs():
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_floor.py"
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True).stdout
-    assert out.count("| **total** |") == 10  # five designs at 8k and 32k
+    assert out.count("| **total** |") == 12  # six designs at 8k and 32k
