@@ -20,9 +20,16 @@ pytestmark = [needs_triton, pytest.mark.usefixtures("nan_empty")]
 B, H, D, DV, S, L = 2, 2, 16, 8, 24, 16
 
 
-@pytest.fixture(params=[1, 2, 3])
+@pytest.fixture(params=[pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(3, marks=pytest.mark.slow)])
 def K(request, monkeypatch):
-    """Blocks per superblock: 1 is the per-block caches, 2 and 3 gather one and two blocks' keys."""
+    """Blocks per superblock: 1 is the per-block caches, 2 and 3 gather one and two blocks' keys (the quick suite
+    runs 2; every K runs in the definition's test)."""
+    monkeypatch.setattr(vq_causal, "SUPERBLOCK_BLOCKS", request.param)
+    return request.param
+
+
+@pytest.fixture(params=[1, 2, 3])
+def every_K(request, monkeypatch):
     monkeypatch.setattr(vq_causal, "SUPERBLOCK_BLOCKS", request.param)
     return request.param
 
@@ -50,10 +57,10 @@ def call(attention, window, impl=None, **kwargs):
 
 
 @pytest.mark.parametrize("window", ["codes", "exact", "rotated"])
-@pytest.mark.parametrize("T", [1, 20, 47, 150])
-def test_superblocks_equal_the_definition(K, window, T):
-    """T = 1, shorter than two blocks, not a multiple of L, and 150 tokens (10 blocks: 3 to 9 superblocks,
-    the last one partial)."""
+@pytest.mark.parametrize("T", [1, 20, 47, pytest.param(150, marks=pytest.mark.slow)])
+def test_superblocks_equal_the_definition(every_K, window, T):
+    """T = 1, shorter than two blocks, not a multiple of L or of K·L, and 150 tokens (10 blocks: 3 to 9
+    superblocks, the last one partial; the other tests run 150 tokens at K = 2 in the quick suite)."""
     compare(call(naive_vq_attention, window), call(vq_attention, window, "triton"), inputs(window, T))
 
 

@@ -29,7 +29,7 @@ import torch
 from ..common.layout import empty_like_order
 from ..devices import triton
 from .scans import exclusive_scan
-from .utils import dot_dtype, register_width, three_programs_per_sm, unit_last
+from .utils import cache_dtype, dot_dtype, register_width, three_programs_per_sm, unit_last
 from .window_codes import WindowCodes
 
 if triton is not None:
@@ -328,12 +328,6 @@ def _launch(hard: bool, forward: bool, device: torch.device) -> dict:
     if hard:
         return dict(num_warps=8) if forward else {}
     return dict(num_stages=1, **three_programs_per_sm(device)) if forward else dict(num_stages=1)
-
-
-def cache_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the per-block value sums (and their gradient) beside values of ``dtype``: bfloat16 for bfloat16,
-    float32 otherwise (a sum of many float16 values passes float16's largest value, 65504)."""
-    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
 def walk_code_tile(dv_width: int) -> int:

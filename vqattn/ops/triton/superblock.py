@@ -36,7 +36,7 @@ import torch
 from ..common.layout import empty_like_order
 from ..devices import triton
 from .scans import exclusive_scan
-from .utils import CODE_TILE, aligned_code_dims, dot_dtype, register_width, stride_args, sum_dot, unit_last
+from .utils import CODE_TILE, aligned_code_dims, cache_dtype, dot_dtype, register_width, stride_args, sum_dot, unit_last
 from .window_codes import BACKWARD_LAUNCH, FORWARD_LAUNCH, TENSORS, WindowCodes, output_delta, window_backward
 
 if triton is not None:
@@ -91,7 +91,7 @@ if triton is not None:
     def _superblock_sums_kernel(IDX, V, TN, TC, sv_b, sv_h, sv_t, H, T, S, DV, start, span, limit, nout,
                                 L: tl.constexpr, BS: tl.constexpr, BDV: tl.constexpr, DOT: tl.constexpr,
                                 PREC: tl.constexpr):
-        """TN (B·H, nout, S), TC (B·H, nout, S, DV) float32: program p's counts Δᵀ1 and value sums Δᵀ V of blocks
+        """TN (B·H, nout, S) float32, TC (B·H, nout, S, DV): program p's counts Δᵀ1 and value sums Δᵀ V of blocks
         start + p·span .. start + (p+1)·span − 1, none from ``limit`` on, one program per (tile of codes, batch·head,
         p)."""
         bh, piece = tl.program_id(1), tl.program_id(2)
@@ -115,8 +115,8 @@ if triton is not None:
                                    BS: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr,
                                    SUM_DOT: tl.constexpr, PREC: tl.constexpr, HAS_BAD: tl.constexpr):
         """out (B, H, T, DV) and the logsumexp LSE (B·H, T) (base 2) of query block blk: its window, the keys of
-        blocks c_b .. b−2 through their codes, and the S codes of its superblock's cache (CNT (B·H, nsb, S), SUM
-        (B·H, nsb, S, DV) float32)."""
+        blocks c_b .. b−2 through their codes, and the S codes of its superblock's cache (CNT (B·H, nsb, S) float32, SUM
+        (B·H, nsb, S, DV))."""
         blk, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // H, bh % H
         rows = blk * L + tl.arange(0, L)
@@ -194,7 +194,7 @@ if triton is not None:
                                       BDC: tl.constexpr, BDV: tl.constexpr, HAS_BIAS: tl.constexpr,
                                       COUNTS_GRAD: tl.constexpr, DOT: tl.constexpr, SUM_DOT: tl.constexpr,
                                       PREC: tl.constexpr):
-        """TN (B·H, nsb, S), TC (B·H, nsb, S, DV) float32: cache g's gradient for a tile of codes, summed over the
+        """TN (B·H, nsb, S) float32, TC (B·H, nsb, S, DV): cache g's gradient for a tile of codes, summed over the
         query blocks that read it (b = 0 .. K for g = 0, gK + 1 .. gK + K after), from their code queries, output
         gradients and logsumexp (:func:`~.utils.cache_grad_of_queries`); its counts' only with COUNTS_GRAD (hard
         counts take a gradient only from the state's). One program per (tile of codes, batch·head, g)."""
@@ -264,7 +264,7 @@ if triton is not None:
         row_mask = inside[:, None] & (dv_cols[None, :] < DV)
         at = codes[:, None] * DV + dv_cols[None, :]
         gs = g + tl.zeros([L], tl.int32)  # the superblock as a vector: masks of one type
-        dv += tl.load(GC + (bh * nsb + g) * S * DV + at, mask=row_mask & (gs < nsb)[:, None], other=0.0)
+        dv += tl.load(GC + (bh * nsb + g) * S * DV + at, mask=row_mask & (gs < nsb)[:, None], other=0.0).to(tl.float32)
         dv += tl.load(DFC + bh * S * DV + at, mask=row_mask & (keys < fold * L)[:, None], other=0.0)
         value_at = DVAL + b * sd_b + h * sd_h + keys[:, None] * sd_t + dv_cols[None, :]
         dv += tl.load(value_at, mask=row_mask, other=0.0).to(tl.float32)
@@ -275,13 +275,13 @@ if triton is not None:
                           mask=inside[:, None] & (dc[None, :] < DC))
 
 
-def _code_sums(idx, v, *, L: int, start: int, span: int, limit: int, pieces: int):
-    """The counts (B·H, pieces, S) and value sums (B·H, pieces, S, Dv) float32 of blocks start + p·span ..
-    start + (p+1)·span − 1 (none from ``limit`` on), for p < pieces."""
+def _code_sums(idx, v, *, L: int, start: int, span: int, limit: int, pieces: int, dtype: torch.dtype):
+    """The counts (B·H, pieces, S) float32 and value sums (B·H, pieces, S, Dv) in ``dtype`` of blocks
+    start + p·span .. start + (p+1)·span − 1 (none from ``limit`` on), for p < pieces."""
     B, H, T, DV = v.shape
     S = idx.S
-    f32 = dict(device=v.device, dtype=torch.float32)
-    tn, tc = torch.empty(B * H, pieces, S, **f32), torch.empty(B * H, pieces, S, DV, **f32)
+    tn = torch.empty(B * H, pieces, S, device=v.device, dtype=torch.float32)
+    tc = torch.empty(B * H, pieces, S, DV, device=v.device, dtype=dtype)
     dot, prec = dot_dtype(v.dtype)
     _superblock_sums_kernel[(triton.cdiv(S, SUM_CODE_TILE), B * H, pieces)](
         IDX=idx.index, V=v, TN=tn, TC=tc, **stride_args("v", v), H=H, T=T, S=S, DV=DV, start=start, span=span,
@@ -298,19 +298,20 @@ class Codes:
 
 
 def caches_and_state(idx: Codes, v, n0, c0, *, L: int, K: int, fold: int):
-    """The superblock caches (B·H, nsb, S), (B·H, nsb, S, Dv) and the state after ``fold`` blocks (B·H, S),
-    (B·H, S, Dv), all float32, from the initial cache n0, c0 (B·H, S[, Dv]) float32."""
+    """The superblock caches, counts (B·H, nsb, S) float32 and value sums (B·H, nsb, S, Dv) (:func:`cache_dtype`:
+    bfloat16 beside bfloat16 values, the largest tensors the forward writes), and the state after ``fold`` blocks
+    (B·H, S), (B·H, S, Dv) float32, from the initial cache n0, c0 (B·H, S[, Dv]) float32."""
     T = v.shape[2]
     nb = triton.cdiv(T, L)
     nsb = superblocks(nb, K)
-    cache_n, cache_c = _code_sums(idx, v, L=L, start=0, span=K, limit=nb, pieces=nsb)
+    cache_n, cache_c = _code_sums(idx, v, L=L, start=0, span=K, limit=nb, pieces=nsb, dtype=cache_dtype(v.dtype))
     exclusive_scan(cache_n, cache_c, code_tile=SUM_CODE_TILE, base=(n0, c0))
     if fold == 0:
         return cache_n, cache_c, n0.clone(), c0.clone()
-    # the state after fold blocks: the last cache at or before it, plus the blocks from there to it
-    g = min(fold // K, nsb - 1)
-    part_n, part_c = _code_sums(idx, v, L=L, start=g * K, span=fold - g * K, limit=fold, pieces=1)
-    return cache_n, cache_c, cache_n[:, g] + part_n[:, 0], cache_c[:, g] + part_c[:, 0]
+    # the state a caller continues from, summed in float32 from the start: a prefill or a carried state, not the
+    # training step's hot path
+    part_n, part_c = _code_sums(idx, v, L=L, start=0, span=fold, limit=fold, pieces=1, dtype=torch.float32)
+    return cache_n, cache_c, n0 + part_n[:, 0], c0 + part_c[:, 0]
 
 
 def superblock_forward(qw, kw, v, qc, codebook, idx: Codes, code_bias, caches, *, scale: float, L: int, K: int,
@@ -362,7 +363,8 @@ def superblock_backward(f: WindowCodes, idx: Codes, grad_out, d_fold_n, d_fold_c
         DELTA=delta, DQC=dqc, DCB=dqc if dcb is None else dcb, **stride_args("qc", f.qc), **stride_args("v", f.v),
         **stride_args("do", grad_out), **stride_args("dqc", dqc), **common, **meta, BS=f.meta["BS"],
         SUM_DOT=f.meta["SUM_DOT"], CODEBOOK_GRAD=codebook_grad, **BACKWARD_LAUNCH)
-    tn, tc = torch.empty(B * H, nsb, S, **f32), torch.empty(B * H, nsb, S, DV, **f32)
+    # the caches' gradients in the sums' dtype, as the caches (their suffix sums are scanned in float32)
+    tn, tc = torch.empty(B * H, nsb, S, **f32), torch.empty(B * H, nsb, S, DV, device=f.qw.device, dtype=f.sm.dtype)
     _superblock_cache_grad_kernel[(triton.cdiv(S, SUM_CODE_TILE), B * H, nsb)](
         QC=f.qc, CB=f.cb, IDX=idx.index, CNT=f.cnt, BIAS=f.bias, DO=grad_out, LSE=f.lse, DELTA=delta, TN=tn,
         TC=tc,

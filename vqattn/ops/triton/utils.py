@@ -79,6 +79,12 @@ def dot_dtype(dtype: torch.dtype):
     return (tl.bfloat16 if dtype == torch.bfloat16 else tl.float16), "tf32"
 
 
+def cache_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the per-block value sums (and their gradient) beside values of ``dtype``: bfloat16 for bfloat16,
+    float32 otherwise (a sum of many float16 values passes float16's largest value, 65504)."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+
 def float32_dot() -> str:
     """How float32 inputs multiply on a GPU: in TF32 where PyTorch's float32 matmuls may
     (:func:`~vqattn.ops.triton.float32_tensor_cores`), else in IEEE float32, which Triton forms on the CUDA cores,
