@@ -22,7 +22,7 @@ The designs (:data:`DESIGNS`):
   queries, its dC products twice), two scans, every segment's walk from its own start.
 * ``superblock`` (:data:`CURRENT`, the kernels' default for hard keys: ``vq_causal.SUPERBLOCK_BLOCKS = 8``, the
   K here), as built (``vqattn/ops/triton/superblock.py``): a cache only every K blocks (K·L tokens),
-  nsb = ⌊max(nb − 2, 0)/K⌋ + 1 per sequence, float32 counts and sums (a :func:`state` each); a query attends to
+  nsb = ⌊max(nb − 2, 0)/K⌋ + 1 per sequence, half sums and float32 counts (:func:`caches`); a query attends to
   the keys between its superblock's cache and its window (blocks c..b−2) through their codes, logit σ q·c_{z_j},
   value v_j. No walk: ``_superblock_sums_kernel`` forms each superblock's own sums Δᵀ V and
   ``segment_scan_kernel`` scans them into the caches; ``_superblock_forward_kernel`` reads window, gathered keys
@@ -52,13 +52,13 @@ gathered keys and caches and the segments):
 * walk_dc: 1031 GFLOP against 876, 6.8 GB against 6.59 (H100): here the walk does the two products that form dC_b
   (+137 GFLOP) and reads qc, dO and the counts, and reads the window's dv to add to it; the plan's total leaves
   these out (its FLOPs are below block_dc's, though the walk's products outnumber the one the code part drops).
-* superblock (K = 8): 1169 GFLOP, 6.35 GB, 2.18 ms on an H100 and 1.75 on an H200 at 8k (1172, 6.32, 2.17,
-  1.75 at 32k), against the plan's 1087, 4.08, 1.48 and 1.30. Its FLOPs are superblock_walk's but for the cache
+* superblock (K = 8): 1169 GFLOP, 5.14 GB, 1.87 ms on an H100 and 1.59 on an H200 at 8k (1172, 5.11, 1.86,
+  1.59 at 32k), against the plan's 1087, 4.08, 1.48 and 1.30. Its FLOPs are superblock_walk's but for the cache
   gradient's two products a block (in place of the reverse walk's three) and the key-major kernel's gathered tiles
-  (59 GFLOP); its bytes are the float32 caches, nsb·state per pass and nine passes (the sums written, both scans
+  (59 GFLOP); its bytes hold nine passes over the nsb caches or their gradients (the sums written, both scans
   reading and rewriting, the forward, the code backward and the key backward reading, the gradients written):
-  2.5 GB at 8k. K = 4 gives 1051 GFLOP, 8.81 GB, 2.86 and 2.10 ms; K = 16 1406 GFLOP, 5.12 GB, 2.03 and 1.76 ms
-  (8k; 32k within 0.01 ms): on an H100 K = 16 is the best of the three, on an H200 K = 8 and 16 tie.
+  1.3 GB at 8k. K = 4 gives 1051 GFLOP, 6.38 GB, 2.14 and 1.67 ms; K = 16 1406 GFLOP, 4.51 GB, 1.91 and 1.69 ms
+  (8k; 32k within 0.01 ms): K = 8 is the best of the three on both GPUs.
 * superblock_walk (K = 8): 1179 GFLOP against 1087, 4.09 GB against 4.08, 1.57 and 1.40 ms against 1.48 and
   1.30: the walk's products as in walk_dc, and the gathered keys counted exactly (Σ_b (b−1) mod K blocks per
   sequence, 3.45 per query block at 8k); the bytes, again, are not itemised there. K = 4 and 16 give 1.60 and
@@ -304,37 +304,38 @@ def superblocks(s: Shape, K: int) -> int:
 
 
 def superblock_kernels(s: Shape, K: int, ib: int) -> list[KernelCost]:
-    """The superblock kernels (vqattn/ops/triton/superblock.py) in launch order: nsb float32 caches (counts and
-    sums, :func:`state` each), formed as each superblock's own sums and scanned; the forward reads the window, the
+    """The superblock kernels (vqattn/ops/triton/superblock.py) in launch order: nsb caches (half sums, float32
+    counts: :func:`caches`), formed as each superblock's own sums and scanned; the forward reads the window, the
     gathered keys through their codes and its superblock's cache; the backward's code part forms dqc, the cache
-    gradient kernel each cache's gradient from the queries that read it (scanned in reverse), and the key-major
-    kernel the gathered keys' and the caches' share of dv, added to the window's in place. No codebook gradient."""
+    gradient kernel each cache's gradient from the queries that read it (half sums and float32 counts, scanned in
+    reverse), and the key-major kernel the gathered keys' and the caches' share of dv, added to the window's in
+    place. No codebook gradient."""
     nsb = superblocks(s, K)
-    caches_f32 = nsb * state(s)
+    stored = caches(s, nsb)  # the caches, or their gradients
     codes = per_token(s, 1, ib)
     return [
         nonfinite_rows(s), nearest(s, ib),
         KernelCost("_superblock_sums_kernel", f"{nsb} superblocks' sums", block_products(s, s.S, s.Dv),
-                   codes + half(s, s.Dv) + caches_f32),
-        # forward: the initial state read, the sums read and rewritten; backward: the same, and the total written
+                   codes + half(s, s.Dv) + stored),
+        # forward: the initial state read, the sums read and rewritten; backward: the same, the float32 total written
         KernelCost("segment_scan_kernel", "both scans: the caches and their gradients' suffix sums (2 launches)", 0,
-                   state(s) + 2 * caches_f32 + 2 * caches_f32 + state(s)),
+                   state(s) + 2 * stored + 2 * stored + state(s)),
         KernelCost("_superblock_forward_kernel", "window, gathered keys and the cache's codes, online softmax",
                    block_products(s, 2 * s.L, s.D, s.Dv) + block_products(s, s.S, s.Dc, s.Dv)
                    + gathered_products(s, K, s.Dc, s.Dv),
-                   half(s, s.D, s.D, s.Dv, s.Dc) + codebook(s) + caches_f32 + codes + half(s, s.Dv) + per_token(s)),
+                   half(s, s.D, s.D, s.Dv, s.Dc) + codebook(s) + stored + codes + half(s, s.Dv) + per_token(s)),
         output_delta(s),
         window_backward(s),
         KernelCost("_superblock_code_backward_kernel", "codes and gathered keys: dqc",
                    block_products(s, s.S, s.Dc, s.Dv, s.Dc) + gathered_products(s, K, s.Dc, s.Dv, s.Dc),
-                   half(s, s.Dc, s.Dv) + per_token(s, 2) + codebook(s) + caches_f32 + codes + half(s, s.Dv)
+                   half(s, s.Dc, s.Dv) + per_token(s, 2) + codebook(s) + stored + codes + half(s, s.Dv)
                    + half(s, s.Dc)),
         KernelCost("_superblock_cache_grad_kernel", f"{nsb} caches' gradients from qc, dO",
                    block_products(s, s.S, s.Dc, s.Dv),
-                   half(s, s.Dc, s.Dv) + per_token(s) + codebook(s) + codes + nsb * s.seqs * s.S * F32 + caches_f32),
+                   half(s, s.Dc, s.Dv) + per_token(s) + codebook(s) + codes + nsb * s.seqs * s.S * F32 + stored),
         KernelCost("_superblock_key_backward_kernel", "gathered keys and caches: dv added to the window's",
                    gathered_products(s, K, s.Dc, s.Dv),
-                   codes + half(s, s.Dc, s.Dv) + per_token(s) + codebook(s) + caches_f32 + 2 * half(s, s.Dv)),
+                   codes + half(s, s.Dc, s.Dv) + per_token(s) + codebook(s) + cache_grads(s, nsb) + 2 * half(s, s.Dv)),
     ]
 
 

@@ -38,28 +38,28 @@ BLOCK_DC = {
 SUPERBLOCK = {
     "_nonfinite_rows_kernel": BLOCK_DC["_nonfinite_rows_kernel"],
     "_nearest_kernel": BLOCK_DC["_nearest_kernel"],
-    # Δᵀ V, 2·8·64·16 = 16384 a block; codes and v read, two caches written
-    "_superblock_sums_kernel": (4 * 16384, 2048 + 8192 + 2 * 544),
+    # Δᵀ V, 2·8·64·16 = 16384 a block; codes and v read, two caches (half sums, float32 counts: 288 each) written
+    "_superblock_sums_kernel": (4 * 16384, 2048 + 8192 + 2 * 288),
     # forward: the initial state read, two caches read and rewritten; backward: two gradients read and rewritten,
-    # the total written
-    "segment_scan_kernel": (0, 544 + 2 * 2 * 544 + 2 * 2 * 544 + 544),
+    # the float32 total written
+    "segment_scan_kernel": (0, 544 + 2 * 2 * 288 + 2 * 2 * 288 + 544),
     # per block the window's qk and pv (131072 each) and the codes' qc·cᵀ and p·C (16384 each); the gathered tile's
     # qc·c_zᵀ and p·v, 2·64·64·16 = 131072 each; qw, kw, v, qc, the codebook, two caches and the codes read, out and
     # the logsumexp written
     "_superblock_forward_kernel": (4 * (4 * 131072 + 2 * 16384) + 2 * 131072,
-                                   4 * 8192 + 512 + 2 * 544 + 2048 + 8192 + 1024),
+                                   4 * 8192 + 512 + 2 * 288 + 2048 + 8192 + 1024),
     "_output_delta_kernel": BLOCK_DC["_output_delta_kernel"],
     "_window_backward_kernel": BLOCK_DC["_window_backward_kernel"],
     # qc·cᵀ, dO·Cᵀ, ds·c a block (16384 each); the gathered tile's qc·c_zᵀ, dO·vᵀ, ds·c_z (131072 each); qc, dO, lse,
     # Δ, the codebook, two caches, the codes and v read, dqc written
     "_superblock_code_backward_kernel": (4 * 3 * 16384 + 3 * 131072,
-                                         2 * 8192 + 2 * 1024 + 512 + 2 * 544 + 2048 + 8192 + 8192),
+                                         2 * 8192 + 2 * 1024 + 512 + 2 * 288 + 2048 + 8192 + 8192),
     # qc·cᵀ and wᵀ·dO a block; qc, dO, lse, the codebook, the codes, two caches' counts (2·8·4) read, two gradients
     # written
-    "_superblock_cache_grad_kernel": (4 * 2 * 16384, 2 * 8192 + 1024 + 512 + 2048 + 2 * 8 * 4 + 2 * 544),
-    # the gathered tile's qc·c_zᵀ and pᵀ·dO; the codes, qc, dO, lse, the codebook, two suffix sums and the window's
-    # dv read, dv written
-    "_superblock_key_backward_kernel": (2 * 131072, 2048 + 2 * 8192 + 1024 + 512 + 2 * 544 + 8192 + 8192),
+    "_superblock_cache_grad_kernel": (4 * 2 * 16384, 2 * 8192 + 1024 + 512 + 2048 + 2 * 8 * 4 + 2 * 288),
+    # the gathered tile's qc·c_zᵀ and pᵀ·dO; the codes, qc, dO, lse, the codebook, two half suffix sums (8·16·2 =
+    # 256 each) and the window's dv read, dv written
+    "_superblock_key_backward_kernel": (2 * 131072, 2048 + 2 * 8192 + 1024 + 512 + 2 * 256 + 8192 + 8192),
 }
 
 
