@@ -76,7 +76,7 @@ def test_ratios_are_medians_of_per_round_ratios(layer_speed):
 def test_kernel_resources_of_a_layer_compile_for_a_gpu_here(monkeypatch, capsys, tmp_path):
     """kernel_resources.py records a vq_hard layer's launches under the interpreter and compiles each for sm_90 with
     Triton's ptxas, on this GPU-less machine. The layer's code scores have Dc = 30 (its slow RoPE pairs): padded to
-    32, the window-code kernels load and store every half row vectorised. Their code loops hold no subnormal range
+    32, the superblock kernels load and store every half row vectorised. Their code loops hold no subnormal range
     fix-up (ptxas' compare with −126 or 2⁻¹²⁶ around ex2 and a precise log): the exponentials are flush-to-zero ex2
     and the counts take no logarithm."""
     pytest.importorskip("triton")
@@ -86,15 +86,15 @@ def test_kernel_resources_of_a_layer_compile_for_a_gpu_here(monkeypatch, capsys,
     kernel_resources.main(["--what", "layer", "--method", "vq_hard", "--length", "64", "--dim", "128", "--heads", "2",
                            "--num-codes", "64", "--dump", str(tmp_path)])
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
-    names = ("_window_code_forward_kernel", "_window_backward_kernel", "_code_backward_kernel")
-    assert {"_rotation_kernel", "_nearest_kernel", "_prefix_kernel", "_prefix_backward_kernel", *names} <= {
-        row[0] for row in rows}
+    names = ("_superblock_forward_kernel", "_window_backward_kernel", "_superblock_code_backward_kernel")
+    assert {"_rotation_kernel", "_nearest_kernel", "_superblock_sums_kernel", "_superblock_cache_grad_kernel",
+            "_superblock_key_backward_kernel", *names} <= {row[0] for row in rows}
     sass = sorted(tmp_path.glob("*.sass"))  # one per row, in launch order
     # the backward runs as two kernels: the window's part (no loop), then the codes' (a loop over code tiles)
     launches = {name: [i for i, row in enumerate(rows) if row[0] == name] for name in names}
     (forward,), (window_backward,), (code_backward,) = launches.values()
     assert rows[window_backward][11] == "0"
-    # capped at 168 registers without spilling: three programs of 4 warps per SM (window_codes.py)
+    # within 168 registers without spilling: three programs of 4 warps per SM
     assert int(rows[code_backward][3]) <= 168 and rows[code_backward][4] == "0"
     for i in (forward, code_backward):
         warps, stages, regs, spill, shared, loads_b16, stores_b16 = rows[i][1:8]
