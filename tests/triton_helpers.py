@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from vqattn.ops.devices import INTERPRET, triton
 
@@ -75,3 +76,17 @@ def compare(fn_ref, fn_fast, inputs, dtype=torch.float32, tol=1e-5):
         r = torch.zeros_like(inputs[i]) if r is None else r
         g = torch.zeros_like(fast_inputs[i]) if g is None else g
         assert rel_rms(g, r) < 10 * tol, f"gradient of input {i}: {rel_rms(g, r)}"
+
+
+class Allocations(TorchDispatchMode):
+    """The shapes of the tensors allocated (empty, zeros and their new_ forms) while it is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.__name__.startswith(("empty", "zeros", "new_empty", "new_zeros")):
+            self.shapes.append(tuple(out.shape))
+        return out

@@ -24,7 +24,7 @@ from vqattn.ops.vq import VQState, naive_vq_attention, vq_assign, vq_attention
 from vqattn.ops.window import window_attention
 
 from references import ref_window_attention
-from triton_helpers import DEVICE, compare, leaves, nan_empty, needs_triton, rel_rms  # noqa: F401 (a fixture)
+from triton_helpers import DEVICE, Allocations, compare, leaves, nan_empty, needs_triton, rel_rms  # noqa: F401 (a fixture)
 
 pytestmark = [needs_triton, pytest.mark.usefixtures("nan_empty")]
 B, H, D, DV, S, L = 2, 2, 16, 8, 24, 32
@@ -201,17 +201,6 @@ def test_where_the_cache_gradient_is_formed(assign, walk, monkeypatch):
     the code backward writes it for the walk to read."""
     monkeypatch.setattr(vq_causal, "WALK_CACHE_GRADIENT", walk)
     monkeypatch.setattr(vq_causal, "SUPERBLOCK_BLOCKS", 0)  # hard keys through the walks
-
-    class Allocations(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.shapes = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func.__name__.startswith(("empty", "zeros", "new_empty", "new_zeros")):
-                self.shapes.append(tuple(out.shape))
-            return out
 
     T = 100
     nb = -(-T // L)

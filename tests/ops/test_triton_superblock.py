@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from vqattn.ops.common.statistics import map_time
 from vqattn.ops.triton import superblock as superblock_module
 from vqattn.ops.triton import vq_causal
 from vqattn.ops.vq import VQState, naive_vq_attention, vq_assign, vq_attention
 
-from triton_helpers import DEVICE, compare, leaves, nan_empty, needs_triton, rel_rms  # noqa: F401 (a fixture)
+from triton_helpers import DEVICE, Allocations, compare, leaves, nan_empty, needs_triton, rel_rms  # noqa: F401 (a fixture)
 
 pytestmark = [needs_triton, pytest.mark.usefixtures("nan_empty")]
 B, H, D, DV, S, L = 2, 2, 16, 8, 24, 16
@@ -130,18 +129,6 @@ def test_half_inputs(dtype, tol, monkeypatch):
     rounded = [x.detach().to(dtype).double().requires_grad_() for x in inputs("rotated", 150, seed=5)]
     compare(call(naive_vq_attention, "rotated"), call(vq_attention, "rotated", "triton"), rounded, dtype=dtype,
             tol=tol)
-
-
-class Allocations(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.shapes = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func.__name__.startswith(("empty", "zeros", "new_empty", "new_zeros")):
-            self.shapes.append(tuple(out.shape))
-        return out
 
 
 def test_only_every_kth_block_has_a_cache(K):

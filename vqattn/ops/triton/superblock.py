@@ -45,6 +45,7 @@ if triton is not None:
     from .utils import (
         LOG2E,
         add_codebook_grad,
+        attend_window,
         block_bias,
         cache_grad_of_queries,
         code_tile,
@@ -56,8 +57,6 @@ if triton is not None:
         output_grads,
         store_cache,
         store_rows,
-        window_keys,
-        window_logits,
     )
 
 # Codes per tile of the sums and the caches' gradient (a (BS, Dv) float32 tile in registers).
@@ -121,21 +120,9 @@ if triton is not None:
         b, h = bh // H, bh % H
         rows = blk * L + tl.arange(0, L)
         scale2 = scale * LOG2E
-        qw = load_rows(QW, sqw_b, sqw_h, sqw_t, b, h, rows, T, D, BD, DOT)
-        m = tl.full([L], float("-inf"), tl.float32)
-        z = tl.zeros([L], tl.float32)
-        acc = tl.zeros([L, BDV], tl.float32)
+        m, z, acc = attend_window(QW, KW, V, BAD, sqw_b, sqw_h, sqw_t, skw_b, skw_h, skw_t, sv_b, sv_h, sv_t, b, h, bh,
+                                  rows, T, D, DV, scale2, L, BD, BDV, DOT, PREC, HAS_BAD)
         ones = tl.full([L], 1.0, tl.float32)
-        cols = rows - L
-        kw_prev, bad_prev = window_keys(KW, BAD, skw_b, skw_h, skw_t, b, h, bh, cols, T, D, L, BD, DOT, HAS_BAD)
-        v_prev = load_rows(V, sv_b, sv_h, sv_t, b, h, cols, T, DV, BDV, DOT)
-        kw, bad = window_keys(KW, BAD, skw_b, skw_h, skw_t, b, h, bh, rows, T, D, L, BD, DOT, HAS_BAD)
-        v = load_rows(V, sv_b, sv_h, sv_t, b, h, rows, T, DV, BDV, DOT)
-        # the current block first: its diagonal keeps every row's max finite from the start
-        m, z, acc = online_softmax_step(m, z, acc, window_logits(qw, kw, rows, rows, T, scale2, PREC), v, ones,
-                                         DOT, PREC)
-        m, z, acc = online_softmax_step(m, z, acc, window_logits(qw, kw_prev, rows, cols, T, scale2, PREC), v_prev,
-                                         ones, DOT, PREC)
         qc = load_rows(QC, sqc_b, sqc_h, sqc_t, b, h, rows, T, DC, BDC, DOT)
         bias = block_bias(BIAS, blk, HAS_BIAS)
         g = tl.maximum(blk - 1, 0) // K

@@ -349,3 +349,28 @@ if triton is not None:
             tl.store(at, dc, mask=inside)
         else:
             tl.atomic_add(at, dc, mask=inside)
+
+    @triton.jit
+    def attend_window(QW, KW, V, BAD, sqw_b, sqw_h, sqw_t, skw_b, skw_h, skw_t, sv_b, sv_h, sv_t, b, h, bh, rows, T, D,
+                      DV, scale2, L: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, DOT: tl.constexpr,
+                      PREC: tl.constexpr, HAS_BAD: tl.constexpr):
+        """The online softmax's running max m (L,), normaliser z (L,) and numerator acc (L, BDV) of the queries
+        ``rows`` over their window: the keys j ≤ i of their block and of the block before (:func:`window_keys`),
+        base 2 (``scale2`` = σ log2 e)."""
+        qw = load_rows(QW, sqw_b, sqw_h, sqw_t, b, h, rows, T, D, BD, DOT)
+        m = tl.full([L], float("-inf"), tl.float32)
+        z = tl.zeros([L], tl.float32)
+        acc = tl.zeros([L, BDV], tl.float32)
+        # both blocks' keys and values loaded before either is scored: one trip to memory, not two
+        cols = rows - L
+        kw_prev, bad_prev = window_keys(KW, BAD, skw_b, skw_h, skw_t, b, h, bh, cols, T, D, L, BD, DOT, HAS_BAD)
+        v_prev = load_rows(V, sv_b, sv_h, sv_t, b, h, cols, T, DV, BDV, DOT)
+        kw, bad = window_keys(KW, BAD, skw_b, skw_h, skw_t, b, h, bh, rows, T, D, L, BD, DOT, HAS_BAD)
+        v = load_rows(V, sv_b, sv_h, sv_t, b, h, rows, T, DV, BDV, DOT)
+        ones = tl.full([L], 1.0, tl.float32)
+        # the current block first: its diagonal keeps every row's max finite from the start
+        m, z, acc = online_softmax_step(m, z, acc, window_logits(qw, kw, rows, rows, T, scale2, PREC), v, ones,
+                                         DOT, PREC)
+        m, z, acc = online_softmax_step(m, z, acc, window_logits(qw, kw_prev, rows, cols, T, scale2, PREC), v_prev,
+                                         ones, DOT, PREC)
+        return m, z, acc

@@ -49,6 +49,7 @@ if triton is not None:
     from .utils import (
         LOG2E,
         add_codebook_grad,
+        attend_window,
         block_bias,
         code_tile,
         code_tile_grads,
@@ -104,22 +105,8 @@ if triton is not None:
         nb = tl.cdiv(T, L)
         rows = blk * L + tl.arange(0, L)
         scale2 = scale * LOG2E
-        qw = load_rows(QW, sqw_b, sqw_h, sqw_t, b, h, rows, T, D, BD, DOT)
-        m = tl.full([L], float("-inf"), tl.float32)
-        z = tl.zeros([L], tl.float32)
-        acc = tl.zeros([L, BDV], tl.float32)
-        # both blocks' keys and values loaded before either is scored: one trip to memory, not two
-        cols = rows - L
-        kw_prev, bad_prev = window_keys(KW, BAD, skw_b, skw_h, skw_t, b, h, bh, cols, T, D, L, BD, DOT, HAS_BAD)
-        v_prev = load_rows(V, sv_b, sv_h, sv_t, b, h, cols, T, DV, BDV, DOT)
-        kw, bad = window_keys(KW, BAD, skw_b, skw_h, skw_t, b, h, bh, rows, T, D, L, BD, DOT, HAS_BAD)
-        v = load_rows(V, sv_b, sv_h, sv_t, b, h, rows, T, DV, BDV, DOT)
-        ones = tl.full([L], 1.0, tl.float32)
-        # the current block first: its diagonal keeps every row's max finite from the start
-        m, z, acc = online_softmax_step(m, z, acc, window_logits(qw, kw, rows, rows, T, scale2, PREC), v, ones,
-                                         DOT, PREC)
-        m, z, acc = online_softmax_step(m, z, acc, window_logits(qw, kw_prev, rows, cols, T, scale2, PREC), v_prev,
-                                         ones, DOT, PREC)
+        m, z, acc = attend_window(QW, KW, V, BAD, sqw_b, sqw_h, sqw_t, skw_b, skw_h, skw_t, sv_b, sv_h, sv_t, b, h, bh,
+                                  rows, T, D, DV, scale2, L, BD, BDV, DOT, PREC, HAS_BAD)
         if HAS_CODES:
             qc = load_rows(QC, sqc_b, sqc_h, sqc_t, b, h, rows, T, DC, BDC, DOT)
             cache = bh * nb + blk
