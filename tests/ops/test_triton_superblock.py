@@ -22,13 +22,14 @@ B, H, D, DV, S, L = 2, 2, 16, 8, 24, 16
 @pytest.fixture(params=[pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(3, marks=pytest.mark.slow)])
 def K(request, monkeypatch):
     """Blocks per superblock: 1 is the per-block caches, 2 and 3 gather one and two blocks' keys (the quick suite
-    runs 2; every K runs in the definition's test)."""
+    runs 2)."""
     monkeypatch.setattr(vq_causal, "SUPERBLOCK_BLOCKS", request.param)
     return request.param
 
 
-@pytest.fixture(params=[1, 2, 3])
+@pytest.fixture(params=[pytest.param(1, marks=pytest.mark.slow), 2, 3])
 def every_K(request, monkeypatch):
+    """K = 2 and 3 in the quick suite (1, the per-block caches, in the whole suite)."""
     monkeypatch.setattr(vq_causal, "SUPERBLOCK_BLOCKS", request.param)
     return request.param
 
@@ -63,7 +64,7 @@ def test_superblocks_equal_the_definition(every_K, window, T):
     compare(call(naive_vq_attention, window), call(vq_attention, window, "triton"), inputs(window, T))
 
 
-@pytest.mark.parametrize("window", ["exact", "rotated"])
+@pytest.mark.parametrize("window", ["exact", pytest.param("rotated", marks=pytest.mark.slow)])
 def test_memory_cap_biases_gathered_keys_and_caches_alike(K, window):
     """The memory bound's bias log min(1, M / n_b) is on every code logit of query block b: its cache's and its
     gathered keys'."""
@@ -81,7 +82,7 @@ def test_large_logits_and_empty_codes(K):
     compare(call(naive_vq_attention, "exact"), call(vq_attention, "exact", "triton"), x, tol=1e-4)
 
 
-@pytest.mark.parametrize("window", ["exact", "rotated"])
+@pytest.mark.parametrize("window", [pytest.param("exact", marks=pytest.mark.slow), "rotated"])
 def test_chunked_calls_equal_one_call(K, window):
     """A sequence fed as 3 chunks (each state continued across a superblock boundary, its kept state folded from
     a cache and the blocks after it) equals one call, and the state equals the chunk impl's."""
@@ -121,7 +122,7 @@ def test_gradients_through_a_continued_state(K):
             [*rest, c.clone().requires_grad_(), counts, sums])
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), pytest.param(torch.float16, 2e-3, marks=pytest.mark.slow)])
 def test_half_inputs(dtype, tol, monkeypatch):
     """Half q, k, v (and codebook) accumulate in float32: within the half type's rounding of the definition, which
     reads the rounded inputs (so that no argmin flips between the two)."""
