@@ -81,6 +81,15 @@ if triton is not None:
         return z, ck.to(DOT)
 
     @triton.jit
+    def gathered_block(CB, IDX, V, sv_b, sv_h, sv_t, b, h, bh, j, T, S, DC, DV, L: tl.constexpr, BDC: tl.constexpr,
+                       BDV: tl.constexpr, DOT: tl.constexpr):
+        """Key block j as a query reads it through its codes: :func:`gathered_keys` and the values (L, BDV) as
+        DOT."""
+        keys = j * L + tl.arange(0, L)
+        codes, ck = gathered_keys(CB, IDX, bh, h, keys, T, S, DC, BDC, DOT)
+        return codes, ck, load_rows(V, sv_b, sv_h, sv_t, b, h, keys, T, DV, BDV, DOT)
+
+    @triton.jit
     def gathered_logits(qc, ck, z, bias, scale2, PREC: tl.constexpr):
         """σ qc·c_zᵀ + β (rows, L) in base 2, −inf for keys outside the sequence (z < 0)."""
         s = tl.dot(qc, tl.trans(ck), input_precision=PREC) * scale2 + bias * LOG2E
@@ -127,9 +136,7 @@ if triton is not None:
         bias = block_bias(BIAS, blk, HAS_BIAS)
         g = tl.maximum(blk - 1, 0) // K
         for j in range(g * K, blk - 1):
-            keys = j * L + tl.arange(0, L)
-            codes, ck = gathered_keys(CB, IDX, bh, h, keys, T, S, DC, BDC, DOT)
-            vj = load_rows(V, sv_b, sv_h, sv_t, b, h, keys, T, DV, BDV, DOT)
+            codes, ck, vj = gathered_block(CB, IDX, V, sv_b, sv_h, sv_t, b, h, bh, j, T, S, DC, DV, L, BDC, BDV, DOT)
             m, z, acc = online_softmax_step(m, z, acc, gathered_logits(qc, ck, codes, bias, scale2, PREC), vj, ones,
                                              DOT, PREC)
         for s0 in range(0, S, BS):
@@ -159,9 +166,7 @@ if triton is not None:
         bias = block_bias(BIAS, blk, HAS_BIAS)
         g = tl.maximum(blk - 1, 0) // K
         for j in range(g * K, blk - 1):
-            keys = j * L + tl.arange(0, L)
-            codes, ck = gathered_keys(CB, IDX, bh, h, keys, T, S, DC, BDC, DOT)
-            vj = load_rows(V, sv_b, sv_h, sv_t, b, h, keys, T, DV, BDV, DOT)
+            codes, ck, vj = gathered_block(CB, IDX, V, sv_b, sv_h, sv_t, b, h, bh, j, T, S, DC, DV, L, BDC, BDV, DOT)
             p = tl.exp2(gathered_logits(qc, ck, codes, bias, scale2, PREC) - lse[:, None])
             p = tl.where(rows[:, None] < T, p, 0.0)
             ds = p * (tl.dot(do, tl.trans(vj), input_precision=PREC) - delta[:, None])
