@@ -279,7 +279,7 @@ def split_kernels(s: Shape, seg: int, ib: int) -> list[KernelCost]:
     return [
         KernelCost("_prefix_segment_kernel", f"walk: {forward_segs} segments' sums", block_products(s, s.S, s.Dv),
                    per_token(s, 1, ib) + half(s, s.Dv) + forward_segs * state(s)),
-        KernelCost("_segment_scan_kernel", "both walks: the segments' running sums (2 launches)", 0,
+        KernelCost("segment_scan_kernel", "both walks: the segments' running sums (2 launches)", 0,
                    2 * (forward_segs + backward_segs) * state(s) + state(s)),
         KernelCost("_reverse_segment_kernel", f"reverse walk: {backward_segs} segments' dC sums",
                    block_products(s, s.S, s.Dc, s.Dv), walk_dc_reads(s) + backward_segs * state(s)),

@@ -100,14 +100,14 @@ def test_split_walks_by_hand(kernel_floor, small):
     costs = kernel_floor.kernels("walk_dc_split", small, segment_steps=2)
     split = {c.name: c for c in costs}
     assert [c.name for c in costs] == ["_nonfinite_rows_kernel", "_nearest_kernel", "_prefix_segment_kernel",
-                                       "_segment_scan_kernel", "_prefix_kernel", "_window_code_forward_kernel",
+                                       "segment_scan_kernel", "_prefix_kernel", "_window_code_forward_kernel",
                                        "_output_delta_kernel", "_window_backward_kernel", "_code_backward_kernel",
                                        "_reverse_segment_kernel", "_prefix_backward_kernel"]
     # Δᵀ V of every block; codes and v read, three sums written
     assert (split["_prefix_segment_kernel"].flop, split["_prefix_segment_kernel"].bytes) == (
         4 * 16384, 2048 + 8192 + 3 * 544)
     # both scans read and write their sums, the forward's also reads the initial cache
-    assert split["_segment_scan_kernel"].bytes == 2 * (3 + 2) * 544 + 544
+    assert split["segment_scan_kernel"].bytes == 2 * (3 + 2) * 544 + 544
     # dC of every block: qc·cᵀ and wᵀ·dO; qc, dO, lse, the codebook and the counts read, two sums written
     assert (split["_reverse_segment_kernel"].flop, split["_reverse_segment_kernel"].bytes) == (
         4 * 2 * 16384, 2 * 8192 + 1024 + 512 + 128 + 2 * 544)
