@@ -37,7 +37,15 @@ from ..common.layout import empty_like_order
 from ..devices import triton
 from .scans import exclusive_scan
 from .utils import CODE_TILE, aligned_code_dims, cache_dtype, dot_dtype, register_width, stride_args, sum_dot, unit_last
-from .window_codes import BACKWARD_LAUNCH, FORWARD_LAUNCH, TENSORS, WindowCodes, output_delta, window_backward
+from .window_codes import (
+    BACKWARD_LAUNCH,
+    FORWARD_LAUNCH,
+    TENSORS,
+    WindowCodes,
+    codebook_gradient,
+    output_delta,
+    window_backward,
+)
 
 if triton is not None:
     import triton.language as tl
@@ -359,8 +367,7 @@ def superblock_backward(f: WindowCodes, idx: Codes, grad_out, d_fold_n, d_fold_c
     tn, tc = torch.empty(B * H, nsb, S, **f32), torch.empty(B * H, nsb, S, DV, device=f.qw.device, dtype=f.sm.dtype)
     _superblock_cache_grad_kernel[(triton.cdiv(S, SUM_CODE_TILE), B * H, nsb)](
         QC=f.qc, CB=f.cb, IDX=idx.index, CNT=f.cnt, BIAS=f.bias, DO=grad_out, LSE=f.lse, DELTA=delta, TN=tn,
-        TC=tc,
-        **stride_args("qc", f.qc), **stride_args("do", grad_out), **common, **meta, BS=SUM_CODE_TILE,
+        TC=tc, **stride_args("qc", f.qc), **stride_args("do", grad_out), **common, **meta, BS=SUM_CODE_TILE,
         COUNTS_GRAD=counts_grad, SUM_DOT=f.meta["SUM_DOT"])
     d_n0, d_c0 = exclusive_scan(tn, tc, code_tile=SUM_CODE_TILE, reverse=True, total=True)
     d_fold_c = d_fold_c.reshape(B * H, S, DV).float().contiguous() if d_fold_c is not None else None
@@ -410,8 +417,7 @@ class SuperblockVQ(torch.autograd.Function):
             counts_grad=ctx.needs_input_grad[6])
         B, H, T, DV = f.v.shape
         n_dtype, c_dtype = ctx.dtypes
-        codebook_grad = None if dcb is None else dcb.view(B, H, ctx.S, -1).sum(0)[..., :f.code_dims]
-        return (dqw, dkw, dv, dqc[..., :f.code_dims], codebook_grad, None, d_n0.view(B, H, ctx.S).to(n_dtype),
+        return (dqw, dkw, dv, dqc[..., :f.code_dims], codebook_gradient(f, dcb), None, d_n0.view(B, H, ctx.S).to(n_dtype),
                 d_c0.view(B, H, ctx.S, DV).to(c_dtype), None, None, None, None, None, None)
 
 
