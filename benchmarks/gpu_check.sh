@@ -105,5 +105,14 @@ extra tests_varlen 120 python -m pytest -o addopts="" -q -p no:cacheprovider tes
 extra train_packed 130 bash -c "python benchmarks/train_speed.py --attentions softmax vq_hard --seq-len 8192 \
   --batch 8 --steps 30; python benchmarks/train_speed.py --attentions softmax vq_hard --seq-len 8192 --batch 8 \
   --steps 30 data.pack_documents=true"
+# the launch candidates of the superblock kernels timed by @triton.autotune (vqattn/ops/triton/tuning.py), each
+# kernel's choice printed: the op against SDPA, the step kernel by kernel, the layers, and superblocks of K blocks
+tune="env VQATTN_AUTOTUNE=1 TRITON_PRINT_AUTOTUNING=1"
+extra tune_ops 150 bash -c "$tune $ops --batch 8 --lengths 8192 --methods sdpa vq_hard_rope; \
+  $tune $ops --batch 2 --lengths 32768 --methods sdpa vq_hard_rope"
+extra tune_profile 40 $tune $profile --batch 8 --length 8192
+extra tune_layers 80 $tune $layers --lengths 8192 32768 --layers softmax vq_hard
+extra tune_superblocks 120 bash -c "for K in 4 16; do $tune $layers --lengths 8192 32768 --layers softmax vq_hard \
+  --superblock-blocks \$K; done"
 extra layers_chunk 150 $layers --lengths 8192 32768 --layers softmax window vq_hard vq_soft ovq --impl chunk
 true

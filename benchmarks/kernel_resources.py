@@ -142,12 +142,15 @@ def innermost_loops(sass: str) -> list[list[str]]:
 def compile_and_measure(launches, arch: int, dump: str | None = None) -> list[dict]:
     import triton
     from triton.runtime import driver
+    from triton.runtime.autotuner import Autotuner
 
     driver.set_active(_CompileOnlyDriver(arch))
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     rows = []
     for module, name, call_args, kwargs in launches:
         kernel = getattr(importlib.import_module(module), name)
+        if isinstance(kernel, Autotuner):  # the recorded launch holds the config it ran with
+            kernel = kernel.fn
         compiled = kernel.warmup(*map(_rebuild, call_args), grid=(1,), **{k: _rebuild(v) for k, v in kwargs})
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(compiled.asm["cubin"])

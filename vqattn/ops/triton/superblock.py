@@ -36,6 +36,7 @@ import torch
 from ..common.layout import empty_like_order
 from ..devices import triton
 from .scans import exclusive_scan
+from .tuning import configs, tuned
 from .utils import CODE_TILE, aligned_code_dims, cache_dtype, dot_dtype, register_width, stride_args, sum_dot, unit_last
 from .window_codes import (
     BACKWARD_LAUNCH,
@@ -67,8 +68,17 @@ if triton is not None:
         store_rows,
     )
 
-# Codes per tile of the sums and the caches' gradient (a (BS, Dv) float32 tile in registers).
+# Codes per tile of the caches' scan (a (BS, Dv) float32 tile in registers).
 SUM_CODE_TILE = 64
+# Each kernel's launch candidates (:mod:`.tuning`), the first the one it runs with; BS: codes per tile.
+SUMS_CONFIGS = configs(dict(BS=64, num_warps=4, num_stages=3), BS=(64, 128, 256), num_warps=(4, 8),
+                       num_stages=(1, 3))
+FORWARD_CONFIGS = configs(dict(BS=CODE_TILE, **FORWARD_LAUNCH), BS=(64, 128), num_warps=(4, 8), num_stages=(1, 2))
+CODE_BACKWARD_CONFIGS = configs(dict(BS=CODE_TILE, **BACKWARD_LAUNCH), BS=(64, 128), num_warps=(4, 8),
+                                num_stages=(1, 3))
+CACHE_GRAD_CONFIGS = configs(dict(BS=64, num_warps=4, num_stages=3), BS=(64, 128), num_warps=(4, 8),
+                             num_stages=(1, 3))
+KEY_BACKWARD_CONFIGS = configs(dict(BACKWARD_LAUNCH), num_warps=(4, 8), num_stages=(1, 2, 3))
 
 
 def superblocks(nb: int, K: int) -> int:
@@ -103,6 +113,7 @@ if triton is not None:
         s = tl.dot(qc, tl.trans(ck), input_precision=PREC) * scale2 + bias * LOG2E
         return tl.where(z[None, :] >= 0, s, float("-inf"))
 
+    @tuned(SUMS_CONFIGS)
     @triton.jit
     def _superblock_sums_kernel(IDX, V, TN, TC, sv_b, sv_h, sv_t, H, T, S, DV, start, span, limit, nout,
                                 L: tl.constexpr, BS: tl.constexpr, BDV: tl.constexpr, DOT: tl.constexpr,
@@ -123,6 +134,7 @@ if triton is not None:
             sums = tl.dot(tl.trans(w.to(DOT)), v, sums, input_precision=PREC)
         store_cache(TN, TC, bh * nout + piece, S, DV, codes, offsets, n, sums, present, tile_mask)
 
+    @tuned(FORWARD_CONFIGS)
     @triton.jit
     def _superblock_forward_kernel(QW, KW, V, QC, CB, IDX, CNT, SUM, BIAS, BAD, O, LSE,
                                    sqw_b, sqw_h, sqw_t, skw_b, skw_h, skw_t, sv_b, sv_h, sv_t, sqc_b, sqc_h, sqc_t,
@@ -154,6 +166,7 @@ if triton is not None:
         store_rows(O, so_b, so_h, so_t, b, h, rows, T, DV, acc / z[:, None], BDV)
         tl.store(LSE + bh * T + rows, m + tl.log2(z), mask=rows < T)
 
+    @tuned(CODE_BACKWARD_CONFIGS, reset_to_zero=["DCB"])
     @triton.jit
     def _superblock_code_backward_kernel(QC, CB, IDX, V, CNT, SUM, BIAS, DO, LSE, DELTA, DQC, DCB,
                                          sqc_b, sqc_h, sqc_t, sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t,
@@ -188,6 +201,7 @@ if triton is not None:
                 add_codebook_grad(DCB, bh, codes, codes < S, ds_codes, qc, scale, S, DC, BDC, DOT, PREC, False)
         store_rows(DQC, sdqc_b, sdqc_h, sdqc_t, b, h, rows, T, DC, dqc * scale, BDC)
 
+    @tuned(CACHE_GRAD_CONFIGS)
     @triton.jit
     def _superblock_cache_grad_kernel(QC, CB, IDX, CNT, BIAS, DO, LSE, DELTA, TN, TC, sqc_b, sqc_h, sqc_t, sdo_b, sdo_h,
                                       sdo_t, H, T, S, DC, DV, K, nsb, scale, L: tl.constexpr, BS: tl.constexpr,
@@ -226,6 +240,7 @@ if triton is not None:
             g_sums += d_sums
         store_cache(TN, TC, bh * nsb + g, S, DV, codes, offsets, g_n, g_sums, present, tile_mask)
 
+    @tuned(KEY_BACKWARD_CONFIGS, restore_value=["DVAL", "DCB"])
     @triton.jit
     def _superblock_key_backward_kernel(QC, CB, IDX, V, BIAS, DO, LSE, DELTA, GC, DFC, DVAL, DCB,
                                         sqc_b, sqc_h, sqc_t, sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t,
@@ -283,9 +298,9 @@ def _code_sums(idx, v, *, L: int, start: int, span: int, limit: int, pieces: int
     tn = torch.empty(B * H, pieces, S, device=v.device, dtype=torch.float32)
     tc = torch.empty(B * H, pieces, S, DV, device=v.device, dtype=dtype)
     dot, prec = dot_dtype(v.dtype)
-    _superblock_sums_kernel[(triton.cdiv(S, SUM_CODE_TILE), B * H, pieces)](
+    _superblock_sums_kernel[lambda meta: (triton.cdiv(S, meta["BS"]), B * H, pieces)](
         IDX=idx.index, V=v, TN=tn, TC=tc, **stride_args("v", v), H=H, T=T, S=S, DV=DV, start=start, span=span,
-        limit=limit, nout=pieces, L=L, BS=SUM_CODE_TILE, BDV=register_width(DV), DOT=dot, PREC=prec)
+        limit=limit, nout=pieces, L=L, BDV=register_width(DV), DOT=dot, PREC=prec)
     return tn, tc
 
 
@@ -329,13 +344,13 @@ def superblock_forward(qw, kw, v, qc, codebook, idx: Codes, code_bias, caches, *
     lse = torch.empty(B * H, T, device=qw.device, dtype=torch.float32)
     dot, prec = dot_dtype(qw.dtype)
     DC = cb.shape[-1]
-    meta = dict(L=L, BD=register_width(D), BDC=register_width(DC), BDV=register_width(DV), BS=CODE_TILE,
+    meta = dict(L=L, BD=register_width(D), BDC=register_width(DC), BDV=register_width(DV),
                 HAS_BIAS=code_bias is not None, DOT=dot, SUM_DOT=sum_dot(dot), PREC=prec, HAS_BAD=bad is not None)
     _superblock_forward_kernel[(triton.cdiv(T, L), B * H)](
         QW=qw, KW=kw, V=v, QC=qc, CB=cb, IDX=idx.index, CNT=cnt, SUM=sm, BIAS=bias, BAD=bad_rows, O=out, LSE=lse,
         **stride_args("qw", qw), **stride_args("kw", kw), **stride_args("v", v), **stride_args("qc", qc),
         **stride_args("o", out), H=H, T=T, S=S, D=D, DC=DC, DV=DV, K=K, nsb=cnt.shape[1], scale=float(scale),
-        **meta, **FORWARD_LAUNCH)
+        **meta)
     # the record the window's backward reads (window_codes.py), with this kernel's caches
     return WindowCodes(qw, kw, v, qc, cb, cnt, sm, bias, bad_rows, out, lse,
                        dict(meta, HAS_CODES=True, PER_BLOCK=False, K=K), float(scale), code_dims)
@@ -361,13 +376,13 @@ def superblock_backward(f: WindowCodes, idx: Codes, grad_out, d_fold_n, d_fold_c
     _superblock_code_backward_kernel[grid](
         QC=f.qc, CB=f.cb, IDX=idx.index, V=f.v, CNT=f.cnt, SUM=f.sm, BIAS=f.bias, DO=grad_out, LSE=f.lse,
         DELTA=delta, DQC=dqc, DCB=dqc if dcb is None else dcb, **stride_args("qc", f.qc), **stride_args("v", f.v),
-        **stride_args("do", grad_out), **stride_args("dqc", dqc), **common, **meta, BS=f.meta["BS"],
-        SUM_DOT=f.meta["SUM_DOT"], CODEBOOK_GRAD=codebook_grad, **BACKWARD_LAUNCH)
+        **stride_args("do", grad_out), **stride_args("dqc", dqc), **common, **meta, SUM_DOT=f.meta["SUM_DOT"],
+        CODEBOOK_GRAD=codebook_grad)
     # the caches' gradients in the sums' dtype, as the caches (their suffix sums are scanned in float32)
     tn, tc = torch.empty(B * H, nsb, S, **f32), torch.empty(B * H, nsb, S, DV, device=f.qw.device, dtype=f.sm.dtype)
-    _superblock_cache_grad_kernel[(triton.cdiv(S, SUM_CODE_TILE), B * H, nsb)](
+    _superblock_cache_grad_kernel[lambda launch: (triton.cdiv(S, launch["BS"]), B * H, nsb)](
         QC=f.qc, CB=f.cb, IDX=idx.index, CNT=f.cnt, BIAS=f.bias, DO=grad_out, LSE=f.lse, DELTA=delta, TN=tn,
-        TC=tc, **stride_args("qc", f.qc), **stride_args("do", grad_out), **common, **meta, BS=SUM_CODE_TILE,
+        TC=tc, **stride_args("qc", f.qc), **stride_args("do", grad_out), **common, **meta,
         COUNTS_GRAD=counts_grad, SUM_DOT=f.meta["SUM_DOT"])
     d_n0, d_c0 = exclusive_scan(tn, tc, code_tile=SUM_CODE_TILE, reverse=True, total=True)
     d_fold_c = d_fold_c.reshape(B * H, S, DV).float().contiguous() if d_fold_c is not None else None
@@ -375,7 +390,7 @@ def superblock_backward(f: WindowCodes, idx: Codes, grad_out, d_fold_n, d_fold_c
         QC=f.qc, CB=f.cb, IDX=idx.index, V=f.v, BIAS=f.bias, DO=grad_out, LSE=f.lse, DELTA=delta, GC=tc,
         DFC=tc if d_fold_c is None else d_fold_c, DVAL=dv, DCB=dqc if dcb is None else dcb,
         **stride_args("qc", f.qc), **stride_args("v", f.v), **stride_args("do", grad_out), **stride_args("d", dv),
-        **common, fold=fold if d_fold_c is not None else 0, **meta, CODEBOOK_GRAD=codebook_grad, **BACKWARD_LAUNCH)
+        **common, fold=fold if d_fold_c is not None else 0, **meta, CODEBOOK_GRAD=codebook_grad)
     if d_fold_n is not None:
         d_n0 += d_fold_n.reshape(B * H, S)
     if d_fold_c is not None:
