@@ -35,12 +35,12 @@ from .blocks import (
     window_tail,
 )
 from .checks import check_choice, check_qkv, compute_dtype, resolve_scale, size_min
-from .common.impls import IMPLS, decoding, pick_impl, with_impl
+from .common.impls import IMPLS, decoding, needs_grad, pick_impl, with_impl
 from .common.window_code_blocks import WindowCodeInputs, window_code_attention
 from .devices import require_triton
 from .nonfinite import may_be_nonfinite, nonfinite_keys, window_poison, zero_rows
 from .precision import autocast_off
-from .triton.decode import fused_decode_step, needs_grad
+from .triton.decode import fused_decode_step
 from .triton.window_codes import fused_window_code_attention, unsupported
 from .varlen import varlen
 

@@ -21,13 +21,18 @@ def decoding(q: torch.Tensor, state) -> bool:
     return state is not None and q.dim() == 4 and q.shape[2] <= RECURRENT_MAX_LEN
 
 
+def needs_grad(*tensors) -> bool:
+    """Whether autograd would record a call on these tensors (None entries ignored)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def pick_impl(impl: str, q: torch.Tensor, *, state, fused_unsupported: Callable[[], str | None] | None) -> str:
     """``impl`` itself, or for "auto": for a decoding step (:func:`decoding`) triton when it is fusable (below) and
     grad mode is off (the fused step is forward only: generation), else recurrent; for other calls triton when
     fusable, else chunk. Fusable: CUDA tensors, Triton imports and the op's fused kernel supports the call
     (``fused_unsupported()`` gives no reason; None: the op has no fused kernel). On a CPU, under the interpreter
     too, "auto" never picks triton. An op given triton for a decoding step runs its fused step when no input needs a
-    gradient (:func:`~vqattn.ops.triton.decode.needs_grad`), else its Triton block kernels."""
+    gradient (:func:`needs_grad`), else its Triton block kernels."""
     if impl != "auto":
         return impl
     fusable = fused_unsupported is not None and q.is_cuda and triton_device(q) and fused_unsupported() is None

@@ -5,9 +5,8 @@ from __future__ import annotations
 import functools
 
 from ..checks import check_choice
-from ..common.impls import IMPLS, decoding, pick_impl, with_impl
+from ..common.impls import IMPLS, decoding, needs_grad, pick_impl, with_impl
 from ..precision import autocast_off
-from ..triton.decode import needs_grad
 from ..varlen import varlen
 from .chunk import chunk_forward
 from .naive import naive_ovq_attention

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import torch
 
+from ..common.impls import needs_grad
 from ..devices import triton
-from .utils import CODE_TILE, dot_dtype, register_width, row_strides, sum_dot, unit_last
+from .utils import CODE_TILE, dot_dtype, register_width, stride_args, sum_dot, unit_last
 
 if triton is not None:  # the kernel's helpers exist only where Triton does: the op library needs torch alone
     import triton.language as tl
@@ -66,11 +67,6 @@ if triton is not None:
         store_rows(O, so_b, so_h, so_t, b, h, rows, 1, DV, acc / z[:, None], BDV)
 
 
-def needs_grad(*tensors) -> bool:
-    """Whether autograd would record a call on these tensors (None entries ignored)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
 @torch.compiler.disable  # a graph break: torch.compile runs the kernel as it is
 def fused_decode_step(qw, kw, v, *, scale: float, qc=None, codebook=None, counts=None, sums=None) -> torch.Tensor:
     """One query per batch·head over its window and, given ``codebook``, the codes (see the module doc).
@@ -95,8 +91,9 @@ def fused_decode_step(qw, kw, v, *, scale: float, qc=None, codebook=None, counts
     sm = sums.contiguous() if has_codes else qw
     out = torch.empty(B, H, 1, DV, device=v.device, dtype=v.dtype)
     dot, prec = dot_dtype(qw.dtype)
-    _decode_kernel[(B * H,)](qw, kw, v, qc, cb, cnt, sm, out, *row_strides(qw), *row_strides(kw), *row_strides(v),
-                             *row_strides(qc), *row_strides(out), H, W, S, D, DC, DV, float(scale), ROWS=ROWS,
+    _decode_kernel[(B * H,)](QW=qw, KW=kw, V=v, QC=qc, CB=cb, CNT=cnt, SUM=sm, O=out, **stride_args("qw", qw),
+                             **stride_args("kw", kw), **stride_args("v", v), **stride_args("qc", qc),
+                             **stride_args("o", out), H=H, W=W, S=S, D=D, DC=DC, DV=DV, scale=float(scale), ROWS=ROWS,
                              BW=WINDOW_TILE, BD=register_width(D), BDC=register_width(DC), BDV=register_width(DV), BS=CODE_TILE,
                              HAS_CODES=has_codes, PER_SEQUENCE=has_codes and codebook.dim() == 4, DOT=dot,
                              SUM_DOT=sum_dot(dot), PREC=prec)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..devices import triton
-from .utils import MAX_DIM, SUPPORTED_DTYPES, register_width, unit_last
+from .utils import MAX_DIM, SUPPORTED_DTYPES, register_width, stride_args, unit_last
 
 if triton is not None:
     import triton.language as tl
@@ -45,6 +45,6 @@ def nonfinite_rows(x: torch.Tensor) -> torch.Tensor:
     x = unit_last(x.detach())
     out = torch.empty(B, H, T, device=x.device, dtype=torch.bool)
     grid = (triton.cdiv(T, ROW_BLOCK), B * H)
-    _nonfinite_rows_kernel[grid](x, out, x.stride(0), x.stride(1), x.stride(2), H, T, D, R=ROW_BLOCK,
+    _nonfinite_rows_kernel[grid](X=x, OUT=out, **stride_args("x", x), H=H, T=T, D=D, R=ROW_BLOCK,
                                  BD=register_width(D))
     return out

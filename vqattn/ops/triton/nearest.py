@@ -8,8 +8,8 @@ reach memory. Ties go to the first code, as ``torch.max`` and ``argmax`` break t
 products under the interpreter and for float32 keys (TF32 where PyTorch's float32 matmuls may be, as
 :func:`~vqattn.ops.triton.float32_tensor_cores` tells), and on a GPU for half keys two TF32 products of exact operands,
 the keys with the codes' leading and trailing TF32 parts (about float32's accuracy at tensor-core speed;
-:func:`~vqattn.ops.triton.window_codes.dot_half_rows`), the codebook split once per call
-(:func:`~vqattn.ops.triton.window_codes.tf32_parts`) rather than every tile in every program.
+:func:`~vqattn.ops.triton.utils.dot_half_rows`), the codebook split once per call
+(:func:`~vqattn.ops.triton.utils.tf32_parts`) rather than every tile in every program.
 """
 
 from __future__ import annotations
@@ -18,7 +18,16 @@ import torch
 
 from ..common.layout import empty_like_order
 from ..devices import triton
-from .utils import MAX_DIM, SUPPORTED_DTYPES, code_parts, float32_products, register_width, unit_last
+from .utils import (
+    CODE_TILE,
+    MAX_DIM,
+    SUPPORTED_DTYPES,
+    code_parts,
+    float32_products,
+    register_width,
+    stride_args,
+    unit_last,
+)
 
 if triton is not None:
     import triton.language as tl
@@ -26,7 +35,6 @@ if triton is not None:
     from .utils import dot_code_parts, load_rows, store_rows
 
 KEY_BLOCK = 64
-CODE_TILE = 64
 # The keys of one program of an assignment's forward kernel (this one, and the soft assignment's), and its launch:
 # every program reads the codebook (the two TF32 parts of each tile, from L2), so 128 keys a program halve that
 # traffic against 64; in 8 warps each warp holds as many keys as with 64 in 4. 2 stages: two programs share an SM
@@ -92,8 +100,9 @@ def nearest_codes(k: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     half_norms = 0.5 * codebook.square().sum(-1)  # (H, S), once per call rather than per tile of every program
     index = torch.empty(B, H, T, device=k.device, dtype=torch.int64)
     grid = (triton.cdiv(T, ASSIGN_KEYS), B * H)
-    _nearest_kernel[grid](k, *code_parts(codebook, k.dtype), half_norms, index, k.stride(0), k.stride(1),
-                          k.stride(2), H, T, S, D, L=ASSIGN_KEYS, BS=CODE_TILE, BD=register_width(D),
+    c_hi, c_lo = code_parts(codebook, k.dtype)
+    _nearest_kernel[grid](K=k, C=c_hi, C_LO=c_lo, HALF_NORMS=half_norms, OUT=index, **stride_args("k", k), H=H, T=T,
+                          S=S, D=D, L=ASSIGN_KEYS, BS=CODE_TILE, BD=register_width(D),
                           **float32_products(k.dtype), **ASSIGN_LAUNCH)
     return index
 
@@ -109,6 +118,6 @@ def code_residuals(k: torch.Tensor, codebook: torch.Tensor, index: torch.Tensor,
     out = empty_like_order(k)
     k, codebook, index = unit_last(k), codebook.float().contiguous(), index.contiguous()
     _residual_kernel[(triton.cdiv(T, KEY_BLOCK), B * H)](
-        k, codebook, index, factor.float().reshape(1), out, k.stride(0), k.stride(1), k.stride(2), out.stride(0),
-        out.stride(1), out.stride(2), H, T, codebook.shape[1], D, L=KEY_BLOCK, BD=register_width(D))
+        K=k, C=codebook, IDX=index, FACTOR=factor.float().reshape(1), OUT=out, **stride_args("k", k),
+        **stride_args("o", out), H=H, T=T, S=codebook.shape[1], D=D, L=KEY_BLOCK, BD=register_width(D))
     return out

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..devices import triton
-from .utils import float32_products, register_width, row_strides, unit_last
+from .utils import float32_products, register_width, stride_args, unit_last
 
 if triton is not None:
     import triton.language as tl
@@ -139,7 +139,7 @@ def fused_online_slots(memory_keys: torch.Tensor, counts: torch.Tensor, key_sums
     cnt = counts.detach().to(torch.float32, copy=True).contiguous()
     sums = key_sums.detach().to(torch.float32, copy=True).contiguous()
     out = torch.empty(B, H, T, device=keys.device, dtype=torch.long)
-    _online_slots_kernel[(B * H,)](keys, cnt, sums, out, *row_strides(keys), H, T, S, D, float(threshold),
-                                   1.0 if decay is None else float(decay), L=L,
+    _online_slots_kernel[(B * H,)](K=keys, CNT=cnt, SUM=sums, OUT=out, **stride_args("k", keys), H=H, T=T, S=S, D=D,
+                                   threshold=float(threshold), decay=1.0 if decay is None else float(decay), L=L,
                                    BD=register_width(D), BS=SLOT_TILE, **float32_products(keys.dtype))
     return out

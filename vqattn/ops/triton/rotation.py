@@ -14,7 +14,7 @@ import torch
 
 from ..common.layout import empty_in_order
 from ..devices import triton
-from .utils import MAX_DIM, SUPPORTED_DTYPES, register_width
+from .utils import MAX_DIM, SUPPORTED_DTYPES, register_width, stride_args
 
 if triton is not None:
     import triton.language as tl
@@ -68,8 +68,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float, r
     if raw.stride(-1) != 1:
         raw = raw.contiguous()
     _rotation_kernel[(triton.cdiv(T, ROW_BLOCK), B * H)](
-        x, cos.contiguous(), sin.contiguous(), raw, out, x.stride(0), x.stride(1), x.stride(2), raw.stride(0),
-        raw.stride(1), raw.stride(2), out.stride(0), out.stride(1), out.stride(2), H, T, D // 2, first_pair,
-        float(sign), R=ROW_BLOCK, BH=register_width(D // 2),
+        X=x, COS=cos.contiguous(), SIN=sin.contiguous(), RAW=raw, OUT=out, **stride_args("x", x),
+        **stride_args("r", raw), **stride_args("o", out), H=H, T=T, HALF=D // 2, first_pair=first_pair,
+        sign=float(sign), R=ROW_BLOCK, BH=register_width(D // 2),
         ADD_RAW=raw_grad is not None)
     return out

@@ -16,10 +16,10 @@ tensor cores; its backward makes three more passes over (T, S) tensors and two m
 * **codes' gradient**: dc_s = (Σ_j ds_js k_j − c_s Σ_j ds_js) / τ, one program per (tile of codes, head, slice of
   the keys) walking its key blocks, the slices' sums added atomically.
 
-Products of float32 operands take :func:`~vqattn.ops.triton.window_codes.float32_precision`'s precision (three TF32
+Products of float32 operands take :func:`~vqattn.ops.triton.utils.float32_precision`'s precision (three TF32
 products beside half keys on a GPU; for float32 keys IEEE float32, or TF32 where PyTorch's float32 matmuls may be);
 the keys' products with the codes and with the scores' gradient take two
-(:func:`~vqattn.ops.triton.window_codes.dot_half_rows`: half keys are exact in TF32, so only the other operand
+(:func:`~vqattn.ops.triton.utils.dot_half_rows`: half keys are exact in TF32, so only the other operand
 splits). Everything accumulates in float32.
 """
 
@@ -29,16 +29,14 @@ import torch
 
 from ..common.layout import empty_like_order
 from ..devices import triton
-from .nearest import ASSIGN_KEYS, ASSIGN_LAUNCH
-from .utils import float32_products, register_width, unit_last
+from .nearest import ASSIGN_KEYS, ASSIGN_LAUNCH, KEY_BLOCK
+from .utils import CODE_TILE, float32_products, register_width, stride_args, unit_last
 
 if triton is not None:
     import triton.language as tl
 
     from .utils import LOG2E, dot_half_rows, load_rows
 
-KEY_BLOCK = 64
-CODE_TILE = 64
 # Slices of the keys that the codes' gradient sums separately (then atomically): enough programs to fill a GPU
 # with a few hundred codes, and few additions into each code.
 KEY_SLICES = 16
@@ -160,7 +158,7 @@ class SoftAssign(torch.autograd.Function):
         half_norms = 0.5 * c.square().sum(-1)
         weights = torch.empty(B, H, T, S, device=k.device, dtype=torch.float32)
         _soft_assign_kernel[(triton.cdiv(T, ASSIGN_KEYS), B * H)](  # as the hard assignment's (nearest.py)
-            k, c, half_norms, tau, weights, k.stride(0), k.stride(1), k.stride(2), H, T, S, D, L=ASSIGN_KEYS,
+            K=k, C=c, HN=half_norms, TAU=tau, P=weights, **stride_args("k", k), H=H, T=T, S=S, D=D, L=ASSIGN_KEYS,
             BS=CODE_TILE, BD=register_width(D), **float32_products(k.dtype), **ASSIGN_LAUNCH)
         ctx.save_for_backward(k, c, half_norms, tau, weights)
         return weights
@@ -176,21 +174,22 @@ class SoftAssign(torch.autograd.Function):
         blocks = triton.cdiv(T, KEY_BLOCK)
         shape = dict(L=KEY_BLOCK, BS=CODE_TILE, BD=register_width(D))
         products = float32_products(k.dtype)
-        strides = k.stride(0), k.stride(1), k.stride(2)
+        strides = stride_args("k", k)
         grad_k = empty_like_order(k, dtype=torch.float32)  # in k's memory order (common/layout.py)
         row_sums = torch.empty(B, H, T, device=k.device, dtype=torch.float32)
         grad_tau = torch.empty(B, H, blocks, device=k.device, dtype=torch.float32) if need_tau else grad_k
-        _soft_key_grad_kernel[(blocks, B * H)](k, c, half_norms, tau, weights, grad, grad_k, row_sums, grad_tau,
-                                          *strides, *grad_k.stride()[:3], H, T, S, D, TAU_GRAD=need_tau, **shape,
-                                          PREC=products["PREC"], **BACKWARD_LAUNCH)
+        _soft_key_grad_kernel[(blocks, B * H)](K=k, C=c, HN=half_norms, TAU=tau, P=weights, G=grad, DK=grad_k,
+                                               R=row_sums, DTAU=grad_tau, **strides, **stride_args("d", grad_k),
+                                               H=H, T=T, S=S, D=D, TAU_GRAD=need_tau, **shape,
+                                               PREC=products["PREC"], **BACKWARD_LAUNCH)
         grad_c = None
         if need_c:
             grad_c = torch.zeros_like(c)
             slices = min(KEY_SLICES, B * blocks)
             per_slice = triton.cdiv(B * blocks, slices)
             _soft_code_grad_kernel[(triton.cdiv(S, CODE_TILE), H, triton.cdiv(B * blocks, per_slice))](
-                k, c, tau, weights, grad, row_sums, grad_c, *strides, H, T, S, D, B * blocks, per_slice, **shape,
-                **products, **BACKWARD_LAUNCH)
+                K=k, C=c, TAU=tau, P=weights, G=grad, R=row_sums, DC=grad_c, **strides, H=H, T=T, S=S, D=D,
+                num_blocks=B * blocks, blocks_per_slice=per_slice, **shape, **products, **BACKWARD_LAUNCH)
         return (grad_k.to(k.dtype) if need_k else None, grad_c,
                 grad_tau.sum((0, 2)) if need_tau else None)
 

@@ -82,7 +82,7 @@ def unsupported(L: int, dims: tuple[int, ...], dtype: torch.dtype) -> str | None
 FORWARD_LAUNCH = dict(num_warps=4, num_stages=1)
 BACKWARD_LAUNCH = dict(num_warps=4, num_stages=3)
 def _code_backward_launch(meta: dict, codebook_grad: bool, device: torch.device) -> dict:
-    """The launch settings of the backward's code part: capped at :data:`THREE_PROGRAMS_REGISTERS`
+    """The launch settings of the backward's code part: capped at :data:`~.utils.THREE_PROGRAMS_REGISTERS`
     (:func:`three_programs_per_sm`, three programs per SM instead of two) as the vq_hard layer runs it (bfloat16,
     code dims up to 32, no codebook gradient), where it fits without spilling and three programs' shared memory
     fits too. Elsewhere the cap would spill (64 code dims, float16's float32 sums, a codebook's gradient) or shared

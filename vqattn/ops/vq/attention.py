@@ -8,11 +8,10 @@ import torch
 
 from ..blocks import Schedule, as_schedule, resolve_block_len
 from ..checks import compute_dtype
-from ..common.impls import decoding, pick_impl, with_impl
+from ..common.impls import decoding, needs_grad, pick_impl, with_impl
 from ..common.statistics import Assignment, code_means, code_statistics, log_counts, map_time
 from ..nonfinite import zero_assignment_rows
 from ..precision import autocast_off
-from ..triton.decode import needs_grad
 from ..varlen import varlen
 from .chunk import chunk_forward
 from .naive import naive_vq_attention

@@ -7,11 +7,11 @@ enter with logit σ q·c_s + log n_s and value (Σ_j Δ_js v_j) / n_s. Cost O(T�
 The blocks run in groups (:func:`~vqattn.ops.blocks.block_groups`), each starting from the cache the previous
 group leaves, through one of two kernels:
 
-* :func:`_window_group` (:class:`WindowCodeAttention`): hard VQ, whose window logit of key j is the code logit
-  σ q·c_{z_j} gathered at its code (straight-through gradient to k_j), and every ``exact_window`` call, whose window
-  logits are σ q·k_j of the raw keys;
-* :func:`_mixture_group` (:class:`MixtureAttention`): soft VQ, whose window logit log Σ_s e^{σ q·c_s} Δ_js is the
-  cache's own formula, so its window is the current block only and the previous one is read through the cache.
+* :func:`_window_group` (:class:`~..common.window_code_blocks.WindowCodeAttention`): hard VQ, whose window logit
+  of key j is the code logit σ q·c_{z_j} gathered at its code (straight-through gradient to k_j), and every
+  ``exact_window`` call, whose window logits are σ q·k_j of the raw keys;
+* :func:`_mixture_group` (:class:`~.mixture.MixtureAttention`): soft VQ, whose window logit log Σ_s e^{σ q·c_s} Δ_js
+  is the cache's own formula, so its window is the current block only and the previous one is read through the cache.
 """
 
 from __future__ import annotations
