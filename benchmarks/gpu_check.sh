@@ -6,8 +6,9 @@
 #                          softmax at 64k (eager, bf16 autocast, dim 1024, 16 heads of 64, S = 512, 64k tokens a step)
 #   2. ops                 the op against SDPA at 8k and 32k (bf16 inputs, the layer's head shape), and at 8k
 #                          with the per-block caches (the design before superblock caches)
-#   3. profile_8k, profile_32k, profile_layer
-#                          the vq_hard step kernel by kernel, each beside its floor (benchmarks/kernel_floor.py)
+#   3. profile_8k, profile_32k, profile_layer, profile_soft, profile_ovq
+#                          the vq_hard step kernel by kernel, each beside its floor (benchmarks/kernel_floor.py), at
+#                          8k and 32k and in its layer, then the vq_soft and ovq ops' steps at 8k
 #   4. train               python train.py on the GPU at seq_len 8192, softmax and vq_hard: tokens/s side by side
 #   5. tests               the CUDA tests, with whatever time is left
 #
@@ -71,6 +72,8 @@ stage ops 45 bash -c "$ops --batch 8 --lengths 8192 --methods sdpa vq_hard_rope 
 stage profile_8k 25 $profile --batch 8 --length 8192
 stage profile_32k 20 $profile --batch 2 --length 32768
 stage profile_layer 20 python benchmarks/kernel_profile.py --what layer --method vq_hard --batch 8 --length 8192 --top 20
+stage profile_soft 25 $profile --method vq_soft_rope --batch 8 --length 8192
+stage profile_ovq 20 $profile --method ovq --num-codes 64 --batch 8 --length 8192
 stage train 65 python benchmarks/train_speed.py --attentions softmax vq_hard --seq-len 8192 --batch 8 --steps 30
 stage tests 240 python -m pytest -o addopts="" -q -x -p no:cacheprovider tests/ops/test_triton_superblock.py \
   tests/ops/test_triton.py tests/ops/test_triton_ovq.py ${GPU_CHECK_TESTS:+-k "$GPU_CHECK_TESTS"}
@@ -92,7 +95,6 @@ extra profile_8k_block_dc 25 env VQATTN_BENCH_SUPERBLOCK_BLOCKS=0 $profile --bat
 extra profile_8k_walk_dc 25 env VQATTN_BENCH_SUPERBLOCK_BLOCKS=0 $profile --batch 8 --length 8192 --walk-cache-gradient
 extra profile_64k_split 25 env VQATTN_BENCH_SUPERBLOCK_BLOCKS=0 $profile --batch 1 --length 65536 \
   --walk-cache-gradient --segment-steps -1
-extra profile_soft 30 $profile --method vq_soft_rope --batch 8 --length 8192
 extra profile_layer_soft 40 python benchmarks/kernel_profile.py --what layer --method vq_soft --batch 8 --length 8192
 extra profile_window_op 20 python benchmarks/kernel_profile.py --what op --method window --batch 8 --length 8192
 extra profile_op_tf32 30 $profile --batch 8 --length 8192 --dtype float32 --tf32

@@ -1,6 +1,7 @@
 """A FLOP and byte floor of every GPU kernel of one forward+backward step of the vq_hard op, as
 ``attention_speed.py``'s ``vq_hard_rope`` runs it (codebook (H, S, Dc), ``exact_window=True``, q_rot and k_rot given
-as inputs, bf16), for the designs of the GPU plan and for fla's ``chunk_simple_gla`` at the same shape.
+as inputs, bf16), for the designs of the GPU plan and for fla's ``chunk_simple_gla`` at the same shape; of the
+vq_soft op (``vq_soft_rope``) as it runs and two candidates; and of the ovq op.
 
 A kernel's floor is max(FLOPs / peak, bytes / bandwidth) on a GPU of :data:`GPUS`; a step's floor is the sum over its
 kernels. FLOPs are tensor-core products, 2·m·n·k each, of the tiles the kernel multiplies: whole (L, L) window
@@ -37,6 +38,22 @@ The designs (:data:`DESIGNS`):
 * ``fla``: fla's ``chunk_simple_gla`` (a D×Dv state per chunk of L): chunk_fwd_h (bf16 states) and chunk_fwd_o
   forward; chunk_fwd_h again (float32 states), chunk_bwd_dh (float32), chunk_bwd_dqkwg and chunk_bwd_dv backward.
 
+The soft mixture's designs (:data:`SOFT_DESIGNS`; vq_soft_rope's step, the codebook learned by gradient):
+
+* ``soft_block_dc`` (what the kernels run): ``_soft_assign_kernel`` writes the (T, S) float32 weights, which the
+  prefix walk, the reverse walk (writing their gradient as well) and the assignment's two backward kernels
+  (``_soft_key_grad_kernel``, ``_soft_code_grad_kernel``) read; the code backward writes every block's dC and count
+  gradient and adds the codebook's share atomically.
+* ``soft_block_recompute`` (a candidate): one float per key, the mixture's logsumexp (``_soft_lse_kernel``); both
+  walks recompute a block's weights from k, the codes and it; the reverse walk turns the weights' gradient into the
+  keys' and the codes' at once. No (T, S) tensor in memory.
+* ``soft_superblock`` (a candidate): caches every K blocks (each superblock's sums, weights recomputed, and a scan);
+  a query block reads the key blocks between its cache and its window through the mixture, A = exp(σ qc·cᵀ)·P_jᵀ,
+  recomputing P_j for every such pair (and, key-major in the backward, the reading block's exp(σ qc·cᵀ)).
+
+``ovq``: ovq_attention's Triton impl at S slots, the online assignment (``_online_slots_kernel``) and the window-code
+kernels reading every block's float32 slot means, counts and value sums (formed by PyTorch, not counted).
+
 Not counted: the PyTorch glue between the kernels (the masked copies of k and k_rot and the poison of
 ``ops.nonfinite``, the codebook's TF32 split and half norms; block_dc's sum of the window's and the walk's value
 gradients; the superblock's copies of the initial state), the zero count gradients block_dc's reverse walk
@@ -67,11 +84,13 @@ gathered keys and caches and the segments):
 
     python benchmarks/kernel_floor.py                          # every design, 8k and 32k, 64k tokens a step
     python benchmarks/kernel_floor.py --designs superblock superblock_walk block_dc --superblock-blocks 4 8 16
+    python benchmarks/kernel_floor.py --designs soft_block_dc soft_block_recompute soft_superblock ovq
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
 
 # Dense bf16 tensor-core peak (FLOP/s) and HBM bandwidth (byte/s), SXM parts.
@@ -80,7 +99,11 @@ GPUS = {"H100": (989e12, 3.35e12), "H200": (989e12, 4.8e12)}
 TF32_COST = 2
 F32 = 4
 INDEX_BYTES = 8  # the codes are int64
-DESIGNS = ("block_dc", "walk_dc", "walk_dc_split", "superblock", "superblock_walk", "fla")
+DESIGNS = ("block_dc", "walk_dc", "walk_dc_split", "superblock", "superblock_walk", "fla", "soft_block_dc",
+           "soft_block_recompute", "soft_superblock", "ovq")
+# The soft mixture's designs (vq_soft_rope: the codebook learned by gradient, τ fixed): what the kernels run today,
+# and two candidates that recompute the mixture instead of writing it (module doc).
+SOFT_DESIGNS = ("soft_block_dc", "soft_block_recompute", "soft_superblock")
 # What vqattn's kernels do by default for hard keys: the superblock kernels (vq_causal.SUPERBLOCK_BLOCKS = 8);
 # block_dc with SUPERBLOCK_BLOCKS = 0.
 CURRENT = "superblock"
@@ -339,6 +362,156 @@ def superblock_kernels(s: Shape, K: int, ib: int) -> list[KernelCost]:
     ]
 
 
+def weights(s: Shape) -> int:
+    """A (B, H, T, S) float32 tensor: the soft mixture's weights, or their gradient."""
+    return s.seqs * s.T * s.S * F32
+
+
+def mixture_products(s: Shape, passes: int = 1, parts: int = 2) -> int:
+    """k·cᵀ (T, S, Dc) ``passes`` times, each as ``parts`` TF32 products (half keys are exact in TF32: only the
+    float32 codes split; float32 operands on both sides take three), at TF32's cost."""
+    return passes * parts * TF32_COST * block_products(s, s.S, s.Dc)
+
+
+def codebook_grad(s: Shape) -> int:
+    """The codebook's gradient, (B·H, S, Dc) float32 added atomically: one write per sequence at least."""
+    return s.seqs * s.S * s.Dc * F32
+
+
+def soft_assign(s: Shape) -> KernelCost:
+    """Two passes over the code tiles (the running max and sum, then the weights); reads k, the codebook and its
+    half norms, writes the (T, S) float32 weights."""
+    return KernelCost("_soft_assign_kernel", "the mixture's weights, (T, S) float32 written", mixture_products(s, 2),
+                      half(s, s.Dc) + codebook(s) + s.H * s.S * F32 + weights(s))
+
+
+def soft_block_dc_kernels(s: Shape, ib: int) -> list[KernelCost]:
+    """What vq_soft_rope runs today: the weights written by the assignment, read by the prefix walk (every block's
+    cache), the reverse walk (which writes their gradient) and both of the assignment's backward kernels; the code
+    backward writes every block's cache gradient and count gradient, and adds the codebook's gradient from the code
+    scores."""
+    nb = s.nb
+    walk = prefix(s, nb, ib)
+    code = code_backward(s, nb, None, True, ib)
+    counts_grads = s.seqs * nb * s.S * F32
+    return [
+        nonfinite_rows(s), soft_assign(s),
+        KernelCost(walk.name, f"walk: {nb} caches from the weights", walk.flop,
+                   walk.bytes - per_token(s, 1, ib) + weights(s)),
+        forward(s, nb, None, ib), output_delta(s), window_backward(s),
+        KernelCost(code.name, "codes: dqc, every block's dC and dn, the codebook's share",
+                   code.flop + block_products(s, s.S, s.Dc), code.bytes + counts_grads + codebook_grad(s)),
+        # dv = Δ·G and the weights' gradient v·Gᵀ + Gn, block by block; dv added to the window's in float32
+        KernelCost("_prefix_backward_kernel", "reverse walk: dv and the weights' gradient from dC",
+                   block_products(s, s.S, s.Dv, s.Dv),
+                   weights(s) + cache_grads(s, nb) + counts_grads + 2 * state(s) + half(s, s.Dv, s.Dv)
+                   + 2 * per_token(s, s.Dv) + weights(s)),
+        # r = Σ_s g p in a first walk, then dk = Σ_s ds c / τ: ds·c float32 operands, three TF32 products
+        KernelCost("_soft_key_grad_kernel", "the keys' gradient through the weights", mixture_products(s, 1, 3),
+                   2 * weights(s) + codebook(s) + per_token(s, s.Dc) + per_token(s)),
+        KernelCost("_soft_code_grad_kernel", "the codes' gradient through the weights", mixture_products(s),
+                   2 * weights(s) + half(s, s.Dc) + per_token(s) + codebook_grad(s)),
+    ]
+
+
+def mixture_backward_products(s: Shape) -> int:
+    """The mixture's backward at a key block, from the weights' gradient dP: dk = Σ_s ds c / τ (three TF32
+    products) and dc = Σ_j ds k (two)."""
+    return mixture_products(s, 1, 3) + mixture_products(s)
+
+
+def soft_block_recompute_kernels(s: Shape, ib: int) -> list[KernelCost]:
+    """Candidate: today's per-block caches and walks, the weights never in memory. A first kernel keeps each key's
+    mixture logsumexp (one float); the prefix walk recomputes a block's weights from k, the codes and it; the
+    reverse walk recomputes them, forms the weights' gradient v·Gᵀ + Gn on chip and turns it at once into the keys'
+    gradient and the codes' share (r, ds, dk, dc), so the two backward kernels of the assignment go."""
+    nb = s.nb
+    walk = prefix(s, nb, ib)
+    code = code_backward(s, nb, None, True, ib)
+    counts_grads = s.seqs * nb * s.S * F32
+    keys = half(s, s.Dc) + per_token(s) + codebook(s)  # k, the logsumexp and the codes, read to recompute
+    return [
+        nonfinite_rows(s),
+        KernelCost("_soft_lse_kernel", "each key's mixture logsumexp", mixture_products(s),
+                   half(s, s.Dc) + codebook(s) + s.H * s.S * F32 + per_token(s)),
+        KernelCost(walk.name, f"walk: {nb} caches, the weights recomputed", walk.flop + mixture_products(s),
+                   walk.bytes - per_token(s, 1, ib) + keys),
+        forward(s, nb, None, ib), output_delta(s), window_backward(s),
+        KernelCost(code.name, "codes: dqc, every block's dC and dn, the codebook's share",
+                   code.flop + block_products(s, s.S, s.Dc), code.bytes + counts_grads + codebook_grad(s)),
+        KernelCost("_prefix_backward_kernel", "reverse walk: dv, and dk, dc through the recomputed weights",
+                   block_products(s, s.S, s.Dv, s.Dv) + mixture_products(s) + mixture_backward_products(s),
+                   keys + cache_grads(s, nb) + counts_grads + 2 * state(s) + half(s, s.Dv, s.Dv)
+                   + 2 * per_token(s, s.Dv) + per_token(s, s.Dc) + codebook_grad(s)),
+    ]
+
+
+def soft_superblock_kernels(s: Shape, K: int, ib: int) -> list[KernelCost]:
+    """Candidate: the hard superblock design for soft keys, the weights recomputed wherever they are needed. The
+    caches every K blocks as each superblock's sums (weights recomputed) and a scan. A query block reads a key
+    block between its cache and its window through the mixture: with E = exp(σ qc·cᵀ) (L, S), which it forms for
+    its cache's codes anyway, A = E·P_jᵀ (L, L) is the keys' share of the numerator, A·V_j of the values', so each
+    such block costs the weights' recomputation and three products. Backward: the query-major kernel forms dqc from
+    the codes and those blocks (dA = dO·V_jᵀ, dE = (A ∘ (dA − Δ))·P_j, then (dE ∘ E)·C once a block); the caches'
+    gradients come from the queries, scanned in reverse; the key-major kernel recomputes P_j and, for every query
+    block that reads key block j through the mixture, E of that block, and forms dv_j and the weights' gradient,
+    then the caches' suffix sums' share (v·Gᵀ + Gn and P·G) and the mixture's backward (dk, dc)."""
+    nsb = superblocks(s, K)
+    stored = caches(s, nsb)
+    reads = s.seqs * gathered_blocks(s.nb, K)  # (query block, key block) pairs read through the mixture
+    L, S, Dc, Dv = s.L, s.S, s.Dc, s.Dv
+    recompute = TF32_COST * 2 * 2 * L * S * Dc  # P_j (or E_b) of one block: k·cᵀ as two TF32 products
+    keys = half(s, Dc) + per_token(s) + codebook(s)
+    counts = nsb * s.seqs * S * F32
+    return [
+        nonfinite_rows(s),
+        KernelCost("_soft_lse_kernel", "each key's mixture logsumexp", mixture_products(s),
+                   half(s, Dc) + codebook(s) + s.H * S * F32 + per_token(s)),
+        KernelCost("_soft_superblock_sums_kernel", f"{nsb} superblocks' sums, the weights recomputed",
+                   mixture_products(s) + block_products(s, S, Dv), keys + half(s, Dv) + stored),
+        KernelCost("segment_scan_kernel", "both scans: the caches and their gradients' suffix sums (2 launches)", 0,
+                   state(s) + 2 * stored + 2 * stored + state(s)),
+        KernelCost("_soft_superblock_forward_kernel", "window, the keys between through the mixture, the cache",
+                   block_products(s, 2 * L, s.D, Dv) + block_products(s, S, Dc, Dv)
+                   + reads * (recompute + 2 * L * L * S + 2 * L * L * Dv),
+                   half(s, s.D, s.D, Dv, Dc) + codebook(s) + stored + keys + half(s, Dv) + per_token(s)),
+        output_delta(s), window_backward(s),
+        KernelCost("_soft_superblock_code_backward_kernel", "codes and the keys between: dqc, the codebook's share",
+                   block_products(s, S, Dc, Dv, Dc, Dc) + block_products(s, S, Dc)
+                   + reads * (recompute + 2 * L * L * S + 2 * L * L * Dv + 2 * L * L * S),
+                   half(s, Dc, Dv) + per_token(s, 2) + codebook(s) + stored + keys + half(s, Dv) + half(s, Dc)
+                   + codebook_grad(s)),
+        KernelCost("_soft_superblock_cache_grad_kernel", f"{nsb} caches' gradients from qc, dO",
+                   block_products(s, S, Dc, Dv),
+                   half(s, Dc, Dv) + per_token(s) + codebook(s) + counts + stored),
+        KernelCost("_soft_superblock_key_backward_kernel", "the keys between and the caches: dv, dk, dc",
+                   mixture_products(s) + block_products(s, S, Dv, Dv) + mixture_backward_products(s)
+                   + reads * (recompute + 2 * L * L * S + 2 * L * L * Dv + 2 * L * L * Dv + 2 * L * L * S),
+                   keys + half(s, Dc, Dv) + per_token(s, 2) + cache_grads(s, nsb) + counts + 2 * half(s, Dv)
+                   + per_token(s, Dc) + codebook_grad(s)),
+    ]
+
+
+def ovq_kernels(s: Shape) -> list[KernelCost]:
+    """What ovq_attention's Triton impl runs (``S`` its slots, 64 by default): the online assignment (one program per
+    sequence walks its blocks: each block's keys against the slots' running means, two TF32 products), then the
+    window-code kernels with one codebook per block, the slots' float32 mean keys, counts and value sums of every
+    block (formed and summed by PyTorch between the kernels, not counted), read by the forward and the code
+    backward, which writes every block's gradients of all three."""
+    per_block = s.seqs * s.nb * s.S * (s.Dc + 1 + s.Dv) * F32  # every block's means, counts and value sums
+    fwd = forward(s, 0, None, INDEX_BYTES)
+    return [
+        KernelCost("_online_slots_kernel", "the online assignment: each key's slot", mixture_products(s),
+                   half(s, s.Dc) + per_token(s, 1, INDEX_BYTES)),
+        KernelCost(fwd.name, "window and every block's slots, online softmax", fwd.flop,
+                   fwd.bytes - codebook(s) + per_block),
+        output_delta(s), window_backward(s),
+        KernelCost("_code_backward_kernel", "slots: dqc, every block's dC, dn and mean keys' gradient",
+                   block_products(s, s.S, s.Dc, s.Dv, s.Dc, s.Dv, s.Dc),
+                   half(s, s.Dc, s.Dv) + per_token(s, 2) + per_block + half(s, s.Dc) + per_block),
+    ]
+
+
 def fla_kernels(s: Shape) -> list[KernelCost]:
     """chunk_simple_gla with a state h (D, Dv) per chunk of L: P = q, k, v, o, dO, dq, dk, dv (B, H, T, ·) half,
     h and its gradient dh (B, H, nb, D, Dv), bf16 in the forward, float32 in the backward."""
@@ -365,8 +538,16 @@ def kernels(design: str, shape: Shape, K: int = 8, index_bytes: int = INDEX_BYTE
     superblock, ``segment_steps`` a split walk's segment (walk_dc_split)."""
     if design == "fla":
         return fla_kernels(shape)
+    if design == "ovq":
+        return ovq_kernels(shape)
     if design == "superblock":
         return superblock_kernels(shape, K, index_bytes)
+    if design == "soft_superblock":
+        return soft_superblock_kernels(shape, K, index_bytes)
+    if design == "soft_block_dc":
+        return soft_block_dc_kernels(shape, index_bytes)
+    if design == "soft_block_recompute":
+        return soft_block_recompute_kernels(shape, index_bytes)
     if design == "superblock_walk":
         return vq_kernels(shape, -(-shape.nb // K), K, False, index_bytes)
     if design in ("block_dc", "walk_dc", "walk_dc_split"):
@@ -399,11 +580,13 @@ def main(argv=None):
     parser.add_argument("--num-codes", type=int, default=512)
     parser.add_argument("--block-len", type=int, default=64)
     parser.add_argument("--superblock-blocks", type=int, nargs="+", default=[8], help="K, blocks per superblock")
+    parser.add_argument("--slots", type=int, default=64, help="ovq's slots (its S)")
     args = parser.parse_args(argv)
     for T in args.length:
-        shape = Shape(B=max(1, args.tokens // T), H=args.heads, T=T, S=args.num_codes, L=args.block_len)
+        codes = Shape(B=max(1, args.tokens // T), H=args.heads, T=T, S=args.num_codes, L=args.block_len)
         for design in args.designs:
-            for K in args.superblock_blocks if design.startswith("superblock") else [None]:
+            shape = dataclasses.replace(codes, S=args.slots) if design == "ovq" else codes
+            for K in args.superblock_blocks if "superblock" in design else [None]:
                 label = f"{design}, K = {K} ({K * shape.L} tokens)" if K else design
                 print(f"\n### {label}: B={shape.B} H={shape.H} T={T} D={shape.D} Dv={shape.Dv} S={shape.S} "
                       f"L={shape.L}, bf16, fwd+bwd\n")

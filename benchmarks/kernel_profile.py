@@ -117,7 +117,7 @@ def main(argv=None) -> None:
     print("\nwhat launched each PyTorch kernel (the op, and the autograd node or module around it):")
     for kernel, callers in launchers(prof.events(), top).items():
         print(f"  {kernel[:60]}: " + "; ".join(f"{n}x {c}" for c, n in callers.most_common(4)))
-    if args.method.startswith("vq_hard"):
+    if args.method.startswith(("vq_hard", "vq_soft", "ovq")):  # the methods the floor model covers
         measured = {name: ms for name, (ms, _) in kernels.items()}
         print("\n".join(floor_rows(args, measured, gpu_of(torch.cuda.get_device_name()))))
 
@@ -158,11 +158,18 @@ def floor_rows(args, measured: dict[str, float], gpu: str | None) -> list[str]:
     then the step's kernels outside the model (PyTorch's glue) in one row."""
     if gpu is None:
         return ["no floor model for this GPU (kernel_floor.GPUS)"]
-    code_dims = 32 if args.what == "layer" else 64  # a layer scores the codes on its 30 slow RoPE pairs, padded
-    shape = Shape(B=args.batch, H=args.heads, T=args.length, S=args.num_codes, Dc=code_dims)
+    code_dims = 32 if args.what == "layer" and args.method.startswith("vq") else 64  # a vq layer scores the codes
+    # on its 30 slow RoPE pairs, padded; ovq's layer has 64 slots, the op as many as --num-codes
+    slots = 64 if args.what == "layer" and args.method == "ovq" else args.num_codes
+    shape = Shape(B=args.batch, H=args.heads, T=args.length, S=slots, Dc=code_dims)
     K = vq_causal.SUPERBLOCK_BLOCKS  # hard keys take the superblock kernels when K > 0, else the block designs
-    if K > 0 and args.method.startswith("vq_hard"):
-        design, seg_steps, nseg = "superblock", 0, 1
+    seg_steps, nseg = 0, 1
+    if args.method.startswith("vq_soft"):  # soft keys: the per-block walks from the mixture's weights
+        design = "soft_block_dc"
+    elif args.method == "ovq":
+        design = "ovq"
+    elif K > 0:
+        design = "superblock"
     else:  # the walks split as the kernels split them here
         programs = -(-args.num_codes // block_caches.walk_code_tile(64)) * args.batch * args.heads
         seg_steps, nseg = block_caches._segments(shape.nb + 1, programs, torch.device("cuda"))

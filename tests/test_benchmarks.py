@@ -129,3 +129,30 @@ def test_kernel_profile_counts_gpu_events_once_and_names_their_launchers(monkeyp
     assert kernel_profile.device_kernels(events) == {"add_kernel": (3.0, 2), "_prefix_kernel": (0.5, 1)}
     found = kernel_profile.launchers(events, ["add_kernel", "_prefix_kernel"])
     assert dict(found) == {"add_kernel": {"aten::add < autograd::engine::evaluate_function: AddBackward0": 2}}
+
+
+@pytest.mark.parametrize("method, what, design, first", [
+    ("vq_hard_rope", "op", "superblock, K = 8", "_superblock_sums_kernel"),
+    ("vq_soft_rope", "op", "soft_block_dc", "_soft_assign_kernel"),
+    ("vq_soft", "layer", "soft_block_dc", "_soft_assign_kernel"),
+    ("ovq", "op", "ovq", "_online_slots_kernel"),
+])
+def test_kernel_profile_reads_each_method_against_its_design(monkeypatch, method, what, design, first):
+    """A profile of vq_hard, vq_soft or ovq is read against its own design's floors: each modelled kernel the step
+    ran gets a row beside its floor, and the rest one row."""
+    from types import SimpleNamespace
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import kernel_floor
+    import kernel_profile
+
+    args = SimpleNamespace(what=what, method=method, batch=8, heads=16, length=8192, num_codes=512)
+    slots = 64 if (what, method) == ("layer", "ovq") else 512
+    shape = kernel_floor.Shape(B=8, H=16, T=8192, S=slots, Dc=32 if what == "layer" else 64)
+    costs = kernel_floor.kernels(design.split(",")[0], shape)
+    measured = {first: 1.0, "elementwise_kernel": 0.25}
+    rows = kernel_profile.floor_rows(args, measured, "H200")
+    assert f"design {design})" in rows[0]
+    floor = next(c for c in costs if c.name == first).floor_s("H200") * 1e3
+    assert rows[3] == f"| {first} | 1.000 | {floor:.3f} | {100 * floor:.0f}% |"
+    assert rows[4] == "| everything else (PyTorch) | 0.250 | | |" and len(rows) == 5

@@ -63,6 +63,43 @@ SUPERBLOCK = {
 }
 
 
+# The soft mixture as vq_soft_rope runs it today. The (T, S) float32 weights (or their gradient): 256·8·4 = 8192
+# bytes; k·cᵀ of every block, 2·64·8·16 = 16384 a block, 65536 a sequence, as two TF32 products at twice the cost.
+SOFT_BLOCK_DC = {
+    "_nonfinite_rows_kernel": BLOCK_DC["_nonfinite_rows_kernel"],
+    # two passes over the codes; k, the codebook, its half norms (8·4) read, the weights written
+    "_soft_assign_kernel": (2 * 2 * 2 * 65536, 8192 + 512 + 32 + 8192),
+    # Δᵀ V a block from the weights (not the codes); v and the state read, the state and four caches written
+    "_prefix_kernel": (4 * 16384, 8192 + 8192 + 2 * 544 + 1152),
+    "_window_code_forward_kernel": BLOCK_DC["_window_code_forward_kernel"],
+    "_output_delta_kernel": BLOCK_DC["_output_delta_kernel"],
+    "_window_backward_kernel": BLOCK_DC["_window_backward_kernel"],
+    # block_dc's four products a block and the codebook's share dsᵀ·qc; four blocks' count gradients (4·8·4) and
+    # the codebook's gradient (8·16·4) written besides
+    "_code_backward_kernel": (4 * 5 * 16384, 2 * 8192 + 2 * 1024 + 512 + 1152 + 8192 + 1024 + 128 + 512),
+    # Δ·G and v·Gᵀ a block; the weights, dC, dn, the state's gradient, v and the window's dv read, dv (float32)
+    # read and written, the initial state's gradient and the weights' gradient written
+    "_prefix_backward_kernel": (4 * 2 * 16384,
+                                8192 + 1024 + 128 + 2 * 544 + 2 * 8192 + 2 * 16384 + 8192),
+    # ds·c as three TF32 products; the weights and their gradient, the codebook read, dk (float32) and r written
+    "_soft_key_grad_kernel": (3 * 2 * 65536, 2 * 8192 + 512 + 16384 + 1024),
+    # kᵀ·ds as two; the weights, their gradient, k and r read, the codebook's gradient written
+    "_soft_code_grad_kernel": (2 * 2 * 65536, 2 * 8192 + 8192 + 1024 + 512),
+}
+
+# ovq with S = 8 slots: every block's float32 means, counts and value sums, 4·8·(16 + 1 + 16)·4 = 4224 bytes.
+OVQ = {
+    # the memory keys against the slots' means, two TF32 products; the keys read, the slots (int64) written
+    "_online_slots_kernel": (2 * 2 * 65536, 8192 + 2048),
+    # block_dc's forward with every block's slots in place of the codebook and the caches
+    "_window_code_forward_kernel": (4 * (4 * 131072 + 2 * 16384), 4 * 8192 + 4224 + 8192 + 1024),
+    "_output_delta_kernel": BLOCK_DC["_output_delta_kernel"],
+    "_window_backward_kernel": BLOCK_DC["_window_backward_kernel"],
+    # qc·k̄ᵀ, dO·Cᵀ, ds·k̄, dC, the means' gradient: five products a block; qc, dO, lse, Δ and the blocks' slots read,
+    # dqc and their gradients written
+    "_code_backward_kernel": (4 * 5 * 16384, 2 * 8192 + 2 * 1024 + 4224 + 8192 + 4224),
+}
+
 @pytest.fixture
 def kernel_floor(monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -125,6 +162,49 @@ def test_superblock_counts_by_hand(kernel_floor, small):
     assert {c.name: (c.flop, c.bytes) for c in costs} == SUPERBLOCK
 
 
+
+def test_soft_block_dc_counts_by_hand(kernel_floor, small):
+    costs = kernel_floor.kernels("soft_block_dc", small)
+    assert [c.name for c in costs] == list(SOFT_BLOCK_DC)
+    assert {c.name: (c.flop, c.bytes) for c in costs} == SOFT_BLOCK_DC
+
+
+def test_ovq_counts_by_hand(kernel_floor, small):
+    costs = kernel_floor.kernels("ovq", small)
+    assert [c.name for c in costs] == list(OVQ)
+    assert {c.name: (c.flop, c.bytes) for c in costs} == OVQ
+
+
+def test_soft_recompute_trades_the_weights_for_products(kernel_floor, small):
+    """The candidate without weights in memory: a logsumexp per key (1024 bytes) in place of every (T, S) pass; each
+    recomputation is k·cᵀ again (2·2·65536)."""
+    today = {c.name: c for c in kernel_floor.kernels("soft_block_dc", small)}
+    costs = kernel_floor.kernels("soft_block_recompute", small)
+    recompute = {c.name: c for c in costs}
+    assert "_soft_assign_kernel" not in recompute and "_soft_key_grad_kernel" not in recompute
+    assert recompute["_soft_lse_kernel"].flop == 2 * 2 * 65536
+    walk = "_prefix_kernel"
+    assert recompute[walk].flop == today[walk].flop + 2 * 2 * 65536
+    # the weights (8192) replaced by k, the logsumexp and the codebook (8192 + 1024 + 512)
+    assert recompute[walk].bytes == today[walk].bytes - 8192 + 8192 + 1024 + 512
+    reverse = "_prefix_backward_kernel"
+    # the weights recomputed, and the mixture's backward (3 + 2 TF32 products) fused into the walk
+    assert recompute[reverse].flop == today[reverse].flop + 2 * 2 * 65536 + (3 + 2) * 2 * 65536
+    # at the benchmark shape the weights' passes are most of today's bytes: 26.9 GB against 9.9
+    big = kernel_floor.Shape(B=8, H=16, T=8192)
+    gb = {d: sum(c.bytes for c in kernel_floor.kernels(d, big)) / 1e9 for d in ("soft_block_dc", "soft_block_recompute")}
+    assert gb == {"soft_block_dc": pytest.approx(26.89, abs=0.01), "soft_block_recompute": pytest.approx(9.85, abs=0.01)}
+
+
+def test_soft_superblock_reads_key_blocks_through_the_mixture(kernel_floor, small):
+    """K = 2: one (query block, key block) pair a sequence read through the mixture; each costs the key block's
+    weights again (2·2·2·64·8·16 = 65536 at TF32's cost) and three (64, 64) products over S or Dv."""
+    at = {K: {c.name: c for c in kernel_floor.kernels("soft_superblock", small, K=K)} for K in (1, 2)}
+    forward = "_soft_superblock_forward_kernel"
+    pair = 2 * 2 * 2 * 64 * 8 * 16 + 2 * 64 * 64 * 8 + 2 * 64 * 64 * 16
+    assert at[2][forward].flop - at[1][forward].flop == pair
+    assert kernel_floor.superblocks(small, 1) == 3 and kernel_floor.superblocks(small, 2) == 2
+
 def test_superblock_walk_gathers_the_keys_between_its_caches(kernel_floor, small):
     # K = 2: query blocks 1, 2, 3 read (b − 1) mod 2 = 0, 1, 0 blocks through their codes; 2 caches a sequence
     assert kernel_floor.gathered_blocks(4, 2) == 1
@@ -173,4 +253,4 @@ def test_cli_prints_every_design(kernel_floor, capsys):
 def test_the_script_runs():
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_floor.py"
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True).stdout
-    assert out.count("| **total** |") == 12  # six designs at 8k and 32k
+    assert out.count("| **total** |") == 20  # ten designs at 8k and 32k
