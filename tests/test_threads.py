@@ -26,7 +26,7 @@ def one_idle_core(monkeypatch):
 def test_pick_threads_says_what_it_chose(one_idle_core, monkeypatch):
     cores = utils.available_cores()
     assert pick_threads("auto", "sampling") == (1, f"threads=auto: 1 of {cores} cores idle, sampling with 1 thread")
-    assert pick_threads(3, "timing") == (3, "threads=3: timing with 3 threads")
+    assert pick_threads(1, "timing") == (1, "threads=1: timing with 1 thread")
     assert pick_threads(None)[0] is None
     monkeypatch.setattr(utils, "idle_cores", lambda: 10**6)
     assert pick_threads("auto")[0] == torch.get_num_threads()  # never more than torch's default
@@ -36,6 +36,22 @@ def test_pick_threads_says_what_it_chose(one_idle_core, monkeypatch):
     for bad in (0, -1, "four", True, 2.5):
         with pytest.raises(ValueError, match="threads must be a positive int, auto or null"):
             pick_threads(bad)
+
+
+def test_a_count_the_user_set_beyond_the_idle_cores_is_said_with_its_cost_and_what_auto_would_take(one_idle_core,
+                                                                                                monkeypatch):
+    cores = utils.available_cores()
+    busy = (f", but only 1 of {cores} cores is idle: threads on busy cores stall each other, often several times "
+            f"slower; threads=auto would use 1 thread")
+    assert pick_threads(3, "training") == (3, f"threads=3: training with 3 threads{busy}")
+    torch.set_num_threads(2)
+    assert pick_threads(None, "training") == (None, f"threads=null: torch's default, training with 2 threads{busy}")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    chosen, line = pick_threads("auto", "training")
+    assert chosen is None and line == ("threads=auto: OMP_NUM_THREADS=2 set, training with 2 threads"
+                                       + busy.replace("threads=auto", "threads=auto without OMP_NUM_THREADS"))
+    monkeypatch.setattr(utils, "idle_cores", lambda: 3)  # the count fits the idle cores: nothing added
+    assert pick_threads(3, "training") == (3, "threads=3: training with 3 threads")
 
 
 def test_use_threads_sets_them_says_so_in_one_line_and_can_hand_them_to_children(one_idle_core, monkeypatch):

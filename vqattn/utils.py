@@ -78,24 +78,49 @@ def pick_threads(threads: int | str | None = "auto", doing: str = "running") -> 
     other work leaves idle now (:func:`idle_cores`), at most torch's default, and keeps torch's default where
     OMP_NUM_THREADS chose it. Returns (the count to pass to ``torch.set_num_threads``, None to keep torch's, and
     the line, e.g. ``threads=auto: 1 of 2 cores idle, sampling with 1 thread``); ``doing`` names the work in it.
+    Where the user set the count (an int, OMP_NUM_THREADS, torch's default) and it exceeds the idle cores, the line
+    says so, what it costs and what "auto" would take (:func:`busy_cores_note`).
     """
     import torch
 
     check_threads(threads)
-
-    def count(n: int) -> str:
-        return f"{n} thread{'s' * (n != 1)}"
-
-    if threads == "auto":
-        if "OMP_NUM_THREADS" in os.environ:
-            n = torch.get_num_threads()
-            return None, f"threads=auto: OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} set, {doing} with {count(n)}"
+    if threads == "auto" and "OMP_NUM_THREADS" not in os.environ:
         idle = idle_cores()
         chosen = min(idle, torch.get_num_threads())
-        return chosen, f"threads=auto: {idle} of {available_cores()} cores idle, {doing} with {count(chosen)}"
-    if threads is None:
-        return None, f"threads=null: torch's default, {doing} with {count(torch.get_num_threads())}"
-    return threads, f"threads={threads}: {doing} with {count(threads)}"
+        return chosen, f"threads=auto: {idle} of {available_cores()} cores idle, {doing} with {thread_count(chosen)}"
+    if threads == "auto":
+        n, chosen = torch.get_num_threads(), None
+        line = f"threads=auto: OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} set, {doing} with {thread_count(n)}"
+    elif threads is None:
+        n, chosen = torch.get_num_threads(), None
+        line = f"threads=null: torch's default, {doing} with {thread_count(n)}"
+    else:
+        n, chosen = threads, threads
+        line = f"threads={threads}: {doing} with {thread_count(threads)}"
+    return chosen, line + busy_cores_note(n)
+
+
+def busy_cores_note(threads: int) -> str:
+    """What the threads line adds when a count the user set (``threads=N``, OMP_NUM_THREADS, torch's default)
+    exceeds the cores idle now, or "" where it fits (or is one thread, which waits for nobody).
+
+    ``threads=auto`` measures the idle cores, a set count does not: a thread on a busy core stalls the others at the
+    end of every parallel op, which makes a run several times slower (docs/performance.md, "Threads on a busy CPU")
+    and otherwise goes unsaid.
+    """
+    if threads <= 1:
+        return ""
+    idle = idle_cores()
+    if threads <= idle:
+        return ""
+    auto = "threads=auto" if "OMP_NUM_THREADS" not in os.environ else "threads=auto without OMP_NUM_THREADS"
+    return (f", but only {idle} of {available_cores()} cores {'is' if idle == 1 else 'are'} idle: threads on busy "
+            f"cores stall each other, often several times slower; {auto} would use {thread_count(idle)}")
+
+
+def thread_count(n: int) -> str:
+    """"1 thread", "2 threads"."""
+    return f"{n} thread{'s' * (n != 1)}"
 
 
 def use_threads(threads: int | str | None = "auto", doing: str = "running", *, children: bool = False,
