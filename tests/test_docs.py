@@ -284,3 +284,81 @@ def check_report(sweep: Path) -> None:
     names = [json.loads(path.read_text())["attention"] for path in sweep.glob("*/results.json")]
     assert len(names) == 2 and all(f"| {name} |" in table for name in names) and "tokens/s" in table, table
     assert (sweep / "val_bpb.png").read_bytes()[:4] == b"\x89PNG"
+
+
+RUN_TIMES = json.loads((ROOT / "docs" / "run_times.json").read_text())
+MINUTES = re.compile(r"(\d+(?:\.\d+)?) min(?:utes)?\b")
+
+
+def section(path: Path, heading: str) -> str:
+    """The text under a markdown heading, up to the next heading of any level, whitespace collapsed."""
+    text = path.read_text()
+    start = text.index(f"{heading}\n")
+    end = re.compile(r"^#", re.M).search(text, start + len(heading) + 1)
+    return " ".join(text[start:end.start() if end else None].split())
+
+
+def quoted_run_times(text: str) -> list[tuple[str, float, str]]:
+    """Each run time quoted in running text, as (attention, minutes, condition): the condition is the key of
+    run_times.json's conditions whose words follow the figure ("" when none do), the attention the last one named
+    before it in its sentence (the default run's, vq_soft, when none is)."""
+    phrases = RUN_TIMES["conditions"]
+    quoted = []
+    for match in MINUTES.finditer(text):
+        after = text[match.end():]
+        condition = next((key for key, words in phrases.items() if after.startswith(f" {words}")), "")
+        sentence = re.split(r"\.\s", text[:match.start()])[-1]
+        named = re.findall(r"`?(\b(?:" + "|".join(r["attention"] for r in RUN_TIMES["runs"]) + r")\b)", sentence)
+        quoted.append((named[-1] if named else "vq_soft", float(match.group(1)), condition))
+    return quoted
+
+
+def test_run_times_in_the_readme_and_docs_agree_with_their_one_source():
+    """The default run's time was "about 4 minutes" in the README, 4.2 in training.md and 11.2 in the results table,
+    each right for conditions no reader could see: now every figure comes from docs/run_times.json and is followed
+    by the conditions it was measured under."""
+    measured = {(r["attention"], r["minutes"], r["load"]) for r in RUN_TIMES["runs"]}
+    passages = [section(README, "## Install and the two commands"), section(README, "## Results"),
+                section(ROOT / "docs" / "training.md", "## The default run"),
+                section(ROOT / "docs" / "experiments.md", "## Short context: notes on the default run")]
+    quotes = [quote for text in passages for quote in quoted_run_times(re.sub(r"\|[^\n]*\|", "", text))]
+    assert len(quotes) >= 7 and {q[2] for q in quotes} == {"idle", "busy"}
+    assert [q for q in quotes if q not in measured] == []
+    table = README.read_text().split("## Results", 1)[1].split("\n\n")[2]  # the results table
+    rows = [line.split("|")[1:-1] for line in table.splitlines()[2:]]
+    busy = {r["attention"]: r["minutes"] for r in RUN_TIMES["runs"] if r["load"] == "busy"}
+    assert {cells[0].strip(): float(cells[3].split()[0]) for cells in rows} == busy
+    caption = section(README, "## Results").split("|")[0]
+    assert RUN_TIMES["conditions"]["busy"].replace("on one thread", "one thread") in caption or (
+        "one thread" in caption and "other work" in caption)
+
+
+def test_no_readme_claim_rests_on_a_run_the_docs_call_outdated():
+    """A section of docs/ that says its run was measured under older defaults ("not re-run since") is quoted nowhere
+    in the README: not linked, and none of its percentages or 3-decimal figures repeated (the README once led with
+    "ovq is level with softmax at every position with 6% of its state" from such a run)."""
+    readme = " ".join(README.read_text().split())
+    outdated = 0
+    for path in DOCS[1:]:
+        for part in re.split(r"^(?=#)", path.read_text(), flags=re.M):
+            if not re.search(r"older defaults|not re-run since", " ".join(part.split()), re.I):
+                continue
+            outdated += 1
+            heading = part.splitlines()[0].lstrip("# ").strip()
+            anchor = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+            assert f"{path.name}#{anchor}" not in readme
+            claims = set(re.findall(r"\b\d+(?:\.\d+)?% of\b|\b\d\.\d{3}\b", part))
+            assert claims and [claim for claim in claims if claim in readme] == []
+    assert outdated  # docs/evaluation.md's experiment=long table, at least
+
+
+def test_the_readme_says_what_the_held_out_task_scores():
+    """vqattn_heldout scores the first DOCS x DOC_BYTES bytes of the held-out split, not the trainer's validation
+    windows (1.9065 against 2.0092 bpb for the default run): the README's one line says so."""
+    from vqattn.hf.tasks.data import DOC_BYTES
+    from vqattn.hf.tasks.data import DOCS as TASK_DOCS
+
+    line = section(README, "## Hugging Face: export, generate, lm-eval")
+    assert "the trainer's validation bpb on the same text" not in line
+    assert f"first {TASK_DOCS * DOC_BYTES // 1024} KB of the default corpus's held-out split" in line
+    assert "not the trainer's val bpb" in line

@@ -147,6 +147,48 @@ def test_command_writes_the_table_json_and_plot(tmp_path, capsys):
     assert json.loads((tmp_path / "c" / "length_eval.json").read_text())["streams"] == 3
 
 
+def test_by_default_the_results_go_to_the_checkpoints_run_dir(tmp_path, monkeypatch, capsys):
+    """Not to length_eval/ in the current directory, where a checkout kept it untracked beside the code."""
+    torch.manual_seed(0)
+    run = tmp_path / "outputs" / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    _checkpoint(tiny_model("window"), run / "checkpoints" / "last.ckpt")
+    (tmp_path / "held_out.txt").write_bytes(bytes(range(17)) * 30)
+    monkeypatch.chdir(tmp_path)
+    assert main(["outputs/run/checkpoints/last.ckpt", "--multiple", "2", "--streams", "2", "--text",
+                 "held_out.txt"]) == 0
+    assert sorted(p.name for p in (run / "length_eval").iterdir()) == ["length_eval.json", "length_eval.png"]
+    assert not (tmp_path / "length_eval").exists()
+    _checkpoint(tiny_model("window"), tmp_path / "loose.ckpt")  # a checkpoint outside a run's checkpoints/
+    assert main(["loose.ckpt", "--multiple", "2", "--streams", "2", "--text", "held_out.txt"]) == 0
+    assert (tmp_path / "length_eval" / "length_eval.json").exists()
+    saved = [str(run / "length_eval" / "length_eval.json"), str(tmp_path / "length_eval" / "length_eval.json")]
+    capsys.readouterr()
+    assert main(saved) == 0  # rows named by their run dir, not by the default's folder
+    assert [line.split(" |")[0] for line in capsys.readouterr().out.splitlines()[2:]] == ["| run", f"| {tmp_path.name}"]
+
+
+def test_the_plots_position_labels_are_plain_numbers_that_do_not_overlap():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from vqattn.train.length_eval import draw
+
+    result = {"attention": "ovq", "seq_len": 256, "edges": bucket_edges(256, 16), "bpb": [2.2, 2.1, 2.1, 2.0, 2.0]}
+    fig, ax = plt.subplots(figsize=(7.5, 3.5))
+    draw(ax, [result])
+    fig.tight_layout()
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    ticks = [t for t in ax.get_xticklabels(minor=False) + ax.get_xticklabels(minor=True) if t.get_text()]
+    assert [t.get_text() for t in ticks] == ["256", "512", "1,024", "2,048", "4,096"]
+    boxes = sorted((t.get_window_extent(renderer) for t in ticks), key=lambda b: b.x0)
+    assert all(a.x1 < b.x0 for a, b in zip(boxes, boxes[1:]))
+    plt.close(fig)
+
+
 @pytest.mark.parametrize("name", ["vq_hard", "ovq"])
 def test_the_ablations_edit_only_the_memory(name, monkeypatch):
     """benchmarks/length_ablations.py: capping the total count keeps every code's mean value; emptying the memory

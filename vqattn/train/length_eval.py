@@ -1,7 +1,7 @@
 """Length generalisation: bits per byte by absolute position, read past the training length with the carried state.
 
-    python -m vqattn.train.length_eval CKPT                  # 16x the training length, 32 streams, plot + json
-    python -m vqattn.train.length_eval CKPT --multiple 32 --text notes.txt --out length_eval/
+    python -m vqattn.train.length_eval CKPT                  # 16x the training length, 32 streams: RUN/length_eval/
+    python -m vqattn.train.length_eval CKPT --multiple 32 --text notes.txt --out outputs/notes_eval/
     python -m vqattn.train.length_eval CKPT --against window_eval/length_eval.json   # the drift against a baseline
     python -m vqattn.train.length_eval CKPT --memory-decay T      # ovq read with forgetting on a horizon of T keys
     python -m vqattn.train.length_eval a/length_eval.json b/length_eval.json --against window_eval/length_eval.json \
@@ -168,22 +168,42 @@ def table(results: list[dict], baseline: dict | None = None, labels: list[str] |
     return "\n".join(lines)
 
 
+def draw(ax, results: list[dict], labels: list[str] | None = None) -> None:
+    """bpb per bucket against the bucket's end position, a line per result, on a log axis labelled in plain
+    numbers at the bucket ends (matplotlib's default labels the minor ticks too, "3×10²4×10²", which overlap)."""
+    from matplotlib.ticker import NullLocator
+
+    from .report import plain_log_x
+
+    for label, result in zip(labels or [r["attention"] for r in results], results):
+        ax.plot(result["edges"][1:], result["bpb"], marker="o", label=label)
+    ax.axvline(results[0]["seq_len"], color="gray", linestyle=":", label="training length")
+    plain_log_x(ax)
+    ax.set_xticks(sorted({edge for r in results for edge in r["edges"][1:]}))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set(xlabel="absolute position (bucket end, bytes)", ylabel="bits per byte")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the lines, not over them
+
+
 def plot(results: list[dict], path: Path, labels: list[str] | None = None) -> None:
-    """bpb per bucket against the bucket's end position (log scale), a line per result, saved to ``path``."""
+    """:func:`draw` saved to ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 3.5))
-    for label, result in zip(labels or [r["attention"] for r in results], results):
-        ax.plot(result["edges"][1:], result["bpb"], marker="o", label=label)
-    ax.axvline(results[0]["seq_len"], color="gray", linestyle=":", label="training length")
-    ax.set(xscale="log", xlabel="absolute position (bucket end, bytes)", ylabel="bits per byte")
-    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the lines, not over them
+    draw(ax, results, labels)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def default_out(ckpt: str) -> Path:
+    """Where a checkpoint's results go by default: ``length_eval/`` in its run dir (RUN/checkpoints/last.ckpt ->
+    RUN/length_eval), beside the run's other results rather than in the current directory (a checkout's)."""
+    path = Path(ckpt).resolve().parent
+    return (path.parent if path.name == "checkpoints" else path) / "length_eval"
 
 
 def read_result(path: str) -> dict:
@@ -203,9 +223,15 @@ def memory_decay_arg(text: str) -> float | str:
         raise argparse.ArgumentTypeError(f"a number in (0, 1] or T, got {text!r}") from None
 
 
+def saved_label(path: str) -> str:
+    """A saved result's row label: its directory's name, or its run dir's for the default RUN/length_eval/."""
+    folder = Path(path).resolve().parent
+    return folder.parent.name if folder.name == "length_eval" else folder.name
+
+
 def compare_saved(paths: list[str], baseline: dict | None, plot_path: str | None) -> str:
     """The table (and, given ``plot_path``, the plot) of saved results, each row labelled by its directory."""
-    results, labels = [read_result(path) for path in paths], [Path(path).resolve().parent.name for path in paths]
+    results, labels = [read_result(path) for path in paths], [saved_label(path) for path in paths]
     summary = table(results, baseline, labels)
     if plot_path is not None:
         plot(results, Path(plot_path), labels)
@@ -219,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--multiple", type=int, default=16, help="stream length in training lengths (default 16)")
     p.add_argument("--streams", type=int, default=32, help="held-out stretches averaged (default 32)")
     p.add_argument("--text", default=None, help="held-out text file (default: the default corpus's validation split)")
-    p.add_argument("--out", default="length_eval", help="directory for length_eval.json and length_eval.png")
+    p.add_argument("--out", default=None, help="directory for length_eval.json and length_eval.png (default: "
+                                               "length_eval/ in the checkpoint's run dir)")
     p.add_argument("--against", default=None, metavar="JSON",
                    help="another checkpoint's length_eval.json on the same streams (e.g. the window's): the table adds "
                         "the difference of the two last-vs-first changes, with its interval")
@@ -253,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
             result["memory_decay"] = args.memory_decay  # what the model was read with, not trained with
     except (ValueError, FileNotFoundError, json.JSONDecodeError) as err:
         p.error(str(err))
-    out = Path(args.out)
+    out = Path(args.out) if args.out is not None else default_out(args.ckpt[0])
     out.mkdir(parents=True, exist_ok=True)
     (out / "length_eval.json").write_text(json.dumps(result, indent=1))
     plot([result], out / "length_eval.png")
