@@ -112,9 +112,9 @@ def test_report_names_the_code_and_the_process_wide_peak():
     runs = [{**fake_run("a", "window", 3.0, 0.5, 1, "StdlibDataModule"), "code": "abc1234", "date": "2026-11-28",
              "device": "cpu (x86_64, 1 threads)", "peak_memory_kind": kind}
             for kind in ("cpu_max_rss", "cpu_max_rss_of_process")]
-    assert provenance(runs) == "code abc1234, run 2026-11-28; cpu (x86_64, 1 threads)"
+    assert provenance(runs) == "code abc1234, run 2026-11-28; cpu (x86_64, 1 threads); corpus StdlibDataModule"
     table = markdown_table(runs)
-    assert "Measured by code abc1234, run 2026-11-28" in table and "cpu_max_rss_of_process: the process's peak" in table
+    assert "- code: abc1234; run 2026-11-28" in table and "cpu_max_rss_of_process: the process's peak" in table
     assert "of_process" not in markdown_table(runs[:1])
 
 
@@ -226,8 +226,8 @@ def test_one_validation_per_run_gives_integer_step_ticks_and_equal_curves_stay_a
 
     from vqattn.train.report import draw_curves, load_runs
 
-    for i in range(3):  # three runs, each validated once at step 20 with the same bpb
-        fake_run_dir(tmp_path, f"{i}_vq", "vq_hard", [(20, 2.9)])
+    for i in range(3):  # three setups, each validated once at step 20 with the same bpb
+        fake_run_dir(tmp_path, f"{i}_vq", "vq_hard", [(20, 2.9)], lr=10.0**-i)
     fig, ax = drawn(draw_curves, load_runs(tmp_path))
     assert [t.get_text() for t in ax.get_xticklabels()] == ["20"]  # not 19.00 ... 21.00
     styles = {(line.get_linestyle(), line.get_marker()) for line in ax.get_lines()}
@@ -251,3 +251,79 @@ def test_position_figure_draws_bucket_midpoints_on_a_log_axis(tmp_path):
     assert list(line.get_xdata()) == [31.5, 159.5] and list(line.get_ydata()) == [3.0, 2.5]
     assert ax.get_xscale() == "log"
     plt.close(fig)
+
+
+def seed_run_dir(root, name, attention, seed, curve, overrides=(), **results):
+    """A Hydra run dir: fake_run_dir's files plus .hydra/config.yaml and overrides.yaml, which name the seed."""
+    run_dir = fake_run_dir(root, name, attention, curve, seed=seed, **results)
+    (run_dir / ".hydra").mkdir()
+    config = {"seed": seed, "threads": "auto", "attention": {"name": attention}, "optim": {"lr": 0.002}}
+    for override in overrides:
+        key, value = override.split("=")
+        config["optim"][key.split(".")[1]] = float(value)
+    (run_dir / ".hydra" / "config.yaml").write_text(json.dumps(config))  # JSON is YAML
+    (run_dir / ".hydra" / "overrides.yaml").write_text(json.dumps([f"attention={attention}", f"seed={seed}",
+                                                                   *overrides]))
+    return run_dir
+
+
+def test_a_report_pools_runs_that_differ_only_in_seed(tmp_path):
+    """A sweep over seeds got one row per run and no mean or spread: now each setup is one row of mean, standard
+    deviation, min – max and count, and one line of the figure, the mean with bars spanning the seeds."""
+    import matplotlib.pyplot as plt
+
+    from vqattn.train.report import draw_curves, load_runs, main
+
+    for seed, curve in enumerate([[(10, 2.6), (20, 2.0)], [(10, 2.8), (20, 2.1)], [(10, 2.7), (20, 2.3)]]):
+        seed_run_dir(tmp_path, f"{seed}_vq_soft", "vq_soft", seed, curve)
+    seed_run_dir(tmp_path, "3_vq_soft", "vq_soft", 0, [(10, 2.9), (20, 2.5)], ["optim.lr=0.001"], lr=0.001)
+    seed_run_dir(tmp_path, "4_softmax", "softmax", 0, [(10, 2.5), (20, 1.9)])
+    assert main([str(tmp_path)]) == 0
+    report = (tmp_path / "report.md").read_text()
+    pooled = report[report.index("Over seeds"):].splitlines()
+    assert pooled[2].startswith("| setup | runs | seeds | val bpb mean | std | min – max |")
+    assert pooled[4:7] == ["| softmax | 1 | 0 | 1.9000 | 0.0000 | 1.9000 – 1.9000 | 1,000 |",
+                           "| vq_soft (0_vq_soft) | 3 | 0, 1, 2 | 2.1333 | 0.1528 | 2.0000 – 2.3000 | 1,000 |",
+                           "| vq_soft (optim.lr=0.001) | 1 | 0 | 2.5000 | 0.0000 | 2.5000 – 2.5000 | 1,000 |"]
+    fig, ax = drawn(draw_curves, load_runs(tmp_path))
+    [bars] = ax.containers  # the one setup with several seeds
+    assert bars.get_label() == "vq_soft (0_vq_soft), mean of 3 seeds (bars: min–max)"
+    line, _, (segments,) = bars
+    assert list(line.get_xdata()) == [10, 20] and list(line.get_ydata()) == pytest.approx([2.7, 2.1333333])
+    assert [tuple(seg[:, 1]) for seg in segments.get_segments()] == pytest.approx([(2.6, 2.8), (2.0, 2.3)])
+    assert sorted(ax.get_legend_handles_labels()[1])[0] == "softmax"  # a single run's legend is its attention
+    plt.close(fig)
+
+
+def test_a_single_runs_legend_names_its_attention(tmp_path):
+    """A report of one run dir (``report OUT``) labelled its line "vq_soft (.)"."""
+    import matplotlib.pyplot as plt
+
+    from vqattn.train.report import draw_curves, load_runs
+
+    run_dir = fake_run_dir(tmp_path, "run", "vq_soft", [(10, 2.5), (20, 2.2)])
+    fig, ax = drawn(draw_curves, load_runs(run_dir))
+    assert ax.get_legend_handles_labels()[1] == ["vq_soft"]
+    plt.close(fig)
+
+
+def test_every_report_states_the_corpus_tokenizer_threads_device_and_code_of_its_runs(tmp_path):
+    from vqattn.train.report import main
+
+    corpus = {"name": "text", "source": "notes/*.txt", "train_bytes": 95_000, "val_bytes": 5_000}
+    for i, threads in enumerate([1, 2]):
+        fake_run_dir(tmp_path, f"{i}_softmax", "softmax", [(20, 2.0 + i)], seed=i, corpus=corpus, tokenizer="bytes",
+                     threads=threads, device=f"cpu (x86_64, {threads} threads)", code="abc1234", date="2026-12-01")
+    assert main([str(tmp_path)]) == 0
+    report = (tmp_path / "report.md").read_text()
+    for line in ("- corpus: text from notes/*.txt, 95,000 train / 5,000 validation bytes", "- tokenizer: bytes",
+                 "- threads: 1; 2", "- device: cpu (x86_64, 1 threads); cpu (x86_64, 2 threads)",
+                 "- code: abc1234; run 2026-12-01"):
+        assert line in report.splitlines(), line
+    assert ("tokens/s are not comparable across these runs: they ran with different threads or devices "
+            "(1 threads on cpu (x86_64, 1 threads); 2 threads on cpu (x86_64, 2 threads))") in report
+    assert "| 0_softmax | softmax | 2.0000 | 1,000 | 1 |" in report  # each row's threads beside its tokens/s
+    one = tmp_path / "one"
+    fake_run_dir(one, "a", "softmax", [(20, 2.0)], threads=1, device="cpu (x86_64, 1 threads)")
+    assert main([str(one)]) == 0
+    assert "not comparable" not in (one / "report.md").read_text()

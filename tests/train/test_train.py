@@ -699,6 +699,10 @@ def test_mqar_results_lead_with_recall_accuracy(tmp_path):
     run_dir.mkdir()
     results = cli.train(cfg, run_dir)
     assert results["headline"] == "recall_acc" and results["recall_acc"] == results["val_acc"]
+    # what a report states of its runs: corpus, tokenizer, threads, device and code
+    assert results["corpus"] == {"name": "mqar", "source": f"synthetic, 4 key-value pairs in {cfg.data.seq_len} tokens"}
+    assert results["tokenizer"] == "bytes" and results["threads"] == torch.get_num_threads()
+    assert results["device"].startswith("cpu") and results["code"]
     assert (run_dir / "checkpoints" / "last.ckpt").exists()
 
 

@@ -230,6 +230,9 @@ def summarize(cfg: DictConfig, module, datamodule, trainer, run_dir: Path) -> di
         "wall_seconds": None,
         "train_tokens": None,
         "data": type(datamodule).__name__,
+        "corpus": datamodule.corpus(),
+        "tokenizer": "bytes",  # every corpus is read as raw bytes (vocab 256); MQAR's tokens are byte ids too
+        "threads": torch.get_num_threads(),
         "seq_len": cfg.data.seq_len,
         "batch_size": cfg.data.batch_size,
         "world_size": trainer.world_size,

@@ -25,6 +25,7 @@ import codecs
 import glob
 import math
 import os
+import platform
 import re
 import sysconfig
 import warnings
@@ -104,6 +105,15 @@ class _LMDataModule(L.LightningDataModule):
                              "carry_state=true); random windows have no streams to group")
         self.seq_len, self.batch_size, self.seed, self.num_workers = seq_len, batch_size, seed, num_workers
         self.val_set: Dataset | None = None
+
+    def corpus(self) -> dict:
+        """What the run trained on, for results.json and the reports that compare runs: ``name`` (the data option's
+        corpus), ``source`` (where its text came from: a path, a Hub dataset, or None) and, once set up, the bytes of
+        each split (byte corpora)."""
+        return {"name": self.name, "source": self._source()}
+
+    def _source(self) -> str | None:
+        return None
 
     def _rank_world(self) -> tuple[int, int]:
         trainer = self.trainer
@@ -266,6 +276,11 @@ class ByteDataModule(_LMDataModule):
         """What to change when ``split`` is too short for one window."""
         return "lower model.seq_len"
 
+    def corpus(self) -> dict:
+        sizes = {} if self.train_data is None else {"train_bytes": len(self.train_data),
+                                                    "val_bytes": len(self.val_set.data)}
+        return {**super().corpus(), **sizes}
+
     def setup(self, stage: str | None = None) -> None:
         if self.train_data is not None:
             return
@@ -357,6 +372,9 @@ class StdlibDataModule(ByteDataModule):
         super().__init__(**kwargs)
         self.max_bytes = max_bytes
 
+    def _source(self) -> str:
+        return f"{sysconfig.get_paths()['stdlib']} (Python {platform.python_version()})"
+
     def _units(self) -> tuple[list[bytes], list[bytes]]:
         root, files = stdlib_files(self.max_bytes)
         if not files:
@@ -403,6 +421,9 @@ class TextDataModule(ByteDataModule):
         return (f"give a validation file (data.val_path=FILE), or raise data.val_fraction (now {self.val_fraction}), "
                 f"or lower model.seq_len")
 
+    def _source(self) -> str:
+        return str(self.path) + (f", validation {self.val_path}" if self.val_path else "")
+
     def _units(self) -> tuple[list[bytes], list[bytes]]:
         train = _read_files(self.path, "data.path")
         if self.val_path:
@@ -447,6 +468,9 @@ class HubTextDataModule(ByteDataModule):
             raise ValueError(f"data.layout must be 'enwik8' or 'splits', got {layout!r}")
         self.hub_path, self.hub_name, self.layout, self.revision = hub_path, hub_name, layout, revision
         self.name = name or hub_path
+
+    def _source(self) -> str:
+        return f"hf://{self.hub_path}" + (f" ({self.hub_name})" if self.hub_name else "")
 
     def _fetch(self, split: str):
         try:

@@ -94,6 +94,9 @@ class MQARDataModule(_LMDataModule):
         self.min_query_gap, self.val_min_query_gap = min_query_gap, val_min_query_gap
         self.num_val_examples = num_val_examples
 
+    def _source(self) -> str:
+        return f"synthetic, {self.kw['num_kv_pairs']} key-value pairs in {self.seq_len} tokens"
+
     def setup(self, stage: str | None = None) -> None:
         if self.val_set is None:
             x, y = mqar_example(np.random.default_rng([self.seed, 2**31]), self.num_val_examples,

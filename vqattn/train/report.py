@@ -1,13 +1,16 @@
 """Compare the runs of a sweep: ``python -m vqattn.train.report SWEEP_DIR``.
 
 Reads every ``results.json`` under SWEEP_DIR (one per run dir, as train.py writes them) and the validation
-rows of each run's ``metrics.csv``; writes SWEEP_DIR/report.md (a markdown table: val bpb, tokens/s, params,
-state floats (one layer's decoding state at the run's seq_len), peak memory, sorted by val bpb; MQAR runs add recall
-accuracy and are sorted by it) and SWEEP_DIR/val_bpb.png (val bpb against step, one line per run). Runs with
-position buckets add SWEEP_DIR/by_position.png (val bpb, or recall for MQAR, against position in the window, one line
-per run). MQAR runs add a recall-against-state table to report.md and SWEEP_DIR/recall_vs_state.png (Zoology's
-figure: per attention and state size the best learning rate's recall, mean and spread over seeds, against one
-layer's state floats).
+rows of each run's ``metrics.csv``; writes SWEEP_DIR/report.md (a markdown table: val bpb, tokens/s, threads, params,
+state floats (one layer's decoding state at the run's seq_len), peak memory, steps, seed, sorted by val bpb; MQAR runs
+add recall accuracy and are sorted by it; then the corpus, tokenizer, threads, device and code of the runs, and a
+warning where tokens/s mix threads or devices; runs that differ only in seed pooled in a table of their mean,
+standard deviation, min – max and count) and SWEEP_DIR/val_bpb.png (val bpb against step, a line per setup: runs that
+differ only in seed as their mean with bars from min to max). Runs with position buckets add
+SWEEP_DIR/by_position.png (val bpb, or recall for MQAR, against position in the window, pooled the same way).
+MQAR runs add a recall-against-state table to report.md and SWEEP_DIR/recall_vs_state.png (Zoology's figure: per
+attention and state size the best learning rate's recall, mean and spread over seeds, against one layer's state
+floats).
 """
 
 from __future__ import annotations
@@ -15,16 +18,19 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import statistics
 import sys
 from pathlib import Path
 
 
 def load_runs(sweep_dir: Path) -> list[dict]:
-    """One dict per run: its results.json plus ``name`` (its dir relative to sweep_dir) and ``curve`` [(step, bpb)]."""
+    """One dict per run: its results.json plus ``name`` (its dir relative to sweep_dir), ``curve`` [(step, bpb)],
+    ``setup`` (what it ran, less its seed: :func:`run_setup`) and ``overrides`` (its command line's, less the seed)."""
     runs = []
     for path in sorted(sweep_dir.rglob("results.json")):
         run = json.loads(path.read_text())
         run["name"] = path.parent.relative_to(sweep_dir).as_posix()
+        run["setup"], run["overrides"] = run_setup(run, path.parent)
         run["curve"] = []
         metrics = path.parent / "metrics.csv"
         if metrics.exists():
@@ -36,6 +42,80 @@ def load_runs(sweep_dir: Path) -> list[dict]:
     return runs
 
 
+# What a run measured or where it ran, not what it ran: runs that differ only in these (and the seed) are one setup.
+MEASURED = {"name", "curve", "setup", "overrides", "seed", "val_loss", "val_bpb", "val_acc", "recall_acc", "tokens_per_sec",
+            "peak_memory_mb", "peak_memory_kind", "wall_seconds", "train_tokens", "device", "date", "code",
+            "checkpoint", "codebook", "ddp_buffer_divergence", "threads", "corpus", "tokenizer"}
+NOT_SETUP = ("seed", "threads", "ckpt_path")  # config keys that do not change what a run trains
+
+
+def run_setup(run: dict, run_dir: Path) -> tuple[str, list[str]]:
+    """What the run trained, less its seed: the settings results.json records and, where the run dir keeps them
+    (Hydra's ``.hydra/``), the whole composed config; and its command line's overrides less the seed. Two runs with
+    the same setup differ only in seed (and threads, which change speed alone), so the report pools them."""
+    import yaml
+
+    fields = {k: v for k, v in run.items() if k not in MEASURED and not k.startswith("val_")}
+    fields["corpus"] = {k: v for k, v in (run.get("corpus") or {}).items() if k in ("name", "source")}
+    config, overrides = {}, []
+    if (run_dir / ".hydra" / "config.yaml").exists():
+        config = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text()) or {}
+        config = {k: v for k, v in config.items() if k not in NOT_SETUP}
+    if (run_dir / ".hydra" / "overrides.yaml").exists():
+        overrides = [o for o in yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text()) or []
+                     if o.split("=", 1)[0].lstrip("+~") not in NOT_SETUP]
+    return json.dumps([fields, config], sort_keys=True, default=str), overrides
+
+
+def group_runs(runs: list[dict]) -> list[list[dict]]:
+    """The runs pooled by setup (:func:`run_setup`): those that differ only in seed form one group, in the order
+    their first run comes."""
+    groups: dict[str, list[dict]] = {}
+    for run in runs:
+        groups.setdefault(run["setup"], []).append(run)
+    return list(groups.values())
+
+
+def group_label(group: list[dict], groups: list[list[dict]]) -> str:
+    """A group's name in tables and legends: its attention, with the overrides that tell it from another group of
+    the same attention (or its first run's dir, where the runs have none)."""
+    attention = group[0]["attention"]
+    if sum(g[0]["attention"] == attention for g in groups) == 1:
+        return attention
+    others = {o for g in groups if g is not group and g[0]["attention"] == attention for o in g[0]["overrides"]}
+    own = [o for o in group[0]["overrides"] if o not in others and not o.startswith("attention=")]
+    return f"{attention} ({' '.join(own) if own else group[0]['name']})"
+
+
+def headline(run: dict) -> float:
+    """The metric that ranks runs: recall accuracy for MQAR runs (their bpb covers only the answers), else val bpb."""
+    return run["recall_acc"] if "recall_acc" in run else run["val_bpb"]
+
+
+def seed_stats(values: list[float]) -> dict:
+    """Mean, sample standard deviation (0 for one value), min, max and count of one metric over a group's seeds."""
+    mean = sum(values) / len(values)
+    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    return {"mean": mean, "std": std, "min": min(values), "max": max(values), "n": len(values)}
+
+
+def seeds_table(groups: list[list[dict]]) -> str:
+    """One row per group of runs that differ only in seed: the headline metric's mean, standard deviation, min–max
+    and the seeds, and the mean tokens/s; best first."""
+    recall = all("recall_acc" in g[0] for g in groups)
+    metric = "recall acc" if recall else "val bpb"
+    rows = sorted(((group_label(g, groups), seed_stats([headline(r) for r in g]), g) for g in groups),
+                  key=lambda row: -row[1]["mean"] if recall else row[1]["mean"])
+    lines = [f"| setup | runs | seeds | {metric} mean | std | min – max | tokens/s mean |",
+             "|---|---:|---|---:|---:|---:|---:|"]
+    for label, stats, g in rows:
+        speed = sum(r["tokens_per_sec"] for r in g) / len(g)
+        seeds = ", ".join(str(r.get("seed", "?")) for r in g)
+        lines.append(f"| {label} | {stats['n']} | {seeds} | {stats['mean']:.4f} | {stats['std']:.4f} "
+                     f"| {stats['min']:.4f} – {stats['max']:.4f} | {speed:,.0f} |")
+    return "\n".join(lines) + "\n"
+
+
 def sort_key(run: dict) -> tuple:
     """Best first: by recall accuracy (descending) for MQAR runs, whose bpb covers only the answers, else by val bpb."""
     if "recall_acc" in run:
@@ -44,27 +124,70 @@ def sort_key(run: dict) -> tuple:
 
 
 def markdown_table(runs: list[dict]) -> str:
+    """A row per run, best first, then what the runs ran on (:func:`provenance_lines`) and how to read the columns."""
     recall = any("recall_acc" in r for r in runs)
     lines = [
-        f"| run | attention |{' recall acc |' if recall else ''} val bpb | tokens/s | params | state floats "
-        "| peak memory (MB) | steps |",
-        f"|---|---|{'---:|' if recall else ''}---:|---:|---:|---:|---:|---:|",
+        f"| run | attention |{' recall acc |' if recall else ''} val bpb | tokens/s | threads | params "
+        "| state floats | peak memory (MB) | steps | seed |",
+        f"|---|---|{'---:|' if recall else ''}---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in sorted(runs, key=sort_key):
         acc = (f" {r['recall_acc']:.4f} |" if "recall_acc" in r else " |") if recall else ""
         state = f"{r['state_floats']:,}" if "state_floats" in r else "?"
         lines.append(
-            f"| {r['name']} | {r['attention']} |{acc} {r['val_bpb']:.4f} | {r['tokens_per_sec']:,.0f} | {r['params']:,} "
-            f"| {state} | {r['peak_memory_mb']:,.0f} | {r['steps']} |"
+            f"| {r['name']} | {r['attention']} |{acc} {r['val_bpb']:.4f} | {r['tokens_per_sec']:,.0f} "
+            f"| {r.get('threads', '?')} | {r['params']:,} | {state} | {r['peak_memory_mb']:,.0f} | {r['steps']} "
+            f"| {r.get('seed', '?')} |"
         )
     kinds = sorted({r.get("peak_memory_kind", "?") for r in runs})
-    lines += ["", f"Peak memory: {', '.join(kinds)}. Measured by {provenance(runs)}."]
+    lines += ["", *provenance_lines(runs), "", f"Peak memory: {', '.join(kinds)}."]
+    speed = speed_note(runs)
+    if speed:
+        lines.append(speed)
     if "cpu_max_rss_of_process" in kinds:
         lines.append("cpu_max_rss_of_process: the process's peak over this run and the runs before it in the same "
                      "multirun (a CPU process's peak cannot be reset); run one attention per command for its own.")
     if recall:
         lines.append("MQAR runs are ranked by recall accuracy (the headline; their bpb counts the answers only).")
     return "\n".join(lines) + "\n"
+
+
+def listed(runs: list[dict], value) -> str:
+    """The distinct values of ``value(run)`` over the runs, sorted, joined by "; " (one value when they agree)."""
+    return "; ".join(sorted({str(value(r)) for r in runs}))
+
+
+def corpus_text(run: dict) -> str:
+    """The run's corpus in words: its name, source and split sizes (results.json's ``corpus``; older runs recorded
+    only the data module)."""
+    corpus = run.get("corpus")
+    if not corpus:
+        return f"{run.get('data', '?')} (not recorded)"
+    sizes = (f", {corpus['train_bytes']:,} train / {corpus['val_bytes']:,} validation bytes"
+             if "train_bytes" in corpus else "")
+    source = f" from {corpus['source']}" if corpus.get("source") else ""
+    return f"{corpus['name']}{source}{sizes}"
+
+
+def provenance_lines(runs: list[dict]) -> list[str]:
+    """What every report states about its runs: corpus, tokenizer, threads, device and code version (and date)."""
+    return [f"- corpus: {listed(runs, corpus_text)}",
+            f"- tokenizer: {listed(runs, lambda r: r.get('tokenizer', 'bytes (not recorded)'))}",
+            f"- threads: {listed(runs, lambda r: r.get('threads', '?'))}",
+            f"- device: {listed(runs, lambda r: r.get('device', '?'))}",
+            f"- code: {listed(runs, lambda r: r.get('code', '?'))}; run {listed(runs, lambda r: r.get('date', '?'))}"]
+
+
+def speed_note(runs: list[dict]) -> str | None:
+    """Where the runs' threads or devices differ, a line saying tokens/s cannot rank them across those: threads=auto
+    chooses per run, and a run with two threads can be twice as fast as one with one, or several times slower."""
+    def where(run: dict) -> str:
+        return f"{run.get('threads', '?')} threads on {run.get('device', '?')}"
+
+    if len({where(r) for r in runs}) < 2:
+        return None
+    return (f"tokens/s are not comparable across these runs: they ran with different threads or devices "
+            f"({listed(runs, where)}); compare speed only between runs with the same threads and device.")
 
 
 # Runs drawn alike (e.g. two attentions that reach the same recall) stay visible: each has its own line style
@@ -78,32 +201,59 @@ def run_style(i: int) -> dict:
             "fillstyle": "none", "alpha": 0.8}
 
 
+def pooled(group: list[dict], points) -> tuple[list, list, list, list]:
+    """x, mean, min and max over a group's runs of ``points(run)`` -> {x: y}, at the x every run has."""
+    tables = [points(r) for r in group]
+    xs = sorted(set(tables[0]).intersection(*tables[1:]))
+    ys = [[t[x] for t in tables] for x in xs]
+    return xs, [sum(y) / len(y) for y in ys], [min(y) for y in ys], [max(y) for y in ys]
+
+
+def draw_groups(ax, runs: list[dict], points) -> set:
+    """A line per group of runs that differ only in seed (:func:`group_runs`): its one run, or its runs' mean with
+    bars spanning their min to max, labelled with the group's attention (and the seed count); returns the x drawn."""
+    groups, drawn = group_runs(runs), set()
+    for i, group in enumerate(groups):
+        xs, mean, low, high = pooled(group, points)
+        if not xs:
+            continue
+        drawn.update(xs)
+        label = group_label(group, groups)
+        if len(group) == 1:
+            ax.plot(xs, mean, label=label, **run_style(i))
+        else:
+            spread = [[m - lo for m, lo in zip(mean, low)], [hi - m for m, hi in zip(mean, high)]]
+            ax.errorbar(xs, mean, yerr=spread, capsize=3, label=f"{label}, mean of {len(group)} seeds (bars: min–max)",
+                        **run_style(i))
+    return drawn
+
+
+def curve_points(run: dict) -> dict:
+    """{step: val bpb} of a run's validations; a run validated only at its end still shows as a point."""
+    return dict(sorted(set(run["curve"]))) if run["curve"] else {run["steps"]: run["val_bpb"]}
+
+
 def draw_curves(ax, runs: list[dict]) -> None:
-    """Validation bpb against step, one line per run; the step axis has integer ticks (the steps themselves when
-    there are few, as when every run validated only at its end)."""
+    """Validation bpb against step, a line per setup (runs that differ only in seed pooled, with bars); the step axis
+    has integer ticks (the steps themselves when there are few, as when every run validated only at its end)."""
     from matplotlib.ticker import MaxNLocator
 
-    all_steps = set()
-    for i, r in enumerate(runs):
-        # a run validated only at its end still shows as a point
-        steps, bpb = zip(*sorted(set(r["curve"]))) if r["curve"] else ([r["steps"]], [r["val_bpb"]])
-        all_steps.update(steps)
-        ax.plot(steps, bpb, label=f"{r['attention']} ({r['name']})", **run_style(i))
+    all_steps = draw_groups(ax, runs, curve_points)
     if len(all_steps) <= 8:
         ax.set_xticks(sorted(all_steps))
     else:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel("validation bits per byte")
-    ax.set_title(provenance(runs), fontsize=9)
+    ax.set_title(provenance(runs), fontsize=8)
 
 
 def provenance(runs: list[dict]) -> str:
-    """Which code measured the runs and when (results.json's ``code`` and ``date``), for a figure's caption: one
-    commit and one date when the runs agree, else each one."""
-    def listed(key: str) -> str:
-        return ", ".join(sorted({str(r.get(key, "?")) for r in runs}))
-    return f"code {listed('code')}, run {listed('date')}; {listed('device')}"
+    """What measured the runs, for a figure's caption: code, date, device and threads, and corpus (each value once
+    when the runs agree, else each one)."""
+    corpus = listed(runs, lambda r: (r.get("corpus") or {}).get("name", r.get("data", "?")))
+    return (f"code {listed(runs, lambda r: r.get('code', '?'))}, run {listed(runs, lambda r: r.get('date', '?'))}; "
+            f"{listed(runs, lambda r: r.get('device', '?'))}; corpus {corpus}")
 
 
 def plain_log_x(ax) -> None:
@@ -126,14 +276,10 @@ def position_midpoint(name: str) -> float:
 
 def draw_positions(ax, runs: list[dict]) -> None:
     """Validation bpb (recall accuracy for MQAR sweeps) against position in the window, at the bucket midpoints
-    (log axis), one line per run."""
+    (log axis), a line per setup (runs that differ only in seed pooled, with bars)."""
     recall = all("recall_acc" in r for r in runs)
     key = "val_acc_by_position" if recall else "val_bpb_by_position"
-    for i, r in enumerate(runs):
-        buckets = r.get(key) or {}
-        points = sorted((position_midpoint(name), value) for name, value in buckets.items())
-        if points:
-            ax.plot(*zip(*points), label=f"{r['attention']} ({r['name']})", **run_style(i))
+    draw_groups(ax, runs, lambda r: {position_midpoint(name): v for name, v in (r.get(key) or {}).items()})
     plain_log_x(ax)
     ax.set_xlabel("position in the validation window (bucket midpoint)")
     ax.set_ylabel("recall accuracy" if recall else "validation bits per byte")
@@ -199,6 +345,10 @@ def save_figure(draw, data, path: Path) -> None:
 def write_report(sweep_dir: Path, runs: list[dict]) -> list[Path]:
     """report.md and the figures the runs have data for; returns the paths written."""
     table = markdown_table(runs)
+    groups = group_runs(runs)
+    if any(len(g) > 1 for g in groups):
+        table += ("\nOver seeds (runs that differ only in seed pooled: mean, sample standard deviation, min – max):"
+                  "\n\n" + seeds_table(groups))
     cells = recall_cells(runs)
     if cells:
         table += "\nRecall against state (the best learning rate of each cell, mean over its seeds):\n\n"
