@@ -366,9 +366,10 @@ def test_a_run_that_slows_down_gets_one_hint_about_threads(monkeypatch, caplog, 
 
 
 @pytest.mark.parametrize("terminal", [False, True])
-def test_each_validation_is_one_log_line_and_gets_bars_only_in_a_terminal(tmp_path, capsys, caplog, terminal):
-    """Outside a terminal the validation bars' redraws were a log line each, and train.log had no validation
-    metrics until the end of the run: now each validation is one line, in the console only outside a terminal."""
+def test_each_validation_is_one_log_line_and_bars_are_drawn_only_in_a_terminal(tmp_path, capsys, caplog, terminal):
+    """Outside a terminal every redraw of a bar was a log line, and train.log had no validation metrics until the end
+    of the run: now each validation is one line, in the console only outside a terminal, where training logs plain
+    progress lines instead of its bar."""
     import logging
 
     import lightning as L
@@ -383,7 +384,7 @@ def test_each_validation_is_one_log_line_and_gets_bars_only_in_a_terminal(tmp_pa
     logging.getLogger().addHandler(file_log)
     try:
         trainer = L.Trainer(max_steps=6, val_check_interval=3, limit_val_batches=2, num_sanity_val_steps=1,
-                            callbacks=[StepProgressBar(validation_bars=terminal)], logger=False,
+                            callbacks=[StepProgressBar(terminal=terminal)], logger=False,
                             enable_checkpointing=False, enable_model_summary=False, default_root_dir=tmp_path)
         with caplog.at_level("INFO", logger="train"):
             trainer.fit(Validated())
@@ -394,9 +395,44 @@ def test_each_validation_is_one_log_line_and_gets_bars_only_in_a_terminal(tmp_pa
     assert [line for line in (tmp_path / "train.log").read_text().splitlines() if "validation" in line] == lines
     console = capsys.readouterr().out
     assert ("Validation" in console and "Sanity" in console) == terminal  # the bars
-    assert "Training:" in console and "6/6" in console  # the training bar, always
+    assert ("Training:" in console and "6/6" in console) == terminal  # the training bar
+    progress = [r.getMessage() for r in caplog.records if r.name == "train" and r.getMessage().startswith("step ")]
+    every_step = [f"step {i}/6 ({p}%)" for i, p in zip(range(1, 7), (17, 33, 50, 67, 83, 100))]  # 5% of 6 steps
+    assert [line.split(":")[0] for line in progress] == ([] if terminal else every_step)
     shown = [r.getMessage() for r in caplog.records if r.name == "train" and r.getMessage().startswith("validation")]
     if terminal:  # to train.log alone: the bar shows the metrics
         assert shown == []
     else:  # each on its own line, after the training bar's
         assert shown == lines
+
+
+def test_outside_a_terminal_progress_is_a_plain_line_every_5_percent_or_30_seconds(monkeypatch):
+    """Redirected to a file, the bar wrote a line at every step (212 lines for 200 steps); now a line comes every
+    5% of the run or every 30 s, whichever is first, and at the last step, with the step, the loss, tokens/s and the
+    time elapsed and left."""
+    from tqdm import tqdm
+
+    from vqattn.train import callbacks
+
+    clock = FakeClock()
+    clock.now = 1000.0
+    monkeypatch.setattr(callbacks, "time", SimpleNamespace(time=clock))
+    bar = StepProgressBar(terminal=False)
+    bar.train_progress_bar = tqdm(disable=True)
+    trainer = SimpleNamespace(max_steps=200, global_step=0)
+    bar._start_clock(trainer)
+    bar._reset(trainer)
+    bar._last_line = (0, clock.now)
+    due = []
+    for step in range(1, 201):
+        clock.now += 0.1 if step <= 100 else 7.0  # 10 s for the first half, then 7 s a step
+        trainer.global_step = step
+        if bar._line_due(trainer):
+            due.append(step)
+    assert due == [10, 20, 30, 40, 50, 60, 70, 80, 90, 100, *range(105, 201, 5)]  # 10 steps; then 30 s: 5 steps
+    line = callbacks.progress_line(120, 1200, {"train_bpb": 2.51234}, 7512.4, 45.0, 120)
+    assert line == "step 120/1200 (10%): train_bpb 2.5123, 7,512 tokens/s, 00:45 elapsed, 06:45 left"
+    assert callbacks.progress_line(1, 10, {}, None, 2.0, 0) == "step 1/10 (10%): 00:02 elapsed"
+    for bad in ({"every": 0}, {"every": 1.5}, {"seconds": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            StepProgressBar(**bad)

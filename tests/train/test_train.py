@@ -365,6 +365,27 @@ def test_train_script_writes_results_with_a_clean_console(tmp_path):
     assert all(float(r["val_bpb_pos_0_63"]) == pytest.approx(float(r["val_bpb"]), rel=1e-9) for r in val_rows(out))
 
 
+@pytest.mark.slow
+def test_a_redirected_runs_log_is_plain_lines_under_10_kb(tmp_path):
+    """Redirected to a file, the bar wrote a line at every step (212 lines and 156 KB for the default run): now a
+    plain line every 5% of the run (or 30 s) and one line per validation. The default run's 1200 steps and six
+    validations give as many lines as the 300 steps and six validations of the tiny model here, which take seconds."""
+    out = tmp_path / "OUT"
+    proc = run_script([*AS_USERS_HAVE_IT, "trainer.max_steps=300", "optim.total_steps=300",
+                       "trainer.val_check_interval=50", "threads=1", f"hydra.run.dir={out}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = proc.stdout + proc.stderr
+    assert len(log.encode()) < 10_000 and "\r" not in log
+    lines = log.splitlines()
+    progress = [re.search(r"- step (\d+)/300 \(\d+%\): train_bpb [\d.]+, [\d,]+ tokens/s, [\d:]+ elapsed, "
+                          r"[\d:]+ left$", line) for line in lines if "- step " in line]
+    steps = [int(m.group(1)) for m in progress if m]
+    assert len(steps) == len(progress) and set(range(15, 301, 15)) <= set(steps) and len(steps) < 40
+    validations = [line for line in lines if "validation at step" in line]
+    assert [int(re.search(r"step (\d+)/", line).group(1)) for line in validations] == list(range(50, 301, 50))
+    assert all(re.match(r"\[[^]]+\]\[train\]\[INFO\] - validation at step", line) for line in validations)
+
+
 def wait_for(path, proc):
     """Wait until the run writes ``path``; every run here ends by itself (a bounded number of steps), so a run that
     never writes it fails the test however slow the machine is."""
@@ -399,8 +420,10 @@ def test_ctrl_c_saves_and_the_printed_command_resumes_in_the_same_run_dir(tmp_pa
     assert read_results(out)["steps"] == total
     console = resumed.stdout + resumed.stderr
     assert not [word for word in NOISE if word in console]
-    bars = re.findall(r"Training:\s+\d+%\|[^|]*\|\s*(\d+)/(\d+)([^\r\n]*)", console)  # once it knows its total
-    assert bars and {int(t) for _, t, _ in bars} == {total} and int(bars[0][0]) == step and int(bars[-1][0]) == total
+    # outside a terminal the bar is a plain line every 5% of the run (here every step), counting the run's steps
+    bars = re.findall(r"step (\d+)/(\d+) \(\d+%\): ([^\r\n]*)", console)
+    assert bars and {int(t) for _, t, _ in bars} == {total} and int(bars[0][0]) == step + 1
+    assert int(bars[-1][0]) == total and "\r" not in console
     first_validation = (step // 4 + 1) * 4  # the resumed run's own, at the next multiple of val_check_interval
     before = [rest for n, _, rest in bars if int(n) < first_validation]
     assert before and not [rest for rest in before if "val_bpb" in rest]  # no value left from the interrupted run
@@ -567,7 +590,7 @@ def test_ddp_two_cpu_processes_share_one_run_dir_and_stay_in_sync(ddp_runs, atte
     assert proc.returncode == 0, proc.stderr[-3000:]
     console = proc.stdout + proc.stderr
     assert not [word for word in NOISE if word in console]
-    assert re.search(r"Training: 100%\|[^|]*\| 10/10", console)  # rank 0's bar; the others' are disabled
+    assert console.count("step 10/10 (100%)") == 1  # rank 0's progress line; the others draw none
     results = read_results(out)
     assert results["world_size"] == 2 and results["steps"] == 10
     assert results["ddp_buffer_divergence"] == 0.0  # codebook EMA / feature draws identical on both ranks

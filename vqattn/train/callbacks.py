@@ -174,15 +174,22 @@ class StepProgressBar(TQDMProgressBar):
     Its metrics are this run's: a resumed run shows no validation result until its own first validation.
 
     Every validation inside fit logs one line with its metrics (``validation at step 200/1200: val_acc 0.5000,
-    val_bpb 2.1000, val_loss 1.4000``). In a terminal (``validation_bars`` None, the default, where the bars'
-    stdout is one) validations also get their passing bars, and the line goes to train.log alone, as the training
-    bar shows the metrics; elsewhere (a log file, a pipe, a batch job) validations get no bars, whose redraws would
-    fill the log with a line each, and the line goes to the console and train.log.
+    val_bpb 2.1000, val_loss 1.4000``). In a terminal (``terminal`` None, the default, where the bars' stdout is
+    one) validations also get their passing bars, and the line goes to train.log alone, as the training bar shows
+    the metrics. Elsewhere (a log file, a pipe, a batch job) no bar is drawn, since each redraw would be a line of
+    the log (156 KB for the default run): training logs a plain line instead (:func:`progress_line`), every
+    ``every`` of the run's steps or ``seconds`` seconds, whichever comes first, and at its last step, and each
+    validation's line goes to the console and train.log.
     """
 
-    def __init__(self, validation_bars: bool | None = None, **kwargs):
+    def __init__(self, terminal: bool | None = None, every: float = 0.05, seconds: float = 30.0, **kwargs):
         super().__init__(**kwargs)
-        self.validation_bars = validation_bars
+        if not 0 < every <= 1:
+            raise ValueError(f"every must be a fraction of the run in (0, 1], got {every!r}")
+        if not seconds > 0:
+            raise ValueError(f"seconds must be positive, got {seconds!r}")
+        self.terminal, self.every, self.seconds = terminal, every, seconds
+        self._last_line: tuple[int, float] | None = None  # (step, time.time()) of the last plain line
         self.run_totals: TokenThroughput | None = None  # the trainer's, found at setup
         self._restored: dict = {}  # metrics a resumed run starts with, shown once this run has measured them
         self._start_t: float | None = None  # the bar's start time: this process's training start less the parts
@@ -219,25 +226,29 @@ class StepProgressBar(TQDMProgressBar):
         self._restored = dict(trainer.progress_bar_metrics)
         self._start_clock(trainer)
         self._reset(trainer)
+        self._last_line = (trainer.global_step, time.time())
 
     def on_train_epoch_start(self, trainer, *args):
         self._reset(trainer)  # not super's: it would count the epoch's batches again
 
-    def _validation_bars(self) -> bool:
-        return self.validation_bars if self.validation_bars is not None else sys.stdout.isatty()
+    def _terminal(self) -> bool:
+        return self.terminal if self.terminal is not None else sys.stdout.isatty()
+
+    def init_train_tqdm(self) -> Tqdm:
+        return super().init_train_tqdm() if self._terminal() else Tqdm(disable=True)
 
     def init_sanity_tqdm(self) -> Tqdm:
-        return super().init_sanity_tqdm() if self._validation_bars() else Tqdm(disable=True)
+        return super().init_sanity_tqdm() if self._terminal() else Tqdm(disable=True)
 
     def init_validation_tqdm(self) -> Tqdm:
-        return super().init_validation_tqdm() if self._validation_bars() else Tqdm(disable=True)
+        return super().init_validation_tqdm() if self._terminal() else Tqdm(disable=True)
 
     def on_validation_end(self, trainer, pl_module):
         super().on_validation_end(trainer, pl_module)
         self._restored.clear()
         if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking and trainer.is_global_zero:
             line = validation_line(trainer)
-            if self._validation_bars():
+            if self._terminal():
                 log_to_file(line)
                 return
             bar = self._train_progress_bar
@@ -264,6 +275,43 @@ class StepProgressBar(TQDMProgressBar):
         if bar.n != trainer.global_step:
             bar.n = trainer.global_step
             bar.set_postfix(self.get_metrics(trainer, pl_module))  # refreshes the bar
+            if not self._terminal() and trainer.is_global_zero and self._line_due(trainer):
+                train_log.info("%s", self._progress_line(trainer, pl_module))
+
+    def _line_due(self, trainer) -> bool:
+        """Whether a plain progress line is due: ``every`` of the run's steps or ``seconds`` since the last line
+        (or since training started in this process), or the run's last step."""
+        now, step = time.time(), trainer.global_step
+        last_step, last_t = self._last_line if self._last_line is not None else (step, now)
+        due = (step >= trainer.max_steps or step - last_step >= max(1, round(self.every * trainer.max_steps))
+               or now - last_t >= self.seconds)
+        if due:
+            self._last_line = (step, now)
+        return due
+
+    def _progress_line(self, trainer, pl_module) -> str:
+        bar = self.train_progress_bar
+        elapsed = time.time() - self._start_t
+        metrics = {k: v for k, v in self.get_metrics(trainer, pl_module).items()
+                   if not k.startswith("val_") and k != "v_num"}
+        tokens = self.run_totals.rate(trainer.world_size) if self.run_totals is not None else None
+        return progress_line(trainer.global_step, trainer.max_steps, metrics, tokens, elapsed, bar.n - bar.initial)
+
+
+def progress_line(step: int, max_steps: int, metrics: dict, tokens_per_sec: float | None, elapsed: float,
+                  steps_timed: int) -> str:
+    """The training bar as one plain line for a log file: ``step 120/1200 (10%): train_bpb 2.5123, 7,512 tokens/s,
+    0:45 elapsed, 6:43 left``; the time left is the remaining steps at the rate of the ``steps_timed`` steps that
+    ``elapsed`` covers (validations included)."""
+    from tqdm import tqdm
+
+    parts = [f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in sorted(metrics.items())]
+    if tokens_per_sec is not None:
+        parts.append(f"{tokens_per_sec:,.0f} tokens/s")
+    parts.append(f"{tqdm.format_interval(elapsed)} elapsed")
+    if steps_timed > 0:
+        parts.append(f"{tqdm.format_interval(elapsed / steps_timed * (max_steps - step))} left")
+    return f"step {step}/{max_steps} ({100 * step / max_steps:.0f}%): {', '.join(parts)}"
 
 
 def validation_line(trainer) -> str:
@@ -332,8 +380,7 @@ class TokenThroughput(Callback):
         self.tokens += batch[0].numel()
         self.window.append((self._clock(), self.tokens))
         if len(self.window) > 1:
-            (t0, n0), (t1, n1) = self.window[0], self.window[-1]
-            rate = (n1 - n0) / max(t1 - t0, 1e-9)
+            rate = self.rate()
             pl_module.log_dict({"train/device/items_per_sec": rate, "train/items_per_sec": rate * trainer.world_size},
                                on_step=True, on_epoch=False)
             if len(self.window) == self.window.maxlen:
@@ -350,6 +397,13 @@ class TokenThroughput(Callback):
             train_log.warning("training runs %.0fx slower than earlier in this run: if other work took a core, fewer "
                               "threads can be many times faster (Ctrl-C, then resume with threads=1)",
                               step / self.fastest_step)
+
+    def rate(self, world_size: int = 1) -> float | None:
+        """All ranks' training tokens per second over the last ``window_size`` batches (None before two)."""
+        if len(self.window) < 2:
+            return None
+        (t0, n0), (t1, n1) = self.window[0], self.window[-1]
+        return (n1 - n0) / max(t1 - t0, 1e-9) * world_size
 
     def totals(self, world_size: int) -> tuple[int, float]:
         """All ranks' training tokens and the training time (s) of the whole run, resumed parts included."""
