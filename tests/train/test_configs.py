@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 
 from vqattn.layers import ATTENTIONS, Attention
 from vqattn.model import GPT, GPTConfig
+from vqattn.train.callbacks import NonFiniteGuard
 from vqattn.train.configs import register, signature_defaults
 from vqattn.train.data import StdlibDataModule
 from vqattn.train.lit import LitLM, OptimConfig
@@ -93,6 +94,8 @@ def test_root_values_are_the_python_defaults():
     for key in ("aux_weight", "compile", "carry_state", "carry_segments", "position_edges"):
         assert cfg[key] == inspect.signature(LitLM).parameters[key].default, key
     assert cfg.block_len == inspect.signature(ATTENTIONS["vq_hard"]).parameters["block_len"].default
+    guard = inspect.signature(NonFiniteGuard).parameters
+    assert (cfg.nonfinite, cfg.nonfinite_max_skips) == (guard["mode"].default, guard["max_skips"].default)
     assert cfg.block_len == inspect.signature(ATTENTIONS["window"]).parameters["block_len"].default
 
 

@@ -29,9 +29,11 @@ def _device_count(devices) -> int | None:
 
 def check_config(cfg: DictConfig) -> None:
     """Explain settings that cannot work before anything is built."""
+    from .callbacks import NonFiniteGuard
     from .lit import OptimConfig
 
     positive_int("trainer.max_steps", cfg.trainer.max_steps)
+    NonFiniteGuard(cfg.nonfinite, cfg.nonfinite_max_skips)  # one line naming nonfinite or nonfinite_max_skips
     positive_int("checkpoint_every", cfg.checkpoint_every)
     OptimConfig(**OmegaConf.to_container(cfg.optim))  # one line naming optim.KEY for a value out of range
     devices = _device_count(cfg.trainer.devices)

@@ -332,6 +332,22 @@ class LitLM(L.LightningModule):
     def on_train_batch_start(self, batch, batch_idx):
         set_feature_step(self.model, self.trainer.global_step)  # Performer redraws follow the global step
 
+    def on_train_start(self):
+        """A resumed run trains at the configured ``optim.lr``, not at the one its checkpoint's optimizer and schedule
+        saved: its schedule is scaled by configured / saved lr (nothing changes when they agree), so that a run
+        resumed from its last finite checkpoint with a lower lr, as a divergence advises, takes it."""
+        for config in self.trainer.lr_scheduler_configs:
+            scheduler, optimizer = config.scheduler, config.scheduler.optimizer
+            saved = getattr(scheduler, "base_lrs", [None])[0]
+            if not saved or optimizer.defaults.get("lr") in (None, saved):
+                continue
+            ratio = optimizer.defaults["lr"] / saved
+            scheduler.base_lrs = [lr * ratio for lr in scheduler.base_lrs]
+            for group in optimizer.param_groups:
+                group["lr"] *= ratio
+                group["initial_lr"] = group.get("initial_lr", saved) * ratio
+            scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
     def on_train_end(self):
         self.buffer_divergence = self.rank_divergence()
 
