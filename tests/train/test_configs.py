@@ -156,7 +156,8 @@ def test_signature_defaults_follow_the_kwargs_chain():
     assert signature_defaults(StdlibDataModule) == {"max_bytes": 8_000_000, "val_windows": 256, "seq_len": 256,
                                                     "batch_size": 8, "seed": 0, "num_workers": 0, "stream": False,
                                                     "stream_groups": 1, "val_carried": False,
-                                                    "pack_documents": False, "separator": None}
+                                                    "pack_documents": False, "separator": None,
+                                                    "tokenizer": "bytes", "cache_dir": None}
     trainer = signature_defaults(lightning.Trainer)
     assert trainer["max_steps"] == -1 and trainer["accelerator"] == "auto"
     vq = signature_defaults(ATTENTIONS["vq_soft"], stop=Attention)

@@ -113,6 +113,8 @@ def build(cfg: DictConfig, run_dir: Path, started: float | None = None):
     resume_step = int(checkpoint["global_step"]) if checkpoint is not None else 0
     datamodule = hydra.utils.instantiate(cfg.data)
     datamodule.setup("fit")
+    if getattr(datamodule, "tokenizer", None) is not None:  # checkpoints keep it: sampling and the export decode with it
+        module.tokenizer = datamodule.tokenizer
     # The checkpoint, its RNG states, Ctrl-C's saved step and a stop before a non-finite step are what resuming rests
     # on: every run has them.
     callbacks = [LastCheckpoint(run_dir / "checkpoints", cfg.checkpoint_every), RNGState(), GracefulInterrupt(),
@@ -240,8 +242,8 @@ def summarize(cfg: DictConfig, module, datamodule, trainer, run_dir: Path) -> di
         "params": module.model.num_params(),
         "steps": trainer.global_step,
         "headline": "val_bpb",
-        "val_loss": val["val_loss"],
-        "val_bpb": val["val_bpb"],
+        "val_loss": val["val_loss"],  # nats per token
+        "val_bpb": val["val_bpb"],  # bits per byte of the validation text, whatever the tokenizer
         "val_acc": val["val_acc"],
         **{k: val[k] for k in ("val_bpb_carried", "val_loss_carried", "val_acc_carried") if k in val},
         # per bucket "A_B" of positions A..B in the validation windows (LitLM's position_edges)
@@ -257,6 +259,7 @@ def summarize(cfg: DictConfig, module, datamodule, trainer, run_dir: Path) -> di
         "wall_seconds": None,
         "train_tokens": None,
         "data": type(datamodule).__name__,
+        **tokenizer_fields(datamodule, val),
         "seq_len": cfg.data.seq_len,
         "batch_size": cfg.data.batch_size,
         "world_size": trainer.world_size,
@@ -272,6 +275,16 @@ def summarize(cfg: DictConfig, module, datamodule, trainer, run_dir: Path) -> di
     if results["data"] == "MQARDataModule":  # labels only at the answers: recall accuracy is the measure
         results["headline"], results["recall_acc"] = "recall_acc", val["val_acc"]
     return results
+
+
+def tokenizer_fields(datamodule, val: dict) -> dict:
+    """results.json's tokenizer (data.tokenizer), its vocabulary (the model's is padded from it) and bytes per token
+    of the validation split and of the validation windows, for a corpus that has a tokenizer (not MQAR)."""
+    tokenizer = getattr(datamodule, "tokenizer", None)
+    if tokenizer is None:
+        return {}
+    return {"tokenizer": tokenizer.spec, "tokenizer_vocab_size": tokenizer.vocab_size,
+            "val_bytes_per_token": datamodule.val_bytes_per_token, "val_window_bytes_per_token": val["bytes_per_token"]}
 
 
 def code_version() -> str:

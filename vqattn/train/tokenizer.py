@@ -120,11 +120,17 @@ class HFTokenizer(Tokenizer):
 def load_tokenizer(spec: str | None) -> Tokenizer:
     """The tokenizer ``data.tokenizer`` names (module docstring); a one-line ValueError naming data.tokenizer for a
     path that does not exist or holds no tokenizer."""
-    return _load(BYTES if spec in (None, BYTES) else os.path.abspath(os.path.expanduser(str(spec))))
+    if spec in (None, BYTES):
+        return _load(BYTES, 0)
+    path = os.path.abspath(os.path.expanduser(str(spec)))
+    inner = os.path.join(path, "tokenizer.json")
+    stamp = os.stat(inner if os.path.isfile(inner) else path).st_mtime_ns if os.path.exists(path) else 0
+    return _load(path, stamp)
 
 
 @lru_cache(maxsize=8)
-def _load(spec: str) -> Tokenizer:
+def _load(spec: str, stamp: int) -> Tokenizer:
+    """The tokenizer at ``spec`` as it was at modification time ``stamp`` (a rewritten file is read again)."""
     if spec == BYTES:
         return ByteTokenizer()
     from tokenizers import Tokenizer as RustTokenizer
