@@ -163,15 +163,19 @@ class _WindowSet(Dataset):
     (sorted token indices of documents' first tokens) also the window's starts (T,) bool, its first position always
     True."""
 
-    def __init__(self, data: torch.Tensor, offsets: torch.Tensor, seq_len: int, starts: np.ndarray | None = None):
-        self.data, self.offsets, self.seq_len, self.starts = data, offsets, seq_len, starts
+    def __init__(self, data: torch.Tensor, offsets: torch.Tensor, seq_len: int, starts: np.ndarray | None = None,
+                 file: tokens.TokenFile | None = None):
+        self.data, self.offsets, self.seq_len, self.starts, self.file = data, offsets, seq_len, starts, file
 
     def __len__(self) -> int:
         return len(self.offsets)
 
     def __getitem__(self, i: int):
         o = int(self.offsets[i])
-        chunk = self.data[o : o + self.seq_len + 1].long()
+        if self.file is not None:  # the token file read without mapping (tokens.TokenFile)
+            chunk = self.file.windows([o], self.seq_len + 1)[0]
+        else:
+            chunk = self.data[o : o + self.seq_len + 1].long()
         if self.starts is None:
             return chunk[:-1], chunk[1:]
         return chunk[:-1], chunk[1:], window_starts(self.starts, [o], self.seq_len)[0]
@@ -251,6 +255,7 @@ class ByteDataModule(_LMDataModule):
         self.separator = separator_bytes(separator)
         self.train_data: torch.Tensor | None = None
         self.train_starts: np.ndarray | None = None  # with pack_documents: each document's first token index
+        self.train_file: tokens.TokenFile | None = None  # train_data's file, for random windows
         self.token_bytes = torch.from_numpy(self.tokenizer.token_bytes())  # (V,) bytes per token id
         self.val_bytes_per_token: float | None = None  # of the whole validation split
 
@@ -280,6 +285,7 @@ class ByteDataModule(_LMDataModule):
                     f"needs at least {need}; {self._advice(split)}"
                 )
         self.train_data, val_data = splits["train"].tokens, splits["val"].tokens
+        self.train_file = splits["train"].file
         self.val_bytes_per_token = splits["val"].n_bytes / len(val_data)
         val_starts = None
         if self.pack_documents:
@@ -289,7 +295,7 @@ class ByteDataModule(_LMDataModule):
         if n > self.val_windows:
             spread = torch.linspace(0, n - 1, self.val_windows).round().long()
             tiles = tiles[torch.arange(self.val_windows) if self.val_carried else spread]
-        self.val_set = _WindowSet(val_data, tiles, self.seq_len, val_starts)
+        self.val_set = _WindowSet(val_data, tiles, self.seq_len, val_starts, splits["val"].file)
 
     def _train_dataset(self, length: int) -> Dataset:
         if not self.stream:
@@ -301,8 +307,7 @@ class ByteDataModule(_LMDataModule):
 
     def _train_batch(self, rng):
         offsets = rng.integers(0, len(self.train_data) - self.seq_len, size=self.batch_size)
-        idx = torch.from_numpy(offsets)[:, None] + torch.arange(self.seq_len + 1)  # (B, T+1)
-        chunk = self.train_data[idx].long()
+        chunk = self.train_file.windows(offsets, self.seq_len + 1)  # (B, T+1)
         if self.train_starts is None:
             return chunk[:, :-1], chunk[:, 1:]
         return chunk[:, :-1], chunk[:, 1:], window_starts(self.train_starts, offsets, self.seq_len)

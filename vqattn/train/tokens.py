@@ -111,12 +111,41 @@ def cache_root(cache_dir: str | None) -> Path:
     return Path(os.path.expanduser(cache_dir or os.environ.get("VQATTN_CACHE_DIR") or "~/.cache/vqattn/tokens"))
 
 
+class TokenFile:
+    """Windows of a token file read with ``os.pread``: (B, length) int64 for B offsets.
+
+    Random windows read this way copy only their own tokens. Through the memory map each would map the page-cache
+    folio it falls in (up to a couple of MiB on current kernels, whatever madvise says), and the resident set of a
+    long run would grow towards the corpus's size."""
+
+    def __init__(self, path: Path, dtype: np.dtype):
+        self.path, self.dtype, self._fd, self._pid = path, np.dtype(dtype), None, None
+
+    def _descriptor(self) -> int:
+        if self._pid != os.getpid():  # opened per process (DataLoader workers)
+            self._fd, self._pid = os.open(self.path, os.O_RDONLY), os.getpid()
+        return self._fd
+
+    def windows(self, offsets, length: int) -> torch.Tensor:
+        fd, size = self._descriptor(), self.dtype.itemsize
+        rows = [np.frombuffer(os.pread(fd, length * size, int(o) * size), dtype=self.dtype) for o in offsets]
+        return torch.from_numpy(np.stack(rows).astype(np.int64))
+
+    def __getstate__(self):
+        return {"path": self.path, "dtype": self.dtype}
+
+    def __setstate__(self, state):
+        self.__init__(state["path"], state["dtype"])
+
+
 @dataclass
 class TokenSplit:
-    """A split's tokens (a 1-D tensor over the memory-mapped file), its document starts (int64 token indices, sorted)
-    and the bytes of text they encode."""
+    """A split's tokens (a 1-D tensor over the memory-mapped file, for consecutive reads), the same file for random
+    windows (:class:`TokenFile`), its document starts (int64 token indices, sorted) and the bytes of text they
+    encode."""
 
     tokens: torch.Tensor
+    file: TokenFile
     starts: np.ndarray
     n_bytes: int
     path: Path
@@ -172,10 +201,12 @@ def _map(directory: Path, split: str, record: dict) -> TokenSplit:
     except (OSError, ValueError):
         raise ValueError(f"document starts {directory / f'{split}.starts.npy'} are missing or corrupt: "
                          f"{advice}") from None
+    file = TokenFile(path, dtype)
+    if not info["tokens"]:
+        return TokenSplit(torch.zeros(0, dtype=torch.uint8), file, starts, info["bytes"], path)
     with warnings.catch_warnings():  # read-only map: torch warns that it could not write to it (nothing does)
         warnings.simplefilter("ignore", UserWarning)
-        tokens = torch.from_numpy(np.memmap(path, dtype=dtype, mode="r")) if info["tokens"] else torch.zeros(0, dtype=torch.uint8)
-    return TokenSplit(tokens, starts, info["bytes"], path)
+        return TokenSplit(torch.from_numpy(np.memmap(path, dtype=dtype, mode="r")), file, starts, info["bytes"], path)
 
 
 # --- building ---------------------------------------------------------------------------------------------------
@@ -220,7 +251,9 @@ def _encode(task: list) -> tuple[np.ndarray, np.ndarray, int]:
 def _cut_point(unit: Slice, at: int, separator: bytes | None) -> tuple[int, bool]:
     """Where a chunk of ``unit`` ending near ``at`` ends: after the first separator (else line break, else UTF-8
     character boundary) at or after it; and whether the next chunk starts a document (it follows a separator)."""
-    window = unit.read(at, min(at + CHUNK, unit.stop))
+    window = unit.read(at, min(at + (64 << 10), unit.stop))  # a line break is rarely further
+    if separator and separator not in window or b"\n" not in window:
+        window = unit.read(at, min(at + CHUNK, unit.stop))
     if separator:
         found = window.find(separator)
         if found >= 0:
