@@ -239,6 +239,15 @@ def test_a_bpe_run_resumes_exactly_samples_and_exports_for_auto_tokenizer(bpe, t
             n_bytes += sum(len(token_text(bpe_tokenizer, i)) for i in y.tolist())
     assert nll / (LN2 * n_bytes) == pytest.approx(straight["val_bpb"], rel=0.03)
     assert json.loads((b / "results.json").read_text())["tokenizer"] == str(directory)
+    # vqattn-eval's tasks through lm-eval read the export with its own tokenizer: bits per byte of held-out text
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from vqattn.hf.eval import TASKS_DIR
+
+    heldout = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={out},backend=causal", device="cpu", limit=1,
+                                      tasks=["vqattn_heldout"], task_manager=TaskManager(include_path=str(TASKS_DIR)))
+    assert 0 < heldout["results"]["vqattn_heldout"]["bits_per_byte,none"] < 20
 
 
 def test_results_record_the_tokenizer_and_bytes_per_token(tmp_path):
@@ -248,3 +257,19 @@ def test_results_record_the_tokenizer_and_bytes_per_token(tmp_path):
     assert results["tokenizer"] == "bytes" and results["val_bytes_per_token"] == 1.0
     assert results["val_window_bytes_per_token"] == 1.0 and results["tokenizer_vocab_size"] == 256
     assert re.match(r"^\d", str(results["val_loss"])) and np.isfinite(results["val_bpb"])
+
+
+@pytest.mark.slow
+def test_a_bpe_run_under_ddp_on_two_cpu_processes(bpe, tmp_path):
+    from test_train import finish_script, read_results, start_script
+
+    corpus, directory = bpe
+    out = tmp_path / "OUT"
+    proc = finish_script(start_script([*FAST, "attention=softmax", "trainer=ddp", "trainer.accelerator=cpu",
+                                       "trainer.devices=2", "trainer.max_steps=4", "data=text", f"data.path={corpus}",
+                                       f"data.tokenizer={directory}", f"data.cache_dir={tmp_path / 'cache'}",
+                                       f"hydra.run.dir={out}"], tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = read_results(out)
+    assert results["world_size"] == 2 and results["tokenizer"] == str(directory) and results["val_bytes_per_token"] > 2
+    assert len(list((tmp_path / "cache").iterdir())) == 1  # rank 1 reused rank 0's token files
