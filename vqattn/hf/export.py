@@ -19,7 +19,7 @@ from pathlib import Path
 from ..utils import add_threads_argument, use_threads
 from .configuration import VQAttnConfig
 from .modeling import VQAttnForCausalLM
-from .tokenizer import VQAttnByteTokenizer
+from .tokenizer import VQAttnByteTokenizer, transformers_tokenizer
 
 
 def load_checkpoint(path: str | Path) -> VQAttnForCausalLM:
@@ -41,7 +41,6 @@ def export(checkpoint: str | Path, out_dir: str | Path) -> Path:
 def checkpoint_tokenizer(checkpoint: str | Path):
     """The transformers tokenizer of the run that wrote ``checkpoint`` (bytes for one from before tokenizers)."""
     from ..train.lit import read_tokenizer
-    from ..train.tokenizer import transformers_tokenizer
 
     return transformers_tokenizer(read_tokenizer(checkpoint))
 

@@ -15,8 +15,8 @@ Train a byte-level BPE on local files (no network)::
 
     python -m vqattn.train.tokenizer train --files 'corpus/*.txt' --vocab-size 8000 --out my_tokenizer
 
-writes ``my_tokenizer/tokenizer.json`` and the transformers files beside it: ``data.tokenizer=my_tokenizer`` (the
-directory) or ``data.tokenizer=my_tokenizer/tokenizer.json`` both name it.
+writes ``my_tokenizer/tokenizer.json`` and (with transformers installed) the transformers files beside it:
+``data.tokenizer=my_tokenizer`` (the directory) or ``data.tokenizer=my_tokenizer/tokenizer.json`` both name it.
 """
 
 from __future__ import annotations
@@ -144,10 +144,9 @@ def _load(spec: str, stamp: int) -> Tokenizer:
             return HFTokenizer(RustTokenizer.from_file(str(path)), spec)
         if (path / "tokenizer.json").is_file():
             return HFTokenizer(RustTokenizer.from_file(str(path / "tokenizer.json")), spec)
-        from transformers import AutoTokenizer
+        from ..hf.tokenizer import backend_tokenizer  # a directory without tokenizer.json: transformers converts it
 
-        auto = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        return HFTokenizer(auto.backend_tokenizer, spec)
+        return HFTokenizer(backend_tokenizer(path), spec)
     except Exception as err:  # not JSON, not a tokenizer, a slow-only tokenizer
         raise ValueError(f"data.tokenizer={spec!r} holds no tokenizer the tokenizers library reads "
                          f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
@@ -160,22 +159,6 @@ def from_json(text: str | None, spec: str = "checkpoint") -> Tokenizer:
     from tokenizers import Tokenizer as RustTokenizer
 
     return HFTokenizer(RustTokenizer.from_str(text), spec)
-
-
-def transformers_tokenizer(tokenizer: Tokenizer):
-    """The tokenizer as transformers' own, for an exported model directory that ``AutoTokenizer`` loads: the byte
-    tokenizer (vqattn.hf.tokenizer), or a ``PreTrainedTokenizerFast`` around the JSON, its end-of-text token (when it
-    has one) as eos."""
-    if tokenizer.to_json() is None:
-        from ..hf.tokenizer import VQAttnByteTokenizer
-
-        return VQAttnByteTokenizer()
-    from tokenizers import Tokenizer as RustTokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    rust = RustTokenizer.from_str(tokenizer.to_json())
-    eos = SPECIAL if rust.token_to_id(SPECIAL) is not None else None
-    return PreTrainedTokenizerFast(tokenizer_object=rust, eos_token=eos, bos_token=eos, pad_token=eos)
 
 
 def train_bpe(files: list[str], vocab_size: int, out: str | Path, min_frequency: int = 2) -> Path:
@@ -199,7 +182,12 @@ def train_bpe(files: list[str], vocab_size: int, out: str | Path, min_frequency:
     tokenizer.train(paths, trainer)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    transformers_tokenizer(HFTokenizer(tokenizer, str(out))).save_pretrained(str(out))  # writes tokenizer.json too
+    tokenizer.save(str(out / "tokenizer.json"))
+    try:  # the transformers files beside it, for AutoTokenizer (vqattn[hf])
+        from ..hf.tokenizer import transformers_tokenizer
+    except ImportError:
+        return out
+    transformers_tokenizer(HFTokenizer(tokenizer, str(out))).save_pretrained(str(out))
     return out
 
 

@@ -322,7 +322,11 @@ def _build(directory: Path, wanted: dict, splits: dict[str, list], tokenizer: To
             pool.terminate()
         _WORKER.clear()
     (temporary / "record.json").write_text(json.dumps(record, indent=1) + "\n")
-    shutil.rmtree(directory, ignore_errors=True)
+    current = _read_record(directory) if directory.exists() else None
+    if current is not None and all(current.get(k) == v for k, v in wanted.items()):  # another run built it meanwhile
+        shutil.rmtree(temporary, ignore_errors=True)
+        return current
+    shutil.rmtree(directory, ignore_errors=True)  # stale: files or tokenizer changed
     try:
         os.rename(temporary, directory)
     except OSError:  # another run renamed its own build first: use that one
