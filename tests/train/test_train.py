@@ -616,6 +616,8 @@ CONFIG_ERRORS = [
     (["attention=vq_hard", "attention.kwargs.num_codes=0"], "attention.kwargs.num_codes must be a positive int"),
     (["threads=0"], "threads must be a positive int, auto or null, got 0"),
     (["attention=softmax", "model.n_embd=64", "ckpt_path=softmax.ckpt"], "does not fit this model"),
+    (["data.tokenizer=nope/tokenizer.json"], "nope/tokenizer.json' does not exist: give bytes, a tokenizer.json"),
+    (["model.vocab_size=50257"], "model.vocab_size=50257 does not fit data.tokenizer=bytes (256 tokens"),
 ]
 # Errors Hydra reports itself, composing the config: its own message, exit status 2 as well
 COMPOSE_ERRORS = [(["model.block_len=5000"], "error: unknown config key model.block_len; did you mean block_len=5000?"),
