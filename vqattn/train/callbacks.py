@@ -179,9 +179,11 @@ class NonFiniteGuard(Callback):
         loss, self._loss = self._loss, None
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         scaled = getattr(trainer.precision_plugin, "scaler", None) is not None  # fp16: the scaler's business
-        finite = _all_finite([] if scaled else [p.grad for p in params])
-        loss_finite = loss is None or bool(loss.isfinite())
-        if not _any_rank(trainer, not (loss_finite and bool(finite))):
+        # every entry checked, not a norm: a finite gradient whose norm overflows float32 is not a non-finite one
+        checks = [loss.isfinite() if loss is not None else torch.tensor(True),
+                  _all_finite([] if scaled else [p.grad for p in params])]
+        loss_finite, grads_finite = torch.stack([c.to(checks[1].device) for c in checks]).tolist()  # one host sync
+        if not _any_rank(trainer, not (loss_finite and grads_finite)):
             return
         what = "non-finite loss" if not loss_finite else "non-finite gradient"
         loss_value = float(loss) if loss is not None else math.nan
