@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 
 from vqattn.layers import ATTENTIONS, Attention
 from vqattn.model import GPT, GPTConfig
+from vqattn.train.callbacks import NonFiniteGuard
 from vqattn.train.configs import register, signature_defaults
 from vqattn.train.data import StdlibDataModule
 from vqattn.train.lit import LitLM, OptimConfig
@@ -93,6 +94,8 @@ def test_root_values_are_the_python_defaults():
     for key in ("aux_weight", "compile", "carry_state", "carry_segments", "position_edges"):
         assert cfg[key] == inspect.signature(LitLM).parameters[key].default, key
     assert cfg.block_len == inspect.signature(ATTENTIONS["vq_hard"]).parameters["block_len"].default
+    guard = inspect.signature(NonFiniteGuard).parameters
+    assert (cfg.nonfinite, cfg.nonfinite_max_skips) == (guard["mode"].default, guard["max_skips"].default)
     assert cfg.block_len == inspect.signature(ATTENTIONS["window"]).parameters["block_len"].default
 
 
@@ -153,7 +156,8 @@ def test_signature_defaults_follow_the_kwargs_chain():
     assert signature_defaults(StdlibDataModule) == {"max_bytes": 8_000_000, "val_windows": 256, "seq_len": 256,
                                                     "batch_size": 8, "seed": 0, "num_workers": 0, "stream": False,
                                                     "stream_groups": 1, "val_carried": False,
-                                                    "pack_documents": False, "separator": None}
+                                                    "pack_documents": False, "separator": None,
+                                                    "tokenizer": "bytes", "cache_dir": None}
     trainer = signature_defaults(lightning.Trainer)
     assert trainer["max_steps"] == -1 and trainer["accelerator"] == "auto"
     vq = signature_defaults(ATTENTIONS["vq_soft"], stop=Attention)

@@ -120,7 +120,7 @@ def test_text_glob_and_val_path(tmp_path):
     assert train == b"A" * 100 + b"B" * 100 and val == b"V\n" * 40
     # what results.json records of the run's corpus, so that a report can say what its runs trained on
     assert dm.corpus() == {"name": "text", "source": f"{tmp_path / '[ab].txt'}, validation {tmp_path / 'v.txt'}",
-                           "train_bytes": 200, "val_bytes": 80}
+                           "train_bytes": 200, "train_tokens": 200, "val_bytes": 80, "val_tokens": 80}
 
 
 def test_text_missing_file_names_the_path(tmp_path):

@@ -73,12 +73,20 @@ def expected_starts(x: torch.Tensor, firsts: list[int]) -> torch.Tensor:
 # ---------------------------------------------------------------- the data side
 
 
-def test_document_starts_of_units_and_a_separator():
+def test_document_starts_of_units_and_a_separator(tmp_path):
+    from vqattn.train import tokens
+    from vqattn.train.tokenizer import load_tokenizer
+
     units = [b"ab|cd|", b"", b"ef", b"|g||h"]
-    starts = D.document_starts(units, b"|")
+
+    def starts(separator):
+        split = tokens.prepare("units", {"all": units}, load_tokenizer("bytes"), separator, str(tmp_path))["all"]
+        assert bytes(split.tokens.tolist()) == b"".join(units)
+        return split.starts.tolist()
+
     # files start documents (an empty one none); a separator ends its document, unless it ends the unit anyway
-    assert starts.nonzero().flatten().tolist() == [0, 3, 6, 8, 9, 11, 12]
-    assert D.document_starts(units).nonzero().flatten().tolist() == [0, 6, 8]
+    assert starts(b"|") == [0, 3, 6, 8, 9, 11, 12]
+    assert starts(None) == [0, 6, 8]
     assert D.cut_units([b"abc", b"de", b"fgh"], 2, 6) == [b"c", b"de", b"f"]
 
 
@@ -141,10 +149,11 @@ def test_stdlib_documents_are_its_files():
     dm.setup()
     train_units, val_units = dm._units()
     for units, starts in ((train_units, dm.train_starts), (val_units, dm.val_set.starts)):
-        sizes = torch.tensor([len(u) for u in units])
+        sizes = torch.tensor([u.stop - u.start for u in units])
         firsts = (torch.cumsum(sizes, 0) - sizes)[sizes > 0]
-        assert starts.nonzero().flatten().tolist() == firsts.tolist()
-    assert D.StdlibDataModule(max_bytes=2_000_000)._load() == (b"".join(train_units), b"".join(val_units))
+        assert starts.tolist() == firsts.tolist()
+    assert D.StdlibDataModule(max_bytes=2_000_000)._load() == tuple(b"".join(Path(u.path).read_bytes() for u in units)
+                                                                   for units in (train_units, val_units))
 
 
 def test_hub_rows_are_documents(monkeypatch):
@@ -154,15 +163,15 @@ def test_hub_rows_are_documents(monkeypatch):
     dm.setup()
     for split, starts in (("train", dm.train_starts), ("validation", dm.val_set.starts)):
         sizes = torch.tensor([len(r.encode()) for r in rows[split]])
-        assert starts.nonzero().flatten().tolist() == (torch.cumsum(sizes, 0) - sizes).tolist()
+        assert starts.tolist() == (torch.cumsum(sizes, 0) - sizes).tolist()
     whole = ["<page>one</page>", "<page>two</page>", "<page>three</page>"]  # rows joined with "\n" between them
     monkeypatch.setattr(D, "load_dataset", lambda path, name=None, split=None, revision=None: {"text": whole})
     monkeypatch.setattr(D.HubTextDataModule, "ENWIK8_SPLIT", (20, 30))
     dm = D.HubTextDataModule(hub_path="LTCB/enwik8", layout="enwik8", seq_len=8, pack_documents=True)
     dm.setup()
     assert bytes(dm.train_data.tolist()) + bytes(dm.val_set.data.tolist()) == "\n".join(whole).encode()[:50]
-    assert dm.train_starts.nonzero().flatten().tolist() == [0, 17]
-    assert dm.val_set.starts.nonzero().flatten().tolist() == [0, 14]  # 34 - 20: the third row
+    assert dm.train_starts.tolist() == [0, 17]
+    assert dm.val_set.starts.tolist() == [0, 14]  # 34 - 20: the third row
 
 
 @pytest.mark.parametrize("kwargs,message", [

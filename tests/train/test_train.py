@@ -218,10 +218,11 @@ def test_callbacks_are_the_group_plus_what_resuming_needs(tmp_path, overrides, e
 
     _, _, trainer = cli.build(cfg_for(*AS_USERS_HAVE_IT, *overrides), tmp_path)
     names = {type(c).__name__ for c in trainer.callbacks}
-    assert {"LastCheckpoint", "RNGState", "GracefulInterrupt"} <= names  # every run has them
+    every_run = {"LastCheckpoint", "RNGState", "GracefulInterrupt", "NonFiniteGuard"}
+    assert every_run <= names  # every run has them
     # what Lightning adds itself where no bar or summary is given (Rich ones when rich is installed)
     lightning_own = {"ModelCheckpoint", "TQDMProgressBar", "ModelSummary", "RichProgressBar", "RichModelSummary"}
-    assert names - {"LastCheckpoint", "RNGState", "GracefulInterrupt"} - lightning_own == expected
+    assert names - every_run - lightning_own == expected
 
 
 def test_another_optimizer_is_one_override(tmp_path):
@@ -638,6 +639,8 @@ CONFIG_ERRORS = [
     (["attention=vq_hard", "attention.kwargs.num_codes=0"], "attention.kwargs.num_codes must be a positive int"),
     (["threads=0"], "threads must be a positive int, auto or null, got 0"),
     (["attention=softmax", "model.n_embd=64", "ckpt_path=softmax.ckpt"], "does not fit this model"),
+    (["data.tokenizer=nope/tokenizer.json"], "nope/tokenizer.json' does not exist: give bytes, a tokenizer.json"),
+    (["model.vocab_size=50257"], "model.vocab_size=50257 does not fit data.tokenizer=bytes (256 tokens"),
 ]
 # Errors Hydra reports itself, composing the config: its own message, exit status 2 as well
 COMPOSE_ERRORS = [(["model.block_len=5000"], "error: unknown config key model.block_len; did you mean block_len=5000?"),

@@ -4,8 +4,9 @@ The trainer (``vqattn-train``) saves Lightning checkpoints whose ``hyper_paramet
 GPTConfig fields and whose ``state_dict`` holds the GPT under the prefix ``model.`` (LitLM's attribute). The
 export builds a :class:`VQAttnForCausalLM` of that config, loads those tensors (strictly: every parameter and
 persistent buffer, codebooks and their EMA state included, plus the feature maps' draws) and writes
-``config.json``, ``model.safetensors``, ``generation_config.json`` and the byte tokenizer's
-``tokenizer_config.json``, which ``AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained(OUT_DIR)`` load
+``config.json``, ``model.safetensors``, ``generation_config.json`` and the run's tokenizer (the one the
+checkpoint keeps: the byte tokenizer's ``tokenizer_config.json``, or a subword tokenizer's ``tokenizer.json`` and
+config), which ``AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained(OUT_DIR)`` load
 after ``import vqattn.hf``. Reading a checkpoint needs the ``train`` extra (it comes from a training run).
 """
 
@@ -18,7 +19,7 @@ from pathlib import Path
 from ..utils import add_threads_argument, use_threads
 from .configuration import VQAttnConfig
 from .modeling import VQAttnForCausalLM
-from .tokenizer import VQAttnByteTokenizer
+from .tokenizer import VQAttnByteTokenizer, transformers_tokenizer
 
 
 def load_checkpoint(path: str | Path) -> VQAttnForCausalLM:
@@ -33,14 +34,22 @@ def load_checkpoint(path: str | Path) -> VQAttnForCausalLM:
 
 
 def export(checkpoint: str | Path, out_dir: str | Path) -> Path:
-    """Write the model of ``checkpoint`` and the byte tokenizer to ``out_dir``; returns it."""
-    return save(load_checkpoint(checkpoint), out_dir)
+    """Write the model of ``checkpoint`` and its tokenizer to ``out_dir``; returns it."""
+    return save(load_checkpoint(checkpoint), out_dir, checkpoint_tokenizer(checkpoint))
 
 
-def save(model: VQAttnForCausalLM, out_dir: str | Path) -> Path:
-    """Write ``model`` and the byte tokenizer to ``out_dir``; returns it."""
+def checkpoint_tokenizer(checkpoint: str | Path):
+    """The transformers tokenizer of the run that wrote ``checkpoint`` (bytes for one from before tokenizers)."""
+    from ..train.lit import read_tokenizer
+
+    return transformers_tokenizer(read_tokenizer(checkpoint))
+
+
+def save(model: VQAttnForCausalLM, out_dir: str | Path, tokenizer=None) -> Path:
+    """Write ``model`` and ``tokenizer`` (a transformers tokenizer; None: the byte tokenizer) to ``out_dir``;
+    returns it."""
     model.save_pretrained(out_dir)
-    VQAttnByteTokenizer().save_pretrained(out_dir)
+    (tokenizer if tokenizer is not None else VQAttnByteTokenizer()).save_pretrained(out_dir)
     return Path(out_dir)
 
 
@@ -51,12 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     add_threads_argument(parser)
     args = parser.parse_args(argv)
     try:
-        model = load_checkpoint(args.checkpoint)
+        model, tokenizer = load_checkpoint(args.checkpoint), checkpoint_tokenizer(args.checkpoint)
     except (ValueError, FileNotFoundError) as err:
         print(f"vqattn-export: error: {err}", file=sys.stderr)
         return 2
     use_threads(args.threads, "exporting")
-    out = save(model, args.out_dir)
+    out = save(model, args.out_dir, tokenizer)
     print(f"wrote {out}: load it with `import vqattn.hf` then AutoModelForCausalLM.from_pretrained({str(out)!r})")
     return 0
 

@@ -1,5 +1,6 @@
 """Trainer parts of train.py that Lightning does not ship as such, each a small callback on Lightning's public
-hooks: per-rank RNG state in checkpoints, a graceful Ctrl-C, one last.ckpt save per step, a run-long progress
+hooks: per-rank RNG state in checkpoints, a graceful Ctrl-C, a stop (or skip) at a non-finite loss or gradient,
+one last.ckpt save per step that never holds non-finite weights, a run-long progress
 bar, training-only token throughput, and a model summary without the FLOPs column; and
 :func:`instantiate_callbacks`, which builds the ``callbacks`` config group.
 """
@@ -23,7 +24,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_summary import get_human_readable_count
 
-from .lifecycle import log_to_file, note_signal, raise_interrupt, restore_handlers, set_handlers
+from .lifecycle import Diverged, log_to_file, note_signal, raise_interrupt, restore_handlers, set_handlers
 
 log = logging.getLogger("lightning.pytorch.callbacks.model_summary")  # where Lightning's summary goes
 train_log = logging.getLogger("train")  # the trainer's own lines (vqattn.train.cli)
@@ -135,32 +136,117 @@ class GracefulInterrupt(Callback):
         self.restore_handler()
 
 
+def _all_finite(tensors) -> torch.Tensor:
+    """0-dim bool tensor: every floating tensor of ``tensors`` is finite (read on the host only by the caller)."""
+    checks = [t.isfinite().all() for t in tensors if torch.is_tensor(t) and t.is_floating_point()]
+    return torch.stack(checks).all() if checks else torch.tensor(True)
+
+
+def _any_rank(trainer, decision: bool) -> bool:
+    """``decision`` on this rank, or on any rank under DDP (so that every rank acts alike at the same step)."""
+    return trainer.strategy.reduce_boolean_decision(decision, all=False) if trainer.world_size > 1 else decision
+
+
+class NonFiniteGuard(Callback):
+    """A step whose loss or gradient is not finite is never applied: with ``mode="stop"`` (the default) the run stops
+    there (:class:`Diverged`: the step, the loss, the learning rate and what to try; exit status 1), with
+    ``mode="skip"`` the step's gradients are dropped (AdamW leaves the weights and its moments untouched, the
+    schedule goes on) up to ``max_skips`` times in the whole run, after which it stops as "stop" does.
+
+    Checked after the backward pass and before clipping and the optimizer step, on every rank: under DDP the ranks
+    agree by one boolean all-reduce, so they stop (or skip) at the same step. A loss or gradient that diverges only
+    after the weights have left the finite range is caught by LastCheckpoint, which never saves such weights. Under
+    fp16 mixed precision the gradient scaler skips non-finite gradients itself: only the loss is checked. ``skipped``
+    counts the run's skipped steps (resumed parts included, through the checkpoint); results.json reports it.
+    """
+
+    MODES = ("stop", "skip")
+
+    def __init__(self, mode: str = "stop", max_skips: int = 100):
+        if mode not in self.MODES:
+            raise ValueError(f"nonfinite must be one of {', '.join(self.MODES)}, got {mode!r}")
+        if isinstance(max_skips, bool) or not isinstance(max_skips, int) or max_skips < 0:
+            raise ValueError(f"nonfinite_max_skips must be an int >= 0, got {max_skips!r}")
+        self.mode, self.max_skips = mode, max_skips
+        self.skipped = 0
+        self._loss: torch.Tensor | None = None  # the step's loss so far: the sum of its micro-batches' shares
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        loss = loss.detach()
+        self._loss = loss if self._loss is None else self._loss + loss
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        loss, self._loss = self._loss, None
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        scaled = getattr(trainer.precision_plugin, "scaler", None) is not None  # fp16: the scaler's business
+        # every entry checked, not a norm: a finite gradient whose norm overflows float32 is not a non-finite one
+        checks = [loss.isfinite() if loss is not None else torch.tensor(True),
+                  _all_finite([] if scaled else [p.grad for p in params])]
+        loss_finite, grads_finite = torch.stack([c.to(checks[1].device) for c in checks]).tolist()  # one host sync
+        if not _any_rank(trainer, not (loss_finite and grads_finite)):
+            return
+        what = "non-finite loss" if not loss_finite else "non-finite gradient"
+        loss_value = float(loss) if loss is not None else math.nan
+        lr = optimizer.param_groups[0]["lr"]
+        if self.mode == "skip" and self.skipped < self.max_skips:
+            self.skipped += 1
+            for p in params:
+                p.grad = None  # the optimizer passes over a parameter without a gradient
+            if trainer.is_global_zero:
+                train_log.warning("step %d: %s (loss %.4g, lr %.3g), skipped (%d of nonfinite_max_skips=%d)",
+                                  trainer.global_step, what, loss_value, lr, self.skipped, self.max_skips)
+            return
+        if self.mode == "skip":
+            what += f" after {self.skipped} skipped steps (nonfinite_max_skips={self.max_skips})"
+        raise Diverged(trainer.global_step, what, loss_value, lr)
+
+    def state_dict(self) -> dict:
+        return {"skipped": self.skipped}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.skipped = state["skipped"]
+
+
 class LastCheckpoint(Checkpoint):
     """Keeps only ``dirpath/last.ckpt``: saved every ``every_n_train_steps`` optimizer steps and once more when
     training ends (finished or interrupted) unless that step was just saved, so each step is written at most once.
 
-    Lightning runs Checkpoint callbacks after the others, so the saved step includes their state (RNGState).
-    Saving is a collective under DDP: every rank calls it at the same step, rank 0 writes.
+    Never from non-finite weights or optimizer state: the run stops there instead (:class:`Diverged`), and last.ckpt
+    keeps the last finite step. Lightning runs Checkpoint callbacks after the others, so the saved step includes
+    their state (RNGState). Saving is a collective under DDP: every rank calls it at the same step, rank 0 writes.
     """
 
     def __init__(self, dirpath: Path, every_n_train_steps: int):
         self.path, self.every_n_train_steps = Path(dirpath) / "last.ckpt", every_n_train_steps
         self.saved_step: int | None = None
 
-    def _save(self, trainer) -> None:
+    def _save(self, trainer, pl_module) -> None:
         if trainer.global_step != self.saved_step and not trainer.sanity_checking:
+            self._check_finite(trainer, pl_module)
             trainer.save_checkpoint(self.path, weights_only=False)
             self.saved_step = trainer.global_step
+
+    @staticmethod
+    def _check_finite(trainer, pl_module) -> None:
+        """Raise Diverged unless the module's weights and buffers and the optimizers' states are finite (on every
+        rank)."""
+        tensors = list(pl_module.state_dict().values())
+        for optimizer in trainer.optimizers:
+            tensors += [t for state in optimizer.state.values() for t in state.values()]
+        if _any_rank(trainer, not bool(_all_finite(tensors))):
+            lr = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else math.nan
+            loss = trainer.callback_metrics.get("train_loss", math.nan)
+            raise Diverged(trainer.global_step, "the last update left non-finite weights", float(loss), lr)
 
     def on_train_start(self, trainer, pl_module):
         self.saved_step = trainer.global_step  # a resumed run's checkpoint holds this step already
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step % self.every_n_train_steps == 0:
-            self._save(trainer)
+            self._save(trainer, pl_module)
 
     def on_train_end(self, trainer, pl_module):
-        self._save(trainer)
+        self._save(trainer, pl_module)
 
 
 class StepProgressBar(TQDMProgressBar):

@@ -29,9 +29,11 @@ def _device_count(devices) -> int | None:
 
 def check_config(cfg: DictConfig) -> None:
     """Explain settings that cannot work before anything is built."""
+    from .callbacks import NonFiniteGuard
     from .lit import OptimConfig
 
     positive_int("trainer.max_steps", cfg.trainer.max_steps)
+    NonFiniteGuard(cfg.nonfinite, cfg.nonfinite_max_skips)  # one line naming nonfinite or nonfinite_max_skips
     positive_int("checkpoint_every", cfg.checkpoint_every)
     OptimConfig(**OmegaConf.to_container(cfg.optim))  # one line naming optim.KEY for a value out of range
     devices = _device_count(cfg.trainer.devices)
@@ -39,12 +41,28 @@ def check_config(cfg: DictConfig) -> None:
         # Lightning would pick a multi-process strategy itself, without the launch handling of trainer=ddp
         raise ValueError(f"trainer.devices={cfg.trainer.devices} starts one process per device: add trainer=ddp "
                          f"(or set trainer.strategy), or use trainer.devices=1")
+    check_vocab(cfg)
     m, d = cfg.model, cfg.data
     if m.pos_emb == "learned" and isinstance(d.seq_len, int) and d.seq_len > m.seq_len:
         raise ValueError(
             f"data.seq_len={d.seq_len} exceeds model.seq_len={m.seq_len}, the longest sequence learned absolute "
             f"positions can encode; set data.seq_len <= model.seq_len or model.pos_emb=rope"
         )
+
+
+def check_vocab(cfg: DictConfig) -> None:
+    """data.tokenizer names a tokenizer, and model.vocab_size is its vocabulary padded to a multiple of 64 (what it is
+    unless set): a 50257-way head on bytes would train 6.7x slower for nothing, a smaller head cannot predict."""
+    from .tokenizer import load_tokenizer, padded_vocab
+
+    spec = cfg.data.get("tokenizer")
+    if spec is None:  # no tokenizer: MQAR's vocabulary is model.vocab_size itself
+        return
+    tokenizer = load_tokenizer(spec)
+    expected, vocab = padded_vocab(tokenizer.vocab_size), cfg.model.vocab_size
+    if vocab != expected:
+        raise ValueError(f"model.vocab_size={vocab} does not fit data.tokenizer={spec} ({tokenizer.vocab_size} tokens, "
+                         f"padded to {expected}): leave model.vocab_size unset, it follows the tokenizer")
 
 
 def unknown_option(args: list[str], groups: dict[str, list[str]]) -> str | None:

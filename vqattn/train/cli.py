@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import platform
 import resource
@@ -97,7 +98,7 @@ def build(cfg: DictConfig, run_dir: Path, started: float | None = None):
     and loggers; ``started``: the ``time.perf_counter()`` at which the run began (the wall time counts from it)."""
     from lightning.pytorch.callbacks import LambdaCallback
 
-    from .callbacks import GracefulInterrupt, LastCheckpoint, RNGState, instantiate_callbacks
+    from .callbacks import GracefulInterrupt, LastCheckpoint, NonFiniteGuard, RNGState, instantiate_callbacks
     from .lit import read_checkpoint
     from .loggers import RunCSVLogger, extra_loggers
 
@@ -112,8 +113,12 @@ def build(cfg: DictConfig, run_dir: Path, started: float | None = None):
     resume_step = int(checkpoint["global_step"]) if checkpoint is not None else 0
     datamodule = hydra.utils.instantiate(cfg.data)
     datamodule.setup("fit")
-    # The checkpoint, its RNG states and Ctrl-C's saved step are what resuming rests on: every run has them.
+    if getattr(datamodule, "tokenizer", None) is not None:  # checkpoints keep it: sampling and the export decode with it
+        module.tokenizer = datamodule.tokenizer
+    # The checkpoint, its RNG states, Ctrl-C's saved step and a stop before a non-finite step are what resuming rests
+    # on: every run has them.
     callbacks = [LastCheckpoint(run_dir / "checkpoints", cfg.checkpoint_every), RNGState(), GracefulInterrupt(),
+                 NonFiniteGuard(cfg.nonfinite, cfg.nonfinite_max_skips),
                  *instantiate_callbacks(cfg.get("callbacks"), cfg.trainer, started)]
     if cfg.compile:  # the first steps compile the model: say so before the bar sits at 0/N
         callbacks.append(LambdaCallback(on_fit_start=_say_compiling))
@@ -200,12 +205,36 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
         results["tokens_per_sec"], results["train_tokens"] = tokens / max(seconds, 1e-9), tokens
         results["wall_seconds"] = throughput.wall_seconds()
     if trainer.global_rank == 0:
-        (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+        (run_dir / "results.json").write_text(json.dumps(strict_json(results), indent=2, allow_nan=False) + "\n")
         log.info("%s", summary_text(results, run_dir))
     return results
 
 
+def strict_json(results: dict) -> dict:
+    """``results`` as strict JSON allows it: each value that is not a finite number (NaN and infinities, which
+    ``json.dumps`` would write as the non-JSON ``NaN`` and ``Infinity``) becomes null, and ``not_finite`` names
+    each such key (dotted for nested ones) with the value it stands for, e.g. {"val_bpb": "nan"}."""
+    reasons = {}
+
+    def clean(value, key: str):
+        if isinstance(value, float) and not math.isfinite(value):
+            reasons[key] = str(value)
+            return None
+        if isinstance(value, dict):
+            return {k: clean(v, f"{key}.{k}" if key else str(k)) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [clean(v, f"{key}.{i}") for i, v in enumerate(value)]
+        return value
+
+    out = clean(results, "")
+    if reasons:
+        out["not_finite"] = reasons
+    return out
+
+
 def summarize(cfg: DictConfig, module, datamodule, trainer, run_dir: Path) -> dict:
+    from .callbacks import NonFiniteGuard
+
     val = module.last_validation
     memory, memory_kind = peak_memory_mb(trainer.strategy.root_device)
     results = {
@@ -213,8 +242,8 @@ def summarize(cfg: DictConfig, module, datamodule, trainer, run_dir: Path) -> di
         "params": module.model.num_params(),
         "steps": trainer.global_step,
         "headline": "val_bpb",
-        "val_loss": val["val_loss"],
-        "val_bpb": val["val_bpb"],
+        "val_loss": val["val_loss"],  # nats per token
+        "val_bpb": val["val_bpb"],  # bits per byte of the validation text, whatever the tokenizer
         "val_acc": val["val_acc"],
         **{k: val[k] for k in ("val_bpb_carried", "val_loss_carried", "val_acc_carried") if k in val},
         # per bucket "A_B" of positions A..B in the validation windows (LitLM's position_edges)
@@ -231,8 +260,9 @@ def summarize(cfg: DictConfig, module, datamodule, trainer, run_dir: Path) -> di
         "train_tokens": None,
         "data": type(datamodule).__name__,
         "corpus": datamodule.corpus(),
-        "tokenizer": "bytes",  # every corpus is read as raw bytes (vocab 256); MQAR's tokens are byte ids too
+        "tokenizer": "bytes",  # MQAR's tokens are byte ids; a corpus's tokenizer is in the fields below
         "threads": torch.get_num_threads(),
+        **tokenizer_fields(datamodule, val),
         "seq_len": cfg.data.seq_len,
         "batch_size": cfg.data.batch_size,
         "world_size": trainer.world_size,
@@ -242,10 +272,22 @@ def summarize(cfg: DictConfig, module, datamodule, trainer, run_dir: Path) -> di
         "checkpoint": str(run_dir / "checkpoints" / "last.ckpt"),
         "codebook": module.model.codebook_stats(),
         "ddp_buffer_divergence": module.buffer_divergence,
+        "nonfinite": cfg.nonfinite,
+        "nonfinite_skipped": next(c.skipped for c in trainer.callbacks if isinstance(c, NonFiniteGuard)),
     }
     if results["data"] == "MQARDataModule":  # labels only at the answers: recall accuracy is the measure
         results["headline"], results["recall_acc"] = "recall_acc", val["val_acc"]
     return results
+
+
+def tokenizer_fields(datamodule, val: dict) -> dict:
+    """results.json's tokenizer (data.tokenizer), its vocabulary (the model's is padded from it) and bytes per token
+    of the validation split and of the validation windows, for a corpus that has a tokenizer (not MQAR)."""
+    tokenizer = getattr(datamodule, "tokenizer", None)
+    if tokenizer is None:
+        return {}
+    return {"tokenizer": tokenizer.spec, "tokenizer_vocab_size": tokenizer.vocab_size,
+            "val_bytes_per_token": datamodule.val_bytes_per_token, "val_window_bytes_per_token": val["bytes_per_token"]}
 
 
 def code_version() -> str:

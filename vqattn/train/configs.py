@@ -86,14 +86,25 @@ def config_groups() -> dict[str, list[str]]:
     return groups
 
 
+def tokenizer_vocab(spec: str | None) -> int:
+    """The model vocabulary data.tokenizer asks for (``${tokenizer_vocab:...}`` in conf/config.yaml): the tokenizer's
+    size padded to a multiple of 64; 256 for bytes or a corpus without a tokenizer (MQAR)."""
+    from .tokenizer import load_tokenizer, padded_vocab
+
+    return padded_vocab(load_tokenizer(spec).vocab_size)
+
+
 def register() -> None:
-    """Store the schema nodes and the attention options (idempotent: a second call stores the same nodes)."""
+    """Store the schema nodes and the attention options, and the ``tokenizer_vocab`` resolver (idempotent: a second
+    call stores the same nodes)."""
     import lightning
+    from omegaconf import OmegaConf
 
     from ..layers import ATTENTIONS, Attention
     from ..model import GPTConfig
     from .lit import OptimConfig
 
+    OmegaConf.register_new_resolver("tokenizer_vocab", tokenizer_vocab, use_cache=True, replace=True)
     cs = ConfigStore.instance()
     cs.store(group="schema", name="model", node=_dataclass_defaults(GPTConfig))
     cs.store(group="schema", name="optim", node=_dataclass_defaults(OptimConfig))

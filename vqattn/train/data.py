@@ -1,4 +1,4 @@
-"""Byte-level LightningDataModules (vocab 256); the synthetic MQAR task is in :mod:`vqattn.train.mqar`.
+"""Language-modelling LightningDataModules over token files; the synthetic MQAR task is in :mod:`vqattn.train.mqar`.
 
 Every module yields batches ``(x, y)`` of shape (B, T) long: ``y`` is ``x`` shifted by one token, and
 positions that carry no training signal hold ``IGNORE_INDEX`` (only MQAR uses that). With packed documents
@@ -11,7 +11,11 @@ step ``s`` therefore continues with batch ``s * accumulate_grad_batches`` and se
 uninterrupted run would have seen, and DDP ranks draw different batches without a DistributedSampler
 (the trainer configs set ``use_distributed_sampler: false``). Validation windows are fixed and sharded by rank.
 
-Corpora (all byte-level, text is never decoded):
+Every corpus is tokenized once by ``data.tokenizer`` (bytes by default, or a subword tokenizer:
+:mod:`vqattn.train.tokenizer`) into memory-mapped token files (:mod:`vqattn.train.tokens`), which training and
+validation windows read: a run's memory does not grow with its corpus, and a later run reuses the files.
+
+Corpora:
 
 * ``StdlibDataModule`` (``data=default``): the ``.py`` files of the running Python's standard library.
 * ``TextDataModule`` (``data=text``): local files, a path or a glob.
@@ -26,7 +30,6 @@ import glob
 import math
 import os
 import platform
-import re
 import sysconfig
 import warnings
 import zlib
@@ -38,7 +41,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from . import tokens
 from .streams import CarriedValBatches, StreamBatches
+from .tokenizer import load_tokenizer
 
 # The loaders below resume from trainer.global_step (see module docstring), which Lightning cannot see.
 warnings.filterwarnings("ignore", message=".*resuming from a checkpoint that ended before the epoch ended.*")
@@ -151,25 +156,39 @@ class _LMDataModule(L.LightningDataModule):
         return [loader, DataLoader(carried, batch_size=None, num_workers=self.num_workers)]
 
 
-class _WindowSet(Dataset):
-    """Fixed windows of a byte tensor: item i = (data[o:o+T], data[o+1:o+T+1]) for the i-th offset; with ``starts``
-    (a bool tensor as long as data, True at each document's first byte) also the window's starts[o:o+T], its first
-    position always True."""
+def window_starts(starts: np.ndarray, offsets, seq_len: int) -> torch.Tensor:
+    """(B, T) bool for the windows of ``seq_len`` tokens at ``offsets`` (B,): True where a document starts (``starts``:
+    sorted token indices of documents' first tokens) and at every window's first position (it sees nothing before)."""
+    offsets = np.asarray(offsets, dtype=np.int64).reshape(-1)
+    out = torch.zeros(len(offsets), seq_len, dtype=torch.bool)
+    lo, hi = np.searchsorted(starts, offsets), np.searchsorted(starts, offsets + seq_len)
+    for row, (o, a, b) in enumerate(zip(offsets, lo, hi)):
+        out[row, torch.from_numpy(starts[a:b] - o)] = True
+    out[:, 0] = True
+    return out
 
-    def __init__(self, data: torch.Tensor, offsets: torch.Tensor, seq_len: int, starts: torch.Tensor | None = None):
-        self.data, self.offsets, self.seq_len, self.starts = data, offsets, seq_len, starts
+
+class _WindowSet(Dataset):
+    """Fixed windows of a token tensor: item i = (data[o:o+T], data[o+1:o+T+1]) for the i-th offset; with ``starts``
+    (sorted token indices of documents' first tokens) also the window's starts (T,) bool, its first position always
+    True."""
+
+    def __init__(self, data: torch.Tensor, offsets: torch.Tensor, seq_len: int, starts: np.ndarray | None = None,
+                 file: tokens.TokenFile | None = None):
+        self.data, self.offsets, self.seq_len, self.starts, self.file = data, offsets, seq_len, starts, file
 
     def __len__(self) -> int:
         return len(self.offsets)
 
     def __getitem__(self, i: int):
         o = int(self.offsets[i])
-        chunk = self.data[o : o + self.seq_len + 1].long()
+        if self.file is not None:  # the token file read without mapping (tokens.TokenFile)
+            chunk = self.file.windows([o], self.seq_len + 1)[0]
+        else:
+            chunk = self.data[o : o + self.seq_len + 1].long()
         if self.starts is None:
             return chunk[:-1], chunk[1:]
-        starts = self.starts[o : o + self.seq_len].clone()
-        starts[0] = True  # the window sees nothing before it
-        return chunk[:-1], chunk[1:], starts
+        return chunk[:-1], chunk[1:], window_starts(self.starts, [o], self.seq_len)[0]
 
 
 def separator_bytes(separator: str | bytes | None) -> bytes | None:
@@ -189,45 +208,26 @@ def separator_bytes(separator: str | bytes | None) -> bytes | None:
     return out
 
 
-def document_starts(units: Sequence[bytes], separator: bytes | None = None) -> torch.Tensor:
-    """Bool tensor over ``b"".join(units)``, True at the first byte of each document: each non-empty unit (a file, a
-    dataset row) starts one, and with ``separator`` so does the byte after each occurrence of it inside a unit (the
-    separator ends the document it follows; occurrences are found left to right without overlap)."""
-    starts = torch.zeros(sum(len(u) for u in units), dtype=torch.bool)
-    pattern = re.compile(re.escape(separator)) if separator else None
-    first, pos = [], 0
-    for unit in units:
-        if unit:
-            first.append(pos)
-            if pattern is not None:
-                first += [pos + m.end() for m in pattern.finditer(unit) if m.end() < len(unit)]
-        pos += len(unit)
-    starts[torch.tensor(first, dtype=torch.long)] = True
-    return starts
-
-
-def cut_units(units: Sequence[bytes], start: int, stop: int) -> list[bytes]:
-    """Bytes start..stop-1 of ``b"".join(units)`` as units: a unit the cut goes through keeps its part."""
-    out, pos = [], 0
-    for unit in units:
-        lo, hi = max(start - pos, 0), min(stop - pos, len(unit))
-        if lo < hi:
-            out.append(unit[lo:hi] if (lo, hi) != (0, len(unit)) else unit)
-        pos += len(unit)
-        if pos >= stop:
-            break
-    return out
+def cut_units(units: Sequence, start: int, stop: int) -> list:
+    """Bytes start..stop-1 of the units' concatenation (byte strings or file slices) as units: a unit the cut goes
+    through keeps its part."""
+    return tokens.cut(list(units), start, stop)
 
 
 class ByteDataModule(_LMDataModule):
-    """Next-byte prediction on a train and a validation byte string.
+    """Next-token prediction on a train and a validation text, tokenized by ``tokenizer`` into token files.
 
-    Training batches are ``batch_size`` windows of ``seq_len + 1`` bytes at uniformly random offsets.
-    Validation uses non-overlapping windows tiling the validation bytes, at most ``val_windows`` of them
+    ``tokenizer``: ``bytes`` (one token per byte), a tokenizers JSON file or a transformers tokenizer directory
+    (:mod:`vqattn.train.tokenizer`); ``cache_dir``: where the token files go (None: ``$VQATTN_CACHE_DIR`` or
+    ``~/.cache/vqattn/tokens``; :mod:`vqattn.train.tokens`). ``token_bytes`` (V,) gives the bytes each token id
+    stands for, so that validation counts bits per byte of text whatever the tokenizer.
+    Training batches are ``batch_size`` windows of ``seq_len + 1`` tokens at uniformly random offsets.
+    Validation uses non-overlapping windows tiling the validation tokens, at most ``val_windows`` of them
     (spread evenly over the split when there are more, or the first ``val_windows`` with ``val_carried``, whose
-    pass needs consecutive windows), so val bits per byte is the mean over those bytes.
-    Subclasses implement ``_units() -> (train_units, val_units)``: each split as a list of byte strings (files,
-    dataset rows), whose concatenation is the split's text (``_load`` returns the two texts).
+    pass needs consecutive windows), so val bits per byte is over the bytes of those windows.
+    Subclasses implement ``_units() -> (train_units, val_units)``: each split as a list of byte strings (dataset
+    rows) or file slices (:class:`vqattn.train.tokens.Slice`), whose concatenation is the split's text (``_load``
+    returns the two texts, read into memory).
 
     Packed documents (``pack_documents=True``): the windows are the same (the same random offsets for a given seed,
     batch index and rank), and each batch also carries ``starts`` (B, T) bool, True at the positions of x where a
@@ -245,8 +245,10 @@ class ByteDataModule(_LMDataModule):
     name = "bytes"
 
     def __init__(self, *, val_windows: int = 256, pack_documents: bool = False, separator: str | None = None,
-                 **kwargs):
+                 tokenizer: str = "bytes", cache_dir: str | None = None, **kwargs):
         super().__init__(**kwargs)
+        self.tokenizer = load_tokenizer(tokenizer)  # a one-line error for a path that holds no tokenizer
+        self.cache_dir = cache_dir
         if not isinstance(pack_documents, bool):
             raise ValueError(f"data.pack_documents must be true or false, got {pack_documents!r}")
         if separator is not None and not pack_documents:
@@ -262,51 +264,55 @@ class ByteDataModule(_LMDataModule):
         self.val_windows, self.pack_documents = val_windows, pack_documents
         self.separator = separator_bytes(separator)
         self.train_data: torch.Tensor | None = None
-        self.train_starts: torch.Tensor | None = None  # with pack_documents: True at each document's first byte
+        self.train_starts: np.ndarray | None = None  # with pack_documents: each document's first token index
+        self.train_file: tokens.TokenFile | None = None  # train_data's file, for random windows
+        self.token_bytes = torch.from_numpy(self.tokenizer.token_bytes())  # (V,) bytes per token id
+        self.val_bytes_per_token: float | None = None  # of the whole validation split
+        self.split_sizes: dict | None = None  # each split's bytes and tokens, once set up (results.json's corpus)
 
-    def _units(self) -> tuple[list[bytes], list[bytes]]:
+    def _units(self) -> tuple[list, list]:
         raise NotImplementedError
 
     def _load(self) -> tuple[bytes, bytes]:
         """The training and validation texts."""
-        train, val = self._units()
-        return b"".join(train), b"".join(val)
+        return tuple(b"".join(tokens.unit_bytes(u) for u in units) for units in self._units())
 
     def _advice(self, split: str) -> str:
         """What to change when ``split`` is too short for one window."""
         return "lower model.seq_len"
 
     def corpus(self) -> dict:
-        sizes = {} if self.train_data is None else {"train_bytes": len(self.train_data),
-                                                    "val_bytes": len(self.val_set.data)}
+        sizes = {} if self.split_sizes is None else self.split_sizes
         return {**super().corpus(), **sizes}
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_data is not None:
             return
         train_units, val_units = self._units()
-        train, val = b"".join(train_units), b"".join(val_units)
-        need = self.seq_len + 1
-        for split, data in (("training", train), ("validation", val)):
+        splits = tokens.prepare(self.name, {"train": train_units, "val": val_units}, self.tokenizer,
+                                self.separator, self.cache_dir)
+        need, word = self.seq_len + 1, "byte" if self.tokenizer.spec == "bytes" else "token"
+        for split, data in (("training", splits["train"].tokens), ("validation", splits["val"].tokens)):
             if len(data) < need:
                 n = len(data)
                 raise ValueError(
-                    f"{self.name}: the {split} split has {n} byte{'' if n == 1 else 's'} but seq_len={self.seq_len} "
+                    f"{self.name}: the {split} split has {n} {word}{'' if n == 1 else 's'} but seq_len={self.seq_len} "
                     f"needs at least {need}; {self._advice(split)}"
                 )
-        self.train_data = torch.frombuffer(bytearray(train), dtype=torch.uint8)
-        val_data = torch.frombuffer(bytearray(val), dtype=torch.uint8)
+        self.train_data, val_data = splits["train"].tokens, splits["val"].tokens
+        self.split_sizes = {f"{name}_{unit}": count for name in ("train", "val")
+                            for unit, count in (("bytes", splits[name].n_bytes), ("tokens", len(splits[name].tokens)))}
+        self.train_file = splits["train"].file
+        self.val_bytes_per_token = splits["val"].n_bytes / len(val_data)
         val_starts = None
         if self.pack_documents:
-            self.train_starts = document_starts(train_units, self.separator)
-            val_starts = document_starts(val_units, self.separator)
-        del train_units, val_units, train, val
+            self.train_starts, val_starts = splits["train"].starts, splits["val"].starts
         n = (len(val_data) - 1) // self.seq_len
         tiles = torch.arange(n) * self.seq_len
         if n > self.val_windows:
             spread = torch.linspace(0, n - 1, self.val_windows).round().long()
             tiles = tiles[torch.arange(self.val_windows) if self.val_carried else spread]
-        self.val_set = _WindowSet(val_data, tiles, self.seq_len, val_starts)
+        self.val_set = _WindowSet(val_data, tiles, self.seq_len, val_starts, splits["val"].file)
 
     def _train_dataset(self, length: int) -> Dataset:
         if not self.stream:
@@ -318,13 +324,10 @@ class ByteDataModule(_LMDataModule):
 
     def _train_batch(self, rng):
         offsets = rng.integers(0, len(self.train_data) - self.seq_len, size=self.batch_size)
-        idx = torch.from_numpy(offsets)[:, None] + torch.arange(self.seq_len + 1)  # (B, T+1)
-        chunk = self.train_data[idx].long()
+        chunk = self.train_file.windows(offsets, self.seq_len + 1)  # (B, T+1)
         if self.train_starts is None:
             return chunk[:, :-1], chunk[:, 1:]
-        starts = self.train_starts[idx[:, :-1]]
-        starts[:, 0] = True  # a row sees nothing before its first byte
-        return chunk[:, :-1], chunk[:, 1:], starts
+        return chunk[:, :-1], chunk[:, 1:], window_starts(self.train_starts, offsets, self.seq_len)
 
 
 def stdlib_files(max_bytes: int) -> tuple[Path, list[Path]]:
@@ -382,17 +385,17 @@ class StdlibDataModule(ByteDataModule):
         splits = {True: [], False: []}
         for path in files:
             rel = path.relative_to(root).as_posix()
-            splits[zlib.crc32(rel.encode()) % 20 == 0].append(path.read_bytes())
+            splits[zlib.crc32(rel.encode()) % 20 == 0].append(tokens.Slice(str(path), 0, path.stat().st_size))
         return splits[False], splits[True]
 
 
-def _read_files(pattern: str, what: str) -> list[bytes]:
-    """Bytes of a file, or of each file matching a glob (sorted; their concatenation is the text: line breaks kept)."""
+def _read_files(pattern: str, what: str) -> list[tokens.Slice]:
+    """A file, or each file matching a glob (sorted; their concatenation is the text: line breaks kept), whole."""
     pattern = os.path.expanduser(str(pattern))
     paths = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
     if not paths:
         raise FileNotFoundError(f"{what}: no file found at {pattern!r} (give an existing file or a glob that matches files)")
-    return [Path(p).read_bytes() for p in paths]
+    return [tokens.Slice(p, 0, os.path.getsize(p)) for p in paths]
 
 
 class TextDataModule(ByteDataModule):
@@ -428,7 +431,7 @@ class TextDataModule(ByteDataModule):
         train = _read_files(self.path, "data.path")
         if self.val_path:
             return train, _read_files(self.val_path, "data.val_path")
-        total = sum(len(unit) for unit in train)
+        total = sum(tokens.unit_len(unit) for unit in train)
         cut = total - math.ceil(total * self.val_fraction)
         return cut_units(train, 0, cut), cut_units(train, cut, total)
 

@@ -63,13 +63,15 @@ def stream_bits(model: GPT, streams: torch.Tensor, segment: int, edit_state=None
     return torch.cat(bits, 1)
 
 
-def held_out_streams(text: bytes, length: int, count: int) -> torch.Tensor:
-    """``count`` stretches of length + 1 bytes at evenly spaced offsets of ``text``: (count, length + 1) uint8."""
+def held_out_streams(text: bytes | torch.Tensor, length: int, count: int) -> torch.Tensor:
+    """``count`` stretches of length + 1 tokens at evenly spaced offsets of ``text`` (bytes, or a 1-D tensor of token
+    ids): (count, length + 1), uint8 for bytes."""
+    unit = "bytes" if isinstance(text, bytes) else "tokens"
     room = len(text) - (length + 1)
     if room < 0:
-        raise ValueError(f"the held-out text has {len(text)} bytes; streams of {length} bytes need at least "
+        raise ValueError(f"the held-out text has {len(text)} {unit}; streams of {length} {unit} need at least "
                          f"{length + 1}: lower --multiple or pass a longer --text")
-    data = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    data = torch.frombuffer(bytearray(text), dtype=torch.uint8) if isinstance(text, bytes) else text
     offsets = torch.linspace(0, room, count).round().long() if count > 1 else torch.zeros(1, dtype=torch.long)
     return torch.stack([data[o:o + length + 1] for o in offsets.tolist()])
 
@@ -86,11 +88,14 @@ def default_held_out() -> bytes:
     return StdlibDataModule()._load()[1]
 
 
-def length_eval(model: GPT, text: bytes, *, multiple: int = 16, streams: int = 32, edit_state=None) -> dict:
-    """Bits per byte by bucket of absolute position (:func:`bucket_edges`) when ``model`` reads ``streams``
+def length_eval(model: GPT, text: bytes, *, multiple: int = 16, streams: int = 32, edit_state=None,
+                tokenizer=None) -> dict:
+    """Bits per byte by bucket of absolute position (:func:`bucket_edges`, in tokens) when ``model`` reads ``streams``
     stretches of ``text`` to ``multiple`` times its training length. Returns {"attention", "seq_len", "streams",
     "edges", "bpb", "bpb_by_stream"} with one bpb per bucket [edges[i], edges[i + 1]), and every stream's
-    (streams, buckets). ``edit_state`` as in :func:`stream_bits`."""
+    (streams, buckets). ``edit_state`` as in :func:`stream_bits`. ``tokenizer`` (vqattn.train.tokenizer, the
+    checkpoint's: :func:`vqattn.train.lit.read_tokenizer`): the text is encoded with it, and a bucket's bits are
+    divided by the bytes its tokens stand for; None: bytes."""
     for name, value in (("multiple", multiple), ("streams", streams)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -99,8 +104,17 @@ def length_eval(model: GPT, text: bytes, *, multiple: int = 16, streams: int = 3
         raise ValueError(f"the model uses learned absolute positions (model.pos_emb=learned): it cannot read past "
                          f"its training length {T}; length generalisation needs pos_emb rope or none")
     edges = bucket_edges(T, multiple)
-    bits = stream_bits(model, held_out_streams(text, edges[-1], streams), T, edit_state)  # (streams, multiple·T)
-    by_stream = torch.stack([bits[:, a:b].mean(1) for a, b in zip(edges[:-1], edges[1:])], 1)  # (streams, buckets)
+    if tokenizer is None or tokenizer.spec == "bytes":
+        data, table = text, None
+    else:
+        data, table = torch.from_numpy(tokenizer.encode(text).astype("int64")), torch.from_numpy(tokenizer.token_bytes())
+    windows = held_out_streams(data, edges[-1], streams)
+    bits = stream_bits(model, windows, T, edit_state)  # (streams, multiple·T)
+    if table is None:
+        by_stream = torch.stack([bits[:, a:b].mean(1) for a, b in zip(edges[:-1], edges[1:])], 1)  # (streams, buckets)
+    else:
+        size = table[windows[:, 1:]].double()  # bytes of each target
+        by_stream = torch.stack([bits[:, a:b].sum(1) / size[:, a:b].sum(1) for a, b in zip(edges[:-1], edges[1:])], 1)
     return {"attention": model.config.attention, "seq_len": T, "streams": streams, "edges": edges,
             "bpb": by_stream.mean(0).tolist(), "bpb_by_stream": by_stream.tolist()}
 
@@ -257,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     add_threads_argument(p)
     args = p.parse_args(argv)
-    from .lit import load_model
+    from .lit import load_model, read_tokenizer
 
     saved = [path.endswith(".json") for path in args.ckpt]
     try:
@@ -275,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         use_threads(args.threads, "evaluating")
         if args.memory_decay is not None:
             model = read_with_memory_decay(model, args.memory_decay)
-        result = length_eval(model, text, multiple=args.multiple, streams=args.streams)
+        result = length_eval(model, text, multiple=args.multiple, streams=args.streams,
+                             tokenizer=read_tokenizer(args.ckpt[0]))
         if args.memory_decay is not None:
             result["memory_decay"] = args.memory_decay  # what the model was read with, not trained with
     except (ValueError, FileNotFoundError, json.JSONDecodeError) as err:

@@ -8,6 +8,9 @@ one-line errors, the cleanup of a run that saved nothing, the environment, and t
   During training GracefulInterrupt finishes the step and saves it: the wrapper prints the command that resumes
   the run in the same run dir. A second signal, or one before training, stops at once. The exit status is 128 plus
   the signal's number (130 for Ctrl-C, 143 for SIGTERM).
+- **Divergence.** A non-finite loss, gradient or weights stop training before that step is applied or saved
+  (vqattn.train.callbacks.NonFiniteGuard, LastCheckpoint): one line naming the step, the loss, the learning rate
+  and what to try, the last finite checkpoint and the command that resumes from it; exit status 1.
 - **Errors.** A configuration, data or checkpoint problem is one line (``error: ...``, exit status 2) in the
   console and in train.log; anything else is a bug and keeps its traceback (so does everything with
   ``HYDRA_FULL_ERROR=1``).
@@ -51,6 +54,21 @@ class Interrupted(Exception):
     def __init__(self, step: int, signum: int = signal.SIGINT):
         super().__init__(f"{stopped_by(signum)} at step {step}")
         self.step, self.signum = step, signum
+
+
+class Diverged(Exception):
+    """Training met a non-finite loss, gradient or weights at global step ``step`` (the optimizer steps done before
+    it) and stopped without applying or saving it (vqattn.train.callbacks.NonFiniteGuard); ``loss`` and ``lr`` are
+    that step's."""
+
+    def __init__(self, step: int, what: str, loss: float, lr: float):
+        super().__init__(f"training diverged at step {step}: {what} (loss {loss:.4g}, lr {lr:.3g}); try a lower "
+                         f"optim.lr, a longer optim.warmup_steps or a smaller trainer.gradient_clip_val, or "
+                         f"nonfinite=skip to skip such steps")
+        self.step, self.what, self.loss, self.lr = step, what, loss, lr
+
+
+DIVERGED_STATUS = 1
 
 
 class Aborted(Exception):
@@ -182,6 +200,12 @@ def task_wrapper(task):
                 print(f"\n{stop}: saved {run_dir / 'checkpoints' / 'last.ckpt'}\n"
                       f"resume with:\n  {resume_command(run_dir)}", file=sys.stderr)
             raise SystemExit(128 + stop.signum) from None
+        except Diverged as stop:
+            log_to_file(f"error: {stop}", logging.ERROR)
+            discard_failed_run(run_dir)
+            if is_rank_zero():
+                print(f"\nerror: {stop}\n{_last_checkpoint_line(run_dir)}", file=sys.stderr)
+            raise SystemExit(DIVERGED_STATUS) from None
         except (Aborted, KeyboardInterrupt) as stop:
             discard_failed_run(run_dir)
             checkpoint = run_dir / "checkpoints" / "last.ckpt"
@@ -205,6 +229,17 @@ def task_wrapper(task):
             restore_handlers(held)  # a multirun's next job is set up under the same handlers
 
     return wrapped
+
+
+def _last_checkpoint_line(run_dir: Path) -> str:
+    """Where a stopped run's last finite state is, and the command that resumes from it (nothing was saved yet: say
+    so)."""
+    checkpoint = run_dir / "checkpoints" / "last.ckpt"
+    if not checkpoint.exists():
+        return "no checkpoint was saved before it: nothing to resume"
+    step = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)["global_step"]
+    return (f"the last finite checkpoint is {checkpoint} (step {step}); with a change from the line above, resume "
+            f"with:\n  {resume_command(run_dir)}")
 
 
 def resume_command(run_dir: Path) -> str:

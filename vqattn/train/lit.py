@@ -67,8 +67,10 @@ class SummedNLL(Metric):
     edges[k] <= t < edges[k + 1]; the last bucket is open-ended. The states are
     per-bucket sums reduced with ``dist_reduce_fx="sum"``, so under DDP ``compute`` returns the exact means over
     all ranks' tokens, however unevenly the ranks' batches are sized:
-        loss = sum NLL / count,  bpb = loss / ln 2 (one token is one byte),  acc = correct / count,
-    and the token-weighted mean of the buckets' bpb is the total bpb. ``update`` reads nothing on the host.
+        loss = sum NLL / count (nats per token),  bpb = sum NLL / (ln 2 · bytes),  acc = correct / count,
+    where bytes sums ``token_bytes[target]``, the bytes of text each target token stands for (None: one byte per
+    token, the byte tokenizer's), so that bpb compares runs with different tokenizers; the byte-weighted mean of
+    the buckets' bpb is the total bpb. ``update`` reads nothing on the host.
     """
 
     full_state_update = False
@@ -82,6 +84,8 @@ class SummedNLL(Metric):
         self.add_state("nll_sum", torch.zeros(k, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("count", torch.zeros(k, dtype=torch.long), dist_reduce_fx="sum")
         self.add_state("correct", torch.zeros(k, dtype=torch.long), dist_reduce_fx="sum")
+        self.add_state("bytes", torch.zeros(k, dtype=torch.long), dist_reduce_fx="sum")
+        self.token_bytes: torch.Tensor | None = None  # (V,) bytes per token id; None: one each
         self.add_state("last_position", torch.tensor(0), dist_reduce_fx="max")  # names the open-ended bucket
 
     def update(self, logits: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None) -> None:
@@ -100,11 +104,17 @@ class SummedNLL(Metric):
         bucket = bucket.expand_as(targets).flatten()  # (B T,)
         self.nll_sum.index_add_(0, bucket, nll.double())
         self.count.index_add_(0, bucket, mask.flatten().long())
+        if self.token_bytes is None:
+            self.bytes.index_add_(0, bucket, mask.flatten().long())
+        else:
+            table = self.token_bytes.to(targets.device)
+            size = table[targets.clamp(0, len(table) - 1)] * mask  # (B, T), 0 where unlabelled
+            self.bytes.index_add_(0, bucket, size.flatten().long())
         self.correct.index_add_(0, bucket, correct.flatten().long())
 
     def compute(self) -> dict:
-        """{"loss", "bpb", "acc"} (0-dim tensors) over all tokens and ``"by_position"``: {"A_B": {"bpb", "acc",
-        "tokens"}} for each bucket of positions A..B that holds labelled tokens (B: its upper edge - 1, or the
+        """{"loss", "bpb", "acc", "bytes_per_token"} (0-dim tensors) over all tokens and ``"by_position"``: {"A_B":
+        {"bpb", "acc", "tokens"}} for each bucket of positions A..B that holds labelled tokens (B: its upper edge - 1, or the
         last position seen if smaller)."""
         count = self.count.sum()
         if count == 0:
@@ -113,10 +123,13 @@ class SummedNLL(Metric):
         end = int(self.last_position) + 1
         uppers = [min(edge, end) for edge in (*self.lower_edges[1:], end)]
         by_position = {
-            f"{lo}_{hi - 1}": {"bpb": float(nll / n / LN2), "acc": float(c / n), "tokens": int(n)}
-            for lo, hi, nll, n, c in zip(self.lower_edges, uppers, self.nll_sum, self.count, self.correct) if n > 0
+            f"{lo}_{hi - 1}": {"bpb": float(nll / max(int(b), 1) / LN2), "acc": float(c / n), "tokens": int(n)}
+            for lo, hi, nll, n, c, b in zip(self.lower_edges, uppers, self.nll_sum, self.count, self.correct,
+                                            self.bytes) if n > 0
         }
-        return {"loss": loss, "bpb": loss / LN2, "acc": self.correct.sum().double() / count, "by_position": by_position}
+        n_bytes = self.bytes.sum().clamp(min=1)
+        return {"loss": loss, "bpb": self.nll_sum.sum() / n_bytes / LN2, "acc": self.correct.sum().double() / count,
+                "bytes_per_token": n_bytes.double() / count, "by_position": by_position}
 
 
 def packed_forward(model: GPT, x: torch.Tensor, starts: torch.Tensor) -> tuple[GPTOutput, torch.Tensor]:
@@ -222,6 +235,15 @@ def read_checkpoint(path: str | Path) -> dict:
     return checkpoint
 
 
+def read_tokenizer(path: str | Path):
+    """The tokenizer the trainer checkpoint at ``path`` was trained with (vqattn.train.tokenizer): the one it keeps,
+    else (a checkpoint from before tokenizers) bytes."""
+    from .tokenizer import from_json
+
+    kept = read_checkpoint(path).get("tokenizer") or {}
+    return from_json(kept.get("json"), kept.get("spec", "bytes"))
+
+
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> GPT:
     """The GPT of the trainer checkpoint at ``path``, in eval mode on ``device``: its GPTConfig from the
     checkpoint's hyper_parameters["model"], its tensors from the state_dict's ``model.`` entries (LitLM.model).
@@ -289,6 +311,7 @@ class LitLM(L.LightningModule):
         self.val_carry = CarriedState()  # the carried validation pass's state
         self.last_validation: dict | None = None  # {"step", "val_loss", "val_bpb", "val_acc", "codebook_..."}
         self.buffer_divergence = 0.0  # set by on_train_end, see rank_divergence
+        self.tokenizer = None  # the data's (vqattn.train.tokenizer), kept in checkpoints; None: bytes
 
     def forward(self, idx: torch.Tensor):
         return self.model(idx)
@@ -299,6 +322,8 @@ class LitLM(L.LightningModule):
                              "(data.stream=true, a byte corpus), whose row r of batch i + 1 continues row r of batch i")
         if stage == "fit":
             self._stream_groups = getattr(self.trainer.datamodule, "stream_groups", 1)
+        token_bytes = getattr(self.trainer.datamodule, "token_bytes", None)  # bits per byte of text, any tokenizer
+        self.val_nll.token_bytes = self.val_nll_carried.token_bytes = token_bytes
 
     def training_step(self, batch, batch_idx):
         x, y, *packed = batch  # (B, T) each; packed documents add their starts (B, T) bool
@@ -331,6 +356,22 @@ class LitLM(L.LightningModule):
 
     def on_train_batch_start(self, batch, batch_idx):
         set_feature_step(self.model, self.trainer.global_step)  # Performer redraws follow the global step
+
+    def on_train_start(self):
+        """A resumed run trains at the configured ``optim.lr``, not at the one its checkpoint's optimizer and schedule
+        saved: its schedule is scaled by configured / saved lr (nothing changes when they agree), so that a run
+        resumed from its last finite checkpoint with a lower lr, as a divergence advises, takes it."""
+        for config in self.trainer.lr_scheduler_configs:
+            scheduler, optimizer = config.scheduler, config.scheduler.optimizer
+            saved = getattr(scheduler, "base_lrs", [None])[0]
+            if not saved or optimizer.defaults.get("lr") in (None, saved):
+                continue
+            ratio = optimizer.defaults["lr"] / saved
+            scheduler.base_lrs = [lr * ratio for lr in scheduler.base_lrs]
+            for group in optimizer.param_groups:
+                group["lr"] *= ratio
+                group["initial_lr"] = group.get("initial_lr", saved) * ratio
+            scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
     def on_train_end(self):
         self.buffer_divergence = self.rank_divergence()
@@ -372,8 +413,9 @@ class LitLM(L.LightningModule):
             vals = metric.compute()  # already summed over ranks: identical everywhere
             metric.reset()
             if not suffix:  # positions of the independent windows (a carried segment continues earlier ones)
-                by_position = vals["by_position"]
-            metrics.update({f"val_{k}{suffix}": float(v) for k, v in vals.items() if k != "by_position"})
+                by_position, bytes_per_token = vals["by_position"], float(vals["bytes_per_token"])
+            metrics.update({f"val_{k}{suffix}": float(v) for k, v in vals.items()
+                            if k not in ("by_position", "bytes_per_token")})
         self.val_carry.reset()
         metrics.update({f"codebook_{k}": float(v) for k, v in self.model.codebook_stats().items()})
         metrics.update({f"val_{k}_pos_{name}": bucket[k] for name, bucket in by_position.items() for k in ("bpb", "acc")})
@@ -383,7 +425,8 @@ class LitLM(L.LightningModule):
         # The row's step is global_step, the number of optimizer steps done (Lightning's own step for epoch-end
         # logging is the last batch index, 199 for the validation after 200 steps); a logged "step" sets it.
         self.log("step", float(self.global_step), sync_dist=True)
-        self.last_validation = {"step": self.global_step, **metrics, "by_position": by_position}
+        self.last_validation = {"step": self.global_step, **metrics, "by_position": by_position,
+                                "bytes_per_token": bytes_per_token}  # of the validation windows: not a curve to log
 
     def configure_optimizers(self):
         # Matrices decay; norms, biases, scalars (e.g. learned temperatures) and codebooks do not.
@@ -397,6 +440,8 @@ class LitLM(L.LightningModule):
     # The carried state travels with the checkpoint, every rank's (saving is a collective under DDP: see
     # vqattn.train.carry), so that a resumed run continues its rows from the state it stopped with.
     def on_save_checkpoint(self, checkpoint):
+        if self.tokenizer is not None:  # the checkpoint decodes its own samples (read_tokenizer)
+            checkpoint["tokenizer"] = {"spec": self.tokenizer.spec, "json": self.tokenizer.to_json()}
         if self.carry is not None:
             checkpoint["carry_state"] = self.carry.gathered(self.trainer.world_size)
 
