@@ -26,7 +26,10 @@ SHAPE_KEY = ["S", "DC", "DV", "L"]
 
 def configs(first: dict, **choices) -> list:
     """``triton.Config`` for ``first`` (meta-parameters and num_warps / num_stages), then every other combination
-    of ``choices`` (name: values), each setting ``first``'s names where it does not choose them."""
+    of ``choices`` (name: values), each setting ``first``'s names where it does not choose them; none without
+    Triton (no kernel is defined then)."""
+    if triton is None:
+        return []
     names = list(choices)
     settings = [first] + [dict(first, **dict(zip(names, values))) for values in itertools.product(*choices.values())]
     unique = list({tuple(sorted(s.items())): s for s in settings}.values())  # first stays first
