@@ -1,4 +1,7 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -7,6 +10,12 @@ import torch
 # first import of vqattn.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The token files the trainer's tests make go to a directory of this run (shared by its xdist workers, which inherit
+# the variable), not to the user's cache (~/.cache/vqattn/tokens), unless the caller chose one.
+if "VQATTN_CACHE_DIR" not in os.environ:
+    os.environ["VQATTN_CACHE_DIR"] = tempfile.mkdtemp(prefix="vqattn-test-tokens-")
+    atexit.register(shutil.rmtree, os.environ["VQATTN_CACHE_DIR"], ignore_errors=True)
 
 from vqattn.ops.blocks import Schedule  # noqa: E402
 
