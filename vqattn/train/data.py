@@ -267,7 +267,6 @@ class ByteDataModule(_LMDataModule):
         self.train_starts: np.ndarray | None = None  # with pack_documents: each document's first token index
         self.train_file: tokens.TokenFile | None = None  # train_data's file, for random windows
         self.token_bytes = torch.from_numpy(self.tokenizer.token_bytes())  # (V,) bytes per token id
-        self.val_bytes_per_token: float | None = None  # of the whole validation split
         self.split_sizes: dict | None = None  # each split's bytes and tokens, once set up (results.json's corpus)
 
     def _units(self) -> tuple[list, list]:
@@ -284,6 +283,12 @@ class ByteDataModule(_LMDataModule):
     def corpus(self) -> dict:
         sizes = {} if self.split_sizes is None else self.split_sizes
         return {**super().corpus(), **sizes}
+
+    @property
+    def val_bytes_per_token(self) -> float | None:
+        """Bytes per token of the whole validation split, once set up."""
+        sizes = self.split_sizes
+        return None if sizes is None else sizes["val_bytes"] / sizes["val_tokens"]
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_data is not None:
@@ -303,7 +308,6 @@ class ByteDataModule(_LMDataModule):
         self.split_sizes = {f"{name}_{unit}": count for name in ("train", "val")
                             for unit, count in (("bytes", splits[name].n_bytes), ("tokens", len(splits[name].tokens)))}
         self.train_file = splits["train"].file
-        self.val_bytes_per_token = splits["val"].n_bytes / len(val_data)
         val_starts = None
         if self.pack_documents:
             self.train_starts, val_starts = splits["train"].starts, splits["val"].starts
