@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import csv
+import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -40,13 +42,15 @@ def last_rate(metrics: Path) -> float:
 
 
 def run(args: argparse.Namespace, attention: str, root: Path) -> float | str:
-    """Tokens per second of one run, or the last line of its error."""
+    """Tokens per second of one run, or its error: the exception's own line (Hydra's full traceback asked for, whose
+    last line is otherwise a hint to set HYDRA_FULL_ERROR)."""
     run_dir = root / attention
     done = subprocess.run([sys.executable, str(ROOT / "train.py"), *overrides(args, attention, run_dir)], cwd=ROOT,
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env={**os.environ, "HYDRA_FULL_ERROR": "1"})
     if done.returncode != 0:
         lines = (done.stderr or done.stdout).strip().splitlines()
-        return lines[-1] if lines else f"exit {done.returncode}"
+        errors = [line for line in lines if re.match(r"^[\w.]+(Error|Exception)\b", line)]
+        return (errors or lines or [f"exit {done.returncode}"])[-1]
     return last_rate(run_dir / "metrics.csv")
 
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from .layers import ATTENTIONS, AttentionState, build_attention
 from .ops.checks import check_choice, check_positive_int, compute_dtype
-from .ops.varlen import check_cu_seqlens, check_state_list, packed_positions
+from .ops.varlen import Packing, as_packing, check_state_list, read_packing
 
 IGNORE_INDEX = -1  # the target value the loss and every metric skip (unlabelled positions)
 
@@ -193,7 +193,7 @@ class GPT(nn.Module):
         *,
         state: GPTState | None = None,
         return_state: bool = False,
-        cu_seqlens: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | Packing | None = None,
     ) -> GPTOutput:
         """idx, targets: (B, T) token ids. loss is the mean NLL; aux_loss is returned separately.
 
@@ -204,15 +204,18 @@ class GPT(nn.Module):
         ``cu_seqlens`` (int32 (N+1,), flash-attn's convention, with B = 1): idx packs N sequences (documents)
         along T, and no token sees another sequence; positions restart at each (:mod:`vqattn.ops.varlen`). The
         loss is the mean over all tokens, as unpacked. ``state`` is then a list of N GPTStates (None entries start
-        fresh) and the output's state such a list.
+        fresh) and the output's state such a list. The boundaries are read on the host once per call (never per
+        layer); a :class:`~vqattn.ops.varlen.Packing` built where they are known (a data loader) is not read at all.
         """
         positions = None
         if cu_seqlens is not None:
             self._check_idx("idx", idx, 0)
             if state is not None or return_state:
-                bounds = check_cu_seqlens(cu_seqlens, batch=idx.shape[0], length=idx.shape[1])
-                return self._per_sequence(idx, targets, bounds, state, return_state)
-            positions = packed_positions(cu_seqlens, batch=idx.shape[0], length=idx.shape[1], device=idx.device)
+                packing = as_packing(cu_seqlens, batch=idx.shape[0], length=idx.shape[1])
+                return self._per_sequence(idx, targets, packing.bounds, state, return_state)
+            # read once here, and handed to every layer as a Packing: no layer or op reads them again
+            cu_seqlens, positions = read_packing(cu_seqlens, batch=idx.shape[0], length=idx.shape[1],
+                                                 device=idx.device)
         if state is not None and not isinstance(state, GPTState):
             raise ValueError(f"state must be a GPTState or None, got {type(state).__name__}")
         start = 0 if state is None else state.pos
@@ -234,7 +237,7 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1).to(compute_dtype(logits.dtype)), targets.flatten(),
                                ignore_index=IGNORE_INDEX)
 
-    def _per_sequence(self, idx, targets, bounds: list[int], state, return_state: bool) -> GPTOutput:
+    def _per_sequence(self, idx, targets, bounds: tuple[int, ...], state, return_state: bool) -> GPTOutput:
         """A packed call with states: each sequence alone with its own state (their positions differ)."""
         check_state_list(state, bounds, "GPTStates")
         if targets is not None and (not isinstance(targets, torch.Tensor) or targets.shape != idx.shape):

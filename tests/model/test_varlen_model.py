@@ -126,3 +126,41 @@ def test_compiled_packed_calls_do_not_recompile_for_new_documents(name):
         with torch._dynamo.config.patch(error_on_recompile=i >= 2):
             out = compiled(idx, idx, cu_seqlens=cu)
         torch.testing.assert_close(out.logits, model(idx, idx, cu_seqlens=cu).logits)
+
+
+def _host_reads(model: GPT, idx, cu_seqlens, monkeypatch) -> int:
+    """The tensor reads on the host of one packed training step (forward and backward), counted as on a GPU."""
+    from vqattn.ops import nonfinite
+
+    reads = []
+    monkeypatch.setattr(nonfinite, "host_read_is_free", lambda x: False)
+    for method in ("__bool__", "item", "tolist", "__int__", "__float__", "__index__"):
+        original = getattr(torch.Tensor, method)
+
+        def counted(self, *args, _original=original, _method=method, **kwargs):
+            if not torch.compiler.is_compiling():
+                reads.append(_method)
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, method, counted)
+    out = model(idx, idx, cu_seqlens=cu_seqlens)
+    (out.loss + out.aux_loss).backward()
+    monkeypatch.undo()
+    return len(reads)
+
+
+@pytest.mark.parametrize("name", sorted(ATTENTIONS))
+def test_a_packed_step_reads_the_boundaries_once_whatever_the_depth(name, monkeypatch):
+    """The model reads ``cu_seqlens`` once and hands a Packing to every layer: the host reads of a packed step
+    (forward and backward) do not grow with the number of layers: one read of a tensor, none of a Packing."""
+    from vqattn.ops.varlen import Packing
+
+    idx = torch.randint(0, 256, (1, 71), generator=torch.Generator().manual_seed(0))
+    cu = torch.tensor(BOUNDS, dtype=torch.int32)
+    counts = {}
+    for n_layer in (2, 4):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(attention=name, n_layer=n_layer, n_embd=32, n_head=2, seq_len=80, short_conv=3,
+                              attention_kwargs=LAYER_KWARGS.get(name, {}))).train()
+        counts[n_layer] = (_host_reads(model, idx, cu, monkeypatch),
+                           _host_reads(model, idx, Packing.from_bounds(BOUNDS), monkeypatch))
+    assert counts[2] == counts[4] == (1, 0), counts

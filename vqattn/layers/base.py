@@ -14,7 +14,7 @@ import torch.nn as nn
 from ..modules.conv import ShortConvolution
 from ..modules.rope import rope_rotate
 from ..ops.checks import check_positive_int
-from ..ops.varlen import check_cu_seqlens, check_state_list, packed_positions
+from ..ops.varlen import Packing, as_packing, check_state_list, read_packing
 
 
 @dataclass
@@ -173,7 +173,7 @@ class Attention(nn.Module):
 
     def forward(
         self, x: torch.Tensor, state: AttentionState | None = None, return_state: bool = False,
-        cu_seqlens: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | Packing | None = None,
     ) -> AttentionOutput:
         """x: (B, T, C) -> AttentionOutput(output (B, T, C), aux_loss (scalar), state or None).
 
@@ -183,15 +183,16 @@ class Attention(nn.Module):
         ``cu_seqlens`` (int32 (N+1,), with B = 1): x packs N sequences along T (:mod:`vqattn.ops.varlen`); each
         is attended as a call of its own would attend it (RoPE positions, the short convolution and the op all
         restart at its first token). ``state`` is then a list of N states (None entries start fresh) and the
-        returned state such a list.
+        returned state such a list. A :class:`~vqattn.ops.varlen.Packing` (boundaries already read, as the model
+        hands them to its layers) is taken in place of the tensor.
         """
         check_layer_input(x, self.dim)
         positions = None
         if cu_seqlens is not None:
             if state is not None or return_state:
-                bounds = check_cu_seqlens(cu_seqlens, batch=x.shape[0], length=x.shape[1])
-                return self._per_sequence(x, bounds, state, return_state)
-            positions = packed_positions(cu_seqlens, batch=x.shape[0], length=x.shape[1], device=x.device)
+                packing = as_packing(cu_seqlens, batch=x.shape[0], length=x.shape[1])
+                return self._per_sequence(x, packing.bounds, state, return_state)
+            cu_seqlens, positions = read_packing(cu_seqlens, batch=x.shape[0], length=x.shape[1], device=x.device)
         if state is not None and not isinstance(state, AttentionState):
             raise ValueError(f"state must be an AttentionState or None, got {type(state).__name__}")
         b, t, c = x.shape
@@ -212,7 +213,7 @@ class Attention(nn.Module):
         aux_loss = x.new_zeros(()) if aux_loss is None else aux_loss
         return AttentionOutput(y, aux_loss, AttentionState(pos + t, inner, conv) if return_state else None)
 
-    def _per_sequence(self, x, bounds: list[int], state, return_state: bool) -> AttentionOutput:
+    def _per_sequence(self, x, bounds: tuple[int, ...], state, return_state: bool) -> AttentionOutput:
         """A packed call with states: each sequence alone, with its own state; the aux loss their token-weighted
         mean, as one packed call gives it."""
         check_state_list(state, bounds, "AttentionStates")
@@ -222,10 +223,9 @@ class Attention(nn.Module):
         return AttentionOutput(torch.cat([p.output for p in parts], 1), aux,
                                [p.state for p in parts] if return_state else None)
 
-    def _attend(self, q, k, v, pos: int | torch.Tensor, state, return_state: bool,
-                cu_seqlens: torch.Tensor | None = None):
-        """q, k, v (B, H, T, Dh) at positions pos.. (an int; or, with ``cu_seqlens``, the (T,) positions of
-        packed sequences, then with no state) -> (out (B, H, T, Dh), aux loss or None, the op's state or None)."""
+    def _attend(self, q, k, v, pos: int | torch.Tensor, state, return_state: bool, cu_seqlens: Packing | None = None):
+        """q, k, v (B, H, T, Dh) at positions pos.. (an int; or, with ``cu_seqlens`` (a Packing), the (T,)
+        positions of packed sequences, then with no state) -> (out (B, H, T, Dh), aux loss or None, the op's state or None)."""
         raise NotImplementedError
 
     def state_floats(self, seq_len: int) -> int:
@@ -261,10 +261,10 @@ class CachedAttention(Attention):
     def _quadratic(self, q, k, v):
         raise NotImplementedError
 
-    @torch.compiler.disable  # the boundaries are read on the host (see vqattn.ops.varlen)
-    def _packed_quadratic(self, q, k, v, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    @torch.compiler.disable  # one call per sequence: a graph would recompile for every new batch of documents
+    def _packed_quadratic(self, q, k, v, cu_seqlens: Packing) -> torch.Tensor:
         """Causal attention of packed sequences: each one's ``_quadratic`` alone."""
-        bounds = cu_seqlens.tolist()
+        bounds = cu_seqlens.bounds
         return torch.cat([self._quadratic(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b])
                           for a, b in zip(bounds, bounds[1:])], 2)
 

@@ -5,11 +5,15 @@ boundaries, 0 = cu₀ < cu₁ < … < cu_N = T, so sequence i is tokens cuᵢ �
 exactly as a call of its own would attend it: the window is cut at its start, the code counts and value sums
 start from zero, ovq's memory starts empty, and ``memory_cap`` and ``memory_decay`` count from its first token.
 
-:func:`varlen` adds the argument to an op. Two ways to run a packed call, both exact:
+:func:`varlen` adds the argument to an op. ``cu_seqlens`` may also be a :class:`Packing`, the boundaries already
+read on the host (a model reads them once per batch and hands the same Packing to every layer and op). Two ways
+to run a packed call, both exact:
 
-- **Padded batch** (causal calls without state): the sequences become the rows of one (N, H, L_max, …) call,
-  right-padded with zeros. Causality makes the pads invisible to the real tokens, so one batched launch (the
-  Triton kernels included) computes every sequence; it does L_max·N token-slots of work for T tokens.
+- **Length classes** (causal calls without state): the sequences are grouped by their number of blocks of L
+  (the op's ``block_len``, else :data:`~vqattn.ops.blocks.DEFAULT_BLOCK_LEN`); a class of one sequence runs as
+  the op's own call on its tokens, a class of several as one batch (n, H, L_class, …), right-padded with zeros.
+  Causality makes the pads invisible to the real tokens, and a sequence is padded by less than one block, so a
+  packed row costs its tokens plus one launch per class, never N × the longest (the Triton kernels included).
 - **One call per sequence** (with a ``state``, with ``return_state``, or non-causal): a state belongs to one
   sequence's position, so ``state`` is then a list of N states, one per sequence (None entries start fresh), and
   ``return_state`` returns such a list.
@@ -22,12 +26,15 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
+from .blocks import DEFAULT_BLOCK_LEN, time_range
 from .common.statistics import Assignment, map_time
 
-__all__ = ["varlen", "check_cu_seqlens", "cu_seqlens_from_starts", "positions", "packed_positions", "check_state_list"]
+__all__ = ["varlen", "Packing", "as_packing", "check_cu_seqlens", "cu_seqlens_from_starts", "positions",
+           "read_packing", "check_state_list"]
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, *, batch: int, length: int) -> list[int]:
@@ -36,18 +43,27 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, *, batch: int, length: int) -> li
         what = (f"a {cu_seqlens.dtype} tensor of {cu_seqlens.dim()} dims" if isinstance(cu_seqlens, torch.Tensor)
                 else type(cu_seqlens).__name__)
         raise ValueError(f"cu_seqlens must be a 1-D int32 tensor (flash-attn's convention), got {what}")
+    _check_batch(batch)
+    bounds = cu_seqlens.tolist()
+    _check_bounds(bounds, length)
+    return bounds
+
+
+def _check_batch(batch: int) -> None:
     if batch != 1:
         raise ValueError(f"cu_seqlens packs the sequences along T, so the batch must be 1, got B = {batch}")
-    bounds = cu_seqlens.tolist()
+
+
+def _check_bounds(bounds: Sequence[int], length: int) -> None:
     if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != length:
         raise ValueError(f"cu_seqlens must start at 0 and end at T = {length} with at least one sequence, "
                          f"got {_shown(bounds)}")
     if any(b <= a for a, b in zip(bounds, bounds[1:])):
         raise ValueError(f"cu_seqlens must be strictly increasing (every sequence holds a token), got {_shown(bounds)}")
-    return bounds
 
 
-def _shown(bounds: list[int]) -> str:
+def _shown(bounds: Sequence[int]) -> str:
+    bounds = list(bounds)
     return str(bounds) if len(bounds) <= 12 else f"[{', '.join(map(str, bounds[:10]))}, …, {bounds[-1]}]"
 
 
@@ -75,12 +91,129 @@ def positions(cu_seqlens: torch.Tensor | Sequence[int], offsets: Sequence[int] |
     return torch.arange(cu_seqlens[-1], device=device) - first
 
 
+class LengthClass(NamedTuple):
+    """The sequences of a packed row that hold the same number of blocks, run as one call (:class:`Packing`).
+
+    span: (a, b), the tokens of the class's one sequence, or None for several; index (n, width) long: the tokens
+    of its n sequences, right-padded with T (the zero pad) to the longest, ``width``; real (Σ lengths,) long: the
+    real slots of the flattened (n·width) batch, in order.
+    """
+
+    span: tuple[int, int] | None
+    index: torch.Tensor | None
+    real: torch.Tensor | None
+
+
+class _Classes(NamedTuple):
+    classes: tuple[LengthClass, ...]
+    order: torch.Tensor | None  # (T,) long: token t's place in the classes' outputs laid end to end; None: in order
+
+
+class Packing:
+    """The boundaries of a packed row, read on the host once, and what is derived from them: the tokens' positions
+    and the length classes that :func:`varlen` runs. A model builds one per batch (:meth:`of`) and hands it to
+    every layer and op as their ``cu_seqlens``: none of them reads the boundaries back from the device again.
+
+    ``cu_seqlens`` the (N+1,) int32 tensor (on the inputs' device), ``bounds`` the same as Python ints.
+    """
+
+    __slots__ = ("cu_seqlens", "bounds", "_positions", "_classes")
+
+    def __init__(self, cu_seqlens: torch.Tensor, bounds: Sequence[int]):
+        self.cu_seqlens, self.bounds = cu_seqlens, tuple(bounds)
+        self._positions: torch.Tensor | None = None
+        self._classes: dict[int, _Classes] = {}
+
+    @classmethod
+    def of(cls, cu_seqlens: torch.Tensor | Packing, *, batch: int, length: int) -> Packing:
+        """``cu_seqlens`` checked (a ValueError names it) and read once: a Packing, or the given one checked
+        against the batch and length of the call, with no read."""
+        if isinstance(cu_seqlens, Packing):
+            _check_batch(batch)
+            _check_bounds(cu_seqlens.bounds, length)
+            return cu_seqlens
+        return cls(cu_seqlens, check_cu_seqlens(cu_seqlens, batch=batch, length=length))
+
+    @classmethod
+    def from_bounds(cls, bounds: Sequence[int], device: torch.device | str | None = None) -> Packing:
+        """A Packing of boundaries known on the host (a data loader's, a tokenizer's lengths): no read."""
+        bounds = [int(b) for b in bounds]
+        _check_bounds(bounds, bounds[-1] if bounds else 0)
+        return cls(torch.tensor(bounds, dtype=torch.int32, device=device), bounds)
+
+    @classmethod
+    def from_starts(cls, starts: torch.Tensor, device: torch.device | str | None = None) -> Packing:
+        """The Packing of a packed row from a bool mask (T,), True at each sequence's first token (the first token
+        always starts one): one read of the mask, wherever it lives; ``cu_seqlens`` on ``device`` (default: the
+        mask's)."""
+        host = starts.detach().to("cpu", torch.bool).clone()
+        host[0] = True
+        bounds = [*host.nonzero().flatten().tolist(), host.numel()]
+        return cls(torch.tensor(bounds, dtype=torch.int32).to(starts.device if device is None else device), bounds)
+
+    @property
+    def length(self) -> int:
+        return self.bounds[-1]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [b - a for a, b in zip(self.bounds, self.bounds[1:])]
+
+    def positions(self, device: torch.device | None = None) -> torch.Tensor:
+        """(T,) long: each token's position in its own sequence (:func:`positions`), formed once."""
+        device = self.cu_seqlens.device if device is None else torch.device(device)
+        if self._positions is None or self._positions.device != device:
+            self._positions = positions(self.bounds, device=device)
+        return self._positions
+
+    def classes(self, block_len: int) -> _Classes:
+        """The sequences grouped by their number of blocks of ``block_len`` (formed once per block length): each
+        sequence is padded by less than one block, whatever the others' lengths."""
+        if block_len not in self._classes:
+            self._classes[block_len] = self._group(block_len)
+        return self._classes[block_len]
+
+    def _group(self, block_len: int) -> _Classes:
+        device, bounds = self.cu_seqlens.device, self.bounds
+        members: dict[int, list[int]] = {}
+        for i, n in enumerate(self.lengths):
+            members.setdefault(-(-n // block_len), []).append(i)
+        classes, placed = [], []
+        for _, seqs in sorted(members.items()):
+            if len(seqs) == 1:
+                a, b = bounds[seqs[0]], bounds[seqs[0] + 1]
+                classes.append(LengthClass((a, b), None, None))
+                placed.extend(range(a, b))
+                continue
+            width = max(bounds[i + 1] - bounds[i] for i in seqs)
+            index, real = [], []
+            for row, i in enumerate(seqs):
+                a, b = bounds[i], bounds[i + 1]
+                index.append([*range(a, b), *[self.length] * (width - (b - a))])
+                real.extend(range(row * width, row * width + b - a))
+                placed.extend(range(a, b))
+            classes.append(LengthClass(None, torch.tensor(index, device=device), torch.tensor(real, device=device)))
+        order = None
+        if placed != list(range(self.length)):
+            order = torch.empty(self.length, dtype=torch.long)
+            order[torch.tensor(placed)] = torch.arange(self.length)
+            order = order.to(device)
+        return _Classes(tuple(classes), order)
+
+
+def as_packing(cu_seqlens: torch.Tensor | Packing, *, batch: int, length: int) -> Packing:
+    """:meth:`Packing.of`: what a layer or op does with its ``cu_seqlens`` argument."""
+    return Packing.of(cu_seqlens, batch=batch, length=length)
+
+
 @torch.compiler.disable
-def packed_positions(cu_seqlens: torch.Tensor, *, batch: int, length: int, device: torch.device) -> torch.Tensor:
-    """:func:`check_cu_seqlens`, then :func:`positions`: what a packed layer or model call needs, outside
-    ``torch.compile``: the boundaries are read on the host, and a compiled graph that saw them as numbers would
-    recompile for every new batch of documents."""
-    return positions(check_cu_seqlens(cu_seqlens, batch=batch, length=length), device=device)
+def read_packing(cu_seqlens: torch.Tensor | Packing, *, batch: int, length: int,
+                 device: torch.device) -> tuple[Packing, torch.Tensor]:
+    """:func:`as_packing` and its (T,) positions on ``device``: what a packed layer or model call needs, outside
+    ``torch.compile``: the boundaries are read on the host (unless given as a Packing), and a compiled graph that
+    saw them as numbers would recompile for every new batch of documents."""
+    packing = as_packing(cu_seqlens, batch=batch, length=length)
+    return packing, packing.positions(device)
 
 
 def _time_map(x, fn):
@@ -96,7 +229,7 @@ def _padded(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x[:, index].movedim(1, 0)
 
 
-def check_state_list(state, bounds: list[int], kind: str = "states") -> None:
+def check_state_list(state, bounds: Sequence[int], kind: str = "states") -> None:
     """ValueError unless ``state`` is None or a list of one state per sequence of ``bounds`` (None entries start
     fresh): what a packed call with states takes, in the ops, the layers and the model."""
     n = len(bounds) - 1
@@ -106,7 +239,7 @@ def check_state_list(state, bounds: list[int], kind: str = "states") -> None:
                          f"fresh), got {type(state).__name__}{size}")
 
 
-def _per_sequence(call, per_token: dict, bounds: list[int], state, return_state: bool):
+def _per_sequence(call, per_token: dict, bounds: Sequence[int], state, return_state: bool):
     check_state_list(state, bounds)
     outs, states = [], []
     for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
@@ -119,17 +252,22 @@ def _per_sequence(call, per_token: dict, bounds: list[int], state, return_state:
     return (out, states) if return_state else out
 
 
-def _padded_batch(call, per_token: dict, bounds: list[int]):
-    device = next(x for x in per_token.values() if isinstance(x, torch.Tensor)).device
-    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
-    width, total = max(lengths), bounds[-1]
-    slot = torch.arange(width, device=device)
-    start, length = (torch.tensor(x, device=device)[:, None] for x in (bounds[:-1], lengths))
-    index = torch.where(slot < length, start + slot, total)  # (N, L_max) into T; T is the zero pad
-    out = call(**{name: _time_map(x, lambda t: _padded(t, index)) for name, x in per_token.items()},
-               state=None, return_state=False)  # (N, H, L_max, Dv)
-    flat = (slot + torch.arange(len(lengths), device=device)[:, None] * width)[slot < length]  # real slots, in order
-    return out.movedim(0, 1).flatten(1, 2)[:, flat].unsqueeze(0)  # (1, H, T, Dv)
+def _by_class(call, per_token: dict, packing: Packing, block_len: int):
+    """Every length class of ``packing`` as one call (see the module docstring), the outputs back in token order:
+    (1, H, T, Dv)."""
+    classes, order = packing.classes(block_len)
+    pieces = []
+    for c in classes:
+        if c.span is not None:
+            a, b = c.span
+            pieces.append(call(**{name: _time_map(x, lambda t: time_range(t, a, b)) for name, x in per_token.items()},
+                               state=None, return_state=False))
+            continue
+        out = call(**{name: _time_map(x, lambda t: _padded(t, c.index)) for name, x in per_token.items()},
+                   state=None, return_state=False)  # (n, H, width, Dv)
+        pieces.append(out.movedim(0, 1).flatten(1, 2)[:, c.real].unsqueeze(0))  # (1, H, Σ lengths, Dv)
+    out = torch.cat(pieces, 2) if len(pieces) > 1 else pieces[0]
+    return out if order is None else out.index_select(2, order)
 
 
 def _stateless(op: Callable) -> Callable:
@@ -148,7 +286,7 @@ def varlen(per_token: tuple[str, ...]) -> Callable:
         stateful = "state" in signature.parameters
 
         @functools.wraps(op)
-        def packed(*args, cu_seqlens: torch.Tensor | None = None, **kwargs):
+        def packed(*args, cu_seqlens: torch.Tensor | Packing | None = None, **kwargs):
             if cu_seqlens is None:
                 return op(*args, **kwargs)
             return run_packed(args, kwargs, cu_seqlens)
@@ -163,7 +301,8 @@ def varlen(per_token: tuple[str, ...]) -> Callable:
             first = given[per_token[0]]
             if not isinstance(first, torch.Tensor) or first.dim() < 3:
                 return op(*args, **kwargs)  # the op's own checks name the bad argument
-            bounds = check_cu_seqlens(cu_seqlens, batch=first.shape[0], length=first.shape[2])
+            packing = as_packing(cu_seqlens, batch=first.shape[0], length=first.shape[2])
+            bounds = packing.bounds
             for name in per_token:
                 x = given[name]
                 t = x if not isinstance(x, Assignment) else next(y for y in x if y is not None)
@@ -174,13 +313,13 @@ def varlen(per_token: tuple[str, ...]) -> Callable:
             tokens = {name: given.pop(name) for name in per_token}
             call = functools.partial(op if stateful else _stateless(op), **given)
             if state is None and not return_state and len(bounds) > 2 and given.get("causal", True):
-                return _padded_batch(call, tokens, bounds)
+                return _by_class(call, tokens, packing, given.get("block_len") or DEFAULT_BLOCK_LEN)
             return _per_sequence(call, tokens, bounds, state, return_state)
 
         packed.__signature__ = signature.replace(parameters=[
             *signature.parameters.values(),
             inspect.Parameter("cu_seqlens", inspect.Parameter.KEYWORD_ONLY, default=None,
-                              annotation="torch.Tensor | None")])
+                              annotation="torch.Tensor | Packing | None")])
         return packed
 
     return wrap

@@ -38,8 +38,7 @@ from torchmetrics import Metric
 
 from ..feature_maps import set_feature_step
 from ..model import GPT, IGNORE_INDEX, GPTConfig, GPTOutput
-from ..ops.varlen import cu_seqlens_from_starts
-from ..ops.varlen import positions as document_positions
+from ..ops.varlen import Packing
 from .carry import CarriedState
 
 LN2 = math.log(2.0)
@@ -135,14 +134,16 @@ class SummedNLL(Metric):
 def packed_forward(model: GPT, x: torch.Tensor, starts: torch.Tensor) -> tuple[GPTOutput, torch.Tensor]:
     """The model on the rows of x (B, T) packed into one row of B·T tokens, cut into sequences at ``starts`` (B, T)
     bool, True at each document's first token, and at every row's first token whatever it holds (a row continues
-    no other): ``model(x.reshape(1, B·T), cu_seqlens=...)``, so no document attends to another. Returns the output
-    with its logits back in (B, T, V), and each token's position within its document, (B, T) long."""
+    no other): ``model(x.reshape(1, B·T), cu_seqlens=...)``, so no document attends to another. The boundaries are
+    read on the host once (:meth:`~vqattn.ops.varlen.Packing.from_starts`) and handed to the model as a Packing,
+    which no layer reads again. Returns the output with its logits back in (B, T, V), and each token's position
+    within its document, (B, T) long."""
     b, t = x.shape
-    starts = starts.to(device=x.device, dtype=torch.bool).clone()
+    starts = starts.to(dtype=torch.bool).clone()
     starts[:, 0] = True
-    cu_seqlens = cu_seqlens_from_starts(starts.reshape(-1))
-    out = model(x.reshape(1, b * t), cu_seqlens=cu_seqlens)
-    return out._replace(logits=out.logits.reshape(b, t, -1)), document_positions(cu_seqlens).reshape(b, t)
+    packing = Packing.from_starts(starts.reshape(-1), x.device)
+    out = model(x.reshape(1, b * t), cu_seqlens=packing)
+    return out._replace(logits=out.logits.reshape(b, t, -1)), packing.positions(x.device).reshape(b, t)
 
 
 def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
