@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vqattn.ops import linear, ovq, softmax, vq, window
-from vqattn.ops.varlen import cu_seqlens_from_starts, positions
+from vqattn.ops.varlen import Packing, cu_seqlens_from_starts, positions
 
 from triton_helpers import compare, needs_triton, on_kernel_device
 
@@ -209,10 +209,75 @@ def test_helpers():
     assert positions(cu, [3, 0, 1, 2]).tolist() == [3, 4, 0, 1, 1, 2, 3]
 
 
+def test_a_packed_row_runs_its_tokens_not_n_times_the_longest():
+    """The length classes: sequences with the same number of blocks run together, each padded by less than one
+    block; the largest tensor of a packed call of one long and many short sequences is about the largest of one
+    call over the same tokens, not N × the longest (as a batch padded to the longest would make it)."""
+    from memory_helpers import largest_tensor
+
+    lengths = [200, *[3] * 20, 17, 30, 31, 1]
+    packing = Packing.from_bounds([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    classes = packing.classes(L)
+    slots = sum(c.span[1] - c.span[0] if c.span else c.rows * c.width for c in classes)
+    assert slots < packing.length + len(lengths) * L and len(classes) == 3  # 1 block, 2 blocks, 200 alone
+    for c in classes:
+        if c.span is None:
+            rows = (~c.pads).view(c.rows, c.width).sum(1)  # each row's real length
+            assert rows.max() == c.width and len(set((-(-rows // L)).tolist())) == 1
+            assert sorted(c.tokens.tolist()) == c.tokens.tolist() and len(set(c.tokens.tolist())) == rows.sum()
+    x = _inputs("vq_hard_exact", packing.length)
+    code = _codebook()
+    single = largest_tensor(lambda: _call("vq_hard_exact", vq.vq_attention, x, codebook=code, impl="chunk"))
+    packed = largest_tensor(lambda: _call("vq_hard_exact", vq.vq_attention, x, codebook=code, impl="chunk",
+                                          cu_seqlens=packing))
+    assert packed <= 1.3 * single, (packed, single)
+
+
+def test_split_and_merge_write_each_gradient_once():
+    """The classes' inputs and outputs are views or gathers of the row; merged back they are the row itself, and
+    a class left out of the loss gets a zero gradient (its tokens' share of the row's)."""
+    from vqattn.ops.varlen import _MergeClasses, _SplitClasses
+
+    packing = Packing.from_bounds([0, 3, 20, 22, 40, 41, 90])  # 1 block x 3, 2 blocks x 2, 4 blocks alone
+    classes = packing.classes(L)
+    x = torch.randn(1, H, 90, DV, dtype=F64, requires_grad=True)
+    parts = _SplitClasses.apply(x, classes)
+    for c, part in zip(classes, parts):
+        if c.span is None:
+            assert (part.movedim(0, 1).flatten(1, 2)[:, c.pads] == 0).all()  # pads are zeros
+    merged = _MergeClasses.apply(classes, 90, *parts)
+    assert torch.equal(merged, x)
+    w = torch.randn_like(x)
+    (grad,) = torch.autograd.grad((merged * w).sum(), x)
+    assert torch.equal(grad, w)
+    (grad,) = torch.autograd.grad((parts[-1] * parts[-1]).sum(), x)  # the last class alone: 2x at its tokens
+    a, b = classes[-1].span
+    assert torch.equal(grad[:, :, a:b], 2 * x[:, :, a:b]) and not grad[:, :, :a].any() and not grad[:, :, b:].any()
+
+
+def test_a_packing_is_read_once_and_checked_like_cu_seqlens():
+    cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+    packing = Packing.of(cu, batch=1, length=10)
+    assert packing.bounds == (0, 3, 10) and packing.lengths == [3, 7]
+    assert Packing.of(packing, batch=1, length=10) is packing
+    assert torch.equal(packing.positions(), positions(cu))
+    starts = torch.tensor([True, False, False, True, False, False, False, False, False, False])
+    assert Packing.from_starts(starts).bounds == packing.bounds
+    with pytest.raises(ValueError, match="cu_seqlens must start at 0 and end at T = 12"):
+        Packing.of(packing, batch=1, length=12)
+    with pytest.raises(ValueError, match="cu_seqlens.*B = 2"):
+        Packing.of(packing, batch=2, length=10)
+    with pytest.raises(ValueError, match="cu_seqlens must be strictly increasing"):
+        Packing.from_bounds([0, 4, 4, 10])
+    q = torch.rand(1, H, 10, D, dtype=F64)
+    torch.testing.assert_close(window.window_attention(q, q, q, block_len=4, cu_seqlens=packing),
+                               window.window_attention(q, q, q, block_len=4, cu_seqlens=cu), rtol=0, atol=0)
+
+
 @needs_triton
 @pytest.mark.parametrize("name", ["vq_hard_rotated", "vq_soft_exact_cap", "window", "ovq"])
 def test_triton_impl(name):
-    """The fused kernels run the padded batch, in float32 against the float64 definitions called one sequence at
+    """The fused kernels run the length classes (a batch of two short sequences and two of one each), in float32 against the float64 definitions called one sequence at
     a time (relative RMS, as the other Triton tests)."""
     lengths = [5, 21, 1, 34]
     bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()]

@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from .blocks import DEFAULT_BLOCK_LEN, time_range
+from .blocks import DEFAULT_BLOCK_LEN
 from .common.statistics import Assignment, map_time
 
 __all__ = ["varlen", "Packing", "as_packing", "check_cu_seqlens", "cu_seqlens_from_starts", "positions",
@@ -94,19 +94,19 @@ def positions(cu_seqlens: torch.Tensor | Sequence[int], offsets: Sequence[int] |
 class LengthClass(NamedTuple):
     """The sequences of a packed row that hold the same number of blocks, run as one call (:class:`Packing`).
 
-    span: (a, b), the tokens of the class's one sequence, or None for several; index (n, width) long: the tokens
-    of its n sequences, right-padded with T (the zero pad) to the longest, ``width``; real (Σ lengths,) long: the
-    real slots of the flattened (n·width) batch, in order.
+    span: (a, b), the tokens of the class's one sequence, or None for several. For several, n rows of ``width``
+    slots (the longest sequence's length): ``slots`` (n·width,) long, the token in each slot (a pad repeats its
+    row's first token, and is zeroed: ``pads`` (n·width,) bool); ``real`` (Σ lengths,) long, the real slots in
+    order, and ``tokens`` (Σ lengths,) long, their tokens.
     """
 
     span: tuple[int, int] | None
-    index: torch.Tensor | None
-    real: torch.Tensor | None
-
-
-class _Classes(NamedTuple):
-    classes: tuple[LengthClass, ...]
-    order: torch.Tensor | None  # (T,) long: token t's place in the classes' outputs laid end to end; None: in order
+    rows: int = 1
+    width: int = 0
+    slots: torch.Tensor | None = None
+    pads: torch.Tensor | None = None
+    real: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None
 
 
 class Packing:
@@ -122,7 +122,7 @@ class Packing:
     def __init__(self, cu_seqlens: torch.Tensor, bounds: Sequence[int]):
         self.cu_seqlens, self.bounds = cu_seqlens, tuple(bounds)
         self._positions: torch.Tensor | None = None
-        self._classes: dict[int, _Classes] = {}
+        self._classes: dict[int, tuple[LengthClass, ...]] = {}
 
     @classmethod
     def of(cls, cu_seqlens: torch.Tensor | Packing, *, batch: int, length: int) -> Packing:
@@ -166,39 +166,98 @@ class Packing:
             self._positions = positions(self.bounds, device=device)
         return self._positions
 
-    def classes(self, block_len: int) -> _Classes:
+    def classes(self, block_len: int) -> tuple[LengthClass, ...]:
         """The sequences grouped by their number of blocks of ``block_len`` (formed once per block length): each
         sequence is padded by less than one block, whatever the others' lengths."""
         if block_len not in self._classes:
             self._classes[block_len] = self._group(block_len)
         return self._classes[block_len]
 
-    def _group(self, block_len: int) -> _Classes:
+    def _group(self, block_len: int) -> tuple[LengthClass, ...]:
         device, bounds = self.cu_seqlens.device, self.bounds
         members: dict[int, list[int]] = {}
         for i, n in enumerate(self.lengths):
             members.setdefault(-(-n // block_len), []).append(i)
-        classes, placed = [], []
+        classes = []
         for _, seqs in sorted(members.items()):
             if len(seqs) == 1:
-                a, b = bounds[seqs[0]], bounds[seqs[0] + 1]
-                classes.append(LengthClass((a, b), None, None))
-                placed.extend(range(a, b))
+                classes.append(LengthClass((bounds[seqs[0]], bounds[seqs[0] + 1])))
                 continue
             width = max(bounds[i + 1] - bounds[i] for i in seqs)
-            index, real = [], []
+            slots, pads, real, tokens = [], [], [], []
             for row, i in enumerate(seqs):
                 a, b = bounds[i], bounds[i + 1]
-                index.append([*range(a, b), *[self.length] * (width - (b - a))])
-                real.extend(range(row * width, row * width + b - a))
-                placed.extend(range(a, b))
-            classes.append(LengthClass(None, torch.tensor(index, device=device), torch.tensor(real, device=device)))
-        order = None
-        if placed != list(range(self.length)):
-            order = torch.empty(self.length, dtype=torch.long)
-            order[torch.tensor(placed)] = torch.arange(self.length)
-            order = order.to(device)
-        return _Classes(tuple(classes), order)
+                slots += [*range(a, b), *[a] * (width - (b - a))]
+                pads += [False] * (b - a) + [True] * (width - (b - a))
+                real += range(row * width, row * width + b - a)
+                tokens += range(a, b)
+            slots, pads, real, tokens = (torch.tensor(x, device=device) for x in (slots, pads, real, tokens))
+            classes.append(LengthClass(None, len(seqs), width, slots, pads, real, tokens))
+        return tuple(classes)
+
+
+class _SplitClasses(torch.autograd.Function):
+    """x (1, H, T, …) -> every length class's input: its sequence's tokens (a view), or (n, H, width, …) rows with
+    zero pads. The backward pass writes x's gradient once, each token from its class (pads have none)."""
+
+    @staticmethod
+    def forward(ctx, x, classes: tuple[LengthClass, ...]):
+        ctx.classes, ctx.shape, ctx.dtype, ctx.device = classes, x.shape, x.dtype, x.device
+        return tuple(_class_input(x, c) for c in classes)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if all(g is None for g in grads):
+            return None, None
+        # every token belongs to one class, which writes its gradient; a class not differentiated leaves zeros
+        make = torch.empty if all(g is not None for g in grads) else torch.zeros
+        grad = make(ctx.shape, dtype=ctx.dtype, device=ctx.device)
+        for c, g in zip(ctx.classes, grads):
+            if g is None:
+                continue
+            if c.span is not None:
+                grad[:, :, c.span[0]:c.span[1]] = g
+            else:  # (n, H, width, …) -> (H, n·width, …): the real slots go to their tokens
+                grad[0].index_copy_(1, c.tokens, g.movedim(0, 1).flatten(1, 2).index_select(1, c.real))
+        return grad, None
+
+
+def _class_input(x: torch.Tensor, c: LengthClass) -> torch.Tensor:
+    if c.span is not None:
+        return x[:, :, c.span[0]:c.span[1]]
+    rows = x[0].index_select(1, c.slots)  # (H, n·width, …)
+    rows.masked_fill_(c.pads.view(-1, *[1] * (rows.dim() - 2)), 0)
+    return rows.view(rows.shape[0], c.rows, c.width, *rows.shape[2:]).movedim(1, 0)
+
+
+class _MergeClasses(torch.autograd.Function):
+    """The classes' outputs (:class:`_SplitClasses`'s order) -> (1, H, T, Dv) in token order, written once; the
+    backward pass hands each class its tokens' gradient (zeros at pads)."""
+
+    @staticmethod
+    def forward(ctx, classes: tuple[LengthClass, ...], length: int, *outs):
+        ctx.classes = classes
+        first = outs[0]
+        H, Dv = first.shape[1], first.shape[-1]
+        out = first.new_empty(1, length, H, Dv).transpose(1, 2)  # a layer's merge of the heads is then a view
+        for c, o in zip(classes, outs):
+            if c.span is not None:
+                out[:, :, c.span[0]:c.span[1]] = o
+            else:
+                out[0].index_copy_(1, c.tokens, o.movedim(0, 1).flatten(1, 2).index_select(1, c.real))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grads = []
+        for c in ctx.classes:
+            if c.span is not None:
+                grads.append(grad[:, :, c.span[0]:c.span[1]])
+                continue
+            g = grad.new_zeros(grad.shape[1], c.rows * c.width, grad.shape[-1])
+            g.index_copy_(1, c.real, grad[0].index_select(1, c.tokens))
+            grads.append(g.view(g.shape[0], c.rows, c.width, -1).movedim(1, 0))
+        return None, None, *grads
 
 
 def as_packing(cu_seqlens: torch.Tensor | Packing, *, batch: int, length: int) -> Packing:
@@ -221,12 +280,6 @@ def _time_map(x, fn):
     if x is None:
         return None
     return map_time(fn, x) if isinstance(x, Assignment) else fn(x)
-
-
-def _padded(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """(1, H, T, …) -> (N, H, L_max, …): index (N, L_max) into T, where T itself is a zero pad."""
-    x = torch.cat([x, x.new_zeros(x[:, :, :1].shape)], 2)[0]  # (H, T + 1, …)
-    return x[:, index].movedim(1, 0)
 
 
 def check_state_list(state, bounds: Sequence[int], kind: str = "states") -> None:
@@ -254,20 +307,16 @@ def _per_sequence(call, per_token: dict, bounds: Sequence[int], state, return_st
 
 def _by_class(call, per_token: dict, packing: Packing, block_len: int):
     """Every length class of ``packing`` as one call (see the module docstring), the outputs back in token order:
-    (1, H, T, Dv)."""
-    classes, order = packing.classes(block_len)
-    pieces = []
-    for c in classes:
-        if c.span is not None:
-            a, b = c.span
-            pieces.append(call(**{name: _time_map(x, lambda t: time_range(t, a, b)) for name, x in per_token.items()},
-                               state=None, return_state=False))
-            continue
-        out = call(**{name: _time_map(x, lambda t: _padded(t, c.index)) for name, x in per_token.items()},
-                   state=None, return_state=False)  # (n, H, width, Dv)
-        pieces.append(out.movedim(0, 1).flatten(1, 2)[:, c.real].unsqueeze(0))  # (1, H, Σ lengths, Dv)
-    out = torch.cat(pieces, 2) if len(pieces) > 1 else pieces[0]
-    return out if order is None else out.index_select(2, order)
+    (1, H, T, Dv). Each input is split, and the output merged, by one autograd function, so that the gradients of
+    the inputs and the output are written once, not zero-filled and added once per class."""
+    classes = packing.classes(block_len)
+    split = {name: _time_map(x, lambda t: _SplitClasses.apply(t, classes)) for name, x in per_token.items()}
+    outs = []
+    for i in range(len(classes)):
+        args = {name: None if x is None else (map_time(lambda parts: parts[i], x) if isinstance(x, Assignment)
+                                              else x[i]) for name, x in split.items()}
+        outs.append(call(**args, state=None, return_state=False))
+    return _MergeClasses.apply(classes, packing.length, *outs)
 
 
 def _stateless(op: Callable) -> Callable:
