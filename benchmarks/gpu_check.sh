@@ -100,8 +100,11 @@ extra profile_window_op 20 python benchmarks/kernel_profile.py --what op --metho
 extra profile_op_tf32 30 $profile --batch 8 --length 8192 --dtype float32 --tf32
 extra launch_layer 150 python benchmarks/kernel_launch.py --layouts layer --layers vq_hard
 extra decode 120 $decode --methods vq_hard ovq window softmax
-# packed documents (cu_seqlens): the padded-batch Triton path against the float64 references, and a packed
-# training run beside an unpacked one (the stdlib files are ~14 KB, so 8k rows hold a boundary or two each)
+# packed documents (cu_seqlens): a packed row (one 7168-token document and sixteen of 64) against the same tokens as
+# one document, op by op; the length classes' Triton path against the float64 references; and a packed training
+# run beside an unpacked one (the stdlib files are ~14 KB, so 8k rows hold a boundary or two each)
+extra packed 90 python benchmarks/packed_speed.py --device cuda --heads 16 --dtype bfloat16 --in-process --rounds 2 \
+  --reps 5
 extra tests_varlen 120 python -m pytest -o addopts="" -q -p no:cacheprovider tests/ops/test_varlen.py \
   tests/model/test_varlen_model.py
 extra train_packed 130 bash -c "python benchmarks/train_speed.py --attentions softmax vq_hard --seq-len 8192 \

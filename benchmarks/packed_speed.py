@@ -3,7 +3,7 @@ document, forward and backward, op by op, side by side.
 
     python benchmarks/packed_speed.py                          # CPU, one thread: 7168 + 16 x 64 = 8192 tokens
     python benchmarks/packed_speed.py --layout 1024 16x64      # 2048 tokens
-    python benchmarks/packed_speed.py --device cuda --heads 16 --dtype bfloat16
+    python benchmarks/packed_speed.py --device cuda --heads 16 --dtype bfloat16 --in-process
 
 The layout lists the documents: ``N`` one of N tokens, ``KxN`` K of them. The packed row is called with their
 ``cu_seqlens``, the single document with none; both hold the same tokens. The table gives each one's median ms,
@@ -19,8 +19,8 @@ import statistics
 import sys
 
 import torch
+from attention_speed import DTYPES, add_in_process_argument, machine, run_child, set_in_process, time_fwd_bwd
 
-from attention_speed import DTYPES, machine, run_child, time_fwd_bwd
 from vqattn.functional import ovq_attention, vq_attention, window_attention
 from vqattn.utils import add_threads_argument, use_threads
 
@@ -86,9 +86,11 @@ def main(argv=None) -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
     add_threads_argument(parser)
+    add_in_process_argument(parser)
     parser.set_defaults(threads=1)  # as the cost was first measured: one thread, so a busy core count skews less
     args = parser.parse_args(argv)
     lengths = parse_layout(args.layout)
+    set_in_process(args)
     if args.device == "cpu":
         use_threads(args.threads, "timing", children=True)
     shape = dict(H=args.heads, D=args.head_dim, S=args.num_codes, slots=args.num_slots, block_len=args.block_len,

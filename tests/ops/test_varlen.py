@@ -277,8 +277,8 @@ def test_a_packing_is_read_once_and_checked_like_cu_seqlens():
 @needs_triton
 @pytest.mark.parametrize("name", ["vq_hard_rotated", "vq_soft_exact_cap", "window", "ovq"])
 def test_triton_impl(name):
-    """The fused kernels run the length classes (a batch of two short sequences and two of one each), in float32 against the float64 definitions called one sequence at
-    a time (relative RMS, as the other Triton tests)."""
+    """The fused kernels run the length classes (a batch of two short sequences and two of one each), in float32
+    against the float64 definitions called one sequence at a time (relative RMS, as the other Triton tests)."""
     lengths = [5, 21, 1, 34]
     bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()]
     x = _inputs(name, bounds[-1])
