@@ -133,3 +133,13 @@ def test_under_ddp_every_rank_stops_at_the_same_step(tmp_path):
              for log in (out / "train.log", out / "rank1.log")}
     assert len(steps) == 1 and "Traceback" not in (out / "rank1.log").read_text()
     assert finite(out / "checkpoints" / "last.ckpt")
+
+
+def test_the_finiteness_check_gathers_tensors_of_two_devices():
+    """On a GPU, AdamW keeps its step counts on the CPU beside CUDA moments: the check stacks them on the
+    accelerator's device (here "meta" stands in for it: no CUDA in CI), and reads nothing."""
+    from vqattn.train.callbacks import _all_finite
+
+    on_device = _all_finite([torch.ones(3, device="meta"), torch.tensor(2.0), torch.tensor(1, dtype=torch.long)])
+    assert on_device.device.type == "meta" and on_device.shape == ()
+    assert bool(_all_finite([torch.tensor(1.0), torch.ones(2)])) and not bool(_all_finite([torch.tensor(float("nan"))]))

@@ -139,7 +139,11 @@ class GracefulInterrupt(Callback):
 def _all_finite(tensors) -> torch.Tensor:
     """0-dim bool tensor: every floating tensor of ``tensors`` is finite (read on the host only by the caller)."""
     checks = [t.isfinite().all() for t in tensors if torch.is_tensor(t) and t.is_floating_point()]
-    return torch.stack(checks).all() if checks else torch.tensor(True)
+    if not checks:
+        return torch.tensor(True)
+    # on the accelerator's device: some tensors stay on the CPU there (AdamW's step counts)
+    device = next((c.device for c in checks if c.device.type != "cpu"), checks[0].device)
+    return torch.stack([c.to(device) for c in checks]).all()
 
 
 def _any_rank(trainer, decision: bool) -> bool:
