@@ -233,6 +233,53 @@ def test_a_packed_row_runs_its_tokens_not_n_times_the_longest():
     assert packed <= 1.3 * single, (packed, single)
 
 
+@pytest.mark.parametrize("call_tokens", [1, 16, 100, 10**6])
+def test_merged_classes_minimise_slots_plus_calls(call_tokens):
+    """Where a call costs ``call_tokens`` (a GPU's launches), neighbouring length classes merge into one padded batch
+    when that saves more than the padding costs: the ranges chosen cost no more than any other way to cut the
+    groups into ranges (all of them tried); with 0 (the CPU) every group of one block count is its own call."""
+    import itertools
+
+    from vqattn.ops.varlen import merged_groups
+
+    g = torch.Generator().manual_seed(call_tokens)
+    groups = [[int(x) for x in torch.randint(16 * b + 1, 16 * b + 17, (int(n),), generator=g)]
+              for b, n in enumerate(torch.randint(1, 4, (6,), generator=g))]
+
+    def cost(ranges):
+        return sum((sum(groups[a]) if sum(map(len, groups[a:b])) == 1 else
+                    sum(map(len, groups[a:b])) * max(groups[b - 1])) + call_tokens for a, b in ranges)
+
+    every = []
+    for cuts in itertools.product([False, True], repeat=len(groups) - 1):
+        ends = [i + 1 for i, c in enumerate(cuts) if c] + [len(groups)]
+        every.append(list(zip([0] + ends[:-1], ends)))
+    chosen = merged_groups(groups, call_tokens)
+    assert [a for a, _ in chosen] == [0] + [b for _, b in chosen[:-1]] and chosen[-1][1] == len(groups)
+    assert cost(chosen) == min(cost(r) for r in every)
+    assert merged_groups(groups, 0) == [(a, a + 1) for a in range(len(groups))]
+    if call_tokens == 10**6:
+        assert chosen == [(0, len(groups))]  # one batch, padded to the longest
+
+
+def test_merged_classes_run_exactly():
+    """A packed call whose classes are merged (as on a GPU) equals separate calls, outputs and gradients."""
+    lengths = [3, 1, 13, 40, 5, 17]
+    packing = Packing.from_bounds([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    merged = packing.classes(L, call_tokens=40)
+    assert len(merged) < len(packing.classes(L)) and any(c.span is None and c.width > L for c in merged)
+    packing._classes[L, 0] = merged  # what the CPU's default (no merging) would run, replaced by the merged classes
+    bounds = list(packing.bounds)
+    x = _inputs("vq_soft_exact_cap", bounds[-1])
+    code = {"codebook": _codebook().requires_grad_()}
+    leaves = [*x.values(), *code.values()]
+    got = _call("vq_soft_exact_cap", vq.vq_attention, x, cu_seqlens=packing, impl="chunk", **code)
+    want = _separate("vq_soft_exact_cap", x, bounds, code)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    for a, b in zip(_grads(got, leaves), _grads(want, leaves)):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
 def test_split_and_merge_write_each_gradient_once():
     """The classes' inputs and outputs are views or gathers of the row; merged back they are the row itself, and
     a class left out of the loss gets a zero gradient (its tokens' share of the row's)."""

@@ -13,7 +13,8 @@ to run a packed call, both exact:
   (the op's ``block_len``, else :data:`~vqattn.ops.blocks.DEFAULT_BLOCK_LEN`); a class of one sequence runs as
   the op's own call on its tokens, a class of several as one batch (n, H, L_class, …), right-padded with zeros.
   Causality makes the pads invisible to the real tokens, and a sequence is padded by less than one block, so a
-  packed row costs its tokens plus one launch per class, never N × the longest (the Triton kernels included).
+  packed row costs its tokens plus one call per class, never N × the longest (the Triton kernels included). On a
+  GPU neighbouring classes merge where a call's launches cost more than the padding saved (:data:`CALL_TOKENS`).
 - **One call per sequence** (with a ``state``, with ``return_state``, or non-causal): a state belongs to one
   sequence's position, so ``state`` is then a list of N states, one per sequence (None entries start fresh), and
   ``return_state`` returns such a list.
@@ -122,7 +123,7 @@ class Packing:
     def __init__(self, cu_seqlens: torch.Tensor, bounds: Sequence[int]):
         self.cu_seqlens, self.bounds = cu_seqlens, tuple(bounds)
         self._positions: torch.Tensor | None = None
-        self._classes: dict[int, tuple[LengthClass, ...]] = {}
+        self._classes: dict[tuple[int, int], tuple[LengthClass, ...]] = {}
 
     @classmethod
     def of(cls, cu_seqlens: torch.Tensor | Packing, *, batch: int, length: int) -> Packing:
@@ -166,34 +167,73 @@ class Packing:
             self._positions = positions(self.bounds, device=device)
         return self._positions
 
-    def classes(self, block_len: int) -> tuple[LengthClass, ...]:
-        """The sequences grouped by their number of blocks of ``block_len`` (formed once per block length): each
-        sequence is padded by less than one block, whatever the others' lengths."""
-        if block_len not in self._classes:
-            self._classes[block_len] = self._group(block_len)
-        return self._classes[block_len]
+    def classes(self, block_len: int, call_tokens: int | None = None) -> tuple[LengthClass, ...]:
+        """The sequences grouped into length classes (formed once per block length): by their number of blocks of
+        ``block_len``, so each is padded by less than one block, then neighbouring groups merged where a call
+        costs more than the padding it saves. ``call_tokens``: a call's fixed cost in token slots, default
+        :data:`CALL_TOKENS` of the boundaries' device (0 on a CPU: no merging)."""
+        if call_tokens is None:
+            call_tokens = CALL_TOKENS.get(self.cu_seqlens.device.type, CALL_TOKENS["cuda"])
+        key = (block_len, call_tokens)
+        if key not in self._classes:
+            self._classes[key] = self._group(block_len, call_tokens)
+        return self._classes[key]
 
-    def _group(self, block_len: int) -> tuple[LengthClass, ...]:
-        device, bounds = self.cu_seqlens.device, self.bounds
-        members: dict[int, list[int]] = {}
+    def _group(self, block_len: int, call_tokens: int) -> tuple[LengthClass, ...]:
+        bounds = self.bounds
+        by_blocks: dict[int, list[int]] = {}
         for i, n in enumerate(self.lengths):
-            members.setdefault(-(-n // block_len), []).append(i)
-        classes = []
-        for _, seqs in sorted(members.items()):
-            if len(seqs) == 1:
-                classes.append(LengthClass((bounds[seqs[0]], bounds[seqs[0] + 1])))
-                continue
-            width = max(bounds[i + 1] - bounds[i] for i in seqs)
-            slots, pads, real, tokens = [], [], [], []
-            for row, i in enumerate(seqs):
-                a, b = bounds[i], bounds[i + 1]
-                slots += [*range(a, b), *[a] * (width - (b - a))]
-                pads += [False] * (b - a) + [True] * (width - (b - a))
-                real += range(row * width, row * width + b - a)
-                tokens += range(a, b)
-            slots, pads, real, tokens = (torch.tensor(x, device=device) for x in (slots, pads, real, tokens))
-            classes.append(LengthClass(None, len(seqs), width, slots, pads, real, tokens))
-        return tuple(classes)
+            by_blocks.setdefault(-(-n // block_len), []).append(i)
+        groups = [seqs for _, seqs in sorted(by_blocks.items())]
+        return tuple(self._class([i for g in groups[a:b] for i in g]) for a, b in
+                     merged_groups([[bounds[i + 1] - bounds[i] for i in g] for g in groups], call_tokens))
+
+    def _class(self, seqs: list[int]) -> LengthClass:
+        """The class of sequences ``seqs`` (in the row's order)."""
+        bounds, seqs = self.bounds, sorted(seqs)
+        if len(seqs) == 1:
+            return LengthClass((bounds[seqs[0]], bounds[seqs[0] + 1]))
+        width = max(bounds[i + 1] - bounds[i] for i in seqs)
+        slots, pads, real, tokens = [], [], [], []
+        for row, i in enumerate(seqs):
+            a, b = bounds[i], bounds[i + 1]
+            slots += [*range(a, b), *[a] * (width - (b - a))]
+            pads += [False] * (b - a) + [True] * (width - (b - a))
+            real += range(row * width, row * width + b - a)
+            tokens += range(a, b)
+        device = self.cu_seqlens.device
+        slots, pads, real, tokens = (torch.tensor(x, device=device) for x in (slots, pads, real, tokens))
+        return LengthClass(None, len(seqs), width, slots, pads, real, tokens)
+
+
+# A call's fixed cost, in token slots of work, by device type: what merging two length classes into one padded batch
+# may spend in padding to save a call. On a CPU a call's dispatch (about a millisecond, forward and backward) is
+# worth a few dozen tokens, below a block: classes are never merged. On a GPU a vq call launches about 40 kernels
+# forward and backward, worth a couple of thousand tokens of a (16 heads of 64) step on an H200 (measured there:
+# 4.1 ms for 8192 tokens, vq_hard, fwd+bwd, bf16).
+CALL_TOKENS = {"cpu": 0, "cuda": 2048}
+
+
+def merged_groups(groups: list[list[int]], call_tokens: int, reach: int = 64) -> list[tuple[int, int]]:
+    """Ranges [a, b) of ``groups`` (the sequences' lengths, grouped by number of blocks, in increasing order) that
+    minimise Σ (slots + ``call_tokens``) over the ranges, a range's slots being its sequences' count times its
+    longest (its tokens alone, for one sequence): one call per range. Dynamic programming over the range ends, each
+    range spanning at most ``reach`` groups; with ``call_tokens`` 0 every group is its own range."""
+    if call_tokens <= 0:
+        return [(a, a + 1) for a in range(len(groups))]
+    best, cut = [0] + [None] * len(groups), [0] * (len(groups) + 1)
+    for b in range(1, len(groups) + 1):
+        rows, width = 0, max(groups[b - 1])
+        for a in range(b - 1, max(b - reach, 0) - 1, -1):
+            rows += len(groups[a])
+            cost = best[a] + (width if rows == 1 else rows * width) + call_tokens
+            if best[b] is None or cost < best[b]:
+                best[b], cut[b] = cost, a
+    ranges, b = [], len(groups)
+    while b:
+        ranges.append((cut[b], b))
+        b = cut[b]
+    return ranges[::-1]
 
 
 class _SplitClasses(torch.autograd.Function):

@@ -39,7 +39,6 @@ from .scans import exclusive_scan
 from .tuning import configs, tuned
 from .utils import CODE_TILE, aligned_code_dims, cache_dtype, dot_dtype, register_width, stride_args, sum_dot, unit_last
 from .window_codes import (
-    BACKWARD_LAUNCH,
     FORWARD_LAUNCH,
     TENSORS,
     WindowCodes,
@@ -70,15 +69,17 @@ if triton is not None:
 
 # Codes per tile of the caches' scan (a (BS, Dv) float32 tile in registers).
 SUM_CODE_TILE = 64
-# Each kernel's launch candidates (:mod:`.tuning`), the first the one it runs with; BS: codes per tile.
-SUMS_CONFIGS = configs(dict(BS=64, num_warps=4, num_stages=3), BS=(64, 128, 256), num_warps=(4, 8),
+# Each kernel's launch candidates (:mod:`.tuning`), the first the one it runs with; BS: codes per tile. The first
+# ones are @triton.autotune's choices on an H200 (bf16, D = 64, S = 512, 8k and 32k tokens; docs/performance.md):
+# they took the step's kernels from 6.72 to 5.97 ms.
+SUMS_CONFIGS = configs(dict(BS=256, num_warps=4, num_stages=3), BS=(64, 128, 256), num_warps=(4, 8),
                        num_stages=(1, 3))
 FORWARD_CONFIGS = configs(dict(BS=CODE_TILE, **FORWARD_LAUNCH), BS=(64, 128), num_warps=(4, 8), num_stages=(1, 2))
-CODE_BACKWARD_CONFIGS = configs(dict(BS=CODE_TILE, **BACKWARD_LAUNCH), BS=(64, 128), num_warps=(4, 8),
+CODE_BACKWARD_CONFIGS = configs(dict(BS=CODE_TILE, num_warps=4, num_stages=1), BS=(64, 128), num_warps=(4, 8),
                                 num_stages=(1, 3))
-CACHE_GRAD_CONFIGS = configs(dict(BS=64, num_warps=4, num_stages=3), BS=(64, 128), num_warps=(4, 8),
+CACHE_GRAD_CONFIGS = configs(dict(BS=128, num_warps=4, num_stages=1), BS=(64, 128), num_warps=(4, 8),
                              num_stages=(1, 3))
-KEY_BACKWARD_CONFIGS = configs(dict(BACKWARD_LAUNCH), num_warps=(4, 8), num_stages=(1, 2, 3))
+KEY_BACKWARD_CONFIGS = configs(dict(num_warps=4, num_stages=1), num_warps=(4, 8), num_stages=(1, 2, 3))
 
 
 def superblocks(nb: int, K: int) -> int:
