@@ -6,7 +6,8 @@ document, forward and backward, op by op, side by side.
     python benchmarks/packed_speed.py --device cuda --heads 16 --dtype bfloat16 --in-process
 
 The layout lists the documents: ``N`` one of N tokens, ``KxN`` K of them. The packed row is called with their
-``cu_seqlens``, the single document with none; both hold the same tokens. The table gives each one's median ms,
+``cu_seqlens`` (a ``Packing``, read once, as a model passes it; ``--read-every-call``: a tensor), the single
+document with none; both hold the same tokens. The table gives each one's median ms,
 packed / single (the median of the per-round ratios of interleaved rounds) and the peak memory of each (its own
 process's high-water RSS above what it held before the call on a CPU, ``max_memory_allocated`` on CUDA).
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 
@@ -22,6 +24,7 @@ import torch
 from attention_speed import DTYPES, add_in_process_argument, machine, run_child, set_in_process, time_fwd_bwd
 
 from vqattn.functional import ovq_attention, vq_attention, window_attention
+from vqattn.ops.varlen import Packing
 from vqattn.utils import add_threads_argument, use_threads
 
 OPS = ("vq_hard", "vq_soft", "ovq", "window")
@@ -31,10 +34,10 @@ def parse_layout(items: list[str]) -> list[int]:
     """Document lengths from ``N`` and ``KxN`` items: ["7168", "16x64"] -> [7168, 64, …, 64]."""
     lengths = []
     for item in items:
-        count, _, n = item.rpartition("x")
-        if not n.isdigit() or (count and not count.isdigit()) or int(n) < 1:
-            raise ValueError(f"layout items are N or KxN with positive N, got {item!r}")
-        lengths += [int(n)] * int(count or 1)
+        match = re.fullmatch(r"(?:(\d+)x)?(\d+)", item)
+        if match is None or int(match[2]) < 1 or (match[1] is not None and int(match[1]) < 1):
+            raise ValueError(f"layout items are N or KxN with positive K and N, got {item!r}")
+        lengths += [int(match[2])] * int(match[1] or 1)
     return lengths
 
 
@@ -50,7 +53,7 @@ def call(op: str, q, k, v, codebook, *, block_len: int, slots: int, cu_seqlens):
 
 
 def child(op: str, lengths: list[int], packed: bool, device: str, reps: int, H: int, D: int, S: int, slots: int,
-          block_len: int, dtype: str) -> dict:
+          block_len: int, dtype: str, read_every_call: bool = False) -> dict:
     torch.manual_seed(0)
     T = sum(lengths)
     make = lambda *shape: torch.randn(*shape, device=device, dtype=DTYPES[dtype]).requires_grad_(True)  # noqa: E731
@@ -58,7 +61,10 @@ def child(op: str, lengths: list[int], packed: bool, device: str, reps: int, H: 
     bounds = [0]
     for n in lengths:
         bounds.append(bounds[-1] + n)
-    cu = torch.tensor(bounds, dtype=torch.int32, device=device) if packed else None
+    cu = None
+    if packed:  # a Packing read once, as a model hands it to its layers; or the tensor, read by every call
+        cu = torch.tensor(bounds, dtype=torch.int32, device=device) if read_every_call else Packing.from_bounds(
+            bounds, device)
 
     def run_once():
         out = call(op, q, k, v, codebook, block_len=block_len, slots=slots, cu_seqlens=cu)
@@ -85,6 +91,9 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES))
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--read-every-call", action="store_true",
+                        help="pass cu_seqlens as a tensor, read on the host by every call (default: a Packing, the "
+                             "boundaries read once, as GPT.forward and the trainer hand them to the layers)")
     add_threads_argument(parser)
     add_in_process_argument(parser)
     parser.set_defaults(threads=1)  # as the cost was first measured: one thread, so a busy core count skews less
@@ -94,7 +103,7 @@ def main(argv=None) -> None:
     if args.device == "cpu":
         use_threads(args.threads, "timing", children=True)
     shape = dict(H=args.heads, D=args.head_dim, S=args.num_codes, slots=args.num_slots, block_len=args.block_len,
-                 dtype=args.dtype)
+                 dtype=args.dtype, read_every_call=args.read_every_call)
     print(f"# fwd+bwd, impl auto, H={args.heads} D={args.head_dim} S={args.num_codes} (ovq {args.num_slots} slots) "
           f"L={args.block_len} {args.dtype}, {args.device}: {machine()}, torch {torch.__version__}; "
           f"{len(lengths)} documents ({' '.join(args.layout)}) = {sum(lengths)} tokens against one document of "

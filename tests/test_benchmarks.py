@@ -156,3 +156,28 @@ def test_kernel_profile_reads_each_method_against_its_design(monkeypatch, method
     floor = next(c for c in costs if c.name == first).floor_s("H200") * 1e3
     assert rows[3] == f"| {first} | 1.000 | {floor:.3f} | {100 * floor:.0f}% |"
     assert rows[4] == "| everything else (PyTorch) | 0.250 | | |" and len(rows) == 5
+
+
+@pytest.fixture
+def packed_speed(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import packed_speed
+
+    return packed_speed
+
+
+def test_packed_speed_layouts_and_a_tiny_row(packed_speed, capsys, monkeypatch):
+    assert packed_speed.parse_layout(["7", "3x2"]) == [7, 2, 2, 2]
+    for bad in (["0"], ["x4"], ["2x"], ["ax3"]):
+        with pytest.raises(ValueError, match="layout"):
+            packed_speed.parse_layout(bad)
+    for op in packed_speed.OPS:
+        for packed, read in ((False, False), (True, False), (True, True)):
+            result = packed_speed.child(op, [20, 3, 3], packed, "cpu", 1, H=2, D=8, S=8, slots=4, block_len=8,
+                                        dtype="float32", read_every_call=read)
+            assert result["ms"] > 0 and math.isfinite(result["peak_mb"])
+    monkeypatch.setattr(packed_speed, "run_child", lambda script, args: packed_speed.child_from_argv(args))
+    packed_speed.main(["--layout", "20", "2x3", "--ops", "window", "--rounds", "1", "--reps", "1", "--heads", "2",
+                       "--head-dim", "8", "--block-len", "8"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| window")]
+    assert len(rows) == 1 and "failed" not in rows[0]
