@@ -322,6 +322,29 @@ def test_a_packing_is_read_once_and_checked_like_cu_seqlens():
 
 
 @needs_triton
+@pytest.mark.slow
+def test_triton_classes_cross_superblocks():
+    """Hard keys' superblock kernels (K = 8 blocks of 16: 128 tokens) on a class of two sequences of 10 blocks that
+    cross a superblock, and a class of a one-token and a short sequence: as separate float64 calls."""
+    name, lengths = "vq_hard_rotated", [150, 1, 147, 7]
+    bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    packing = Packing.from_bounds(bounds)
+    assert [c.rows for c in packing.classes(L)] == [2, 2]  # (1, 7) in one block, (150, 147) in ten
+    x = _inputs(name, bounds[-1], seed=4)
+    leaves_ = [*x.values(), _codebook().requires_grad_()]
+
+    def separate(*tensors):
+        return _separate(name, dict(zip(x, tensors)), bounds, {"codebook": tensors[-1]})
+
+    def packed(*tensors):
+        cu = torch.tensor(bounds, dtype=torch.int32, device=tensors[0].device)
+        return _call(name, vq.vq_attention, dict(zip(x, tensors)), cu_seqlens=cu, impl="triton",
+                     codebook=tensors[-1])
+
+    compare(separate, packed, leaves_)
+
+
+@needs_triton
 @pytest.mark.parametrize("name", ["vq_hard_rotated", "vq_soft_exact_cap", "window", "ovq"])
 def test_triton_impl(name):
     """The fused kernels run the length classes (a batch of two short sequences and two of one each), in float32
