@@ -93,7 +93,8 @@ def positions(cu_seqlens: torch.Tensor | Sequence[int], offsets: Sequence[int] |
 
 
 class LengthClass(NamedTuple):
-    """The sequences of a packed row that hold the same number of blocks, run as one call (:class:`Packing`).
+    """The sequences of a packed row that hold the same number of blocks (or neighbouring numbers, merged where a
+    call costs more than the padding: :meth:`Packing.classes`), run as one call.
 
     span: (a, b), the tokens of the class's one sequence, or None for several. For several, n rows of ``width``
     slots (the longest sequence's length): ``slots`` (n·width,) long, the token in each slot (a pad repeats its
