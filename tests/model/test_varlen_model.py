@@ -9,6 +9,7 @@ import torch
 
 from vqattn.layers import ATTENTIONS, build_attention
 from vqattn.model import GPT, GPTConfig
+from vqattn.ops.varlen import Packing
 
 F64 = torch.float64
 BOUNDS = [0, 5, 6, 40, 71]  # shorter than a block, one token, crossing the blocks of 16
@@ -110,8 +111,9 @@ def test_bad_packed_input():
         layer(torch.randn(2, 10, 32), cu_seqlens=torch.tensor([0, 4, 10], dtype=torch.int32))
 
 
+@pytest.mark.parametrize("packing", [False, True], ids=["tensor", "Packing"])
 @pytest.mark.parametrize("name", ["vq_hard", "ovq", "softmax"])
-def test_compiled_packed_calls_do_not_recompile_for_new_documents(name):
+def test_compiled_packed_calls_do_not_recompile_for_new_documents(name, packing):
     """The boundaries are read outside the compiled graph: after the first two calls (automatic dynamic shapes),
     new boundaries and numbers of documents compile nothing new, and the outputs equal eager's."""
     torch.manual_seed(0)
@@ -123,8 +125,8 @@ def test_compiled_packed_calls_do_not_recompile_for_new_documents(name):
     bounds = [[0, 60], [0, 20, 60], [0, 5, 6, 40, 60], [0, 33, 60], [0, 1, 2, 3, 60]]
     for i, b in enumerate(bounds):
         cu = torch.tensor(b, dtype=torch.int32)
-        with torch._dynamo.config.patch(error_on_recompile=i >= 2):
-            out = compiled(idx, idx, cu_seqlens=cu)
+        with torch._dynamo.config.patch(error_on_recompile=i >= 2):  # the trainer hands the model a Packing
+            out = compiled(idx, idx, cu_seqlens=Packing.from_bounds(b) if packing else cu)
         torch.testing.assert_close(out.logits, model(idx, idx, cu_seqlens=cu).logits)
 
 
@@ -152,8 +154,6 @@ def _host_reads(model: GPT, idx, cu_seqlens, monkeypatch) -> int:
 def test_a_packed_step_reads_the_boundaries_once_whatever_the_depth(name, monkeypatch):
     """The model reads ``cu_seqlens`` once and hands a Packing to every layer: the host reads of a packed step
     (forward and backward) do not grow with the number of layers: one read of a tensor, none of a Packing."""
-    from vqattn.ops.varlen import Packing
-
     idx = torch.randint(0, 256, (1, 71), generator=torch.Generator().manual_seed(0))
     cu = torch.tensor(BOUNDS, dtype=torch.int32)
     counts = {}
