@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 from vqattn.functional import ovq_attention, softmax_attention, vq_attention, window_attention
-from vqattn.ops.triton import vq_causal
+from vqattn.ops.blocks import KernelDesign, Schedule
 from vqattn.utils import add_threads_argument, tune_cpu_allocator, use_threads
 
 METHODS = ("sdpa", "vq_hard", "vq_soft", "vq_hard_rope", "vq_soft_rope", "window", "ovq")
@@ -73,7 +73,8 @@ def attention(method: str, q, k, v, codebook, block_len, q_rot=None, k_rot=None,
         return ovq_attention(q, k, v, num_slots=codebook.shape[1], block_len=block_len, threshold=0.1)
     rope = dict(exact_window=True, q_rot=q_rot, k_rot=k_rot) if method.endswith("_rope") else {}
     assign = method.removeprefix("vq_").removesuffix("_rope")
-    return vq_attention(q, k, v, codebook, causal=True, assign=assign, block_len=block_len, impl=impl, **rope)
+    return vq_attention(q, k, v, codebook, causal=True, assign=assign, block_len=block_len, impl=impl,
+                        schedule=schedule(), **rope)
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -259,7 +260,7 @@ def main():
     shape = dict(B=args.batch, H=args.heads, S=args.num_codes, impl=args.impl, dtype=args.dtype)
 
     print(f"# causal fwd+bwd, B={args.batch} H={args.heads} D=64 S={args.num_codes} {args.dtype} impl={args.impl}, "
-          f"superblock_blocks={vq_causal.SUPERBLOCK_BLOCKS}, {args.device}: {machine()}, torch {torch.__version__}; "
+          f"superblock_blocks={design().superblock_blocks}, {args.device}: {machine()}, torch {torch.__version__}; "
           f"median of {args.reps} reps in each of {args.rounds} interleaved rounds; peak MB from the {args.modes[0]} mode")
     if args.device == "cpu":
         print(f"# fresh memory costs {fresh_page_ms_per_mb():.2f} ms per MB beyond warm writes on this machine now")
@@ -297,23 +298,36 @@ def child_from_argv(argv: list[str]) -> dict:
     return child(method, int(T), device, int(reps), int(block_len) or None, mode == "compiled", **json.loads(shape))
 
 
-# The fused vq step's design for hard keys, vq_causal.SUPERBLOCK_BLOCKS (K blocks a cache; 0: every block's cache
-# and the walks), as --superblock-blocks sets it for this process and the measuring processes it starts.
-SUPERBLOCK_ENV = "VQATTN_BENCH_SUPERBLOCK_BLOCKS"
-if SUPERBLOCK_ENV in os.environ:
-    vq_causal.SUPERBLOCK_BLOCKS = int(os.environ[SUPERBLOCK_ENV])
+# The fused vq step's design (vqattn.ops.blocks.KernelDesign) that this process's vq calls and layers run, as
+# --superblock-blocks (and kernel_profile.py's options) set it, for this process and the measuring processes it
+# starts (through the environment): a benchmark's choice, handed to the library by name (Schedule.kernels).
+DESIGN_ENV = "VQATTN_BENCH_KERNEL_DESIGN"
+
+
+def design() -> KernelDesign:
+    """The kernel design of this benchmark process: the library's default unless a flag chose another."""
+    return KernelDesign(**json.loads(os.environ.get(DESIGN_ENV, "{}")))
+
+
+def set_design_fields(**fields) -> None:
+    """Change the design of this process and the processes it starts (fields of KernelDesign)."""
+    os.environ[DESIGN_ENV] = json.dumps(dict(design()._asdict(), **fields))
+
+
+def schedule() -> Schedule:
+    """The Schedule that hands :func:`design` to a vq call (and to a vq layer's ``schedule``)."""
+    return Schedule(kernels=design())
 
 
 def add_design_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--superblock-blocks", type=int, default=None,
-                        help="hard vq keys' superblock caches of K blocks (vq_causal.SUPERBLOCK_BLOCKS; 0: the "
+                        help="hard vq keys' superblock caches of K blocks (KernelDesign.superblock_blocks; 0: the "
                              "per-block caches and walks); default: the library's")
 
 
 def set_design(args: argparse.Namespace) -> None:
     if args.superblock_blocks is not None:
-        os.environ[SUPERBLOCK_ENV] = str(args.superblock_blocks)
-        vq_causal.SUPERBLOCK_BLOCKS = args.superblock_blocks
+        set_design_fields(superblock_blocks=args.superblock_blocks)
 
 
 def add_in_process_argument(parser: argparse.ArgumentParser) -> None:

@@ -11,7 +11,7 @@ read once and each output written once, however often its programs reread it fro
 
 The designs (:data:`DESIGNS`):
 
-* ``block_dc`` (the kernels' for soft keys, and for hard ones with ``vq_causal.SUPERBLOCK_BLOCKS = 0``): every
+* ``block_dc`` (the kernels' for soft keys, and for hard ones with ``KernelDesign(superblock_blocks=0)``): every
   block's cache, (S, Dv) bf16 sums and (S,) float32 counts (1056 bytes per token and head at S = 512, L = 64),
   written by the prefix walk, read by the forward and by the backward's code part; that part writes every block's
   cache gradient dC (S, Dv), which the reverse walk reads.
@@ -21,7 +21,7 @@ The designs (:data:`DESIGNS`):
 * ``walk_dc_split``: walk_dc with both walks split into segments of
   ``SEGMENT_STEPS`` steps (fla's chunk_h_split): the segments' sums (float32 states; the backward's formed from the
   queries, its dC products twice), two scans, every segment's walk from its own start.
-* ``superblock`` (:data:`CURRENT`, the kernels' default for hard keys: ``vq_causal.SUPERBLOCK_BLOCKS = 8``, the
+* ``superblock`` (:data:`CURRENT`, the kernels' default for hard keys: ``KernelDesign.superblock_blocks = 8``, the
   K here), as built (``vqattn/ops/triton/superblock.py``): a cache only every K blocks (K·L tokens),
   nsb = ⌊max(nb − 2, 0)/K⌋ + 1 per sequence, half sums and float32 counts (:func:`caches`); a query attends to
   the keys between its superblock's cache and its window (blocks c..b−2) through their codes, logit σ q·c_{z_j},
@@ -104,10 +104,10 @@ DESIGNS = ("block_dc", "walk_dc", "walk_dc_split", "superblock", "superblock_wal
 # The soft mixture's designs (vq_soft_rope: the codebook learned by gradient, τ fixed): what the kernels run today,
 # and two candidates that recompute the mixture instead of writing it (module doc).
 SOFT_DESIGNS = ("soft_block_dc", "soft_block_recompute", "soft_superblock")
-# What vqattn's kernels do by default for hard keys: the superblock kernels (vq_causal.SUPERBLOCK_BLOCKS = 8);
-# block_dc with SUPERBLOCK_BLOCKS = 0.
+# What vqattn's kernels do by default for hard keys: the superblock kernels (KernelDesign.superblock_blocks = 8);
+# block_dc with superblock_blocks = 0.
 CURRENT = "superblock"
-SEGMENT_STEPS = 16  # block_caches.SEGMENT_STEPS: the steps of a split cache walk's segment
+SEGMENT_STEPS = 16  # KernelDesign.segment_steps: the steps of a split cache walk's segment
 
 
 @dataclass(frozen=True)

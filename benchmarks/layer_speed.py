@@ -28,10 +28,12 @@ import torch
 from attention_speed import (
     add_design_argument,
     add_in_process_argument,
+    design,
     fresh_page_ms_per_mb,
     machine,
     note,
     run_child,
+    schedule,
     set_design,
     set_in_process,
     summarise,
@@ -39,7 +41,6 @@ from attention_speed import (
 )
 
 from vqattn.layers import ATTENTIONS, build_attention
-from vqattn.ops.triton import vq_causal
 from vqattn.utils import add_threads_argument, tune_cpu_allocator, use_threads
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -54,7 +55,10 @@ def build(name: str, dim: int, num_heads: int, num_codes: int, device: str, dtyp
     kwargs = {"num_codes": num_codes} if name.startswith("vq_") else {}
     if name in IMPL_LAYERS:
         kwargs["impl"] = impl
-    return build_attention(name, dim=dim, num_heads=num_heads, rope=True, **kwargs).to(device, dtype).train()
+    layer = build_attention(name, dim=dim, num_heads=num_heads, rope=True, **kwargs).to(device, dtype).train()
+    if hasattr(layer, "schedule"):  # vq layers: the kernel design --superblock-blocks chose
+        layer.schedule = schedule()
+    return layer
 
 
 def child(name: str, T: int, device: str, reps: int, dtype: str, autocast: str, dim: int, num_heads: int,
@@ -128,7 +132,7 @@ def main(argv=None) -> None:
     compiled = (", compiled" if args.compile else "") + (", tuned allocator" if args.tuned_allocator else "")
     batch = "B=1" if args.tokens is None else f"B={args.tokens}//T"
     print(f"# layer fwd+bwd, {batch} impl={args.impl} dim={args.dim} heads={args.heads} S={args.num_codes} {args.dtype} autocast "
-          f"{args.autocast}{compiled}, superblock_blocks={vq_causal.SUPERBLOCK_BLOCKS}, training mode, "
+          f"{args.autocast}{compiled}, superblock_blocks={design().superblock_blocks}, training mode, "
           f"{args.device}: {machine()}, torch {torch.__version__}; "
           f"median of {args.reps} reps in each of {args.rounds} interleaved rounds")
     if args.device == "cpu":

@@ -181,3 +181,21 @@ def test_packed_speed_layouts_and_a_tiny_row(packed_speed, capsys, monkeypatch):
                        "--head-dim", "8", "--block-len", "8"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| window")]
     assert len(rows) == 1 and "failed" not in rows[0]
+
+
+def test_a_benchmarks_kernel_design_reaches_the_ops_and_layers_by_name(layer_speed, monkeypatch):
+    """--superblock-blocks (and kernel_profile's walk options) choose the kernels' design for the process and the
+    processes it starts, handed to the library as a Schedule (no library global is set)."""
+    import attention_speed
+
+    from vqattn.ops.blocks import KernelDesign
+
+    monkeypatch.delenv(attention_speed.DESIGN_ENV, raising=False)
+    assert attention_speed.design() == KernelDesign()
+    monkeypatch.setenv(attention_speed.DESIGN_ENV, "{}")
+    attention_speed.set_design(attention_speed.argparse.Namespace(superblock_blocks=0))
+    attention_speed.set_design_fields(walk_cache_gradient=True)
+    assert attention_speed.design() == KernelDesign(superblock_blocks=0, walk_cache_gradient=True)
+    assert attention_speed.schedule().kernels == attention_speed.design()
+    layer = layer_speed.build("vq_hard", 32, 2, 8, "cpu", layer_speed.DTYPES["float32"])
+    assert layer.schedule.kernels.superblock_blocks == 0

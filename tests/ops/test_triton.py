@@ -10,11 +10,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vqattn.layers import build_attention
+from vqattn.ops.blocks import KernelDesign, Schedule
 from vqattn.ops.common.layout import memory_order
 from vqattn.ops.common.statistics import map_time
 from vqattn.ops.devices import triton
 from vqattn.ops.triton import block_caches as block_caches_module
-from vqattn.ops.triton import vq_causal
 from vqattn.ops.triton.block_caches import block_caches
 from vqattn.ops.triton.finite import nonfinite_rows
 from vqattn.ops.triton.nearest import code_residuals, nearest_codes
@@ -75,21 +75,21 @@ def test_vq_attention(assign, window, T):
 @pytest.mark.parametrize("segment_steps,walk", [(3, True), pytest.param(1, True, marks=pytest.mark.slow),
                                                 pytest.param(0, True, marks=pytest.mark.slow),
                                                 pytest.param(3, False, marks=pytest.mark.slow)])
-def test_vq_attention_with_split_walks(assign, window, segment_steps, walk, monkeypatch):
+def test_vq_attention_with_split_walks(assign, window, segment_steps, walk):
     """The cache walks split into segments of 1 or 3 blocks (summed in parallel, then scanned) or not, with the
     caches' gradients formed in the reverse walk (``walk``) or read from the code backward, give the definition's
     outputs and gradients, with the memory bound's bias on the codes, and a state continued from one call to the
     next (its state gradient folded in mid-walk)."""
-    monkeypatch.setattr(block_caches_module, "SEGMENT_STEPS", segment_steps)
-    monkeypatch.setattr(vq_causal, "WALK_CACHE_GRADIENT", walk)
-    monkeypatch.setattr(vq_causal, "SUPERBLOCK_BLOCKS", 0)  # hard keys through the walks too
+    # hard keys through the walks too
+    walks = Schedule(kernels=KernelDesign(superblock_blocks=0, walk_cache_gradient=walk, segment_steps=segment_steps))
     compare(vq_call(naive_vq_attention, assign, window, memory_cap=40),
-            vq_call(vq_attention, assign, window, "triton", memory_cap=40), vq_inputs(assign, window, 170))
+            vq_call(vq_attention, assign, window, "triton", memory_cap=40, schedule=walks),
+            vq_inputs(assign, window, 170))
     q, k, v, c, *rotated = (x.detach().to(DEVICE, torch.float32) for x in vq_inputs(assign, window, 170))
-    whole = vq_call(vq_attention, assign, window, "triton")(q, k, v, c, *rotated)
-    first, state = vq_call(vq_attention, assign, window, "triton", return_state=True)(
+    whole = vq_call(vq_attention, assign, window, "triton", schedule=walks)(q, k, v, c, *rotated)
+    first, state = vq_call(vq_attention, assign, window, "triton", return_state=True, schedule=walks)(
         *(x[:, :, :110] for x in (q, k, v)), c, *(x[:, :, :110] for x in rotated))
-    rest = vq_call(vq_attention, assign, window, "triton", state=state)(
+    rest = vq_call(vq_attention, assign, window, "triton", state=state, schedule=walks)(
         *(x[:, :, 110:] for x in (q, k, v)), c, *(x[:, :, 110:] for x in rotated))
     assert rel_rms(torch.cat([first, rest], 2), whole) < 1e-6
 
@@ -169,12 +169,11 @@ def test_chunked_calls_equal_one_call(assign, window):
 
 
 @pytest.mark.parametrize("walk", [False, True])
-def test_gradient_of_a_continued_states_counts(walk, monkeypatch):
+def test_gradient_of_a_continued_states_counts(walk):
     """A hard state whose counts need a gradient (here a leaf): the kernels carry it, against the chunk form in
     float64, with the caches' gradients read or formed in the walk. Without one, hard counts are not
     differentiable and the backward skips their gradient."""
-    monkeypatch.setattr(vq_causal, "WALK_CACHE_GRADIENT", walk)
-    monkeypatch.setattr(vq_causal, "SUPERBLOCK_BLOCKS", 0)  # hard keys through the walks
+    walks = Schedule(kernels=KernelDesign(superblock_blocks=0, walk_cache_gradient=walk))  # hard keys: the walks
     q, k, v, c = (x.detach() for x in vq_inputs("hard", "exact", 100, generator=torch.Generator().manual_seed(4)))
     _, state = vq_attention(q[:, :, :70], k[:, :, :70], v[:, :, :70], c, causal=True, block_len=L,
                             exact_window=True, impl="chunk", return_state=True)
@@ -185,7 +184,7 @@ def test_gradient_of_a_continued_states_counts(walk, monkeypatch):
             start = VQState(counts, sums, *(x.to(device, dtype) for x in (state.keys, state.values)), state.length,
                             state.block_len, map_time(lambda x: x.to(device), state.assignment))
             out, after = vq_attention(q, k, v, c.to(device, dtype), causal=True, block_len=L, exact_window=True,
-                                      impl=impl, state=start, return_state=True)
+                                      impl=impl, state=start, return_state=True, schedule=walks)
             return out.sum(-1) + after.counts.sum(-1, keepdim=True) + after.sums.sum((-1, -2)).unsqueeze(-1)
         return run
 
@@ -195,17 +194,15 @@ def test_gradient_of_a_continued_states_counts(walk, monkeypatch):
 
 @pytest.mark.parametrize("assign", ["hard", "soft"])
 @pytest.mark.parametrize("walk", [False, True])
-def test_where_the_cache_gradient_is_formed(assign, walk, monkeypatch):
-    """With WALK_CACHE_GRADIENT the reverse cache walk forms every block's cache gradient from the queries that
+def test_where_the_cache_gradient_is_formed(assign, walk):
+    """With walk_cache_gradient the reverse cache walk forms every block's cache gradient from the queries that
     read the cache: the backward allocates no (B·H, nb, S, Dv) tensor (1 GB at 8192 tokens on a GPU); by default
     the code backward writes it for the walk to read."""
-    monkeypatch.setattr(vq_causal, "WALK_CACHE_GRADIENT", walk)
-    monkeypatch.setattr(vq_causal, "SUPERBLOCK_BLOCKS", 0)  # hard keys through the walks
-
+    walks = Schedule(kernels=KernelDesign(superblock_blocks=0, walk_cache_gradient=walk))  # hard keys: the walks
     T = 100
     nb = -(-T // L)
     q, k, v, c = (x.detach().to(DEVICE, torch.float32).requires_grad_() for x in vq_inputs(assign, "exact", T))
-    out = vq_call(vq_attention, assign, "exact", "triton")(q, k, v, c)
+    out = vq_call(vq_attention, assign, "exact", "triton", schedule=walks)(q, k, v, c)
     with Allocations() as backward:
         out.square().sum().backward()
     per_block = {(B * H, nb, S, DV), (B, H, nb, S, DV)}
@@ -339,13 +336,12 @@ def ref_block_caches(delta, v, counts0, sums0, block_len, fold):
                          [(1, 0, S, 0), (1, 1, S, 0), (40, 1, S, 0), (100, 2, S, 0), (100, 4, S, 0), (100, 2, 150, 0),
                           (1, 1, S, 1), (100, 0, S, 1), (100, 2, S, 2), (100, 3, S, 2), (230, 4, S, 3),
                           (230, 8, 150, 2)])
-def test_block_caches(assign, T, fold, num_codes, segment_steps, monkeypatch):
+def test_block_caches(assign, T, fold, num_codes, segment_steps):
     """Every block's cache and the state after ``fold`` blocks, with the gradients of the values, the soft weights
     and the initial cache, against a loop over blocks in float64. 150 codes take three programs' tiles of 64 (the
     last one partly filled): a hard key's value gradient is written by the one tile that holds its code. The walks
     run in one program per tile (``segment_steps`` 0) or split into segments of that many steps, the state at
     every place within them (its first and last step, the last segment, the last step of all)."""
-    monkeypatch.setattr(block_caches_module, "SEGMENT_STEPS", segment_steps)
     g = torch.Generator().manual_seed(T + fold)
     index = torch.randint(0, num_codes, (B, H, T), generator=g)
     v, counts0, sums0, weights = leaves((B, H, T, DV), (B, H, num_codes), (B, H, num_codes, DV), (B, H, T, num_codes),
@@ -359,7 +355,7 @@ def test_block_caches(assign, T, fold, num_codes, segment_steps, monkeypatch):
     def fast(v, counts0, sums0, weights):
         # the kernel's outputs in the reference's order: block by block, then the state
         n, c, n_fold, c_fold = block_caches(index.to(DEVICE) if hard else None, None if hard else weights, v,
-                                            counts0, sums0, block_len=L, fold=fold)
+                                            counts0, sums0, block_len=L, fold=fold, segment_steps=segment_steps)
         blocks = [x for i in range(n.shape[2]) for x in (n[:, :, i], c[:, :, i])]
         return torch.cat([x.flatten() for x in blocks + [n_fold, c_fold]])
 
@@ -369,24 +365,21 @@ def test_block_caches(assign, T, fold, num_codes, segment_steps, monkeypatch):
 def test_walks_split_only_where_their_programs_leave_a_gpu_idle(monkeypatch):
     """On a GPU of 132 SMs (two walk programs each) the walks split into as many segments as fill it, of at least
     MIN_SEGMENT_STEPS steps, where that at least doubles the programs in flight: 1024 programs (8k tokens,
-    B·H = 128) and 256 (32k, B·H = 32) stay unsplit. SEGMENT_STEPS overrides; the interpreter's CPU never splits
-    by itself."""
+    B·H = 128) and 256 (32k, B·H = 32) stay unsplit. A number of steps overrides; the interpreter's CPU never
+    splits by itself."""
     from types import SimpleNamespace
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
-    monkeypatch.setattr(block_caches_module, "SEGMENT_STEPS", None)
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
-    segments = block_caches_module._segments
-    assert segments(129, 1024, gpu) == (129, 1)
-    assert segments(513, 256, gpu) == (513, 1)  # 32k tokens, B·H = 32: 264 slots for 256 programs
-    assert segments(1025, 128, gpu) == (513, 2)  # 64k tokens, B·H = 16
-    assert segments(129, 16, gpu) == (9, 15)  # 16 segments wanted: 9 steps each
-    assert segments(20, 16, gpu) == (8, 3)  # never under MIN_SEGMENT_STEPS
-    assert segments(1025, 128, cpu) == (1025, 1)
-    monkeypatch.setattr(block_caches_module, "SEGMENT_STEPS", 0)
-    assert segments(1025, 16, gpu) == (1025, 1)
-    monkeypatch.setattr(block_caches_module, "SEGMENT_STEPS", 100)
-    assert segments(1025, 1024, gpu) == (100, 11)
+    segments = block_caches_module.walk_segments
+    assert segments(129, 1024, gpu, None) == (129, 1)
+    assert segments(513, 256, gpu, None) == (513, 1)  # 32k tokens, B·H = 32: 264 slots for 256 programs
+    assert segments(1025, 128, gpu, None) == (513, 2)  # 64k tokens, B·H = 16
+    assert segments(129, 16, gpu, None) == (9, 15)  # 16 segments wanted: 9 steps each
+    assert segments(20, 16, gpu, None) == (8, 3)  # never under MIN_SEGMENT_STEPS
+    assert segments(1025, 128, cpu, None) == (1025, 1)
+    assert segments(1025, 16, gpu, 0) == (1025, 1)
+    assert segments(1025, 1024, gpu, 100) == (100, 11)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vqattn.ops.blocks import KernelDesign, Schedule
 from vqattn.ops.common.statistics import map_time
 from vqattn.ops.triton import superblock as superblock_module
-from vqattn.ops.triton import vq_causal
 from vqattn.ops.vq import VQState, naive_vq_attention, vq_assign, vq_attention
 
 from triton_helpers import DEVICE, Allocations, compare, leaves, nan_empty, needs_triton, rel_rms  # noqa: F401 (a fixture)
@@ -20,18 +20,21 @@ B, H, D, DV, S, L = 2, 2, 16, 8, 24, 16
 
 
 @pytest.fixture(params=[pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(3, marks=pytest.mark.slow)])
-def K(request, monkeypatch):
+def K(request):
     """Blocks per superblock: 1 is the per-block caches, 2 and 3 gather one and two blocks' keys (the quick suite
     runs 2)."""
-    monkeypatch.setattr(vq_causal, "SUPERBLOCK_BLOCKS", request.param)
     return request.param
 
 
 @pytest.fixture(params=[pytest.param(1, marks=pytest.mark.slow), 2, 3])
-def every_K(request, monkeypatch):
+def every_K(request):
     """K = 2 and 3 in the quick suite (1, the per-block caches, in the whole suite)."""
-    monkeypatch.setattr(vq_causal, "SUPERBLOCK_BLOCKS", request.param)
     return request.param
+
+
+def design(K: int) -> Schedule:
+    """The schedule whose kernels use superblocks of K blocks (0: the per-block walks)."""
+    return Schedule(kernels=KernelDesign(superblock_blocks=K))
 
 
 def inputs(window, T, scale=1.0, seed=0):
@@ -42,10 +45,11 @@ def inputs(window, T, scale=1.0, seed=0):
     return [q, k, v, c, *rotated]
 
 
-def call(attention, window, impl=None, **kwargs):
+def call(attention, window, impl=None, K=None, **kwargs):
     """attention(q, k, v, c[, q_rot, k_rot]): hard keys, the straight-through window ("codes"), the raw keys'
-    ("exact"), or RoPE's rotated pair with the codes scored on fewer dims ("rotated"), as the layers call it."""
-    extra = {} if impl is None else {"impl": impl}
+    ("exact"), or RoPE's rotated pair with the codes scored on fewer dims ("rotated"), as the layers call it; with
+    superblocks of K blocks when K is given."""
+    extra = ({} if impl is None else {"impl": impl}) | ({} if K is None else {"schedule": design(K)})
 
     def run(q, k, v, c, *rotated):
         kw = dict(causal=True, assign="hard", block_len=L, exact_window=window != "codes", **extra, **kwargs)
@@ -61,14 +65,14 @@ def call(attention, window, impl=None, **kwargs):
 def test_superblocks_equal_the_definition(every_K, window, T):
     """T = 1, shorter than two blocks, not a multiple of L or of K·L, and 150 tokens (10 blocks: 3 to 9
     superblocks, the last one partial; the other tests run 150 tokens at K = 2 in the quick suite)."""
-    compare(call(naive_vq_attention, window), call(vq_attention, window, "triton"), inputs(window, T))
+    compare(call(naive_vq_attention, window), call(vq_attention, window, "triton", every_K), inputs(window, T))
 
 
 @pytest.mark.parametrize("window", ["exact", pytest.param("rotated", marks=pytest.mark.slow)])
 def test_memory_cap_biases_gathered_keys_and_caches_alike(K, window):
     """The memory bound's bias log min(1, M / n_b) is on every code logit of query block b: its cache's and its
     gathered keys'."""
-    compare(call(naive_vq_attention, window, memory_cap=40), call(vq_attention, window, "triton", memory_cap=40),
+    compare(call(naive_vq_attention, window, memory_cap=40), call(vq_attention, window, "triton", K, memory_cap=40),
             inputs(window, 150, seed=1))
 
 
@@ -79,7 +83,7 @@ def test_large_logits_and_empty_codes(K):
     x = inputs("exact", 150, scale=2.0, seed=2)
     with torch.no_grad():
         x[3][:, S // 2:] *= 20
-    compare(call(naive_vq_attention, "exact"), call(vq_attention, "exact", "triton"), x, tol=1e-4)
+    compare(call(naive_vq_attention, "exact"), call(vq_attention, "exact", "triton", K), x, tol=1e-4)
 
 
 @pytest.mark.parametrize("window", [pytest.param("exact", marks=pytest.mark.slow), "rotated"])
@@ -87,11 +91,11 @@ def test_chunked_calls_equal_one_call(K, window):
     """A sequence fed as 3 chunks (each state continued across a superblock boundary, its kept state folded from
     a cache and the blocks after it) equals one call, and the state equals the chunk impl's."""
     q, k, v, c, *rotated = (x.detach().to(DEVICE, torch.float32) for x in inputs(window, 150))
-    whole = call(vq_attention, window, "triton")(q, k, v, c, *rotated)
+    whole = call(vq_attention, window, "triton", K)(q, k, v, c, *rotated)
     outs, state = [], None
     for t0, t1 in ((0, 61), (61, 110), (110, 150)):
         piece = lambda x: x[:, :, t0:t1]  # noqa: E731
-        out, state = call(vq_attention, window, "triton", state=state, return_state=True)(
+        out, state = call(vq_attention, window, "triton", K, state=state, return_state=True)(
             piece(q), piece(k), piece(v), c, *map(piece, rotated))
         outs.append(out)
     assert rel_rms(torch.cat(outs, 2), whole) < 1e-6
@@ -113,7 +117,7 @@ def test_gradients_through_a_continued_state(K):
             start = VQState(counts, sums, *(x.to(device, dtype) for x in (state.keys, state.values)), state.length,
                             state.block_len, map_time(lambda x: x.to(device), state.assignment))
             out, after = vq_attention(q, k, v, c, causal=True, block_len=L, exact_window=True, impl=impl, state=start,
-                                      return_state=True)
+                                      return_state=True, schedule=design(K))
             return out.sum(-1) + after.counts.sum(-1, keepdim=True) + after.sums.sum((-1, -2)).unsqueeze(-1)
         return run
 
@@ -123,12 +127,11 @@ def test_gradients_through_a_continued_state(K):
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), pytest.param(torch.float16, 2e-3, marks=pytest.mark.slow)])
-def test_half_inputs(dtype, tol, monkeypatch):
+def test_half_inputs(dtype, tol):
     """Half q, k, v (and codebook) accumulate in float32: within the half type's rounding of the definition, which
     reads the rounded inputs (so that no argmin flips between the two)."""
-    monkeypatch.setattr(vq_causal, "SUPERBLOCK_BLOCKS", 2)
     rounded = [x.detach().to(dtype).double().requires_grad_() for x in inputs("rotated", 150, seed=5)]
-    compare(call(naive_vq_attention, "rotated"), call(vq_attention, "rotated", "triton"), rounded, dtype=dtype,
+    compare(call(naive_vq_attention, "rotated"), call(vq_attention, "rotated", "triton", 2), rounded, dtype=dtype,
             tol=tol)
 
 
@@ -140,7 +143,7 @@ def test_only_every_kth_block_has_a_cache(K):
     nsb = superblock_module.superblocks(nb, K)
     q, k, v, c = (x.detach().to(DEVICE, torch.float32).requires_grad_() for x in inputs("exact", T))
     with Allocations() as seen:
-        call(vq_attention, "exact", "triton")(q, k, v, c).square().sum().backward()
+        call(vq_attention, "exact", "triton", K)(q, k, v, c).square().sum().backward()
     assert (B * H, nsb, S, DV) in seen.shapes
     assert not {(B * H, nb, S, DV), (B, H, nb, S, DV)} & set(seen.shapes) or K == 1
 
@@ -152,8 +155,7 @@ def test_superblock_count():
             assert superblock_module.superblocks(nb, K) == max(max(b - 1, 0) // K for b in range(nb)) + 1
 
 
-def test_per_block_walks_stay_available(monkeypatch):
-    """SUPERBLOCK_BLOCKS = 0 runs hard keys through the per-block walks (block_caches.py), the design the GPU
+def test_per_block_walks_stay_available():
+    """superblock_blocks = 0 runs hard keys through the per-block walks (block_caches.py), the design the GPU
     tables compare against."""
-    monkeypatch.setattr(vq_causal, "SUPERBLOCK_BLOCKS", 0)
-    compare(call(naive_vq_attention, "exact"), call(vq_attention, "exact", "triton"), inputs("exact", 60))
+    compare(call(naive_vq_attention, "exact"), call(vq_attention, "exact", "triton", 0), inputs("exact", 60))

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vqattn.ops.triton import superblock, tuning, vq_causal
+from vqattn.ops.blocks import KernelDesign, Schedule
+from vqattn.ops.triton import superblock, tuning
 from vqattn.ops.vq import naive_vq_attention, vq_attention
 
 from triton_helpers import compare, leaves, nan_empty, needs_triton  # noqa: F401 (a fixture)
@@ -41,15 +42,15 @@ def test_every_candidate_equals_the_definition(choice, monkeypatch):
         options = distinct_meta(kernel)
         monkeypatch.setattr(kernel, "configs", [options[min(choice, len(options) - 1)]])
         monkeypatch.setattr(kernel, "cache", {})
-    monkeypatch.setattr(vq_causal, "SUPERBLOCK_BLOCKS", 2)
     q, k, v, c = leaves((B, H, T, D), (B, H, T, D), (B, H, T, DV), (H, S, D), generator=torch.Generator().manual_seed(0))
 
-    def run(attention, impl=None):
-        extra = {} if impl is None else {"impl": impl}
+    def run(attention, impl=None, **extra):
+        extra = extra | ({} if impl is None else {"impl": impl})
         return lambda q, k, v, c: attention(q, k, v, c, causal=True, assign="hard", block_len=L, exact_window=True,
                                             memory_cap=40, **extra)
 
-    compare(run(naive_vq_attention), run(vq_attention, "triton"), [q, k, v, c])
+    two = Schedule(kernels=KernelDesign(superblock_blocks=2))
+    compare(run(naive_vq_attention), run(vq_attention, "triton", schedule=two), [q, k, v, c])
 
 
 def test_configs_keep_the_first_setting_first():

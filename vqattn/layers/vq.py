@@ -6,7 +6,7 @@ from typing import ClassVar
 
 from ..codebook import Codebook
 from ..modules.rope import pair_dims, rope_rotate_keeping, slow_pair_start
-from ..ops.blocks import DEFAULT_BLOCK_LEN, check_block_len, resolve_block_len
+from ..ops.blocks import DEFAULT_BLOCK_LEN, Schedule, check_block_len, resolve_block_len
 from ..ops.checks import check_choice, check_positive_int
 from ..ops.common.memory_cap import RAW_WINDOW, layer_memory_cap
 from ..ops.vq import IMPLS as VQ_IMPLS
@@ -82,6 +82,9 @@ class VQAttention(Attention):
         check_choice("cache_scores", cache_scores, CACHE_SCORES)
         check_choice("impl", impl, VQ_IMPLS)
         self.impl = impl
+        # how the op runs its blocks and kernels (vqattn.ops.blocks.Schedule; never what it computes): the op's
+        # default, set on an instance to time another kernel design (benchmarks/layer_speed.py --superblock-blocks)
+        self.schedule: str | Schedule = "auto"
         check_positive_int("num_codes", num_codes)
         self.cache_scores = cache_scores
         self.block_len, self.exact_window = block_len, exact_window
@@ -113,6 +116,7 @@ class VQAttention(Attention):
             assignment=assignment,  # computed once, by the codebook, from the raw keys and codes
             memory_cap=self.memory_cap,
             impl=self.impl,
+            schedule=self.schedule,
             cu_seqlens=cu_seqlens,
             **rotated,
         )

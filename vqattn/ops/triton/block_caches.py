@@ -14,7 +14,7 @@ The backward walks the blocks in reverse with the running suffix sum of the cach
 G_j = Σ_{b ≥ j+2} dC_b (plus the state's gradient for j < fold), and writes block j's value gradients Δ_j G_j and,
 for soft weights, their gradient V_j G_jᵀ + Gn_j. A hard key's value gradient comes from the one tile that holds
 its code (a masked store); soft ones add over tiles (atomic adds). The caches' gradients dC_b are read from memory
-or, for the vq step's :mod:`.vq_causal` with ``WALK_CACHE_GRADIENT``, formed in the walk from the queries that read
+or, for the vq step's :mod:`.vq_causal` with ``KernelDesign.walk_cache_gradient``, formed in the walk from the queries that read
 the caches. :func:`block_caches` is the walk pair as an op of its own, which the tests check against a loop over
 blocks.
 """
@@ -39,13 +39,11 @@ if triton is not None:
 
 # Floats of one program's running tile of value sums (codes × value dims) kept in registers.
 TILE_FLOATS = 4096
-# Steps of a cache walk per program: 0 never splits (the default), None chooses by the GPU (:func:`_segments`),
-# n > 0 splits into segments of n steps. One program per tile of codes and sequence walks the blocks in sequence,
-# each step waiting on memory; split into segments (fla's chunk_h_split), the segments' sums are formed in parallel,
-# a short scan gives every segment its start, and the segments walk in parallel: more programs, each walk shorter,
-# for twice the steps and the segments' sums in memory. That can pay only where the unsplit programs leave SMs
-# idle; off by default (docs/performance.md, "Split walks at 65536 tokens").
-SEGMENT_STEPS: int | None = 0
+# A cache walk's segments (KernelDesign.segment_steps): one program per tile of codes and sequence walks the blocks
+# in sequence, each step waiting on memory; split into segments (fla's chunk_h_split), the segments' sums are
+# formed in parallel, a short scan gives every segment its start, and the segments walk in parallel: more programs,
+# each walk shorter, for twice the steps and the segments' sums in memory. That can pay only where the unsplit
+# programs leave SMs idle; off by default (docs/performance.md, "Split walks at 65536 tokens").
 # Programs of a walk per SM that fill it (the walks fit two per SM by their registers).
 WALK_PROGRAMS_PER_SM = 2
 # The fewest steps a segment takes when the GPU chooses.
@@ -350,14 +348,17 @@ class Prefix:
     cache_c: torch.Tensor
     fold_n: torch.Tensor
     fold_c: torch.Tensor
+    segment_steps: int | None = 0
 
     @property
     def hard(self) -> bool:
         return self.meta["HARD"]
 
 
-def prefix_forward(index, weights, v, counts0, sums0, *, block_len: int, fold: int) -> Prefix:
-    """Every block's cache and the state after ``fold`` blocks (see :func:`block_caches`)."""
+def prefix_forward(index, weights, v, counts0, sums0, *, block_len: int, fold: int,
+                   segment_steps: int | None = 0) -> Prefix:
+    """Every block's cache and the state after ``fold`` blocks (see :func:`block_caches`); the walk, and its reverse
+    in the backward pass, split as :func:`walk_segments` says for ``segment_steps``."""
     B, H, T, DV = v.shape
     S = counts0.shape[-1]
     nb = triton.cdiv(T, block_len)
@@ -380,7 +381,7 @@ def prefix_forward(index, weights, v, counts0, sums0, *, block_len: int, fold: i
     grid = (triton.cdiv(S, meta["BS"]), B * H)
     inputs = dict(IDX=idx, WTS=wts, V=v, sv_b=v.stride(0), sv_h=v.stride(1), sv_t=v.stride(2), H=H, T=T, S=S, DV=DV)
     # the walk's steps: one per block, and one past the last
-    seg_steps, nseg = _segments(nb + 1, grid[0] * grid[1], v.device)
+    seg_steps, nseg = walk_segments(nb + 1, grid[0] * grid[1], v.device, segment_steps)
     base_n, base_c = n0, c0
     if nseg > 1:  # every segment's first cache, from the segments' sums
         base_n, base_c = torch.empty(B * H, nseg, S, **f32), torch.empty(B * H, nseg, S, DV, **f32)
@@ -389,15 +390,16 @@ def prefix_forward(index, weights, v, counts0, sums0, *, block_len: int, fold: i
         exclusive_scan(base_n, base_c, code_tile=meta["BS"], base=(n0.view(B * H, S), c0.view(B * H, S, DV)))
     _prefix_kernel[(*grid, nseg)](N0=base_n, C0=base_c, NB=cache_n, CB=cache_c, NF=fold_n, CF=fold_c, **inputs,
                                   fold=fold, nseg=nseg, seg_steps=seg_steps, **meta, **_launch(hard, True, v.device))
-    return Prefix(idx, wts, v, meta, grid, fold, cache_n, cache_c, fold_n, fold_c)
+    return Prefix(idx, wts, v, meta, grid, fold, cache_n, cache_c, fold_n, fold_c, segment_steps)
 
 
-def _segments(steps: int, programs: int, device: torch.device) -> tuple[int, int]:
+def walk_segments(steps: int, programs: int, device: torch.device, segment_steps: int | None) -> tuple[int, int]:
     """A walk of ``steps`` sequential steps in each of ``programs`` programs, split into segments: (steps per
-    segment, segments). :data:`SEGMENT_STEPS` when set; else on a GPU whose SMs (:data:`WALK_PROGRAMS_PER_SM`
-    each) hold at least twice the unsplit programs, as many segments as fill them, each of at least
-    :data:`MIN_SEGMENT_STEPS` steps; one segment under the interpreter."""
-    seg_steps = SEGMENT_STEPS
+    segment, segments). ``segment_steps`` (:class:`~vqattn.ops.blocks.KernelDesign`): 0 never splits, n > 0 splits
+    into segments of n steps; None: on a GPU whose SMs (:data:`WALK_PROGRAMS_PER_SM` each) hold at least twice the
+    unsplit programs, as many segments as fill them, each of at least :data:`MIN_SEGMENT_STEPS` steps; one segment
+    under the interpreter."""
+    seg_steps = segment_steps
     if seg_steps is None:
         slots = WALK_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count \
             if device.type == "cuda" else 0
@@ -440,7 +442,8 @@ def reverse_walk(p: Prefix, d_fold_n, d_fold_c, *, d_cache_n=None, d_cache_c=Non
     d_weights = dval if hard else torch.empty(B, H, T, S, **f32)
     walk = _walk_arguments(p, queries) if queries is not None else _read_arguments(p, d_cache_n, d_cache_c)
     # the reverse walk's steps: one per block
-    seg_steps, nseg = _segments(triton.cdiv(T, p.meta["L"]), p.grid[0] * p.grid[1], p.v.device)
+    seg_steps, nseg = walk_segments(triton.cdiv(T, p.meta["L"]), p.grid[0] * p.grid[1], p.v.device,
+                                    p.segment_steps)
     totals_n = totals_c = d_n0  # unread without segments
     if nseg > 1:  # every segment's running sum from its later segments' sums
         totals_n, totals_c = torch.empty(B * H, nseg, S, **f32), torch.empty(B * H, nseg, S, DV, **f32)
@@ -486,8 +489,9 @@ class BlockCaches(torch.autograd.Function):
     """See :func:`block_caches`."""
 
     @staticmethod
-    def forward(ctx, index, weights, v, counts0, sums0, block_len: int, fold: int):
-        p = prefix_forward(index, weights, v, counts0, sums0, block_len=block_len, fold=fold)
+    def forward(ctx, index, weights, v, counts0, sums0, block_len: int, fold: int, segment_steps: int | None):
+        p = prefix_forward(index, weights, v, counts0, sums0, block_len=block_len, fold=fold,
+                           segment_steps=segment_steps)
         if p.hard and not ctx.needs_input_grad[3]:  # counts of one-hot rows: no gradient reaches anything
             ctx.mark_non_differentiable(p.cache_n, p.fold_n)
         ctx.save_for_backward(p.idx, p.wts, p.v, p.cache_n, p.cache_c)
@@ -504,16 +508,17 @@ class BlockCaches(torch.autograd.Function):
                                                        d_cache_c=d_cache_c)
         w_dtype, n_dtype, c_dtype = ctx.dtypes
         return (None, None if p.hard else d_weights.to(w_dtype), d_values, d_n0.to(n_dtype), d_c0.to(c_dtype), None,
-                None)
+                None, None)
 
 
 @torch.compiler.disable  # a graph break: torch.compile runs the kernels as they are
-def block_caches(index, weights, v, counts0, sums0, *, block_len: int, fold: int):
+def block_caches(index, weights, v, counts0, sums0, *, block_len: int, fold: int, segment_steps: int | None = 0):
     """Every block's cache and the state after ``fold`` blocks (see the module doc), differentiable in v, the soft
     weights and the initial cache.
 
     index (B, H, T) long (hard) or weights (B, H, T, S) (soft; the other None); v (B, H, T, Dv); counts0 (B, H, S),
     sums0 (B, H, S, Dv) the cache before position 0. Returns the caches n (B, H, nb, S) and C (B, H, nb, S, Dv)
     (nb = ⌈T/L⌉) and the state (B, H, S), (B, H, S, Dv) after the first ``fold`` ≤ nb blocks, all float32.
+    ``segment_steps``: the walks' segments (:func:`walk_segments`).
     """
-    return BlockCaches.apply(index, weights, v, counts0, sums0, block_len, fold)
+    return BlockCaches.apply(index, weights, v, counts0, sums0, block_len, fold, segment_steps)

@@ -95,7 +95,7 @@ def vq_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, codebook: to
             (:func:`~vqattn.ops.common.impls.pick_impl`, the rule of every causal op). All give the same result
             to rounding.
         schedule: how the chunk impl runs its blocks (:class:`~vqattn.ops.blocks.Schedule`): "auto", "loop"
-            or "cumsum"; never changes the result.
+            or "cumsum", and (its ``kernels``) which design the triton impl runs; never changes the result.
         memory_cap: causal only: the codes weigh as if they held at most this many keys, a bias
             log min(1, memory_cap / n) on their logits where n keys lie before the query's window
             (:mod:`vqattn.ops.common.memory_cap`); set it to the training length to read past it. None: no bound.
