@@ -426,8 +426,9 @@ def test_ctrl_c_saves_and_the_printed_command_resumes_in_the_same_run_dir(tmp_pa
     assert bars and {int(t) for _, t, _ in bars} == {total} and int(bars[0][0]) == step + 1
     assert int(bars[-1][0]) == total and "\r" not in console
     first_validation = (step // 4 + 1) * 4  # the resumed run's own, at the next multiple of val_check_interval
-    before = [rest for n, _, rest in bars if int(n) < first_validation]
-    assert before and not [rest for rest in before if "val_bpb" in rest]  # no value left from the interrupted run
+    before = [rest for n, _, rest in bars if int(n) < first_validation]  # none when it resumes right at one
+    assert len(before) == first_validation - step - 1
+    assert not [rest for rest in before if "val_bpb" in rest]  # no value left from the interrupted run
     steps = [int(r["step"]) for r in val_rows(out)]
     assert steps == sorted(set(steps)) and steps[-1] == total  # no validation logged twice, the final one at the end
     assert all(s % 4 == 0 for s in steps[:-1])  # no validation pass on the way out of the interrupted run

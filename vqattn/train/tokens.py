@@ -309,7 +309,9 @@ def _build(directory: Path, wanted: dict, splits: dict[str, list], tokenizer: To
     pool = None
     try:
         tasks = {split: _tasks(units, separator) for split, units in splits.items()}
-        if workers > 1 and sum(map(len, tasks.values())) > 1:
+        # a pool only for more than one chunk of bytes: forking one for a small corpus costs more than it saves
+        # (and a fork beside the trainer's threads is best not risked for nothing)
+        if workers > 1 and sum(map(len, tasks.values())) > 1 and total > CHUNK:
             import multiprocessing
 
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one thread per worker process
