@@ -256,21 +256,27 @@ class _SplitClasses(torch.autograd.Function):
         make = torch.empty if all(g is not None for g in grads) else torch.zeros
         grad = make(ctx.shape, dtype=ctx.dtype, device=ctx.device)
         for c, g in zip(ctx.classes, grads):
-            if g is None:
-                continue
-            if c.span is not None:
-                grad[:, :, c.span[0]:c.span[1]] = g
-            else:  # (n, H, width, …) -> (H, n·width, …): the real slots go to their tokens
-                grad[0].index_copy_(1, c.tokens, g.movedim(0, 1).flatten(1, 2).index_select(1, c.real))
+            if g is not None:
+                _write_class(grad, c, g)
         return grad, None
 
 
 def _class_input(x: torch.Tensor, c: LengthClass) -> torch.Tensor:
+    """Class c's tokens of x (1, H, T, …): a view of its one sequence, or (n, H, width, …) rows, zeros at pads."""
     if c.span is not None:
         return x[:, :, c.span[0]:c.span[1]]
     rows = x[0].index_select(1, c.slots)  # (H, n·width, …)
     rows.masked_fill_(c.pads.view(-1, *[1] * (rows.dim() - 2)), 0)
     return rows.view(rows.shape[0], c.rows, c.width, *rows.shape[2:]).movedim(1, 0)
+
+
+def _write_class(x: torch.Tensor, c: LengthClass, piece: torch.Tensor) -> None:
+    """The inverse of :func:`_class_input`: class c's ``piece`` written into x (1, H, T, …) at its tokens (pads
+    dropped), in place."""
+    if c.span is not None:
+        x[:, :, c.span[0]:c.span[1]] = piece
+    else:  # (n, H, width, …) -> (H, n·width, …): the real slots go to their tokens
+        x[0].index_copy_(1, c.tokens, piece.movedim(0, 1).flatten(1, 2).index_select(1, c.real))
 
 
 class _MergeClasses(torch.autograd.Function):
@@ -284,23 +290,12 @@ class _MergeClasses(torch.autograd.Function):
         H, Dv = first.shape[1], first.shape[-1]
         out = first.new_empty(1, length, H, Dv).transpose(1, 2)  # a layer's merge of the heads is then a view
         for c, o in zip(classes, outs):
-            if c.span is not None:
-                out[:, :, c.span[0]:c.span[1]] = o
-            else:
-                out[0].index_copy_(1, c.tokens, o.movedim(0, 1).flatten(1, 2).index_select(1, c.real))
+            _write_class(out, c, o)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        grads = []
-        for c in ctx.classes:
-            if c.span is not None:
-                grads.append(grad[:, :, c.span[0]:c.span[1]])
-                continue
-            g = grad.new_zeros(grad.shape[1], c.rows * c.width, grad.shape[-1])
-            g.index_copy_(1, c.real, grad[0].index_select(1, c.tokens))
-            grads.append(g.view(g.shape[0], c.rows, c.width, -1).movedim(1, 0))
-        return None, None, *grads
+        return None, None, *(_class_input(grad, c) for c in ctx.classes)
 
 
 def as_packing(cu_seqlens: torch.Tensor | Packing, *, batch: int, length: int) -> Packing:
