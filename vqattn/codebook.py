@@ -39,8 +39,9 @@ from .ops.common.layout import empty_like_order, memory_order
 from .ops.common.statistics import code_slots
 from .ops.precision import autocast_off
 from .ops.triton.nearest import code_residuals, runs_assignment_kernels
+from .ops.triton.soft_assign import soft_statistics
 from .ops.vq import Assignment, vq_assign
-from .ops.vq.assign import row_tiles
+from .ops.vq.assign import row_tiles, temperature_tensor
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -226,12 +227,20 @@ class Codebook(nn.Module):
         codes = (self.codes.clone() if self.learning == "ema" else self.codes).to(acc)
         temperature = self.temperature if self.assign == "soft" else 1.0
         # The keys in their own dtype: vq_assign scores in float32 either way, and half keys take the GPU kernels'
-        # tensor-core products (float32 keys take IEEE ones, about four times slower).
+        # tensor-core products (float32 keys take IEEE ones, about four times slower). Soft keys on a GPU stay
+        # unformed (a SoftMixture): the fused op recomputes their weights, and no (T, S) tensor reaches memory.
+        formed = self.assign != "soft" or not runs_assignment_kernels(k)
         assignment = vq_assign(k if self.assign == "soft" else k.detach(), codes, assign=self.assign,
-                               temperature=temperature)
+                               temperature=temperature, formed=formed)
         if not (record or self.training):
             return CodebookOutput(codes.to(k.dtype), assignment, codes.new_zeros(()))
-        index = assignment.index if assignment.index is not None else assignment.weights.detach().max(-1).indices
+        soft_counts = None
+        if not formed:  # the statistics by a kernel that forms no (T, S) tensor either
+            soft_counts, index = soft_statistics(k.detach(), codes.detach(), temperature_tensor(temperature, self.num_heads, codes))
+        elif assignment.index is not None:
+            index = assignment.index
+        else:
+            index = assignment.weights.detach().max(-1).indices
         # mean (k − c_z)² over keys and dims: the commitment loss (hard), and, times D, the quantisation error
         # recorded; with the hard assignment's counts and key sums, which the statistics reuse.
         aux = codes.new_zeros(())
@@ -241,7 +250,8 @@ class Codebook(nn.Module):
                                                          key_weight=self.commitment, code_weight=float(learned))
         else:
             error, sums = quantisation_loss(k.detach(), codes.detach(), index)[1], None
-            counts = assignment.weights.detach().sum((0, 2))  # the soft counts Σ_j p(s | k_j)
+            # the soft counts Σ_j p(s | k_j)
+            counts = soft_counts if soft_counts is not None else assignment.weights.detach().sum((0, 2))
         counts = counts.to(self.ema_counts.dtype)  # (H, S)
         if self.training:
             self._training_update(counts, sums, k.detach())

@@ -4,7 +4,7 @@ from .ops.kernel import kernel_attention
 from .ops.linear import LinearState, linear_attention
 from .ops.ovq import OVQState, ovq_attention
 from .ops.softmax import softmax_attention
-from .ops.vq import Assignment, Schedule, VQState, naive_vq_attention, vq_assign, vq_attention
+from .ops.vq import Assignment, Schedule, SoftMixture, VQState, naive_vq_attention, vq_assign, vq_attention
 from .ops.window import WindowState, naive_window_attention, window_attention
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "naive_vq_attention",
     "Schedule",
     "Assignment",
+    "SoftMixture",
     "VQState",
     "window_attention",
     "naive_window_attention",

@@ -197,12 +197,13 @@ def test_gradient_of_a_continued_states_counts(walk):
 def test_where_the_cache_gradient_is_formed(assign, walk):
     """With walk_cache_gradient the reverse cache walk forms every block's cache gradient from the queries that
     read the cache: the backward allocates no (B·H, nb, S, Dv) tensor (1 GB at 8192 tokens on a GPU); by default
-    the code backward writes it for the walk to read."""
+    the code backward writes it for the walk to read. Soft keys take the walks when their weights come formed."""
     walks = Schedule(kernels=KernelDesign(superblock_blocks=0, walk_cache_gradient=walk))  # hard keys: the walks
     T = 100
     nb = -(-T // L)
     q, k, v, c = (x.detach().to(DEVICE, torch.float32).requires_grad_() for x in vq_inputs(assign, "exact", T))
-    out = vq_call(vq_attention, assign, "exact", "triton", schedule=walks)(q, k, v, c)
+    formed = dict(assignment=vq_assign(k, c, assign="soft")) if assign == "soft" else {}
+    out = vq_call(vq_attention, assign, "exact", "triton", schedule=walks, **formed)(q, k, v, c)
     with Allocations() as backward:
         out.square().sum().backward()
     per_block = {(B * H, nb, S, DV), (B, H, nb, S, DV)}

@@ -44,6 +44,10 @@ KEY_SLICES = 16
 # stage leaves twice the programs per SM of three, and the soft reverse cache walk, which streams the same tiles,
 # is faster at one stage (docs/performance_notes.md, "Kernel resources"; these kernels are not yet timed at either).
 BACKWARD_LAUNCH = dict(num_stages=1)
+# What _soft_assign_kernel writes (its OUT; the kernel reads them as constexprs).
+WEIGHTS, LOGSUMEXP, STATISTICS = 0, 1, 2
+if triton is not None:
+    _WEIGHTS, _LOGSUMEXP, _STATISTICS = tl.constexpr(WEIGHTS), tl.constexpr(LOGSUMEXP), tl.constexpr(STATISTICS)
 
 if triton is not None:
 
@@ -68,8 +72,13 @@ if triton is not None:
         return (bh * T + rows[:, None]) * S + codes[None, :], (rows[:, None] < T) & (codes[None, :] < S)
 
     @triton.jit
-    def _soft_assign_kernel(K, C, HN, TAU, P, sk_b, sk_h, sk_t, H, T, S, D, L: tl.constexpr, BS: tl.constexpr,
-                        BD: tl.constexpr, PREC: tl.constexpr, EXACT_PREC: tl.constexpr, HALF_ROWS: tl.constexpr):
+    def _soft_assign_kernel(K, C, HN, TAU, P, LSE, IDX, sk_b, sk_h, sk_t, H, T, S, D, L: tl.constexpr,
+                            BS: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr, EXACT_PREC: tl.constexpr,
+                            HALF_ROWS: tl.constexpr, OUT: tl.constexpr):
+        """OUT = :data:`WEIGHTS`: the weights P (B·H, T, S); :data:`LOGSUMEXP`: each key's logsumexp of its scaled
+        scores in base 2, LSE (B·H, T) float32, from which p_js = exp2(x_js log2(e) − lse_j) (:mod:`.soft_caches`
+        recomputes them); :data:`STATISTICS`: the soft counts Σ_j p_js added into P (H, S) float32 and each key's
+        most probable code into IDX (B·H, T) (a codebook's statistics, no (T, S) tensor)."""
         blk, bh = tl.program_id(0), tl.program_id(1)
         h = bh % H
         rows = blk * L + tl.arange(0, L)
@@ -77,17 +86,30 @@ if triton is not None:
         scale2 = LOG2E / tl.load(TAU + h)  # the softmax in base 2, as the window-code kernels run theirs
         row_max = tl.full([L], float("-inf"), tl.float32)
         row_sum = tl.zeros([L], tl.float32)
+        best = tl.zeros([L], tl.int32)
         for s0 in range(0, S, BS):
             x = _scores(k, C, HN, h, s0 + tl.arange(0, BS), S, D, BD, PREC, EXACT_PREC, HALF_ROWS) * scale2
-            new_max = tl.maximum(row_max, tl.max(x, 1))
+            tile_max = tl.max(x, 1)
+            if OUT == _STATISTICS:  # the first code of the largest score, as torch.max's index
+                best = tl.where(tile_max > row_max, s0 + tl.argmax(x, 1), best)
+            new_max = tl.maximum(row_max, tile_max)
             row_sum = row_sum * tl.exp2(row_max - new_max) + tl.sum(tl.exp2(x - new_max[:, None]), 1)
             row_max = new_max
-        inv_sum = 1.0 / row_sum
-        for s0 in range(0, S, BS):
-            codes = s0 + tl.arange(0, BS)
-            x = _scores(k, C, HN, h, codes, S, D, BD, PREC, EXACT_PREC, HALF_ROWS) * scale2
-            at, mask = _tile(bh, rows, codes, T, S)
-            tl.store(P + at, tl.exp2(x - row_max[:, None]) * inv_sum[:, None], mask=mask)
+        if OUT == _LOGSUMEXP:
+            tl.store(LSE + bh * T + rows, row_max + tl.log2(row_sum), mask=rows < T)
+        else:
+            inv_sum = 1.0 / row_sum
+            for s0 in range(0, S, BS):
+                codes = s0 + tl.arange(0, BS)
+                x = _scores(k, C, HN, h, codes, S, D, BD, PREC, EXACT_PREC, HALF_ROWS) * scale2
+                at, mask = _tile(bh, rows, codes, T, S)
+                p = tl.exp2(x - row_max[:, None]) * inv_sum[:, None]
+                if OUT == _WEIGHTS:
+                    tl.store(P + at, p, mask=mask)
+                else:
+                    tl.atomic_add(P + h * S + codes, tl.sum(tl.where(mask, p, 0.0), 0), mask=codes < S)
+            if OUT == _STATISTICS:
+                tl.store(IDX + bh * T + rows, best.to(tl.int64), mask=rows < T)
 
     @triton.jit
     def _soft_key_grad_kernel(K, C, HN, TAU, P, G, DK, R, DTAU, sk_b, sk_h, sk_t, sd_b, sd_h, sd_t, H, T, S, D,
@@ -158,8 +180,9 @@ class SoftAssign(torch.autograd.Function):
         half_norms = 0.5 * c.square().sum(-1)
         weights = torch.empty(B, H, T, S, device=k.device, dtype=torch.float32)
         _soft_assign_kernel[(triton.cdiv(T, ASSIGN_KEYS), B * H)](  # as the hard assignment's (nearest.py)
-            K=k, C=c, HN=half_norms, TAU=tau, P=weights, **stride_args("k", k), H=H, T=T, S=S, D=D, L=ASSIGN_KEYS,
-            BS=CODE_TILE, BD=register_width(D), **float32_products(k.dtype), **ASSIGN_LAUNCH)
+            K=k, C=c, HN=half_norms, TAU=tau, P=weights, LSE=weights, IDX=weights, **stride_args("k", k), H=H, T=T,
+            S=S, D=D, L=ASSIGN_KEYS, BS=CODE_TILE, BD=register_width(D), **float32_products(k.dtype), OUT=WEIGHTS,
+            **ASSIGN_LAUNCH)
         ctx.save_for_backward(k, c, half_norms, tau, weights)
         return weights
 
@@ -192,6 +215,38 @@ class SoftAssign(torch.autograd.Function):
                 num_blocks=B * blocks, blocks_per_slice=per_slice, **shape, **products, **BACKWARD_LAUNCH)
         return (grad_k.to(k.dtype) if need_k else None, grad_c,
                 grad_tau.sum((0, 2)) if need_tau else None)
+
+
+def soft_logsumexp(k: torch.Tensor, codes: torch.Tensor, half_norms: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+    """lse_j = log2 Σ_s exp2(x_js log2(e)) (B·H, T) float32, one float per key, for keys k (B, H, T, D) with unit
+    last stride, codes (H, S, D) float32 contiguous, their ‖c_s‖²/2 (H, S) and τ (H,) float32."""
+    B, H, T, D = k.shape
+    lse = torch.empty(B * H, T, device=k.device, dtype=torch.float32)
+    _soft_assign_kernel[(triton.cdiv(T, ASSIGN_KEYS), B * H)](
+        K=k, C=codes, HN=half_norms, TAU=tau, P=lse, LSE=lse, IDX=lse, **stride_args("k", k), H=H, T=T,
+        S=codes.shape[1], D=D, L=ASSIGN_KEYS, BS=CODE_TILE, BD=register_width(D), **float32_products(k.dtype),
+        OUT=LOGSUMEXP, **ASSIGN_LAUNCH)
+    return lse
+
+
+@torch.no_grad()
+@torch.compiler.disable  # a graph break: the kernel runs as it is
+def soft_statistics(k: torch.Tensor, codebook: torch.Tensor, temperature: torch.Tensor):
+    """A codebook's statistics of soft keys, no (T, S) tensor formed: the soft counts Σ_j p(s | k_j) over the batch
+    and the keys (H, S) float32, and each key's most probable code (B, H, T) int64 (its nearest). k (B, H, T, D),
+    codebook (H, S, D), temperature a tensor of 1 or H values."""
+    B, H, T, D = k.shape
+    S = codebook.shape[1]
+    k = unit_last(k)
+    codes = codebook.float().contiguous()
+    tau = temperature.float().reshape(-1).expand(H).contiguous()
+    counts = torch.zeros(H, S, device=k.device, dtype=torch.float32)
+    index = torch.empty(B, H, T, device=k.device, dtype=torch.int64)
+    _soft_assign_kernel[(triton.cdiv(T, ASSIGN_KEYS), B * H)](
+        K=k, C=codes, HN=0.5 * codes.square().sum(-1), TAU=tau, P=counts, LSE=counts, IDX=index,
+        **stride_args("k", k), H=H, T=T, S=S, D=D, L=ASSIGN_KEYS, BS=CODE_TILE, BD=register_width(D),
+        **float32_products(k.dtype), OUT=STATISTICS, **ASSIGN_LAUNCH)
+    return counts, index
 
 
 @torch.compiler.disable  # a graph break: compiled graphs keep the PyTorch form, which inductor fuses

@@ -21,11 +21,11 @@ for a random codebook: :func:`vqattn.analysis.codebook_kernel_features`.
 
 from ..blocks import DEFAULT_BLOCK_LEN, RECURRENT_MAX_LEN, Schedule, window_start
 from ..common.statistics import Assignment
-from .assign import ASSIGNMENTS, vq_assign
+from .assign import ASSIGNMENTS, SoftMixture, vq_assign
 from .attention import IMPLS, chunk_vq_attention, recurrent_vq_attention, vq_attention
 from .naive import naive_vq_attention
 from .state import VQState
 
 __all__ = ["vq_attention", "chunk_vq_attention", "recurrent_vq_attention", "naive_vq_attention", "vq_assign",
-           "Assignment", "VQState", "Schedule", "window_start", "ASSIGNMENTS", "IMPLS", "DEFAULT_BLOCK_LEN",
+           "Assignment", "SoftMixture", "VQState", "Schedule", "window_start", "ASSIGNMENTS", "IMPLS", "DEFAULT_BLOCK_LEN",
            "RECURRENT_MAX_LEN"]

@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..checks import check_choice, check_positive_int, compute_dtype
@@ -99,18 +101,37 @@ class _ScoreSoftmax(torch.autograd.Function):
         return torch.cat(grad_k1, 1) if need_k1 else None, grad_c1, None
 
 
+class SoftMixture(NamedTuple):
+    """The soft assignment of ``keys`` (B, H, T, D) to ``codes`` (H, S, D) at ``temperature``, not formed: the fused
+    impl recomputes its weights wherever it needs them (:mod:`vqattn.ops.triton.soft_caches`), so no (T, S) tensor
+    reaches memory; any other impl forms it (:meth:`formed`). What ``vq_assign(..., formed=False)`` returns."""
+
+    keys: torch.Tensor
+    codes: torch.Tensor
+    temperature: float | torch.Tensor
+
+    def formed(self) -> Assignment:
+        return vq_assign(self.keys, self.codes, assign="soft", temperature=self.temperature)
+
+
 @autocast_off
 def vq_assign(k: torch.Tensor, codebook: torch.Tensor, *, assign: str, temperature=1.0,
-              tile_rows: int | None = None) -> Assignment:
+              tile_rows: int | None = None, formed: bool = True) -> Assignment | SoftMixture:
     """Assignment Δ of keys k (B, H, T, D) to the codes of codebook (H, S, D), computed in float32 (float64
     stays float64) whatever the autocast state. Soft weights carry the autograd graph to k, the codebook and the
     temperature, so an Assignment computed once per layer can be handed to ``vq_attention``. ``tile_rows``: keys
     whose scores are formed at once (default: :func:`row_tiles`); never changes the result. On a GPU the
     assignments are Triton kernels (:mod:`vqattn.ops.triton.nearest`, :mod:`vqattn.ops.triton.soft_assign`).
+    ``formed=False`` (soft only): a :class:`SoftMixture`, the weights left to the op (the temperature validated).
     """
     check_choice("assign", assign, ASSIGNMENTS)
     if tile_rows is not None:
         check_positive_int("tile_rows", tile_rows)
+    if not formed:
+        if assign != "soft":
+            raise ValueError(f"formed=False is for assign='soft' (a hard assignment is its code index), got {assign!r}")
+        temperature_tensor(temperature, codebook.shape[0], codebook)  # validated now, as a formed one would be
+        return SoftMixture(k, codebook, temperature)
     if runs_assignment_kernels(k):  # kernels on a GPU: no (T, S) scores in memory, tensor-core products
         if assign == "hard":
             return Assignment(None, nearest_codes(k, codebook))
@@ -143,9 +164,19 @@ def mixture_logits(code_logits: torch.Tensor, weights: torch.Tensor) -> torch.Te
 
 def check_assignment(a, *, assign: str, shape: tuple[int, int, int], num_codes: int, device) -> None:
     """``a`` is the Assignment that ``vq_assign(k, codebook, assign=assign)`` returns for keys of (B, H, T)."""
-    if not isinstance(a, Assignment):
-        raise ValueError(f"assignment must be an Assignment returned by vq_assign, got {type(a).__name__}")
     B, H, T = shape
+    if isinstance(a, SoftMixture):
+        if assign != "soft" or a.keys.shape[:3] != (B, H, T) or a.codes.shape[:2] != (H, num_codes) \
+                or a.keys.shape[-1] != a.codes.shape[-1]:
+            raise ValueError(f"a SoftMixture assignment needs assign='soft', keys (B, H, T, D) with (B, H, T) = "
+                             f"{(B, H, T)} and codes (H, S, D) with (H, S) = {(H, num_codes)}, got assign={assign!r}, "
+                             f"keys {tuple(a.keys.shape)}, codes {tuple(a.codes.shape)}")
+        if a.keys.device != device:
+            raise ValueError(f"assignment is on {a.keys.device} but q is on {device}")
+        return
+    if not isinstance(a, Assignment):
+        raise ValueError(f"assignment must be an Assignment or SoftMixture returned by vq_assign, got "
+                         f"{type(a).__name__}")
     if assign == "hard":
         if a.index is None or a.weights is not None or a.index.shape != (B, H, T) or a.index.is_floating_point():
             got = "weights" if a.index is None else f"index {tuple(a.index.shape)} {a.index.dtype}"

@@ -40,6 +40,7 @@ from ..common.records import replaced
 from ..common.statistics import Assignment, cat_time, code_counts, code_statistics, map_time
 from ..common.window_code_blocks import WindowCodeInputs, window_code_attention
 from ..nonfinite import zero_assignment_rows, zero_rows
+from .assign import SoftMixture
 from .fused import fused_causal
 from .mixture import mixture_attention
 from .state import Inputs, VQState
@@ -212,7 +213,11 @@ def chunk_forward(x: Inputs, state: VQState | None, *, return_state: bool, fused
     keep = window_start(length, L) - start  # positions leaving the raw window: whole blocks
     causal = _causal
     if fused:
-        x = replaced(x, assignment=x.assign_keys(x.k) if x.assignment is None else x.assignment)
+        # soft keys stay unformed: the fused blocks recompute their weights (no (T, S) tensor)
+        a = x.assignment
+        if a is None:
+            a = SoftMixture(x.k, x.codebook, x.temperature) if x.assign == "soft" else x.assign_keys(x.k)
+        x = replaced(x, assignment=a)
         causal, L_run = _fused_causal, L
     out, counts, sums = causal(x, L=L_run, counts0=counts0, sums0=sums0, fold_blocks=keep // L if return_state else 0,
                                first_block=start // L)
@@ -220,7 +225,10 @@ def chunk_forward(x: Inputs, state: VQState | None, *, return_state: bool, fused
     if not return_state:
         return out, None
     a = x.assignment
-    window = x.assign_keys(x.k[:, :, keep:]) if a is None else map_time(lambda w: window_tail(w, keep), a)
+    if isinstance(a, SoftMixture):  # the window's keys' weights, formed: a state keeps them
+        window = SoftMixture(window_tail(a.keys, keep), a.codes, a.temperature).formed()
+    else:
+        window = x.assign_keys(x.k[:, :, keep:]) if a is None else map_time(lambda w: window_tail(w, keep), a)
     keys = window_tail(x.window_k, keep)
     if x.window_bad is not None:  # the kernels zeroed them as they read them; a state keeps them zeroed
         keys = zero_rows(keys, window_tail(x.window_bad, keep))

@@ -25,7 +25,7 @@ from ..common.statistics import Assignment, map_time
 from ..devices import require_triton
 from ..nonfinite import may_be_nonfinite, nonfinite_keys, visible_poison, zero_rows
 from ..triton.window_codes import unsupported
-from .assign import ASSIGNMENTS, check_assignment, vq_assign
+from .assign import ASSIGNMENTS, SoftMixture, check_assignment, vq_assign
 
 
 @dataclass
@@ -209,9 +209,13 @@ def _without_nonfinite_keys(k, k_rot, *, causal: bool, state, in_kernel: bool = 
     return k, k_rot, bad, visible_poison(poison, causal=causal, state_counts=None if state is None else state.counts)
 
 
-def _keys_assignment(assignment: Assignment | None, dtype, x: Inputs, *, whole: bool) -> Assignment | None:
-    """The given assignment in the compute ``dtype``; else x's keys assigned here when ``whole``, or None (the chunk
-    impl then assigns group by group, so that no (T, S) tensor exists at once)."""
+def _keys_assignment(assignment: Assignment | SoftMixture | None, dtype, x: Inputs, *, whole: bool,
+                     fused: bool) -> Assignment | SoftMixture | None:
+    """The given assignment in the compute ``dtype`` (a :class:`SoftMixture` formed unless the call runs the
+    ``fused`` blocks); else x's keys assigned here when ``whole``, or None (the chunk impl then assigns group by
+    group, so that no (T, S) tensor exists at once; the fused blocks recompute soft weights)."""
+    if isinstance(assignment, SoftMixture):  # kept for the fused blocks of a first call, formed for the rest
+        return assignment if fused else assignment.formed()
     if assignment is not None:
         return map_time(lambda t: t.to(dtype) if t.is_floating_point() else t, assignment)
     return x.assign_keys(x.k) if whole else None
@@ -242,4 +246,5 @@ def prepare(q, k, v, codebook, *, impl: str, causal: bool, assign: str, temperat
                resolve_scale(scale, k.shape[-1]),  # k's D: q's may be the codes' narrower width
                exact_window, schedule, memory_cap, bad if in_kernel else None)
     whole = not causal or state is not None or impl == "recurrent"
-    return replaced(x, assignment=_keys_assignment(assignment, dtype, x, whole=whole)), state, poison
+    fused = impl == "triton" and causal and state is None
+    return replaced(x, assignment=_keys_assignment(assignment, dtype, x, whole=whole, fused=fused)), state, poison
