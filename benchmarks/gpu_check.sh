@@ -76,7 +76,7 @@ stage profile_soft 25 $profile --method vq_soft_rope --batch 8 --length 8192
 stage profile_ovq 20 $profile --method ovq --num-codes 64 --batch 8 --length 8192
 stage train 65 python benchmarks/train_speed.py --attentions softmax vq_hard --seq-len 8192 --batch 8 --steps 30
 stage tests 240 python -m pytest -o addopts="" -q -x -p no:cacheprovider tests/ops/test_triton_superblock.py \
-  tests/ops/test_triton.py tests/ops/test_triton_ovq.py ${GPU_CHECK_TESTS:+-k "$GPU_CHECK_TESTS"}
+  tests/ops/test_triton_soft.py tests/ops/test_triton.py tests/ops/test_triton_ovq.py ${GPU_CHECK_TESTS:+-k "$GPU_CHECK_TESTS"}
 
 # Extra stages, run only when named in GPU_CHECK_STAGES.
 decode="python benchmarks/decode_speed.py --device cuda --lengths 1024 4096 8192 32768 --steps 20 --new-tokens 32"

@@ -40,10 +40,16 @@ The designs (:data:`DESIGNS`):
 
 The soft mixture's designs (:data:`SOFT_DESIGNS`; vq_soft_rope's step, the codebook learned by gradient):
 
-* ``soft_block_dc`` (what the kernels run): ``_soft_assign_kernel`` writes the (T, S) float32 weights, which the
+* ``soft_block_dc`` (what formed weights run: an Assignment handed to the op, a state continued): ``_soft_assign_kernel`` writes the (T, S) float32 weights, which the
   prefix walk, the reverse walk (writing their gradient as well) and the assignment's two backward kernels
   (``_soft_key_grad_kernel``, ``_soft_code_grad_kernel``) read; the code backward writes every block's dC and count
   gradient and adds the codebook's share atomically.
+* ``soft_block_sums`` (:data:`SOFT_CURRENT`, what soft keys run, ``vqattn/ops/triton/soft_caches.py``): one float
+  per key, the logsumexp (``_soft_assign_kernel``'s LOGSUMEXP output); ``_soft_block_sums_kernel`` recomputes each
+  block's weights for its increments, written into the caches and scanned there (``segment_scan_kernel``); the
+  window-code kernels as block_dc's; backward, the code backward's every block's cache gradient, reverse-scanned in
+  place, then ``_soft_block_grads_kernel`` (key-major: dv, r, dk, dτ, the weights formed twice) and
+  ``_soft_code_grads_kernel`` (code-major: dc). No (T, S) tensor.
 * ``soft_block_recompute`` (a candidate): one float per key, the mixture's logsumexp (``_soft_lse_kernel``); both
   walks recompute a block's weights from k, the codes and it; the reverse walk turns the weights' gradient into the
   keys' and the codes' at once. No (T, S) tensor in memory.
@@ -100,10 +106,12 @@ TF32_COST = 2
 F32 = 4
 INDEX_BYTES = 8  # the codes are int64
 DESIGNS = ("block_dc", "walk_dc", "walk_dc_split", "superblock", "superblock_walk", "fla", "soft_block_dc",
-           "soft_block_recompute", "soft_superblock", "ovq")
-# The soft mixture's designs (vq_soft_rope: the codebook learned by gradient, τ fixed): what the kernels run today,
-# and two candidates that recompute the mixture instead of writing it (module doc).
-SOFT_DESIGNS = ("soft_block_dc", "soft_block_recompute", "soft_superblock")
+           "soft_block_sums", "soft_block_recompute", "soft_superblock", "ovq")
+# The soft mixture's designs (vq_soft_rope: the codebook learned by gradient, τ fixed): the weights in memory (what
+# formed assignments run), the weights recomputed with per-block caches (what soft keys run: soft_block_sums), and
+# two candidates (module doc).
+SOFT_DESIGNS = ("soft_block_dc", "soft_block_sums", "soft_block_recompute", "soft_superblock")
+SOFT_CURRENT = "soft_block_sums"
 # What vqattn's kernels do by default for hard keys: the superblock kernels (KernelDesign.superblock_blocks = 8);
 # block_dc with superblock_blocks = 0.
 CURRENT = "superblock"
@@ -420,11 +428,48 @@ def mixture_backward_products(s: Shape) -> int:
     return mixture_products(s, 1, 3) + mixture_products(s)
 
 
+def soft_block_sums_kernels(s: Shape, ib: int) -> list[KernelCost]:
+    """What soft keys run (``vqattn/ops/triton/soft_caches.py``): each key's mixture logsumexp; every block's
+    increments Δᵀ1, ΔᵀV with the weights recomputed, written into the caches and scanned there; the window-code
+    kernels as for block_dc (the code backward writes every block's cache gradient, which a reverse scan turns into
+    every block's increment gradient G in place); the keys' and values' gradients key-major, two walks over the
+    codes (dv = P·G and r, then ds = p (g − r) and ds·c: the weights and g = v·Gᵀ + Gn formed twice), the codes'
+    gradient code-major (the weights, g and kᵀ·ds once more). No (T, S) tensor: per block only the caches and
+    their gradients."""
+    nb = s.nb
+    code = code_backward(s, nb, None, True, ib)
+    counts_grads = s.seqs * nb * s.S * F32
+    keys = half(s, s.Dc) + per_token(s) + codebook(s)  # k, the logsumexp and the codes, read to recompute
+    grads_read = cache_grads(s, nb) + counts_grads + state(s)  # every block's G and the kept state's gradient
+    return [
+        nonfinite_rows(s),
+        KernelCost("_soft_assign_kernel", "each key's mixture logsumexp (its LOGSUMEXP output)", mixture_products(s),
+                   half(s, s.Dc) + codebook(s) + s.H * s.S * F32 + per_token(s)),
+        KernelCost("_soft_block_sums_kernel", f"{nb} blocks' increments, the weights recomputed",
+                   mixture_products(s) + block_products(s, s.S, s.Dv), keys + half(s, s.Dv) + caches(s, nb)),
+        KernelCost("segment_scan_kernel", "both scans: the caches, and their gradients' suffix sums (2 launches)", 0,
+                   2 * caches(s, nb) + 2 * state(s) + 2 * (cache_grads(s, nb) + counts_grads) + state(s)),
+        forward(s, nb, None, ib), output_delta(s), window_backward(s),
+        KernelCost(code.name, "codes: dqc, every block's dC and dn, the codebook's share",
+                   code.flop + block_products(s, s.S, s.Dc), code.bytes + counts_grads + codebook_grad(s)),
+        KernelCost("_soft_block_grads_kernel", "keys and values through the weights: dk, dv, r (two walks)",
+                   mixture_products(s, 2) + block_products(s, s.S, s.Dv, s.Dv) + mixture_products(s, 1, 3),
+                   keys + half(s, s.Dv) + grads_read + per_token(s, s.Dc + s.Dv + 1)),
+        KernelCost("_soft_code_grads_kernel", "the codes' gradient through the weights",
+                   mixture_products(s, 2) + block_products(s, s.S, s.Dv),
+                   keys + half(s, s.Dv) + grads_read + per_token(s) + codebook_grad(s)),
+    ]
+
+
 def soft_block_recompute_kernels(s: Shape, ib: int) -> list[KernelCost]:
     """Candidate: today's per-block caches and walks, the weights never in memory. A first kernel keeps each key's
     mixture logsumexp (one float); the prefix walk recomputes a block's weights from k, the codes and it; the
     reverse walk recomputes them, forms the weights' gradient v·Gᵀ + Gn on chip and turns it at once into the keys'
-    gradient and the codes' share (r, ds, dk, dc), so the two backward kernels of the assignment go."""
+    gradient and the codes' share (r, ds, dk, dc), so the two backward kernels of the assignment go. Not counted,
+    and why soft_block_sums was built instead: a walk's program holds one tile of codes, while r_j = Σ_s p_js g_js
+    sums over all S, so each key's r and its Σ_s ds c would be reduced across the S/BS tiles' programs ((T, Dc)
+    float32 atomics from each, 8× a (T, Dc) tensor at S = 512) and ds = p (g − r) would need r before any tile
+    forms it: a second walk."""
     nb = s.nb
     walk = prefix(s, nb, ib)
     code = code_backward(s, nb, None, True, ib)
@@ -546,6 +591,8 @@ def kernels(design: str, shape: Shape, K: int = 8, index_bytes: int = INDEX_BYTE
         return soft_superblock_kernels(shape, K, index_bytes)
     if design == "soft_block_dc":
         return soft_block_dc_kernels(shape, index_bytes)
+    if design == "soft_block_sums":
+        return soft_block_sums_kernels(shape, index_bytes)
     if design == "soft_block_recompute":
         return soft_block_recompute_kernels(shape, index_bytes)
     if design == "superblock_walk":

@@ -19,7 +19,7 @@ import contextlib
 import torch
 from attention_speed import DTYPES, METHODS, add_design_argument, attention, set_design, set_design_fields
 from attention_speed import design as kernel_design
-from kernel_floor import Shape, gpu_of, kernels
+from kernel_floor import SOFT_CURRENT, Shape, gpu_of, kernels
 from layer_speed import build
 from torch.profiler import ProfilerActivity, profile
 
@@ -168,8 +168,8 @@ def floor_rows(args, measured: dict[str, float], gpu: str | None) -> list[str]:
     chosen = kernel_design()
     K = chosen.superblock_blocks  # hard keys take the superblock kernels when K > 0, else the block designs
     seg_steps, nseg = 0, 1
-    if args.method.startswith("vq_soft"):  # soft keys: the per-block walks from the mixture's weights
-        design = "soft_block_dc"
+    if args.method.startswith("vq_soft"):  # soft keys: per-block caches, the weights recomputed
+        design = SOFT_CURRENT
     elif args.method == "ovq":
         design = "ovq"
     elif K > 0:

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
+from triton_helpers import needs_triton
 
 
 @pytest.fixture
@@ -133,8 +134,8 @@ def test_kernel_profile_counts_gpu_events_once_and_names_their_launchers(monkeyp
 
 @pytest.mark.parametrize("method, what, design, first", [
     ("vq_hard_rope", "op", "superblock, K = 8", "_superblock_sums_kernel"),
-    ("vq_soft_rope", "op", "soft_block_dc", "_soft_assign_kernel"),
-    ("vq_soft", "layer", "soft_block_dc", "_soft_assign_kernel"),
+    ("vq_soft_rope", "op", "soft_block_sums", "_soft_block_sums_kernel"),
+    ("vq_soft", "layer", "soft_block_sums", "_soft_block_grads_kernel"),
     ("ovq", "op", "ovq", "_online_slots_kernel"),
 ])
 def test_kernel_profile_reads_each_method_against_its_design(monkeypatch, method, what, design, first):
@@ -199,3 +200,16 @@ def test_a_benchmarks_kernel_design_reaches_the_ops_and_layers_by_name(layer_spe
     assert attention_speed.schedule().kernels == attention_speed.design()
     layer = layer_speed.build("vq_hard", 32, 2, 8, "cpu", layer_speed.DTYPES["float32"])
     assert layer.schedule.kernels.superblock_blocks == 0
+
+
+@needs_triton
+def test_op_buffers_counts_a_step_of_each_op(monkeypatch, capsys):
+    """The buffer count's plumbing on a tiny shape: one row per op, in MB and MiB."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import op_buffers
+
+    op_buffers.main(["--length", "96", "--num-codes", "64"])
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith(("| vq", "| ovq"))]
+    assert [r[0] for r in rows] == ["| vq_hard", "| vq_soft", "| ovq"]
+    for _, mb, mib in rows:
+        assert float(mb) > 0 and float(mib.rstrip(" |")) == pytest.approx(float(mb) * 1e6 / 2**20, abs=0.06)

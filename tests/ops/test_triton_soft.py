@@ -80,16 +80,29 @@ def test_block_caches_of_half_keys_and_values(dtype):
 
 @pytest.mark.parametrize("scale", [4.0, 12.0])
 def test_block_caches_at_large_logits(scale):
-    """Keys and codes at 4 and 12 times unit scale: scores in the hundreds or thousands, weights nearly one-hot; the
-    logsumexp keeps them finite, and the gradients as exact as PyTorch's float32 softmax gives them (at scale 12 its
-    own τ gradient is off by 3e-3, the kernels' by 5e-4)."""
+    """Keys and codes at 4 and 12 times unit scale: scores in the hundreds or thousands, weights nearly one-hot. The
+    logsumexp keeps them finite, and every output and gradient is within 3× the error of the definition run in
+    float32 by PyTorch (whose softmax is exact to float32's rounding) against float64, or 1e-5 (at scale 12 the
+    temperature's gradient, a sum of terms that cancel, is off by ~3e-3 in both)."""
+    torch.manual_seed(0)
     inputs = soft_inputs(50, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         inputs[0].mul_(scale)
         inputs[1].mul_(scale)
-    compare(lambda *x: torch.cat([t.flatten() for t in ref_block_caches(*x, L, 1)]),
-            lambda *x: torch.cat([t.flatten() for t in soft_block_caches(*x, block_len=L, fold=1)]),
-            inputs, tol=1e-4)
+    flat = lambda outs: torch.cat([t.flatten() for t in outs])  # noqa: E731
+    ref = flat(ref_block_caches(*inputs, L, 1))
+    grad = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, inputs, grad)
+
+    def errors(fn, device):
+        x = [t.detach().to(device, torch.float32).requires_grad_() for t in inputs]
+        out = flat(fn(*x))
+        return [rel_rms(out, ref)] + [rel_rms(g, r) for g, r in zip(torch.autograd.grad(out, x, grad.to(out)),
+                                                                          ref_grads)]
+
+    pytorch = errors(lambda *x: ref_block_caches(*x, L, 1), "cpu")
+    kernels = errors(lambda *x: soft_block_caches(*x, block_len=L, fold=1), DEVICE)
+    assert all(k <= max(3 * p, 1e-5) for k, p in zip(kernels, pytorch)), (kernels, pytorch)
 
 
 def test_no_tensor_of_keys_by_codes_is_allocated():

@@ -125,10 +125,12 @@ if triton is not None:
             dv = tl.dot(p.to(DOT), g_c.to(DOT), dv, input_precision=PREC)
             p_gn += tl.sum(p * g_n[None, :], 1)
             p_sum += tl.sum(p, 1)
-        # r = Σ_s p g (g = v·G + Gn) over Σ_s p: a logsumexp of scores in the thousands is off by its last bit, so
-        # the recomputed weights sum to 1 + ε; divided so, ds = p (g − r) is off by ε relative (ε·p·r otherwise,
-        # large beside the small ds of saturated weights)
-        r = (tl.sum(v.to(tl.float32) * dv, 1) + p_gn) / tl.where(rows < T, p_sum, 1.0)
+        # dv and r = Σ_s p g (g = v·G + Gn) over Σ_s p: a logsumexp of scores in the thousands is off by its last
+        # bit, so the recomputed weights sum to 1 + ε; divided so, dv is exact and ds = p (g − r) off by ε relative
+        # (ε·p·r otherwise, large beside the small ds of saturated weights)
+        p_sum = tl.where(rows < T, p_sum, 1.0)
+        dv = dv / p_sum[:, None]
+        r = tl.sum(v.to(tl.float32) * dv, 1) + p_gn / p_sum
         ds_c = tl.zeros([L, BD], tl.float32)  # Σ_s ds_js c_s
         ds_x = tl.zeros([L], tl.float32)  # Σ_s ds_js x_js τ, for dτ
         for s0 in range(0, S, BS):
