@@ -117,6 +117,9 @@ extra tune_ops 150 bash -c "$tune $ops --batch 8 --lengths 8192 --methods sdpa v
   $tune $ops --batch 2 --lengths 32768 --methods sdpa vq_hard_rope"
 extra tune_profile 40 $tune $profile --batch 8 --length 8192
 extra tune_layers 80 $tune $layers --lengths 8192 32768 --layers softmax vq_hard
+# the online assignment's candidates (online_slots.SLOTS_CONFIGS: warps and slot tile), in ovq's op and layer
+extra tune_ovq 60 bash -c "$tune python benchmarks/kernel_profile.py --what op --method ovq --batch 8 --length 8192 \
+  --top 14; $tune $layers --lengths 8192 32768 --layers softmax ovq"
 extra tune_superblocks 120 bash -c "for K in 4 16; do $tune $layers --lengths 8192 32768 --layers softmax vq_hard \
   --superblock-blocks \$K; done"
 extra layers_chunk 150 $layers --lengths 8192 32768 --layers softmax window vq_hard vq_soft ovq --impl chunk

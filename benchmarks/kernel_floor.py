@@ -57,8 +57,9 @@ The soft mixture's designs (:data:`SOFT_DESIGNS`; vq_soft_rope's step, the codeb
   a query block reads the key blocks between its cache and its window through the mixture, A = exp(σ qc·cᵀ)·P_jᵀ,
   recomputing P_j for every such pair (and, key-major in the backward, the reading block's exp(σ qc·cᵀ)).
 
-``ovq``: ovq_attention's Triton impl at S slots, the online assignment (``_online_slots_kernel``) and the window-code
-kernels reading every block's float32 slot means, counts and value sums (formed by PyTorch, not counted).
+``ovq``: ovq_attention's Triton impl at S slots, the online assignment (``_online_slots_kernel``), vq's cache walk
+and its reverse over the memory keys and values side by side (every block's slot counts and sums), and the window-code
+kernels reading every block's float32 slot means (the sums divided by PyTorch, not counted), counts and value sums.
 
 Not counted: the PyTorch glue between the kernels (the masked copies of k and k_rot and the poison of
 ``ops.nonfinite``, the codebook's TF32 split and half norms; block_dc's sum of the window's and the walk's value
@@ -539,21 +540,31 @@ def soft_superblock_kernels(s: Shape, K: int, ib: int) -> list[KernelCost]:
 
 def ovq_kernels(s: Shape) -> list[KernelCost]:
     """What ovq_attention's Triton impl runs (``S`` its slots, 64 by default): the online assignment (one program per
-    sequence walks its blocks: each block's keys against the slots' running means, two TF32 products), then the
-    window-code kernels with one codebook per block, the slots' float32 mean keys, counts and value sums of every
-    block (formed and summed by PyTorch between the kernels, not counted), read by the forward and the code
-    backward, which writes every block's gradients of all three."""
+    sequence walks its blocks: each block's keys against the slots' running means, two TF32 products); vq's cache
+    walk over the memory keys and values side by side, its slots as the codes' index (every block's float32 counts
+    and key and value sums); the window-code kernels with one codebook per block, the slots' float32 mean keys (the
+    sums divided by the counts, by PyTorch between the kernels, not counted), read by the forward and the code
+    backward, which writes every block's gradients of the means, counts and value sums; the reverse walk carries
+    them to the keys and values."""
     per_block = s.seqs * s.nb * s.S * (s.Dc + 1 + s.Dv) * F32  # every block's means, counts and value sums
     fwd = forward(s, 0, None, INDEX_BYTES)
+    keys_values = per_token(s, s.Dc + s.Dv)  # the memory keys and values side by side, float32
+    walk_state = s.seqs * s.S * (s.Dc + s.Dv + 1) * F32
     return [
         KernelCost("_online_slots_kernel", "the online assignment: each key's slot", mixture_products(s),
                    half(s, s.Dc) + per_token(s, 1, INDEX_BYTES)),
+        KernelCost("_prefix_kernel", "walk: every block's slot counts, key and value sums",
+                   block_products(s, s.S, s.Dc + s.Dv),
+                   per_token(s, 1, INDEX_BYTES) + keys_values + 2 * walk_state + per_block),
         KernelCost(fwd.name, "window and every block's slots, online softmax", fwd.flop,
                    fwd.bytes - codebook(s) + per_block),
         output_delta(s), window_backward(s),
         KernelCost("_code_backward_kernel", "slots: dqc, every block's dC, dn and mean keys' gradient",
                    block_products(s, s.S, s.Dc, s.Dv, s.Dc, s.Dv, s.Dc),
                    half(s, s.Dc, s.Dv) + per_token(s, 2) + per_block + half(s, s.Dc) + per_block),
+        KernelCost("_prefix_backward_kernel", "reverse walk: the memory keys' and values' gradients",
+                   block_products(s, s.S, s.Dc + s.Dv),
+                   per_token(s, 1, INDEX_BYTES) + per_block + 2 * walk_state + keys_values),
     ]
 
 

@@ -114,6 +114,9 @@ SOFT_BLOCK_SUMS = {
 OVQ = {
     # the memory keys against the slots' means, two TF32 products; the keys read, the slots (int64) written
     "_online_slots_kernel": (2 * 2 * 65536, 8192 + 2048),
+    # the one-hot rows times the keys and values side by side, 2·64·8·32 = 32768 a block; the slots, the float32
+    # keys and values (256·32·4 = 32768) and the state read, the state after and every block's statistics written
+    "_prefix_kernel": (4 * 32768, 2048 + 32768 + 2 * 8 * 33 * 4 + 4224),
     # block_dc's forward with every block's slots in place of the codebook and the caches
     "_window_code_forward_kernel": (4 * (4 * 131072 + 2 * 16384), 4 * 8192 + 4224 + 8192 + 1024),
     "_output_delta_kernel": BLOCK_DC["_output_delta_kernel"],
@@ -121,6 +124,9 @@ OVQ = {
     # qc·k̄ᵀ, dO·Cᵀ, ds·k̄, dC, the means' gradient: five products a block; qc, dO, lse, Δ and the blocks' slots read,
     # dqc and their gradients written
     "_code_backward_kernel": (4 * 5 * 16384, 2 * 8192 + 2 * 1024 + 4224 + 8192 + 4224),
+    # the reverse walk's products as the walk's; the slots, the blocks' gradients and the state's gradient read, the
+    # initial state's and the keys' and values' gradients written
+    "_prefix_backward_kernel": (4 * 32768, 2048 + 4224 + 2 * 8 * 33 * 4 + 32768),
 }
 
 @pytest.fixture

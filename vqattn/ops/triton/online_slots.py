@@ -20,8 +20,8 @@ rows with the keys). IEEE products run on the CUDA cores: about 4 M multiply-add
 D = 64, in each program, which walks its blocks in sequence.
 
 The counts (B·H, S) and key sums (B·H, S, D) live in a float32 scratch copy of the memory before the keys, read and
-written in tiles of ``SLOT_TILE`` slots (a barrier between a block's writes and the next block's reads): S·D need
-not fit in registers.
+written in tiles of ``BS`` slots (:data:`SLOTS_CONFIGS`; a barrier between a block's writes and the next block's
+reads): S·D need not fit in registers.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..devices import triton
+from .tuning import configs, tuned
 from .utils import float32_products, register_width, stride_args, unit_last
 
 if triton is not None:
@@ -38,6 +39,10 @@ if triton is not None:
 
 # Slots scored per inner step: a (L, SLOT_TILE) score tile and a (SLOT_TILE, D) tile of key sums.
 SLOT_TILE = 32
+# The launch candidates (tuning.py): few programs (one per sequence) each walk a chain of blocks, so what can speed a
+# program is its own parallelism, the warps over a block's L × S distances and the slot tile; the first is the
+# setting it has run with (Triton's defaults, not yet timed against the others on a GPU).
+SLOTS_CONFIGS = configs(dict(BS=SLOT_TILE, num_warps=4, num_stages=3), BS=(16, 32, 64), num_warps=(1, 2, 4, 8))
 
 if triton is not None:
 
@@ -89,6 +94,7 @@ if triton is not None:
             sums = tl.dot(tl.trans(hit), keys, sums * decay, input_precision=EXACT_PREC)
             tl.store(SUM + slots[:, None] * D + dims[None, :], sums, mask=mask)
 
+    @tuned(SLOTS_CONFIGS, key=("S", "D", "L"), restore_value=["CNT", "SUM"])  # the scratch memory, rewritten
     @triton.jit
     def _online_slots_kernel(K, CNT, SUM, OUT, sk_b, sk_h, sk_t, H, T, S, D, threshold, decay,
                              L: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr,
@@ -141,5 +147,5 @@ def fused_online_slots(memory_keys: torch.Tensor, counts: torch.Tensor, key_sums
     out = torch.empty(B, H, T, device=keys.device, dtype=torch.long)
     _online_slots_kernel[(B * H,)](K=keys, CNT=cnt, SUM=sums, OUT=out, **stride_args("k", keys), H=H, T=T, S=S, D=D,
                                    threshold=float(threshold), decay=1.0 if decay is None else float(decay), L=L,
-                                   BD=register_width(D), BS=SLOT_TILE, **float32_products(keys.dtype))
+                                   BD=register_width(D), **float32_products(keys.dtype))
     return out
