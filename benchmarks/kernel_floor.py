@@ -40,8 +40,9 @@ The designs (:data:`DESIGNS`):
 
 The soft mixture's designs (:data:`SOFT_DESIGNS`; vq_soft_rope's step, the codebook learned by gradient):
 
-* ``soft_block_dc`` (what formed weights run: an Assignment handed to the op, a state continued): ``_soft_assign_kernel`` writes the (T, S) float32 weights, which the
-  prefix walk, the reverse walk (writing their gradient as well) and the assignment's two backward kernels
+* ``soft_block_dc`` (what formed weights run: an Assignment handed to the op, a state continued):
+  ``_soft_assign_kernel`` writes the (T, S) float32 weights, which the prefix walk, the reverse walk (writing their
+  gradient as well) and the assignment's two backward kernels
   (``_soft_key_grad_kernel``, ``_soft_code_grad_kernel``) read; the code backward writes every block's dC and count
   gradient and adds the codebook's share atomically.
 * ``soft_block_sums`` (:data:`SOFT_CURRENT`, what soft keys run, ``vqattn/ops/triton/soft_caches.py``): one float

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
+
 from triton_helpers import needs_triton
 
 

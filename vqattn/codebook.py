@@ -236,7 +236,8 @@ class Codebook(nn.Module):
             return CodebookOutput(codes.to(k.dtype), assignment, codes.new_zeros(()))
         soft_counts = None
         if not formed:  # the statistics by a kernel that forms no (T, S) tensor either
-            soft_counts, index = soft_statistics(k.detach(), codes.detach(), temperature_tensor(temperature, self.num_heads, codes))
+            tau = temperature_tensor(temperature, self.num_heads, codes)
+            soft_counts, index = soft_statistics(k.detach(), codes.detach(), tau)
         elif assignment.index is not None:
             index = assignment.index
         else:

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from triton_helpers import DEVICE, Allocations, compare, leaves, nan_empty, needs_triton, rel_rms  # noqa: F401 (a fixture)
 from vqattn.functional import Assignment, SoftMixture, naive_vq_attention, vq_assign, vq_attention
 from vqattn.ops.triton.soft_assign import soft_statistics
 from vqattn.ops.triton.soft_caches import soft_block_caches
+
+from triton_helpers import DEVICE, Allocations, compare, leaves, nan_empty, needs_triton, rel_rms  # noqa: F401 (a fixture)
 
 pytestmark = [needs_triton, pytest.mark.usefixtures("nan_empty")]
 B, H, D, DV, S, L = 2, 2, 16, 8, 24, 16
