@@ -19,7 +19,7 @@ from ..triton.window_codes import unsupported
 
 @dataclass
 class OVQState:
-    """State of causal :func:`ovq_attention` after ``length`` tokens.
+    """State of causal :func:`~vqattn.ops.ovq.ovq_attention` after ``length`` tokens.
 
     Positions before ``window_start(length, block_len)`` are absorbed into the memory: per-slot ``counts`` (B, H, S),
     memory-key sums ``key_sums`` (B, H, S, D) and value sums ``value_sums`` (B, H, S, Dv). Positions from there on

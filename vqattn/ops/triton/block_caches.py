@@ -14,9 +14,11 @@ The backward walks the blocks in reverse with the running suffix sum of the cach
 G_j = Σ_{b ≥ j+2} dC_b (plus the state's gradient for j < fold), and writes block j's value gradients Δ_j G_j and,
 for soft weights, their gradient V_j G_jᵀ + Gn_j. A hard key's value gradient comes from the one tile that holds
 its code (a masked store); soft ones add over tiles (atomic adds). The caches' gradients dC_b are read from memory
-or, for the vq step's :mod:`.vq_causal` with ``KernelDesign.walk_cache_gradient``, formed in the walk from the queries that read
-the caches. :func:`block_caches` is the walk pair as an op of its own, which the tests check against a loop over
-blocks.
+or, for the vq step's :mod:`.vq_causal` with ``KernelDesign.walk_cache_gradient``, formed in the walk from the queries
+that read the caches. :func:`block_caches` is the walk pair as an op of its own, which the tests check against a loop
+over blocks. The walks' helpers take each tensor's strides as one (batch, head, token) tuple. Besides vq's formed
+assignments (hard keys with ``KernelDesign(superblock_blocks=0)``, soft weights handed in or continuing a state), ovq's
+fused impl sums its slots' keys and values with them (:mod:`vqattn.ops.ovq.fused`).
 """
 
 from __future__ import annotations
@@ -62,26 +64,26 @@ if triton is not None:
                        mask=(rows[:, None] >= 0) & (rows[:, None] < T) & (codes[None, :] < S), other=0.0).to(tl.float32)
 
     @triton.jit
-    def _add_block(IDX, WTS, V, n, sums, blk, bh, sv_b, sv_h, sv_t, H, T, S, DV, codes, L: tl.constexpr,
+    def _add_block(IDX, WTS, V, n, sums, blk, bh, sv, H, T, S, DV, codes, L: tl.constexpr,
                    BDV: tl.constexpr, HARD: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
         """n, sums plus block blk's statistics Δᵀ1 and ΔᵀV for this tile of codes (nothing outside the
         sequence)."""
         rows = blk * L + tl.arange(0, L)
         w = _assignment_tile(IDX, WTS, bh, rows, codes, T, S, HARD)
-        v = load_rows(V, sv_b, sv_h, sv_t, bh // H, bh % H, rows, T, DV, BDV, DOT)
+        v = load_rows(V, sv[0], sv[1], sv[2], bh // H, bh % H, rows, T, DV, BDV, DOT)
         return n + tl.sum(w, 0), tl.dot(tl.trans(w.to(DOT)), v, sums, input_precision=PREC)
 
     @triton.jit
-    def _prefix_step(IDX, WTS, V, NB, CB, n, sums, blk, bh, nb, sv_b, sv_h, sv_t, H, T, S, DV, codes, present,
-                     tile_mask, offsets, L: tl.constexpr, BS: tl.constexpr, BDV: tl.constexpr, HARD: tl.constexpr,
-                     DOT: tl.constexpr, PREC: tl.constexpr):
+    def _prefix_step(IDX, WTS, V, NB, CB, n, sums, blk, bh, nb, sv, H, T, S, DV, tile, L: tl.constexpr,
+                     BS: tl.constexpr, BDV: tl.constexpr, HARD: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
         """Step blk of the walk: n, sums (the keys of blocks ≤ blk − 2) stored as block blk's cache (a mask, not a
         branch, for blk = nb: a straight loop body lets the compiler prefetch the next block's keys while this one
-        is summed), then block blk − 1's statistics added (none for blk = 0); returns the new n, sums."""
+        is summed), then block blk − 1's statistics added (none for blk = 0); returns the new n, sums. ``sv``: the
+        values' strides (batch, head, token); ``tile``: :func:`~.utils.code_tile_layout`'s four."""
+        codes, present, tile_mask, offsets = tile
         blocks = blk + tl.zeros([BS], tl.int32)  # the block index as a vector: masks of one type
         store_cache(NB, CB, bh * nb + blk, S, DV, codes, offsets, n, sums, present & (blocks < nb), tile_mask)
-        return _add_block(IDX, WTS, V, n, sums, blk - 1, bh, sv_b, sv_h, sv_t, H, T, S, DV, codes, L, BDV, HARD, DOT,
-                          PREC)
+        return _add_block(IDX, WTS, V, n, sums, blk - 1, bh, sv, H, T, S, DV, codes, L, BDV, HARD, DOT, PREC)
 
     @triton.jit
     def _prefix_kernel(IDX, WTS, V, N0, C0, NB, CB, NF, CF, sv_b, sv_h, sv_t, H, T, S, DV, fold, nseg, seg_steps,
@@ -91,23 +93,25 @@ if triton is not None:
         segment), each from its segment's first cache, row bh·nseg + seg of N0 (·, S), C0 (·, S, DV) (the
         initial cache itself for one segment). The program whose segment holds step ``fold`` stores the state
         after it."""
+        sv = (sv_b, sv_h, sv_t)  # strides as a tuple
         bh, seg = tl.program_id(1), tl.program_id(2)
         nb = tl.cdiv(T, L)
         codes, present, tile_mask, offsets = code_tile_layout(S, DV, BS, BDV)
+        tile = (codes, present, tile_mask, offsets)
         n, sums = load_cache(N0, C0, bh * nseg + seg, S, DV, codes, offsets, present, tile_mask)
         start = seg * seg_steps
         end = tl.minimum(start + seg_steps, nb + 1)
         mid = tl.minimum(tl.maximum(fold + 1, start), end)
         # two walks, the state after step ``fold`` stored once between them (by the segment that holds it)
         for blk in range(start, mid):
-            n, sums = _prefix_step(IDX, WTS, V, NB, CB, n, sums, blk, bh, nb, sv_b, sv_h, sv_t, H, T, S, DV, codes,
-                                   present, tile_mask, offsets, L, BS, BDV, HARD, DOT, PREC)
+            n, sums = _prefix_step(IDX, WTS, V, NB, CB, n, sums, blk, bh, nb, sv, H, T, S, DV, tile, L, BS, BDV, HARD,
+                                   DOT, PREC)
         folds = fold + tl.zeros([BS], tl.int32)
         store_cache(NF, CF, bh, S, DV, codes, offsets, n, sums, present & (folds >= start) & (folds < end),
                      tile_mask)
         for blk in range(mid, end):
-            n, sums = _prefix_step(IDX, WTS, V, NB, CB, n, sums, blk, bh, nb, sv_b, sv_h, sv_t, H, T, S, DV, codes,
-                                   present, tile_mask, offsets, L, BS, BDV, HARD, DOT, PREC)
+            n, sums = _prefix_step(IDX, WTS, V, NB, CB, n, sums, blk, bh, nb, sv, H, T, S, DV, tile, L, BS, BDV, HARD,
+                                   DOT, PREC)
 
     @triton.jit
     def _prefix_segment_kernel(IDX, WTS, V, TN, TC, sv_b, sv_h, sv_t, H, T, S, DV, nseg, seg_steps,
@@ -116,6 +120,7 @@ if triton is not None:
         """TN (B·H, nseg, S), TC (B·H, nseg, S, DV) float32: what the steps of segment seg add, the statistics of
         blocks seg·seg_steps − 1 .. (seg + 1)·seg_steps − 2 (fla's ``chunk_h_split``: every segment's local sum in
         parallel, then a short scan over the segments)."""
+        sv = (sv_b, sv_h, sv_t)  # strides as a tuple
         bh, seg = tl.program_id(1), tl.program_id(2)
         nb = tl.cdiv(T, L)
         codes, present, tile_mask, offsets = code_tile_layout(S, DV, BS, BDV)
@@ -123,41 +128,42 @@ if triton is not None:
         sums = tl.zeros([BS, BDV], tl.float32)
         start = seg * seg_steps
         for blk in range(start, tl.minimum(start + seg_steps, nb + 1)):
-            n, sums = _add_block(IDX, WTS, V, n, sums, blk - 1, bh, sv_b, sv_h, sv_t, H, T, S, DV, codes, L, BDV,
+            n, sums = _add_block(IDX, WTS, V, n, sums, blk - 1, bh, sv, H, T, S, DV, codes, L, BDV,
                                  HARD, DOT, PREC)
         store_cache(TN, TC, bh * nseg + seg, S, DV, codes, offsets, n, sums, present, tile_mask)
 
     @triton.jit
-    def _walk_cache_grad(QC, c, CNT, BIAS, DO, LSE, DELTA, sqc_b, sqc_h, sqc_t, sdo_b, sdo_h, sdo_t, blk, bh, nb, H,
-                         T, S, DC, DV, codes, present, scale2, L: tl.constexpr, BS: tl.constexpr, BDC: tl.constexpr,
-                         BDV: tl.constexpr, HAS_BIAS: tl.constexpr, COUNTS_GRAD: tl.constexpr, DOT: tl.constexpr,
-                         SUM_DOT: tl.constexpr, PREC: tl.constexpr):
-        """The gradient of block blk's cache for this tile of codes c (BS, BDC), from the block's queries, as the
-        window-code backward would write it (window_codes.py): with w_n = exp2(σ qc·c + β_blk − lse) the codes'
-        probabilities per count (0 for empty codes and past T), dC = w_nᵀ dO (BS, BDV) and dn = −w_nᵀ Δ (BS,)
-        (with COUNTS_GRAD, else 0). Zero for blk ≥ nb."""
+    def _walk_cache_grad(queries, blk, bh, nb, H, T, S, DC, DV, codes, present, scale2, L: tl.constexpr,
+                         BS: tl.constexpr, BDC: tl.constexpr, BDV: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         COUNTS_GRAD: tl.constexpr, DOT: tl.constexpr, SUM_DOT: tl.constexpr, PREC: tl.constexpr):
+        """The gradient of block blk's cache for this tile of codes, from the block's queries, as the window-code
+        backward would write it (window_codes.py): with w_n = exp2(σ qc·c + β_blk − lse) the codes' probabilities
+        per count (0 for empty codes and past T), dC = w_nᵀ dO (BS, BDV) and dn = −w_nᵀ Δ (BS,) (with
+        COUNTS_GRAD, else 0). Zero for blk ≥ nb. ``queries``: the code queries QC, this tile of codes c (BS, BDC),
+        the caches' counts CNT, the memory bias BIAS, DO, LSE, DELTA, and the strides of QC and DO (each (batch, head,
+        token))."""
+        QC, c, CNT, BIAS, DO, LSE, DELTA, sqc, sdo = queries
         rows = blk * L + tl.arange(0, L)
         blocks = blk + tl.zeros([BS], tl.int32)  # the block index as a vector: masks of one type
         n = tl.load(CNT + (bh * nb + blk) * S + codes, mask=present & (blocks < nb), other=0.0)
         bias = 0.0
         if HAS_BIAS:
             bias = tl.load(BIAS + tl.minimum(blk, nb - 1))  # past the last block every row is outside anyway
-        return cache_grad_of_queries(QC, c, n > 0, bias, DO, LSE, DELTA, sqc_b, sqc_h, sqc_t, sdo_b, sdo_h, sdo_t,
-                                     bh // H, bh % H, bh, rows, T, DC, DV, scale2, BDC, BDV, COUNTS_GRAD, DOT,
+        return cache_grad_of_queries(QC, c, n > 0, bias, DO, LSE, DELTA, sqc[0], sqc[1], sqc[2], sdo[0], sdo[1],
+                                     sdo[2], bh // H, bh % H, bh, rows, T, DC, DV, scale2, BDC, BDV, COUNTS_GRAD, DOT,
                                      SUM_DOT, PREC)
 
     @triton.jit
-    def _block_cache_grad(DNB, DCB, QC, c, CNT, BIAS, DO, LSE, DELTA, sqc_b, sqc_h, sqc_t, sdo_b, sdo_h, sdo_t, blk,
-                          bh, nb, H, T, S, DC, DV, codes, present, tile_mask, offsets, scale2, L: tl.constexpr,
+    def _block_cache_grad(DNB, DCB, queries, blk, bh, nb, H, T, S, DC, DV, tile, scale2, L: tl.constexpr,
                           BS: tl.constexpr, BDC: tl.constexpr, BDV: tl.constexpr, HAS_BIAS: tl.constexpr,
                           COUNTS_GRAD: tl.constexpr, DOT: tl.constexpr, SUM_DOT: tl.constexpr, PREC: tl.constexpr,
                           WALK_DC: tl.constexpr):
         """The gradient of block blk's cache for this tile of codes (0 for blk ≥ nb): read from DNB, DCB, or with
         WALK_DC formed from the block's queries (:func:`_walk_cache_grad`)."""
+        codes, present, tile_mask, offsets = tile
         if WALK_DC:
-            d_n, d_sums = _walk_cache_grad(QC, c, CNT, BIAS, DO, LSE, DELTA, sqc_b, sqc_h, sqc_t, sdo_b, sdo_h, sdo_t,
-                                           blk, bh, nb, H, T, S, DC, DV, codes, present, scale2, L, BS, BDC, BDV,
-                                           HAS_BIAS, COUNTS_GRAD, DOT, SUM_DOT, PREC)
+            d_n, d_sums = _walk_cache_grad(queries, blk, bh, nb, H, T, S, DC, DV, codes, present, scale2, L, BS, BDC,
+                                           BDV, HAS_BIAS, COUNTS_GRAD, DOT, SUM_DOT, PREC)
         else:
             blocks = blk + tl.zeros([BS], tl.int32)
             d_n, d_sums = load_cache(DNB, DCB, bh * nb + blk, S, DV, codes, offsets, present & (blocks < nb),
@@ -165,18 +171,18 @@ if triton is not None:
         return d_n, d_sums
 
     @triton.jit
-    def _value_grads(IDX, WTS, V, DVAL, DWTS, g_n, g_sums, blk, bh, sv_b, sv_h, sv_t, sd_b, sd_h, sd_t, H, T, S, DV,
-                     codes, present, L: tl.constexpr, BS: tl.constexpr, BDV: tl.constexpr, HARD: tl.constexpr,
-                     DOT: tl.constexpr, PREC: tl.constexpr, ADD_TO_DVAL: tl.constexpr):
+    def _value_grads(IDX, WTS, V, DVAL, DWTS, g_n, g_sums, blk, bh, sv, sd, H, T, S, DV, codes, present,
+                     L: tl.constexpr, BS: tl.constexpr, BDV: tl.constexpr, HARD: tl.constexpr, DOT: tl.constexpr,
+                     PREC: tl.constexpr, ADD_TO_DVAL: tl.constexpr):
         """Block blk's value gradients Δ g (added to DVAL's with ADD_TO_DVAL) and the soft weights' V gᵀ + g_n
-        from g, the gradient of its statistics."""
+        from g, the gradient of its statistics; ``sv``, ``sd`` the strides of V and DVAL."""
         rows = blk * L + tl.arange(0, L)
         w = _assignment_tile(IDX, WTS, bh, rows, codes, T, S, HARD)
         # (L, BDV); a hard row selects one code's gradient, which rounds to DOT exactly as the result would
         d_values = tl.dot(w.to(DOT), g_sums.to(DOT), input_precision=PREC)
         dv = tl.arange(0, BDV)
         row_mask = (rows[:, None] < T) & (dv[None, :] < DV)
-        value_offsets = (bh // H) * sd_b + (bh % H) * sd_h + rows[:, None] * sd_t + dv[None, :]
+        value_offsets = (bh // H) * sd[0] + (bh % H) * sd[1] + rows[:, None] * sd[2] + dv[None, :]
         if HARD:
             # this tile holds the row's code: its index against the tile's range, not a row sum over the one-hot
             first = tl.program_id(0) * BS
@@ -187,28 +193,26 @@ if triton is not None:
             tl.store(DVAL + value_offsets, d_values.to(DVAL.dtype.element_ty), mask=row_mask & held[:, None])
         else:
             tl.atomic_add(DVAL + value_offsets, d_values, mask=row_mask)
-            v = load_rows(V, sv_b, sv_h, sv_t, bh // H, bh % H, rows, T, DV, BDV, DOT)
+            v = load_rows(V, sv[0], sv[1], sv[2], bh // H, bh % H, rows, T, DV, BDV, DOT)
             d_w = tl.dot(v, tl.trans(g_sums.to(DOT)), input_precision=PREC) + g_n[None, :]
             tl.store(DWTS + (bh * T + rows[:, None]) * S + codes[None, :], d_w,
                      mask=(rows[:, None] < T) & present[None, :])
 
     @triton.jit
-    def _reverse_step(IDX, WTS, V, DNB, DCB, DVAL, DWTS, QC, c, CNT, BIAS, DO, LSE, DELTA, g_n, g_sums, blk, bh, nb,
-                      sv_b, sv_h, sv_t, sd_b, sd_h, sd_t, sqc_b, sqc_h, sqc_t, sdo_b, sdo_h, sdo_t, H, T, S, DC, DV,
-                      codes, present, tile_mask, offsets, scale2, L: tl.constexpr, BS: tl.constexpr, BDC: tl.constexpr,
-                      BDV: tl.constexpr, HARD: tl.constexpr, HAS_BIAS: tl.constexpr, COUNTS_GRAD: tl.constexpr,
-                      DOT: tl.constexpr, SUM_DOT: tl.constexpr, PREC: tl.constexpr, WALK_DC: tl.constexpr,
-                      ADD_TO_DVAL: tl.constexpr):
+    def _reverse_step(IDX, WTS, V, DNB, DCB, DVAL, DWTS, queries, g_n, g_sums, blk, bh, nb, sv, sd, H, T, S, DC, DV,
+                      tile, scale2, L: tl.constexpr, BS: tl.constexpr, BDC: tl.constexpr, BDV: tl.constexpr,
+                      HARD: tl.constexpr, HAS_BIAS: tl.constexpr, COUNTS_GRAD: tl.constexpr, DOT: tl.constexpr,
+                      SUM_DOT: tl.constexpr, PREC: tl.constexpr, WALK_DC: tl.constexpr, ADD_TO_DVAL: tl.constexpr):
         """Block blk of the reverse walk: the gradient of block blk + 2's cache added to the running sums g, which
         then hold the gradient of block blk's statistics; the block's value (and soft weight) gradients written from
-        g; returns g."""
-        d_n, d_sums = _block_cache_grad(DNB, DCB, QC, c, CNT, BIAS, DO, LSE, DELTA, sqc_b, sqc_h, sqc_t, sdo_b, sdo_h,
-                                        sdo_t, blk + 2, bh, nb, H, T, S, DC, DV, codes, present, tile_mask, offsets,
-                                        scale2, L, BS, BDC, BDV, HAS_BIAS, COUNTS_GRAD, DOT, SUM_DOT, PREC, WALK_DC)
+        g; returns g. ``queries``: :func:`_walk_cache_grad`'s; ``sv``, ``sd``: the strides of V and DVAL; ``tile``:
+        :func:`~.utils.code_tile_layout`'s four."""
+        d_n, d_sums = _block_cache_grad(DNB, DCB, queries, blk + 2, bh, nb, H, T, S, DC, DV, tile, scale2, L, BS, BDC,
+                                        BDV, HAS_BIAS, COUNTS_GRAD, DOT, SUM_DOT, PREC, WALK_DC)
         g_n += d_n
         g_sums += d_sums
-        _value_grads(IDX, WTS, V, DVAL, DWTS, g_n, g_sums, blk, bh, sv_b, sv_h, sv_t, sd_b, sd_h, sd_t, H, T, S, DV,
-                     codes, present, L, BS, BDV, HARD, DOT, PREC, ADD_TO_DVAL)
+        _value_grads(IDX, WTS, V, DVAL, DWTS, g_n, g_sums, blk, bh, sv, sd, H, T, S, DV, tile[0], tile[1], L, BS, BDV,
+                     HARD, DOT, PREC, ADD_TO_DVAL)
         return g_n, g_sums
 
     @triton.jit
@@ -232,18 +236,19 @@ if triton is not None:
         """TN (B·H, nseg, S), TC (B·H, nseg, S, DV) float32: what the reverse walk's steps of segment seg (blocks
         seg·seg_steps .. (seg + 1)·seg_steps − 1) add to its running sum, the gradients of the caches two blocks
         later."""
+        sqc, sdo = (sqc_b, sqc_h, sqc_t), (sdo_b, sdo_h, sdo_t)  # strides as tuples
         bh, seg = tl.program_id(1), tl.program_id(2)
         nb = tl.cdiv(T, L)
         codes, present, tile_mask, offsets = code_tile_layout(S, DV, BS, BDV)
+        tile = (codes, present, tile_mask, offsets)
         c = _walk_codes(CB, bh, H, S, DC, codes, present, BS, BDC, DOT, WALK_DC)
+        queries = (QC, c, CNT, BIAS, DO, LSE, DELTA, sqc, sdo)  # what forms the caches' gradients
         g_n = tl.zeros([BS], tl.float32)
         g_sums = tl.zeros([BS, BDV], tl.float32)
         start = seg * seg_steps
         for blk in range(start, tl.minimum(start + seg_steps, nb)):
-            d_n, d_sums = _block_cache_grad(DNB, DCB, QC, c, CNT, BIAS, DO, LSE, DELTA, sqc_b, sqc_h, sqc_t, sdo_b,
-                                            sdo_h, sdo_t, blk + 2, bh, nb, H, T, S, DC, DV, codes, present, tile_mask,
-                                            offsets, scale * LOG2E, L, BS, BDC, BDV, HAS_BIAS, COUNTS_GRAD, DOT,
-                                            SUM_DOT, PREC, WALK_DC)
+            d_n, d_sums = _block_cache_grad(DNB, DCB, queries, blk + 2, bh, nb, H, T, S, DC, DV, tile, scale * LOG2E,
+                                            L, BS, BDC, BDV, HAS_BIAS, COUNTS_GRAD, DOT, SUM_DOT, PREC, WALK_DC)
             g_n += d_n
             g_sums += d_sums
         store_cache(TN, TC, bh * nseg + seg, S, DV, codes, offsets, g_n, g_sums, present, tile_mask)
@@ -263,11 +268,15 @@ if triton is not None:
         for soft; DWTS (BH, T, S) float32, soft only. The caches' gradients come from DNB, DCB or, with WALK_DC,
         from the queries (QC, the codebook CB (H, S, DC), the caches' counts CNT, the memory bias BIAS, DO, LSE,
         DELTA). Segment 0 also writes the initial cache's gradient DN0, DC0."""
+        # strides as tuples
+        sv, sd, sqc, sdo = (sv_b, sv_h, sv_t), (sd_b, sd_h, sd_t), (sqc_b, sqc_h, sqc_t), (sdo_b, sdo_h, sdo_t)
         bh, seg = tl.program_id(1), tl.program_id(2)
         nb = tl.cdiv(T, L)
         codes, present, tile_mask, offsets = code_tile_layout(S, DV, BS, BDV)
+        tile = (codes, present, tile_mask, offsets)
         scale2 = scale * LOG2E
         c = _walk_codes(CB, bh, H, S, DC, codes, present, BS, BDC, DOT, WALK_DC)
+        queries = (QC, c, CNT, BIAS, DO, LSE, DELTA, sqc, sdo)  # what forms the caches' gradients
         g_n = tl.zeros([BS], tl.float32)
         g_sums = tl.zeros([BS, BDV], tl.float32)
         if SPLIT:
@@ -284,32 +293,26 @@ if triton is not None:
         g_sums += f_sums
         for back in range(0, hi - mid):
             blk = hi - 1 - back
-            g_n, g_sums = _reverse_step(IDX, WTS, V, DNB, DCB, DVAL, DWTS, QC, c, CNT, BIAS, DO, LSE, DELTA, g_n, g_sums,
-                                        blk, bh, nb, sv_b, sv_h, sv_t, sd_b, sd_h, sd_t, sqc_b, sqc_h, sqc_t, sdo_b,
-                                        sdo_h, sdo_t, H, T, S, DC, DV, codes, present, tile_mask, offsets, scale2, L,
-                                        BS, BDC, BDV, HARD, HAS_BIAS, COUNTS_GRAD, DOT, SUM_DOT, PREC, WALK_DC,
-                                        ADD_TO_DVAL)
+            g_n, g_sums = _reverse_step(IDX, WTS, V, DNB, DCB, DVAL, DWTS, queries, g_n, g_sums, blk, bh, nb, sv, sd, H,
+                                        T, S, DC, DV, tile, scale2, L, BS, BDC, BDV, HARD, HAS_BIAS, COUNTS_GRAD, DOT,
+                                        SUM_DOT, PREC, WALK_DC, ADD_TO_DVAL)
         f_n, f_sums = load_cache(DNF, DCF, bh, S, DV, codes, offsets, present & (folds > lo) & (folds <= hi),
                                   tile_mask)
         g_n += f_n
         g_sums += f_sums
         for back in range(0, mid - lo):
             blk = mid - 1 - back
-            g_n, g_sums = _reverse_step(IDX, WTS, V, DNB, DCB, DVAL, DWTS, QC, c, CNT, BIAS, DO, LSE, DELTA, g_n, g_sums,
-                                        blk, bh, nb, sv_b, sv_h, sv_t, sd_b, sd_h, sd_t, sqc_b, sqc_h, sqc_t, sdo_b,
-                                        sdo_h, sdo_t, H, T, S, DC, DV, codes, present, tile_mask, offsets, scale2, L,
-                                        BS, BDC, BDV, HARD, HAS_BIAS, COUNTS_GRAD, DOT, SUM_DOT, PREC, WALK_DC,
-                                        ADD_TO_DVAL)
+            g_n, g_sums = _reverse_step(IDX, WTS, V, DNB, DCB, DVAL, DWTS, queries, g_n, g_sums, blk, bh, nb, sv, sd, H,
+                                        T, S, DC, DV, tile, scale2, L, BS, BDC, BDV, HARD, HAS_BIAS, COUNTS_GRAD, DOT,
+                                        SUM_DOT, PREC, WALK_DC, ADD_TO_DVAL)
         if seg == 0:
             # the initial cache is in every block's cache, and in the state (fold = 0: only there)
             f_n, f_sums = load_cache(DNF, DCF, bh, S, DV, codes, offsets, present & (folds == 0), tile_mask)
             g_n += f_n
             g_sums += f_sums
             for blk in range(0, tl.minimum(nb, 2)):
-                d_n, d_sums = _block_cache_grad(DNB, DCB, QC, c, CNT, BIAS, DO, LSE, DELTA, sqc_b, sqc_h, sqc_t,
-                                                sdo_b, sdo_h, sdo_t, blk, bh, nb, H, T, S, DC, DV, codes, present,
-                                                tile_mask, offsets, scale2, L, BS, BDC, BDV, HAS_BIAS, COUNTS_GRAD,
-                                                DOT, SUM_DOT, PREC, WALK_DC)
+                d_n, d_sums = _block_cache_grad(DNB, DCB, queries, blk, bh, nb, H, T, S, DC, DV, tile, scale2, L, BS,
+                                                BDC, BDV, HAS_BIAS, COUNTS_GRAD, DOT, SUM_DOT, PREC, WALK_DC)
                 g_n += d_n
                 g_sums += d_sums
             store_cache(DN0, DC0, bh, S, DV, codes, offsets, g_n, g_sums, present, tile_mask)

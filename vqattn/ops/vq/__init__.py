@@ -12,7 +12,7 @@ and attention reads the keys through the codes:
 
 For hard Δ this is exactly softmax attention over the quantised keys k̂_j = c_{z_j}, and equals softmax
 attention when the keys lie on the codebook. Causally, the keys of a query's window (its block and the one
-before) are scored one by one, the older ones through the codes: :func:`naive.naive_vq_attention` is the
+before) are scored one by one, the older ones through the codes: :func:`.naive.naive_vq_attention` is the
 definition, :mod:`.chunk` the block algorithm, :mod:`.recurrent` the decoding impl.
 
 With the unnormalised Gaussian-kernel assignment the same formula is linear attention, and FAVOR+ (Performer)

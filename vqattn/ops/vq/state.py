@@ -30,7 +30,7 @@ from .assign import ASSIGNMENTS, SoftMixture, check_assignment, vq_assign
 
 @dataclass
 class VQState:
-    """Recurrent state of causal :func:`vq_attention` after ``length`` tokens.
+    """Recurrent state of causal :func:`~vqattn.ops.vq.vq_attention` after ``length`` tokens.
 
     Positions before ``window_start(length, block_len)`` are compressed into ``counts`` (B, H, S) and value
     ``sums`` (B, H, S, Dv); positions from there on are kept raw in ``keys`` (B, H, W, D), ``values``
