@@ -83,10 +83,12 @@ def test_slots_equal_the_definitions(threshold, num_slots):
     assert torch.equal(tail.cpu(), online_slots(keys[:, :, 32:].float(), counts, sums, L, threshold))
 
 
+@pytest.mark.parametrize("threshold", [0.0, 1.1, float("inf")])
 @pytest.mark.parametrize("tile", [16, 64])
-def test_every_slot_tile_candidate_gives_the_definitions_slots(tile, monkeypatch):
+def test_every_slot_tile_candidate_gives_the_definitions_slots(tile, threshold, monkeypatch):
     """The online assignment's launch candidates (SLOTS_CONFIGS) differ in their slot tile, which changes how the
-    slots are walked, never which they are: 48 slots in tiles of 16 and of 64 (a partial tile)."""
+    slots are walked, never which they are: 48 slots in tiles of 16 through the scratch memory, and in one tile of
+    64 held in registers, with slots that run out (thresholds 0 and 1.1) or never open past the first (inf)."""
     from vqattn.ops.triton import online_slots as module
 
     kernel = module._online_slots_kernel
@@ -95,8 +97,8 @@ def test_every_slot_tile_candidate_gives_the_definitions_slots(tile, monkeypatch
     monkeypatch.setattr(kernel, "cache", {})
     keys = torch.randn(B, H, 70, D, dtype=torch.float64, generator=torch.Generator().manual_seed(tile))
     counts, sums = torch.zeros(B, H, 48), torch.zeros(B, H, 48, D)
-    fused = fused_online_slots(keys.float().to(DEVICE), counts.to(DEVICE), sums.to(DEVICE), L, 1.1).cpu()
-    assert torch.equal(fused, naive_online_slots(keys, 48, L, 1.1))
+    fused = fused_online_slots(keys.float().to(DEVICE), counts.to(DEVICE), sums.to(DEVICE), L, threshold).cpu()
+    assert torch.equal(fused, naive_online_slots(keys, 48, L, threshold))
 
 
 @pytest.mark.parametrize("given", ["online", "memory"])

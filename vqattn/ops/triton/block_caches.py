@@ -331,8 +331,11 @@ def _launch(hard: bool, forward: bool, device: torch.device) -> dict:
     return dict(num_stages=1, **three_programs_per_sm(device)) if forward else dict(num_stages=1)
 
 
-def walk_code_tile(dv_width: int) -> int:
-    return max(16, min(64, TILE_FLOATS // dv_width))
+def walk_code_tile(dv_width: int, float32_operands: bool = False) -> int:
+    """Codes per program of a walk: a (codes, dv_width) running tile of :data:`TILE_FLOATS`, half of it with float32
+    operands (ovq's keys and values side by side, 128 wide: at 32 codes its reverse walk spilled 240 bytes on sm_90,
+    benchmarks/kernel_resources.py)."""
+    return max(16, min(64, TILE_FLOATS // dv_width // (2 if float32_operands else 1)))
 
 
 @dataclasses.dataclass
@@ -380,7 +383,7 @@ def prefix_forward(index, weights, v, counts0, sums0, *, block_len: int, fold: i
     # rounds its probabilities); float32 values in float32 (window_codes.dot_dtype: IEEE, or TF32 if allowed).
     dot, prec = dot_dtype(v.dtype)
     BDV = register_width(DV)
-    meta = dict(L=block_len, BS=walk_code_tile(BDV), BDV=BDV, HARD=hard, DOT=dot, PREC=prec)
+    meta = dict(L=block_len, BS=walk_code_tile(BDV, v.dtype == torch.float32), BDV=BDV, HARD=hard, DOT=dot, PREC=prec)
     grid = (triton.cdiv(S, meta["BS"]), B * H)
     inputs = dict(IDX=idx, WTS=wts, V=v, sv_b=v.stride(0), sv_h=v.stride(1), sv_t=v.stride(2), H=H, T=T, S=S, DV=DV)
     # the walk's steps: one per block, and one past the last

@@ -37,12 +37,15 @@ if triton is not None:
 
     from .utils import dot_half_rows, load_rows
 
-# Slots scored per inner step: a (L, SLOT_TILE) score tile and a (SLOT_TILE, D) tile of key sums.
-SLOT_TILE = 32
+# Slots scored per inner step: a (L, SLOT_TILE) score tile and a (SLOT_TILE, D) tile of key sums; a memory of at most
+# this many slots (ovq's 64 by default) stays in registers for the whole walk.
+SLOT_TILE = 64
 # The launch candidates (tuning.py): few programs (one per sequence) each walk a chain of blocks, so what can speed a
-# program is its own parallelism, the warps over a block's L × S distances and the slot tile; the first is the
-# setting it has run with (Triton's defaults, not yet timed against the others on a GPU).
-SLOTS_CONFIGS = configs(dict(BS=SLOT_TILE, num_warps=4, num_stages=3), BS=(16, 32, 64), num_warps=(1, 2, 4, 8))
+# program is its own parallelism, the warps over a block's L × S distances, and the slot tile. The first: 8 warps, as
+# a program has its SM to itself when there are fewer sequences than SMs, and at 4 the registers' walk of 64 slots
+# spilled 160 bytes on sm_90 (benchmarks/kernel_resources.py); not yet timed (the walk through the scratch memory in
+# tiles of 32, at 4 warps, ran at 4% of its floor, docs/performance.md).
+SLOTS_CONFIGS = configs(dict(BS=SLOT_TILE, num_warps=8, num_stages=3), BS=(16, 32, 64, 128), num_warps=(1, 2, 4, 8))
 
 if triton is not None:
 
@@ -94,41 +97,81 @@ if triton is not None:
             sums = tl.dot(tl.trans(hit), keys, sums * decay, input_precision=EXACT_PREC)
             tl.store(SUM + slots[:, None] * D + dims[None, :], sums, mask=mask)
 
+    @triton.jit
+    def _choose(keys, key_sq, old_score, old_slot, m, valid, threshold, S, L: tl.constexpr, EXACT_PREC: tl.constexpr):
+        """The block's slots from its keys' nearest occupied slot (``old_score``, ``old_slot``): novel keys open slots
+        m, m + 1, … in position order while slots remain; the others take the nearest of the occupied slots and the
+        block's opened ones (at their opening keys). Returns the slots and which keys opened one."""
+        local = tl.arange(0, L)
+        # keys after T (a partial last block) open no slot: they would be centres for the keys before them
+        novel = (((old_score + key_sq) > threshold * key_sq) | (m == 0)) & valid
+        novel_i = novel.to(tl.int32)
+        new_slot = m + tl.cumsum(novel_i, 0) - novel_i
+        opens = novel & (new_slot < S)
+        # the slots opened in this block, at their opening keys
+        new_scores = key_sq[None, :] - 2 * tl.dot(keys, tl.trans(keys), input_precision=EXACT_PREC)
+        new_scores = tl.where(opens[None, :], new_scores, float("inf"))
+        new_score = tl.min(new_scores, 1)
+        opener = tl.argmin(new_scores, 1, tie_break_left=True)
+        opener_slot = tl.sum(tl.where(local[None, :] == opener[:, None], new_slot[None, :], 0), 1)
+        # an opened slot comes after every occupied one: a tie keeps the occupied slot
+        nearest = tl.where(new_score < old_score, opener_slot, old_slot)
+        return tl.where(opens, new_slot, nearest), opens
+
+    @triton.jit
+    def _nearest_of(keys, n, sums, PREC: tl.constexpr, EXACT_PREC: tl.constexpr, HALF_ROWS: tl.constexpr):
+        """:func:`_nearest_slot` of one tile of slots held on chip: counts n (BS,), key sums (BS, BD)."""
+        means = sums / tl.where(n > 0, n, 1.0)[:, None]
+        centre_sq = tl.where(n > 0, tl.sum(means * means, 1), float("inf"))
+        score = centre_sq[None, :] - 2 * dot_half_rows(keys, means, HALF_ROWS, PREC, EXACT_PREC)
+        return tl.min(score, 1), tl.argmin(score, 1, tie_break_left=True).to(tl.int32)
+
     @tuned(SLOTS_CONFIGS, key=("S", "D", "L"), restore_value=["CNT", "SUM"])  # the scratch memory, rewritten
+    @triton.heuristics({"RESIDENT": lambda args: args["S"] <= args["BS"]})  # one walk compiled, not both
     @triton.jit
     def _online_slots_kernel(K, CNT, SUM, OUT, sk_b, sk_h, sk_t, H, T, S, D, threshold, decay,
                              L: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr,
-                             EXACT_PREC: tl.constexpr, HALF_ROWS: tl.constexpr):
+                             EXACT_PREC: tl.constexpr, HALF_ROWS: tl.constexpr, RESIDENT: tl.constexpr):
+        """One sequence's slots. RESIDENT, when all S slots fit one tile (S ≤ BS: ovq's 64 slots at BS = 64): their
+        counts and key sums stay in registers from the first block to the last, no scratch memory read and written
+        per block, no barrier between blocks. Otherwise tile by tile through the scratch copy."""
         bh = tl.program_id(0)
         b, h = bh // H, bh % H
         CNT += bh * S
         SUM += bh * S * D
-        m = _occupied(CNT, S, BS)
         local = tl.arange(0, L)
-        for blk in range(0, tl.cdiv(T, L)):
-            rows = blk * L + local
-            keys = load_rows(K, sk_b, sk_h, sk_t, b, h, rows, T, D, BD, tl.float32)
-            key_sq = tl.sum(keys * keys, 1)
-            old_score, old_slot = _nearest_slot(keys, CNT, SUM, S, D, L, BD, BS, PREC, EXACT_PREC, HALF_ROWS)
-            valid = rows < T
-            # keys after T (a partial last block) open no slot: they would be centres for the keys before them
-            novel = (((old_score + key_sq) > threshold * key_sq) | (m == 0)) & valid
-            novel_i = novel.to(tl.int32)
-            new_slot = m + tl.cumsum(novel_i, 0) - novel_i
-            opens = novel & (new_slot < S)
-            # the slots opened in this block, at their opening keys
-            new_scores = key_sq[None, :] - 2 * tl.dot(keys, tl.trans(keys), input_precision=EXACT_PREC)
-            new_scores = tl.where(opens[None, :], new_scores, float("inf"))
-            new_score = tl.min(new_scores, 1)
-            opener = tl.argmin(new_scores, 1, tie_break_left=True)
-            opener_slot = tl.sum(tl.where(local[None, :] == opener[:, None], new_slot[None, :], 0), 1)
-            # an opened slot comes after every occupied one: a tie keeps the occupied slot
-            nearest = tl.where(new_score < old_score, opener_slot, old_slot)
-            slot = tl.where(opens, new_slot, nearest)
-            tl.store(OUT + bh * T + rows, slot.to(tl.int64), mask=valid)
-            _absorb(keys, slot, valid, CNT, SUM, S, D, decay, BD, BS, EXACT_PREC)
-            m += tl.sum(opens.to(tl.int32), 0)
-            tl.debug_barrier()  # the next block reads the slots' statistics that this one wrote
+        if RESIDENT:
+            slots = tl.arange(0, BS)
+            dims = tl.arange(0, BD)
+            n = tl.load(CNT + slots, mask=slots < S, other=0.0)
+            sums = tl.load(SUM + slots[:, None] * D + dims[None, :], mask=(slots[:, None] < S) & (dims[None, :] < D),
+                           other=0.0)
+            m = tl.max(tl.where(n > 0, slots + 1, 0), 0)
+            for blk in range(0, tl.cdiv(T, L)):
+                rows = blk * L + local
+                keys = load_rows(K, sk_b, sk_h, sk_t, b, h, rows, T, D, BD, tl.float32)
+                valid = rows < T
+                old_score, old_slot = _nearest_of(keys, n, sums, PREC, EXACT_PREC, HALF_ROWS)
+                slot, opens = _choose(keys, tl.sum(keys * keys, 1), old_score, old_slot, m, valid, threshold, S, L,
+                                      EXACT_PREC)
+                tl.store(OUT + bh * T + rows, slot.to(tl.int64), mask=valid)
+                hit = ((slot[:, None] == slots[None, :]) & valid[:, None]).to(tl.float32)  # (L, BS) one-hot
+                n = n * decay + tl.sum(hit, 0)
+                sums = tl.dot(tl.trans(hit), keys, sums * decay, input_precision=EXACT_PREC)
+                m += tl.sum(opens.to(tl.int32), 0)
+        else:
+            m = _occupied(CNT, S, BS)
+            for blk in range(0, tl.cdiv(T, L)):
+                rows = blk * L + local
+                keys = load_rows(K, sk_b, sk_h, sk_t, b, h, rows, T, D, BD, tl.float32)
+                valid = rows < T
+                old_score, old_slot = _nearest_slot(keys, CNT, SUM, S, D, L, BD, BS, PREC, EXACT_PREC, HALF_ROWS)
+                slot, opens = _choose(keys, tl.sum(keys * keys, 1), old_score, old_slot, m, valid, threshold, S, L,
+                                      EXACT_PREC)
+                tl.store(OUT + bh * T + rows, slot.to(tl.int64), mask=valid)
+                _absorb(keys, slot, valid, CNT, SUM, S, D, decay, BD, BS, EXACT_PREC)
+                m += tl.sum(opens.to(tl.int32), 0)
+                tl.debug_barrier()  # the next block reads the slots' statistics that this one wrote
 
 
 @torch.compiler.disable  # a graph break: torch.compile runs the kernel as it is
