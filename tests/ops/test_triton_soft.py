@@ -223,3 +223,19 @@ def test_a_layer_hands_its_soft_keys_unformed_where_the_kernels_run(monkeypatch)
     for name in stats0:
         if stats0[name].is_floating_point():
             assert rel_rms(stats1[name], stats0[name]) < 1e-5, name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_op_on_half_inputs(dtype):
+    """bf16 and float16 q, k, v and codebook, the soft keys assigned by the op (their weights recomputed in the
+    kernels): within the halves' rounding of the float64 definition on the rounded inputs, every gradient
+    included."""
+    q, k, v, c = leaves((B, H, 100, D), (B, H, 100, D), (B, H, 100, DV), (H, S, D),
+                        generator=torch.Generator().manual_seed(3))
+    rounded = [x.detach().to(dtype).double().requires_grad_() for x in (q, k, v, c)]
+
+    def call(attention, **kwargs):
+        return lambda q, k, v, c: attention(q, k, v, c, causal=True, assign="soft", temperature=0.7, block_len=L,
+                                            exact_window=True, memory_cap=40, **kwargs)
+
+    compare(call(naive_vq_attention), call(vq_attention, impl="triton"), rounded, dtype=dtype, tol=2e-2)
