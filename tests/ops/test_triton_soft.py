@@ -239,3 +239,19 @@ def test_the_op_on_half_inputs(dtype):
                                             exact_window=True, memory_cap=40, **kwargs)
 
     compare(call(naive_vq_attention), call(vq_attention, impl="triton"), rounded, dtype=dtype, tol=2e-2)
+
+
+@pytest.mark.parametrize("tile", [32, 128])
+def test_every_code_tile_candidate(tile, monkeypatch):
+    """The three kernels' launch candidates (soft_caches.*_CONFIGS) differ in their code tile, which splits the
+    codes differently, never what they sum: 24 codes in tiles of 32 and 128 (one partial tile each), every output
+    and gradient against the definition."""
+    from vqattn.ops.triton import soft_caches
+
+    for kernel in (soft_caches._soft_block_sums_kernel, soft_caches._soft_block_grads_kernel,
+                   soft_caches._soft_code_grads_kernel):
+        monkeypatch.setattr(kernel, "configs", [next(c for c in kernel.candidates if c.kwargs["BS"] == tile)])
+        monkeypatch.setattr(kernel, "cache", {})
+    compare(lambda *x: torch.cat([t.flatten() for t in ref_block_caches(*x, L, 2)]),
+            lambda *x: torch.cat([t.flatten() for t in soft_block_caches(*x, block_len=L, fold=2)]),
+            soft_inputs(70, generator=torch.Generator().manual_seed(tile)))

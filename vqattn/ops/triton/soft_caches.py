@@ -31,6 +31,7 @@ import torch
 from ..devices import triton
 from .scans import exclusive_scan
 from .soft_assign import KEY_SLICES, soft_logsumexp
+from .tuning import configs, tuned
 from .utils import CODE_TILE, cache_dtype, dot_dtype, float32_products, register_width, stride_args, unit_last
 
 if triton is not None:
@@ -38,6 +39,15 @@ if triton is not None:
 
     from .soft_assign import _codes
     from .utils import LOG2E, dot_half_rows, load_cache, load_rows, store_cache
+
+# The launch candidates of the three kernels (tuning.py), the first the setting they run with: tiles of CODE_TILE
+# codes in 4 warps, as the window-code kernels run theirs; none timed on a GPU yet (gpu_check.sh's tune_soft).
+SUMS_CONFIGS = configs(dict(BS=CODE_TILE, num_warps=4, num_stages=2), BS=(32, 64, 128), num_warps=(4, 8),
+                       num_stages=(1, 2, 3))
+GRADS_CONFIGS = configs(dict(BS=CODE_TILE, num_warps=4, num_stages=2), BS=(32, 64, 128), num_warps=(4, 8),
+                        num_stages=(1, 2))
+CODE_GRADS_CONFIGS = configs(dict(BS=CODE_TILE, num_warps=4, num_stages=2), BS=(32, 64, 128), num_warps=(4, 8),
+                             num_stages=(1, 2))
 
 if triton is not None:
 
@@ -72,6 +82,7 @@ if triton is not None:
         f_n, f_c = load_cache(FN, FC, bh, S, DV, codes, offsets, present & (blocks < fold), tile_mask)
         return g_n + f_n, g_c + f_c
 
+    @tuned(SUMS_CONFIGS, key=("S", "D", "DV", "L"))
     @triton.jit
     def _soft_block_sums_kernel(K, C, HN, TAU, LSE, V, NB, CB, TN, TC, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, H, T, S,
                                 D, DV, L: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
@@ -96,6 +107,7 @@ if triton is not None:
                     tile_mask)
         store_cache(TN, TC, bh, S, DV, codes, offsets, n, sums, present & (blocks + 1 == nb), tile_mask)
 
+    @tuned(GRADS_CONFIGS, key=("S", "D", "DV", "L"))
     @triton.jit
     def _soft_block_grads_kernel(K, C, HN, TAU, LSE, V, GN, GC, FN, FC, DK, DVAL, R, DTAU, sk_b, sk_h, sk_t, sv_b,
                                  sv_h, sv_t, H, T, S, D, DV, fold, L: tl.constexpr, BS: tl.constexpr,
@@ -151,6 +163,7 @@ if triton is not None:
         if TAU_GRAD:  # dτ = −Σ ds·x / τ (x the logits, x τ the scores)
             tl.store(DTAU + bh * nb + blk, -tl.sum(ds_x, 0) * inv_tau * inv_tau)
 
+    @tuned(CODE_GRADS_CONFIGS, key=("S", "D", "DV", "L"), reset_to_zero=["DC"])  # added into atomically
     @triton.jit
     def _soft_code_grads_kernel(K, C, HN, TAU, LSE, V, GN, GC, FN, FC, R, DC, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, H,
                                 T, S, D, DV, fold, num_blocks, blocks_per_slice, L: tl.constexpr, BS: tl.constexpr,
@@ -191,7 +204,7 @@ def _meta(k: torch.Tensor, v: torch.Tensor, block_len: int) -> dict:
     products against the codes (as the soft assignment's)."""
     dot, prec = dot_dtype(v.dtype)
     products = float32_products(k.dtype)
-    return dict(L=block_len, BS=CODE_TILE, BD=register_width(k.shape[-1]), BDV=register_width(v.shape[-1]), DOT=dot,
+    return dict(L=block_len, BD=register_width(k.shape[-1]), BDV=register_width(v.shape[-1]), DOT=dot,
                 PREC=prec, KPREC=products["PREC"], EXACT_PREC=products["EXACT_PREC"],
                 HALF_ROWS=products["HALF_ROWS"])
 
@@ -226,7 +239,7 @@ class SoftBlockCaches(torch.autograd.Function):
         cache_n[:, :, 0], cache_c[:, :, 0] = 0, 0  # slot 0 adds nothing: block 0's cache is the initial one
         tail = torch.empty(B * H, S, **f32), torch.empty(B * H, S, DV, **f32)
         meta = _meta(k, v, block_len)
-        _soft_block_sums_kernel[(triton.cdiv(S, CODE_TILE), nb, B * H)](
+        _soft_block_sums_kernel[lambda launch: (triton.cdiv(S, launch["BS"]), nb, B * H)](
             K=k, C=codes, HN=half_norms, TAU=tau, LSE=lse, V=v, NB=cache_n, CB=cache_c, TN=tail[0], TC=tail[1],
             **stride_args("k", k), **stride_args("v", v), H=H, T=T, S=S, D=D, DV=DV, **meta)
         base = counts0.float().reshape(B * H, S).contiguous(), sums0.float().reshape(B * H, S, DV).contiguous()
@@ -273,7 +286,7 @@ class SoftBlockCaches(torch.autograd.Function):
             grad_codes = torch.zeros(H, S, D, **f32)
             slices = min(KEY_SLICES, B * nb)
             per_slice = triton.cdiv(B * nb, slices)
-            _soft_code_grads_kernel[(triton.cdiv(S, CODE_TILE), H, triton.cdiv(B * nb, per_slice))](
+            _soft_code_grads_kernel[lambda launch: (triton.cdiv(S, launch["BS"]), H, triton.cdiv(B * nb, per_slice))](
                 R=row_sums, DC=grad_codes, **kernel_args, num_blocks=B * nb, blocks_per_slice=per_slice)
         n_dtype, c_dtype = ctx.dtypes
         d_n0 = (totals[0] + d_fold_n).view(B, H, S).to(n_dtype) if need_n0 else None
