@@ -41,10 +41,12 @@ if triton is not None:
     from .utils import LOG2E, dot_half_rows, load_cache, load_rows, store_cache
 
 # The launch candidates of the three kernels (tuning.py), the first the setting they run with: tiles of CODE_TILE
-# codes in 4 warps, as the window-code kernels run theirs; none timed on a GPU yet (gpu_check.sh's tune_soft).
+# codes in 4 warps, as the window-code kernels run theirs, but the keys' gradient in tiles of 32 (compiled for sm_90
+# by Triton 3.6, benchmarks/kernel_resources.py: at 64 it spilled 56 bytes, 104 at one stage, 168 in 8 warps; at 32,
+# 232 registers and none). None timed on a GPU yet (gpu_check.sh's tune_soft).
 SUMS_CONFIGS = configs(dict(BS=CODE_TILE, num_warps=4, num_stages=2), BS=(32, 64, 128), num_warps=(4, 8),
                        num_stages=(1, 2, 3))
-GRADS_CONFIGS = configs(dict(BS=CODE_TILE, num_warps=4, num_stages=2), BS=(32, 64, 128), num_warps=(4, 8),
+GRADS_CONFIGS = configs(dict(BS=32, num_warps=4, num_stages=2), BS=(32, 64, 128), num_warps=(4, 8),
                         num_stages=(1, 2))
 CODE_GRADS_CONFIGS = configs(dict(BS=CODE_TILE, num_warps=4, num_stages=2), BS=(32, 64, 128), num_warps=(4, 8),
                              num_stages=(1, 2))
