@@ -61,6 +61,15 @@ if triton is not None:
         return m
 
     @triton.jit
+    def _nearest_of(keys, n, sums, PREC: tl.constexpr, EXACT_PREC: tl.constexpr, HALF_ROWS: tl.constexpr):
+        """min_s ‖k̄_s‖² − 2 k̃·k̄_s over the occupied slots of one tile (counts n (BS,), key sums (BS, BD), on chip;
+        +inf when none) and its index in the tile, the lowest on a tie (L,)."""
+        means = sums / tl.where(n > 0, n, 1.0)[:, None]
+        centre_sq = tl.where(n > 0, tl.sum(means * means, 1), float("inf"))
+        score = centre_sq[None, :] - 2 * dot_half_rows(keys, means, HALF_ROWS, PREC, EXACT_PREC)
+        return tl.min(score, 1), tl.argmin(score, 1, tie_break_left=True).to(tl.int32)
+
+    @triton.jit
     def _nearest_slot(keys, CNT, SUM, S, D, L: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
                       PREC: tl.constexpr, EXACT_PREC: tl.constexpr, HALF_ROWS: tl.constexpr):
         """min_s ‖k̄_s‖² − 2 k̃·k̄_s over the occupied slots (+inf when none) and its slot, the lowest on a tie
@@ -73,11 +82,8 @@ if triton is not None:
             n = tl.load(CNT + slots, mask=slots < S, other=0.0)
             sums = tl.load(SUM + slots[:, None] * D + dims[None, :], mask=(slots[:, None] < S) & (dims[None, :] < D),
                            other=0.0)
-            means = sums / tl.where(n > 0, n, 1.0)[:, None]
-            centre_sq = tl.where(n > 0, tl.sum(means * means, 1), float("inf"))
-            score = centre_sq[None, :] - 2 * dot_half_rows(keys, means, HALF_ROWS, PREC, EXACT_PREC)
-            tile_best = tl.min(score, 1)
-            tile_slot = tl.argmin(score, 1, tie_break_left=True).to(tl.int32) + s0
+            tile_best, tile_slot = _nearest_of(keys, n, sums, PREC, EXACT_PREC, HALF_ROWS)
+            tile_slot += s0
             better = tile_best < best  # strictly: an earlier tile keeps a tie
             best, best_slot = tl.where(better, tile_best, best), tl.where(better, tile_slot, best_slot)
         return best, best_slot
@@ -117,14 +123,6 @@ if triton is not None:
         # an opened slot comes after every occupied one: a tie keeps the occupied slot
         nearest = tl.where(new_score < old_score, opener_slot, old_slot)
         return tl.where(opens, new_slot, nearest), opens
-
-    @triton.jit
-    def _nearest_of(keys, n, sums, PREC: tl.constexpr, EXACT_PREC: tl.constexpr, HALF_ROWS: tl.constexpr):
-        """:func:`_nearest_slot` of one tile of slots held on chip: counts n (BS,), key sums (BS, BD)."""
-        means = sums / tl.where(n > 0, n, 1.0)[:, None]
-        centre_sq = tl.where(n > 0, tl.sum(means * means, 1), float("inf"))
-        score = centre_sq[None, :] - 2 * dot_half_rows(keys, means, HALF_ROWS, PREC, EXACT_PREC)
-        return tl.min(score, 1), tl.argmin(score, 1, tie_break_left=True).to(tl.int32)
 
     @tuned(SLOTS_CONFIGS, key=("S", "D", "L"), restore_value=["CNT", "SUM"])  # the scratch memory, rewritten
     @triton.heuristics({"RESIDENT": lambda args: args["S"] <= args["BS"]})  # one walk compiled, not both
