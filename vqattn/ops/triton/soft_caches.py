@@ -216,7 +216,8 @@ def _fold_state(cache_n, cache_c, totals, tail, fold: int):
     caches, the scan's total (every block but the last) and the tail (the last)."""
     nb = cache_n.shape[2]
     if fold + 1 < nb:
-        return cache_n[:, :, fold + 1].clone(), cache_c[:, :, fold + 1].float()
+        # copies, not views of the caches: an output of the Function of its own
+        return cache_n[:, :, fold + 1].clone(), cache_c[:, :, fold + 1].to(torch.float32, copy=True)
     n, c = (x.view(cache_n.shape[0], cache_n.shape[1], *x.shape[1:]) for x in totals)
     if fold == nb:
         n, c = (x + t.view_as(x) for x, t in zip((n, c), tail))
