@@ -203,6 +203,7 @@ def test_a_benchmarks_kernel_design_reaches_the_ops_and_layers_by_name(layer_spe
     assert layer.schedule.kernels.superblock_blocks == 0
 
 
+@pytest.mark.slow
 @needs_triton
 def test_op_buffers_counts_a_step_of_each_op(monkeypatch, capsys):
     """The buffer count's plumbing on a tiny shape: one row per op, in MB and MiB."""

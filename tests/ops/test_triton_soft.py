@@ -225,6 +225,7 @@ def test_a_layer_hands_its_soft_keys_unformed_where_the_kernels_run(monkeypatch)
             assert rel_rms(stats1[name], stats0[name]) < 1e-5, name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_op_on_half_inputs(dtype):
     """bf16 and float16 q, k, v and codebook, the soft keys assigned by the op (their weights recomputed in the
