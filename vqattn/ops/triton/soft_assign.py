@@ -217,6 +217,14 @@ class SoftAssign(torch.autograd.Function):
                 grad_tau.sum((0, 2)) if need_tau else None)
 
 
+def head_temperatures(temperature, num_heads: int, device) -> torch.Tensor:
+    """τ_h (H,) float32 contiguous, what the kernels read: from a tensor of 1 or H values (its gradient kept) or a
+    number."""
+    if isinstance(temperature, torch.Tensor):
+        return temperature.float().reshape(-1).expand(num_heads).contiguous()
+    return torch.full((num_heads,), float(temperature), device=device, dtype=torch.float32)
+
+
 def soft_logsumexp(k: torch.Tensor, codes: torch.Tensor, half_norms: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
     """lse_j = log2 Σ_s exp2(x_js log2(e)) (B·H, T) float32, one float per key, for keys k (B, H, T, D) with unit
     last stride, codes (H, S, D) float32 contiguous, their ‖c_s‖²/2 (H, S) and τ (H,) float32."""
@@ -239,7 +247,7 @@ def soft_statistics(k: torch.Tensor, codebook: torch.Tensor, temperature: torch.
     S = codebook.shape[1]
     k = unit_last(k)
     codes = codebook.float().contiguous()
-    tau = temperature.float().reshape(-1).expand(H).contiguous()
+    tau = head_temperatures(temperature, H, k.device)
     counts = torch.zeros(H, S, device=k.device, dtype=torch.float32)
     index = torch.empty(B, H, T, device=k.device, dtype=torch.int64)
     _soft_assign_kernel[(triton.cdiv(T, ASSIGN_KEYS), B * H)](
@@ -254,5 +262,5 @@ def soft_weights(k: torch.Tensor, codebook: torch.Tensor, temperature: torch.Ten
     """p(s | k_j) (B, H, T, S) float32 for keys k (B, H, T, D) float16, bfloat16 or float32, codebook (H, S, D) and
     temperature (a tensor of 1 or H values), by the kernels of the module doc; differentiable in all three."""
     H = k.shape[1]
-    tau = temperature.float().reshape(-1).expand(H).contiguous()
+    tau = head_temperatures(temperature, H, k.device)
     return SoftAssign.apply(k, codebook.float().contiguous(), tau)

@@ -30,7 +30,7 @@ import torch
 
 from ..devices import triton
 from .scans import exclusive_scan
-from .soft_assign import KEY_SLICES, soft_logsumexp
+from .soft_assign import KEY_SLICES, head_temperatures, soft_logsumexp
 from .tuning import configs, tuned
 from .utils import CODE_TILE, cache_dtype, dot_dtype, float32_products, register_width, stride_args, unit_last
 
@@ -309,9 +309,5 @@ def soft_block_caches(k, codes, temperature, v, counts0, sums0, *, block_len: in
     n (B, H, nb, S) float32 and C (B, H, nb, S, Dv) (:func:`~.utils.cache_dtype`; nb = ⌈T/L⌉) and the state
     (B, H, S), (B, H, S, Dv) float32 after the first ``fold`` ≤ nb blocks.
     """
-    H = k.shape[1]
-    if isinstance(temperature, torch.Tensor):
-        tau = temperature.float().reshape(-1).expand(H).contiguous()
-    else:
-        tau = torch.full((H,), float(temperature), device=k.device, dtype=torch.float32)
+    tau = head_temperatures(temperature, k.shape[1], k.device)
     return SoftBlockCaches.apply(k, codes, tau, v, counts0, sums0, block_len, fold)
