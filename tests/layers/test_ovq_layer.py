@@ -24,6 +24,8 @@ OPTIONS = [
     dict(rope=True, slots_by="codebook"),
     dict(rope=True, qk_norm="l2", threshold=0.2),
     dict(rope=True, memory_decay=0.9),  # forgetting: each block keeps 0.9^L of its weight per later block
+    dict(rope=True, memory_pairs="all", overflow="nearest"),  # every pair; novel keys join a full memory's nearest
+    dict(rope=True, memory_rope="fast", overflow="nearest"),
 ]
 
 
@@ -74,12 +76,17 @@ def test_layer_is_the_naive_op_on_its_heads(options):
         kwargs["slots"] = ((k.unsqueeze(-2) - layer.codebook.codes.unsqueeze(1)) ** 2).sum(-1).argmin(-1)
     else:
         kwargs["threshold"] = layer.threshold
+        kwargs["overflow"] = options.get("overflow", "drop")
     memory_rope = options.get("memory_rope", True)
+    q_mem, k_mem = rotate(q), rotate(k)
     if options["rope"] and memory_rope is not True:
-        kwargs.update(q_mem=rotate_fast_pairs(layer, q, memory_rope), k_mem=rotate_fast_pairs(layer, k, memory_rope))
+        q_mem, k_mem = rotate_fast_pairs(layer, q, memory_rope), rotate_fast_pairs(layer, k, memory_rope)
     if "memory_rope_clamp" in options:
-        kwargs.update(q_mem=rotate_clamped(layer, q, CLAMP), k_mem=rotate_clamped(layer, k, CLAMP))
-    out = naive_ovq_attention(rotate(q), rotate(k), v, **kwargs)
+        q_mem, k_mem = rotate_clamped(layer, q, CLAMP), rotate_clamped(layer, k, CLAMP)
+    if options["rope"] and options.get("memory_pairs", "slow") == "slow":  # the slow pairs' dims alone
+        slow = ~fast_pairs(layer, q.shape[-1])
+        q_mem, k_mem = q_mem[..., slow], k_mem[..., slow]
+    out = naive_ovq_attention(rotate(q), rotate(k), v, q_mem=q_mem, k_mem=k_mem, **kwargs)
     expected = layer.proj(out.transpose(1, 2).reshape(x.shape))
     torch.testing.assert_close(layer(x).output, expected, rtol=0, atol=1e-12)
 
@@ -131,22 +138,32 @@ def test_codebook_assignment_learns_the_codebook_and_returns_its_loss():
 
 
 def test_state_floats_counts_every_option():
-    for options, raw in ((dict(rope=True), 2), (dict(rope=True, memory_rope="fast"), 3),
-                         (dict(rope=True, memory_rope=False), 3), (dict(rope=False, memory_rope="fast"), 2),
-                         (dict(rope=True, memory_rope_clamp=5), 3)):
+    """One layer's decoding state, counted from the state itself: the slots, and per token of the longest raw window
+    its keys and values and its memory keys where the memory has its own (of the slow pairs' width by default)."""
+    for options in (dict(rope=True), dict(rope=True, memory_pairs="all"), dict(rope=True, memory_rope="fast"),
+                    dict(rope=True, memory_rope=False), dict(rope=False, memory_rope="fast"),
+                    dict(rope=True, memory_rope_clamp=5), dict(rope=True, memory_rope_clamp=5, memory_pairs="all")):
         layer = make(**options)
         t = 11
         _, _, state = layer(torch.randn(2, t, DIM, dtype=torch.float64), return_state=True)
         inner = state.inner
         memory = sum(z[0].numel() for z in (inner.counts, inner.key_sums, inner.value_sums))
-        assert layer.state_floats(t) == memory + raw * min(t, 2 * L) * DIM
-        assert (inner.memory_keys is None) == (raw == 2)
+        raw = (inner.keys, inner.values) + (() if inner.memory_keys is None else (inner.memory_keys,))
+        per_token = sum(z[0, :, 0].numel() for z in raw)  # counted for the longest raw window, 2L tokens
+        assert layer.state_floats(t) == memory + per_token * min(t, 2 * L), options
+        separate = options.get("memory_rope", True) is not True and options["rope"] or "memory_rope_clamp" in options
+        assert (inner.memory_keys is None) == (not separate)
+        slow = options["rope"] and options.get("memory_pairs", "slow") == "slow"
+        width = int((~fast_pairs(layer, DIM // HEADS)).sum()) if slow else DIM // HEADS
+        assert inner.key_sums.shape[-1] == width
 
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(num_slots=0), "num_slots"),
     (dict(block_len=0), "block_len"),
     (dict(slots_by="kmeans"), "slots_by"),
+    (dict(memory_pairs="fast"), "memory_pairs"),
+    (dict(overflow="evict"), "overflow"),
     (dict(memory_rope="slow"), "memory_rope"),
     (dict(memory_rope=1), "memory_rope"),
     (dict(memory_rope_clamp=0), "memory_rope_clamp"),

@@ -17,7 +17,7 @@ from vqattn.ops.ovq import (
     recurrent_ovq_attention,
 )
 from vqattn.ops.ovq.memory import assign_block
-from vqattn.ops.ovq.naive import _assign_online
+from vqattn.ops.ovq.naive import _assign_online, naive_online_slots
 from vqattn.ops.vq import RECURRENT_MAX_LEN
 
 from references import ref_softmax_attention
@@ -28,7 +28,11 @@ B, H, D, Dv, L, S = 2, 2, 6, 5, 4, 6
 # opens 4 slots, later blocks open the rest one by one, and all S are full by position 5L
 # (test_slots_open_over_several_blocks_and_fill_up).
 THRESHOLD = 1.4
-MODES = ["online", "online-greedy", "online-separate", "slots", "weights"]
+# "-drop": overflow="drop"; "-narrow": memory keys of Dm = 4 < D features; "-pairs": the memory keeps q's and k's
+# pairs m ≥ 1 (memory_first_pair); "slots-dropped": given slots, some −1
+MODES = ["online", "online-greedy", "online-separate", "online-drop", "online-narrow-drop", "online-pairs-drop",
+         "slots", "slots-dropped", "weights"]
+Dm = 4
 
 
 def make_inputs(T, mode, seed=0, dtype=F64):
@@ -42,8 +46,15 @@ def make_inputs(T, mode, seed=0, dtype=F64):
     elif mode == "online-separate":
         fixed["threshold"] = THRESHOLD
         tensors["q_mem"], tensors["k_mem"] = (torch.randn(B, H, T, D, generator=g, dtype=dtype) for _ in range(2))
-    elif mode == "slots":
-        fixed["slots"] = torch.randint(0, S, (B, H, T), generator=g)
+    elif mode == "online-drop":
+        fixed["threshold"], fixed["overflow"] = THRESHOLD, "drop"
+    elif mode == "online-pairs-drop":
+        fixed["threshold"], fixed["overflow"], fixed["memory_first_pair"] = THRESHOLD, "drop", 1
+    elif mode == "online-narrow-drop":
+        fixed["threshold"], fixed["overflow"] = THRESHOLD, "drop"
+        tensors["q_mem"], tensors["k_mem"] = (torch.randn(B, H, T, Dm, generator=g, dtype=dtype) for _ in range(2))
+    elif mode.startswith("slots"):
+        fixed["slots"] = torch.randint(-1 if mode == "slots-dropped" else 0, S, (B, H, T), generator=g)
     elif mode == "weights":
         tensors["slot_weights"] = torch.rand(B, H, T, S, generator=g, dtype=dtype)
     return tensors, fixed
@@ -365,3 +376,24 @@ def test_lagged_sum_matches_its_definition_with_gradients(nb, loop, means):
         for a, b in zip(grads, expected_grads):
             assert torch.isfinite(a).all()
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("threshold", [0.0, THRESHOLD])
+def test_dropped_keys_are_the_novel_ones_once_the_slots_are_full(threshold):
+    """overflow="drop": the online assignment (block loop) gives the definition's slots, −1 for exactly the keys that
+    "nearest" sends to a slot although they are novel; the stored keys keep the slots "nearest" gives them up to
+    the first dropped key, and the memory never holds a dropped key."""
+    tensors, _ = make_inputs(5 * L + 1, "online")
+    keys = tensors["k"]
+    empty = keys.new_zeros(B, H, S), keys.new_zeros(B, H, S, D)
+    dropped = memory.online_slots(keys, *empty, L, threshold, drop=True)
+    torch.testing.assert_close(dropped, naive_online_slots(keys, S, L, threshold, drop=True), rtol=0, atol=0)
+    assert (dropped == -1).any() and (dropped >= 0).any()
+    kept = memory.online_slots(keys, *empty, L, threshold)
+    assert (kept >= 0).all()
+    first = (dropped == -1).flatten(0, 1).float().argmax(-1).min()  # the earliest drop over every batch·head
+    assert torch.equal(dropped[..., :first], kept[..., :first])
+    out = chunk_ovq_attention(**tensors, num_slots=S, block_len=L, threshold=threshold, overflow="drop",
+                              return_state=True)[1]
+    assert torch.equal(out.counts, torch.nn.functional.one_hot(dropped[..., : out.length // L * L - L].clamp_min(0), S)
+                       .mul((dropped[..., : out.length // L * L - L] >= 0).unsqueeze(-1)).sum(2).to(out.counts))

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from vqattn.ops.common.impls import pick_impl
+from vqattn.ops.common.statistics import one_hot_rows
 from vqattn.ops.ovq import naive_ovq_attention, ovq_attention
 from vqattn.ops.ovq.memory import online_slots
 from vqattn.ops.ovq.naive import naive_online_slots
@@ -26,16 +27,18 @@ B, H, D, S, L = 1, 2, 16, 8, 16
 
 def ovq_call(attention, given, **kwargs):
     """attention(q, k, v[, extra]) with the assignment ``given``: "online" (kwargs carry the threshold), "slots"
-    (fixed random slots), "weights" (slot_weights, an input) or "memory" (online, with q_mem, k_mem inputs)."""
+    (fixed random slots), "slots-dropped" (some of them −1), "weights" (slot_weights, an input), "memory" (online,
+    with q_mem, k_mem inputs) or "memory-narrow" (q_mem, k_mem of D / 2 features)."""
     generator = torch.Generator().manual_seed(1)
 
     def call(q, k, v, *extra, **more):
         kw = dict(num_slots=S, block_len=L, **kwargs, **more)
-        if given == "slots":
-            kw["slots"] = torch.randint(0, S, q.shape[:3], generator=generator).to(q.device)
+        if given.startswith("slots"):
+            low = -1 if given == "slots-dropped" else 0
+            kw["slots"] = torch.randint(low, S, q.shape[:3], generator=generator).to(q.device)
         elif given == "weights":
             kw["slot_weights"] = extra[0]
-        elif given == "memory":
+        elif given.startswith("memory"):
             kw["q_mem"], kw["k_mem"] = extra
         return attention(q, k, v, **kw)
 
@@ -43,52 +46,64 @@ def ovq_call(attention, given, **kwargs):
 
 
 def ovq_inputs(given, T, scale=1.0):
-    extra = {"weights": [(B, H, T, S)], "memory": [(B, H, T, D)] * 2}.get(given, [])
+    extra = {"weights": [(B, H, T, S)], "memory": [(B, H, T, D)] * 2,
+             "memory-narrow": [(B, H, T, D // 2)] * 2}.get(given, [])
     inputs = leaves((B, H, T, D), (B, H, T, D), (B, H, T, D), *extra, scale=scale)
     if given == "weights":
         inputs[3] = inputs[3].detach().abs().requires_grad_()
     return inputs
 
 
+@pytest.mark.parametrize("overflow", ["nearest", "drop"])
 @pytest.mark.parametrize("threshold", [0.0, 1.3, float("inf")])
-def test_online_assignment(threshold):
+def test_online_assignment(threshold, overflow):
     """Online slots at thresholds where the slots run out (0: every key novel; inf: the first block fills them)
-    and where keys join slots (1.3), T = 70: not a multiple of L."""
-    compare(ovq_call(naive_ovq_attention, "online", threshold=threshold),
-            ovq_call(ovq_attention, "online", threshold=threshold, impl="triton"), ovq_inputs("online", 70))
+    and where keys join slots (1.3), T = 70: not a multiple of L; novel keys without a slot join the nearest or
+    are dropped."""
+    kw = dict(threshold=threshold, overflow=overflow)
+    compare(ovq_call(naive_ovq_attention, "online", **kw), ovq_call(ovq_attention, "online", impl="triton", **kw),
+            ovq_inputs("online", 70))
 
 
-@pytest.mark.parametrize("given", ["slots", "weights", "memory"])
+@pytest.mark.parametrize("given", ["slots", "slots-dropped", "weights", "memory", "memory-narrow"])
 @pytest.mark.parametrize("T", [1, 20, 70])
 def test_given_assignment_and_memory_queries(given, T):
-    """Given slots and slot weights (with their gradient) and separate memory queries and keys (memory_rope=False),
-    at T = 1, T < 2L (no memory) and T = 70."""
-    compare(ovq_call(naive_ovq_attention, given), ovq_call(ovq_attention, given, impl="triton"), ovq_inputs(given, T))
+    """Given slots (some −1: not stored) and slot weights (with their gradient) and separate memory queries and
+    keys (memory_rope=False; narrower than the window's, with dropped keys), at T = 1, T < 2L (no memory) and
+    T = 70."""
+    kw = dict(threshold=1.3, overflow="drop") if given == "memory-narrow" else {}
+    compare(ovq_call(naive_ovq_attention, given, **kw), ovq_call(ovq_attention, given, impl="triton", **kw),
+            ovq_inputs(given, T))
 
 
+@pytest.mark.parametrize("drop", [False, True], ids=["nearest", "drop"])
 @pytest.mark.parametrize("threshold,num_slots", [(0.0, S), (1.1, 48), (float("inf"), S)])
-def test_slots_equal_the_definitions(threshold, num_slots):
+def test_slots_equal_the_definitions(threshold, num_slots, drop):
     """The kernel's slots equal the definition's and the chunk form's, key for key (T = 70: a partial last
-    block), from an empty memory and, for the chunk form, continuing a memory."""
+    block), from an empty memory and, for the chunk form, continuing a memory; with dropped keys (−1) too."""
     keys = torch.randn(B, H, 70, D, dtype=torch.float64)
     counts, sums = torch.zeros(B, H, num_slots), torch.zeros(B, H, num_slots, D)
-    fused = fused_online_slots(keys.float().to(DEVICE), counts.to(DEVICE), sums.to(DEVICE), L, threshold).cpu()
-    assert torch.equal(fused, naive_online_slots(keys, num_slots, L, threshold))
-    assert torch.equal(fused, online_slots(keys.float(), counts, sums, L, threshold))
+    fused = fused_online_slots(keys.float().to(DEVICE), counts.to(DEVICE), sums.to(DEVICE), L, threshold,
+                               drop=drop).cpu()
+    assert torch.equal(fused, naive_online_slots(keys, num_slots, L, threshold, drop=drop))
+    assert torch.equal(fused, online_slots(keys.float(), counts, sums, L, threshold, drop=drop))
+    assert drop == bool((fused == -1).any()) or threshold == 1.1  # at 1.1 the 48 slots never run out
     # continuing the memory of the first 32 keys
-    head = naive_online_slots(keys[:, :, :32], num_slots, L, threshold)
-    counts = torch.nn.functional.one_hot(head, num_slots).float().sum(2)
-    sums = torch.nn.functional.one_hot(head, num_slots).float().transpose(-1, -2) @ keys[:, :, :32].float()
-    tail = fused_online_slots(keys[:, :, 32:].float().to(DEVICE), counts.to(DEVICE), sums.to(DEVICE), L, threshold)
-    assert torch.equal(tail.cpu(), online_slots(keys[:, :, 32:].float(), counts, sums, L, threshold))
+    head = one_hot_rows(naive_online_slots(keys[:, :, :32], num_slots, L, threshold, drop=drop), num_slots,
+                        torch.float32)
+    counts, sums = head.sum(2), head.transpose(-1, -2) @ keys[:, :, :32].float()
+    tail = fused_online_slots(keys[:, :, 32:].float().to(DEVICE), counts.to(DEVICE), sums.to(DEVICE), L, threshold,
+                              drop=drop)
+    assert torch.equal(tail.cpu(), online_slots(keys[:, :, 32:].float(), counts, sums, L, threshold, drop=drop))
 
 
-@pytest.mark.parametrize("threshold", [0.0, 1.1, float("inf")])
+@pytest.mark.parametrize("threshold,drop", [(0.0, False), (0.0, True), (1.1, False), (float("inf"), False)])
 @pytest.mark.parametrize("tile", [16, 64])
-def test_every_slot_tile_candidate_gives_the_definitions_slots(tile, threshold, monkeypatch):
+def test_every_slot_tile_candidate_gives_the_definitions_slots(tile, threshold, drop, monkeypatch):
     """The online assignment's launch candidates (SLOTS_CONFIGS) differ in their slot tile, which changes how the
     slots are walked, never which they are: 48 slots in tiles of 16 through the scratch memory, and in one tile of
-    64 held in registers, with slots that run out (thresholds 0 and 1.1) or never open past the first (inf)."""
+    64 held in registers, with slots that run out (thresholds 0 and 1.1; at 0 the novel keys left over join their
+    nearest slot or are dropped) or never open past the first (inf)."""
     from vqattn.ops.triton import online_slots as module
 
     kernel = module._online_slots_kernel
@@ -97,16 +112,26 @@ def test_every_slot_tile_candidate_gives_the_definitions_slots(tile, threshold, 
     monkeypatch.setattr(kernel, "cache", {})
     keys = torch.randn(B, H, 70, D, dtype=torch.float64, generator=torch.Generator().manual_seed(tile))
     counts, sums = torch.zeros(B, H, 48), torch.zeros(B, H, 48, D)
-    fused = fused_online_slots(keys.float().to(DEVICE), counts.to(DEVICE), sums.to(DEVICE), L, threshold).cpu()
-    assert torch.equal(fused, naive_online_slots(keys, 48, L, threshold))
+    fused = fused_online_slots(keys.float().to(DEVICE), counts.to(DEVICE), sums.to(DEVICE), L, threshold,
+                               drop=drop).cpu()
+    assert torch.equal(fused, naive_online_slots(keys, 48, L, threshold, drop=drop))
+
+
+@pytest.mark.parametrize("T", [20, 70])
+def test_slow_pairs_alone_and_dropped_keys(T):
+    """The memory of q's and k's pairs m ≥ 3 (memory_first_pair: 10 of the 16 features), novel keys dropped once
+    the slots are full, against the definition: T < 2L (no memory) and T = 70."""
+    kw = dict(threshold=1.3, overflow="drop", memory_first_pair=3)
+    compare(ovq_call(naive_ovq_attention, "online", **kw), ovq_call(ovq_attention, "online", impl="triton", **kw),
+            ovq_inputs("online", T))
 
 
 @pytest.mark.parametrize("given", ["online", "memory"])
 def test_state_continuation(given):
     """A sequence fed as chunks, each continuing the state of the one before, equals one call of the chunk form;
-    the final state equals the chunk form's."""
+    the final state equals the chunk form's (online: the slow pairs alone, dropped keys)."""
     inputs = [x.detach().to(DEVICE, torch.float32) for x in ovq_inputs(given, 70)]
-    threshold = dict(threshold=1.3) if given == "online" else {}
+    threshold = dict(threshold=1.3, overflow="drop", memory_first_pair=3) if given == "online" else {}
     whole, chunk_state = ovq_call(ovq_attention, given, impl="chunk", return_state=True, **threshold)(*inputs)
     outs, state = [], None
     for t0, t1 in ((0, 23), (23, 50), (50, 70)):

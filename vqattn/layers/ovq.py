@@ -13,10 +13,11 @@ from ..ops.checks import check_choice, check_positive_int
 from ..ops.common.memory_cap import RAW_WINDOW, layer_memory_cap
 from ..ops.common.memory_decay import check_memory_decay
 from ..ops.ovq import IMPLS as OVQ_IMPLS
-from ..ops.ovq import ovq_attention
+from ..ops.ovq import OVERFLOW, ovq_attention
 from .base import Attention, op_result
 
 SLOTS_BY = ("online", "codebook")
+MEMORY_PAIRS = ("slow", "all")
 
 
 class OnlineVQAttention(Attention):
@@ -26,7 +27,8 @@ class OnlineVQAttention(Attention):
 
     ``slots_by``: how keys find their slot. ``"online"``: per sequence, with growth: a key farther than ``threshold``
     (a squared distance relative to its squared norm) from every occupied slot's mean key opens a new slot while
-    slots remain, and joins the nearest slot otherwise. ``"codebook"``: the hard argmin of a learned per-head
+    slots remain; once none remains, a novel key is not stored (``overflow="drop"``, default) or joins its nearest
+    slot (``"nearest"``); a key near a slot joins it. ``"codebook"``: the hard argmin of a learned per-head
     :class:`~vqattn.codebook.Codebook` over the unrotated keys (``codebook``: its extra kwargs); its commitment loss
     is the layer's ``aux_loss``.
 
@@ -36,13 +38,18 @@ class OnlineVQAttention(Attention):
     by a radian or more across the raw window (``slow_pair_start``), whose angles all occur within a training
     sequence; the slow pairs score position-free, so past the training length no memory score meets an angle that
     training never produced (it reads past that length evenly, and recalls less: docs/evaluation.md). ``False``:
-    unrotated q and k. Other than ``True``, the state keeps the window's memory keys too. ``memory_rope_clamp``
+    unrotated q and k. ``memory_pairs``: which RoPE pairs of those the memory scores, assigns and stores. ``"slow"``
+    (default): the pairs that turn by less than a radian across the raw window (``slow_pair_start``, as vq's
+    ``cache_scores``): a far key's fast pairs average out of its logit, so a slot keeps D − 2·m0 features per head
+    instead of D. ``"all"``: every pair; without RoPE both keep every feature. Other than ``True``, the state keeps
+    the window's memory keys too. ``memory_rope_clamp``
     (with ``True``): the slow pairs rotate by positions clamped there; it reads past the training length worse than
     no clamp (docs/evaluation.md), and is there for that comparison.
 
     ``qk_norm="l2"`` (unit q and k, q times a learned scale) makes the relative threshold and the slot means
     independent of the keys' norms. Decoding keeps the memory (S counts, S·(Dh + Dh) sums per head) and under
-    2·block_len raw keys and values: constant in the length.
+    2·block_len raw keys and values: constant in the length. ``memory_pairs="slow"`` with ``overflow="drop"``
+    recall far keys at a quarter of softmax's state (docs/evaluation.md).
     """
 
     def __init__(
@@ -55,6 +62,8 @@ class OnlineVQAttention(Attention):
         slots_by: str = "online",
         threshold: float = 0.1,
         memory_rope: bool | str = True,
+        memory_pairs: str = "slow",
+        overflow: str = "drop",
         codebook: dict | None = None,
         memory_cap: int | str | None = RAW_WINDOW,
         memory_decay: float | None = None,
@@ -82,6 +91,8 @@ class OnlineVQAttention(Attention):
         check_positive_int("block_len", block_len)
         check_memory_decay(memory_decay, block_len)
         check_choice("slots_by", slots_by, SLOTS_BY)
+        check_choice("memory_pairs", memory_pairs, MEMORY_PAIRS)
+        check_choice("overflow", overflow, OVERFLOW)
         if not isinstance(memory_rope, bool) and memory_rope != "fast":
             raise ValueError(f"memory_rope must be True (every RoPE pair), False (none) or 'fast' (the pairs that turn "
                              f"by a radian or more across the raw window), got {memory_rope!r}")
@@ -100,6 +111,10 @@ class OnlineVQAttention(Attention):
         self.memory_raw_from = self.memory_clamped_from if memory_rope == "fast" \
             else self.head_dim // 2 if memory_rope else 0
         self.memory_cap, self.memory_rope_clamp = layer_memory_cap(memory_cap, block_len), memory_rope_clamp
+        self.memory_pairs, self.overflow = memory_pairs, overflow
+        # the memory's first pair: the slow ones alone (at least the slowest) under RoPE with memory_pairs="slow"
+        self.memory_first_pair = min(self.memory_clamped_from, self.head_dim // 2 - 1) \
+            if self.rope and memory_pairs == "slow" else 0
         self.memory_decay = memory_decay
         self.codebook = Codebook(num_heads, num_slots, self.head_dim, assign="hard", **(codebook or {})) \
             if slots_by == "codebook" else None
@@ -135,6 +150,8 @@ class OnlineVQAttention(Attention):
             state=state,
             memory_cap=self.memory_cap,
             memory_decay=self.memory_decay,
+            memory_first_pair=self.memory_first_pair,
+            overflow=self.overflow if slots is None else "nearest",  # a codebook's slots are given: none dropped
             impl=self.impl,
             # its memory gives usage_stats, for the few statistics it costs (O(T·Dh)); a packed call would return
             # one state per sequence, computed one sequence at a time, so it asks for none
@@ -177,6 +194,7 @@ class OnlineVQAttention(Attention):
         return {**stats, "occupied_slots": float(self.last_occupied)}
 
     def _op_state_floats(self, seq_len: int) -> int:
+        memory_dim = self.head_dim - 2 * self.memory_first_pair  # a slot's key features per head
         window = min(seq_len, 2 * self.block_len)  # raw keys and values (and unrotated memory keys)
-        raw = (3 if self.separate_memory_keys else 2) * window * self.dim
-        return self.num_heads * self.num_slots * (2 * self.head_dim + 1) + raw
+        raw = (2 * self.head_dim + (memory_dim if self.separate_memory_keys else 0)) * window * self.num_heads
+        return self.num_heads * self.num_slots * (memory_dim + self.head_dim + 1) + raw

@@ -9,6 +9,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..ops.common.layout import memory_order
+from ..ops.common.pairs import pair_dims
 from ..ops.triton import rotation
 
 
@@ -83,13 +84,6 @@ def rope_rotate_keeping(x: torch.Tensor, start: int | torch.Tensor, base: float,
     into the rotation's in place; separate uses of x would each write an x-sized gradient (and a slice's backward
     zero-fills one) for autograd to add up: at T = 32768, three fresh 32 MB tensors per layer step."""
     return _rope(x, start, base, first_pair)
-
-
-def pair_dims(x: torch.Tensor, first_pair: int) -> torch.Tensor:
-    """x (..., D) -> (..., D − 2·first_pair): the dims [first_pair, D/2) and [D/2 + first_pair, D) of the RoPE pairs
-    (m, m + D/2) with m ≥ first_pair; x itself for 0. A static slice: no host read, so it compiles into one graph
-    and never synchronises a GPU; one slice of the (..., 2, D/2) view, not a cat of two."""
-    return x if first_pair == 0 else x.unflatten(-1, (2, x.shape[-1] // 2))[..., first_pair:].flatten(-2)
 
 
 def with_raw_pairs(rotated: torch.Tensor, raw: torch.Tensor, first_pair: int) -> torch.Tensor:

@@ -11,7 +11,8 @@ import torch
 
 class Assignment(NamedTuple):
     """Δ of keys (B, H, T) to S codes: hard keeps the code ``index`` (B, H, T) long (the one-hot matrix is never
-    built; ``weights`` None), soft the ``weights`` (B, H, T, S) (``index`` None)."""
+    built; ``weights`` None; −1: a key of no code, a zero row of Δ), soft the ``weights`` (B, H, T, S) (``index``
+    None)."""
 
     weights: torch.Tensor | None
     index: torch.Tensor | None
@@ -44,10 +45,18 @@ def code_slots(index: torch.Tensor, num_codes: int, dim: int) -> torch.Tensor:
     return index + torch.arange(index.shape[dim], device=index.device).view(shape) * num_codes
 
 
+def one_hot_rows(index: torch.Tensor, num_codes: int, dtype: torch.dtype) -> torch.Tensor:
+    """Δ (..., S) of a hard ``index`` (...): one-hot rows, a zero row for −1 (a key of no code)."""
+    rows = torch.nn.functional.one_hot(index.clamp_min(0), num_codes).to(dtype)
+    return rows * (index >= 0).unsqueeze(-1).to(dtype)
+
+
 def _group_slots(index: torch.Tensor, num_codes: int, num_groups: int) -> torch.Tensor:
-    """(B, H, T) codes -> their slots in a flattened (num_groups·S) axis of consecutive groups of keys."""
+    """(B, H, T) codes -> their slots in a flattened (num_groups·S + 1) axis of consecutive groups of keys, whose
+    last row takes the keys of no code (index −1), for the caller to drop."""
     B, H, T = index.shape
-    return code_slots(index.view(B, H, num_groups, T // num_groups), num_codes, 2).view(B, H, T)
+    slots = code_slots(index.view(B, H, num_groups, T // num_groups), num_codes, 2).view(B, H, T)
+    return torch.where(index >= 0, slots, num_groups * num_codes)
 
 
 def code_counts(a: Assignment, num_codes: int, num_groups: int, *, dtype: torch.dtype) -> torch.Tensor:
@@ -58,8 +67,8 @@ def code_counts(a: Assignment, num_codes: int, num_groups: int, *, dtype: torch.
     B, H, T = a.index.shape
     ones = torch.ones((), device=a.index.device, dtype=dtype).expand(B, H, T)
     slots = _group_slots(a.index, num_codes, num_groups)
-    counts = ones.new_zeros(B, H, num_groups * num_codes).scatter_add_(2, slots, ones)
-    return counts.view(B, H, num_groups, num_codes)
+    counts = ones.new_zeros(B, H, num_groups * num_codes + 1).scatter_add_(2, slots, ones)
+    return counts[..., :-1].view(B, H, num_groups, num_codes)
 
 
 def code_statistics(a: Assignment, v: torch.Tensor, num_codes: int, num_groups: int = 1):
@@ -73,10 +82,11 @@ def code_statistics(a: Assignment, v: torch.Tensor, num_codes: int, num_groups: 
     if a.index is not None and torch.compiler.is_compiling():
         # Inductor (torch 2.13, CPU) ran a kernel reading these scatter-adds' results before the scatters: compiled
         # decoding folded zeros into the value sums. Under compile the one-hot weights (B, H, T, S) instead, as soft.
-        a = Assignment(torch.nn.functional.one_hot(a.index, S).to(v.dtype), None)
+        a = Assignment(one_hot_rows(a.index, S, v.dtype), None)
     counts = code_counts(a, S, num_groups, dtype=v.dtype)
     if a.index is None:
         w = a.weights.view(B, H, num_groups, T // num_groups, S)
         return counts, w.transpose(-1, -2) @ v.view(B, H, num_groups, -1, Dv)
     slots = _group_slots(a.index, S, num_groups).unsqueeze(-1).expand(B, H, T, Dv)
-    return counts, v.new_zeros(B, H, num_groups * S, Dv).scatter_add_(2, slots, v).view(B, H, num_groups, S, Dv)
+    sums = v.new_zeros(B, H, num_groups * S + 1, Dv).scatter_add_(2, slots, v)
+    return counts, sums[:, :, :-1].view(B, H, num_groups, S, Dv)

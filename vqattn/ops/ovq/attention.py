@@ -27,7 +27,8 @@ def _run(q, k, v, forward, state, return_state, fused=False, **kwargs):
 def ovq_attention(q, k, v, *, num_slots: int, block_len: int | None = None, scale: float | None = None,
                   threshold: float | None = None, slots=None, slot_weights=None, q_mem=None, k_mem=None,
                   impl: str = "auto", state: OVQState | None = None, return_state: bool = False,
-                  memory_cap: int | None = None, memory_decay: float | None = None, schedule="auto"):
+                  memory_cap: int | None = None, memory_decay: float | None = None, overflow: str = "nearest",
+                  memory_first_pair: int = 0, schedule="auto"):
     """Causal online codebook attention (see the module docstring for the math).
 
     Args:
@@ -38,9 +39,10 @@ def ovq_attention(q, k, v, *, num_slots: int, block_len: int | None = None, scal
         threshold: online assignment only: a key opens a slot (while slots remain) when its squared distance to
             every slot's mean key exceeds ``threshold`` times its squared norm. Default 0: every key not exactly on
             a slot's mean (so the first S keys fill the memory); inf: only the first block opens slots.
-        slots: (B, H, T) integer slot of every key (given assignment), or
+        slots: (B, H, T) integer slot of every key (given assignment; −1: the key is not stored), or
         slot_weights: (B, H, T, S) non-negative weights of every key (given soft assignment, with gradients).
-        q_mem, k_mem: (B, H, T, D) the memory's queries and keys, when not q and k (e.g. without RoPE).
+        q_mem, k_mem: (B, H, T, Dm) the memory's queries and keys, when not q and k (e.g. without RoPE, or
+            some RoPE pairs alone); Dm may differ from D when both are given: the slots then keep Dm-dim key sums.
         impl: "chunk", "recurrent", "naive", "triton" (the chunk impl's online assignment and attention as
             Triton kernels, forward and backward: CUDA tensors, or the CPU under ``TRITON_INTERPRET=1``; float32 or
             half precision, block_len a power of two from 16 to 128; with a state and at most ``RECURRENT_MAX_LEN``
@@ -58,6 +60,13 @@ def ovq_attention(q, k, v, *, num_slots: int, block_len: int | None = None, scal
             every block that joins it later, so the slots' mean keys and values are moving averages over about 1 / (1 − γ) keys
             (:mod:`vqattn.ops.common.memory_decay`): what a state carried over many segments needs to train as
             well as independent ones (docs/evaluation.md). None (or 1): the memory keeps every key at full weight.
+        overflow: online assignment only: what becomes of a novel key when every slot is taken. "nearest": it joins
+            its nearest slot (moving that slot's mean key and mixing its value). "drop": it is not stored (slot
+            −1); a slot then takes in only keys near its mean key, and what the memory holds stays as it was stored.
+        memory_first_pair: m0: the memory scores, assigns and stores only the feature pairs (x_m, x_{m+D/2}) with
+            m ≥ m0 of q_mem and k_mem (of q and k when not given; :func:`~vqattn.ops.common.pairs.pair_dims`): under
+            RoPE, the slow pairs, which a far key's logit keeps while the fast ones average out. The slots' key sums
+            then hold Dm − 2·m0 features, and a state keeps no separate memory keys for them. 0: every feature.
         schedule: "auto", "loop" or "cumsum": how the chunk impl reads the slots' value sums
             (:class:`~vqattn.ops.blocks.Schedule`); never what it computes. A ``state`` is continued by re-running its
             raw window (under 2L tokens) in front of the new ones.
@@ -67,7 +76,8 @@ def ovq_attention(q, k, v, *, num_slots: int, block_len: int | None = None, scal
     """
     check_choice("impl", impl, IMPLS)
     kwargs = dict(num_slots=num_slots, block_len=block_len, scale=scale, threshold=threshold, slots=slots,
-                  slot_weights=slot_weights, q_mem=q_mem, k_mem=k_mem, memory_cap=memory_cap, memory_decay=memory_decay)
+                  slot_weights=slot_weights, q_mem=q_mem, k_mem=k_mem, memory_cap=memory_cap, memory_decay=memory_decay,
+                  overflow=overflow, memory_first_pair=memory_first_pair)
     if impl == "naive":
         if state is not None or return_state:
             raise ValueError("impl='naive' takes no state and returns none; use impl='chunk' or 'recurrent'")

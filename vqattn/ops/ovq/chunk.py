@@ -36,8 +36,9 @@ def _with_prefix(x: Inputs, state: OVQState) -> Inputs:
         return now if before is None else torch.cat([before.to(now.dtype), now], 2)
 
     zeros = x.q.new_zeros(*x.q.shape[:2], state.keys.shape[2], x.q.shape[-1])
-    return replaced(x, q=cat(zeros, x.q), q_mem=cat(zeros, x.q_mem), k=cat(state.keys, x.k), v=cat(state.values, x.v),
-                      k_mem=cat(state.memory_keys if x.separate_keys else state.keys, x.k_mem),
+    memory_zeros = zeros if x.q_mem is x.q else x.q_mem.new_zeros(*zeros.shape[:3], x.memory_dim)
+    return replaced(x, q=cat(zeros, x.q), q_mem=cat(memory_zeros, x.q_mem), k=cat(state.keys, x.k), v=cat(state.values, x.v),
+                      k_mem=cat(state.memory_keys if x.separate_keys else x.memory_part(state.keys), x.k_mem),
                       slots=cat(state.slots, x.slots), slot_weights=cat(state.slot_weights, x.slot_weights))
 
 
@@ -53,7 +54,8 @@ def chunk_forward(x: Inputs, state: OVQState | None, return_state: bool,
     shared_queries = x.q_mem is x.q  # then one product serves the window and the slots (and their gradients)
     start = 0
     if state is None:
-        state = OVQState.empty(x.q, x.v, S, L, memory_keys=False, slots=False, slot_weights=False).to(x.dtype)
+        state = OVQState.empty(x.q, x.v, S, L, memory_keys=False, slots=False, slot_weights=False,
+                               memory_dim=x.memory_dim).to(x.dtype)
     else:
         start, x = state.length - state.keys.shape[2], _with_prefix(x, state)
     length = start + x.k.shape[2]
@@ -63,7 +65,7 @@ def chunk_forward(x: Inputs, state: OVQState | None, return_state: bool,
     q, k, v, q_mem, k_mem, weights, slots = map(pad, (x.q, x.k, x.v, x.q_mem, x.k_mem, x.slot_weights, x.slots))
     if slots is None and weights is None:
         slots = (fused_online_slots if fused else online_slots)(k_mem, state.counts, state.key_sums, L, x.threshold,
-                                                                x.decay)
+                                                                x.decay, x.drop)
     nb = q.shape[2] // L
     bias = block_memory_bias(start // L, nb, L, x.memory_cap, device=q.device, dtype=x.dtype, decay=x.decay)
     block_weights = None
@@ -97,7 +99,11 @@ def _block_attention(x: Inputs, state: OVQState, q, k, v, q_mem, k_mem, slots, w
     ``memory_decay``), ``block_weights`` (nb,) on the blocks' statistics (``memory_decay``) or None."""
     (B, H, _, D), L, S, Dv = q.shape, x.block_len, x.num_slots, v.shape[-1]
     nb = q.shape[2] // L
-    counts, key_sums = code_statistics(Assignment(weights, slots), k_mem, S, nb)  # (B, H, nb, S), (.., S, D)
+    counts, key_sums = code_statistics(Assignment(weights, slots), k_mem, S, nb)  # (B, H, nb, S), (.., S, Dm)
+    add_values = weigh_blocks(blocks(v, L), block_weights)
+    if slots is not None:  # the cache adds a key's value at slot max(s, 0): a key not stored (−1) adds zeros
+        add_values = add_values * (blocks(slots, L) >= 0).unsqueeze(-1).to(v.dtype)
+        slots = slots.clamp_min(0)
     counts, key_sums = weigh_blocks(counts, block_weights), weigh_blocks(key_sums, block_weights)
     # Block b reads the memory of blocks ≤ b − 2 on top of the state's: counts and key sums here, value sums in
     # the kernel's running cache, which takes in block b − 1 after block b.
@@ -107,7 +113,7 @@ def _block_attention(x: Inputs, state: OVQState, q, k, v, q_mem, k_mem, slots, w
     inputs = WindowCodeInputs(
         queries=blocks(q_mem * x.scale, L), window_keys=group_windows(k, k.new_zeros(B, H, L, D), L),
         window_bias=window_bias(nb, L, q.device, q.dtype), window_values=group_windows(v, v.new_zeros(B, H, L, Dv), L),
-        counts=counts, sums=state.value_sums, add_values=weigh_blocks(blocks(v, L), block_weights),
+        counts=counts, sums=state.value_sums, add_values=add_values,
         add_index=None if slots is None else blocks(slots, L),
         add_weights=None if weights is None else blocks(weights, L), pending=torch.zeros_like(state.value_sums),
         codebook=key_means,

@@ -75,7 +75,8 @@ def _scores(keys: torch.Tensor, centres: torch.Tensor, centre_sq: torch.Tensor) 
 
 
 @torch.no_grad()
-def assign_block(keys: torch.Tensor, counts: torch.Tensor, key_sums: torch.Tensor, threshold: float) -> torch.Tensor:
+def assign_block(keys: torch.Tensor, counts: torch.Tensor, key_sums: torch.Tensor, threshold: float,
+                 drop: bool = False) -> torch.Tensor:
     """Online assignment of one block's memory keys (B, H, L, D) to the slots of the memory before the block
     (counts (B, H, S), key sums (B, H, S, D); the slots opened so far are 0..m−1, those with a positive count
     occupied): (B, H, L) slot indices.
@@ -83,8 +84,9 @@ def assign_block(keys: torch.Tensor, counts: torch.Tensor, key_sums: torch.Tenso
     A key is novel when its squared distance to every occupied slot's mean key exceeds ``threshold`` times its
     squared norm (always when m = 0). The novel keys, in position order, open slots m, m+1, ... while slots remain;
     every other key joins the nearest of the occupied slots (at their mean keys) and the slots opened in this block
-    (at their opening keys), the lowest slot index on a tie. Masks and a cumsum, no host sync; no gradient (the
-    choice is discrete). Cost: one (L, S) and one (L, L) score product.
+    (at their opening keys), the lowest slot index on a tie. With ``drop`` (``overflow="drop"``), a novel key that
+    finds no slot left is not stored: slot −1. Masks and a cumsum, no host sync; no gradient (the choice is
+    discrete). Cost: one (L, S) and one (L, L) score product.
     """
     keys = keys.detach()
     S = counts.shape[-1]
@@ -102,50 +104,53 @@ def assign_block(keys: torch.Tensor, counts: torch.Tensor, key_sums: torch.Tenso
     new_score, opener = _scores(keys, keys, key_sq.masked_fill(~opens, float("inf"))).min(-1)
     # Opened slots come after every occupied one and in their openers' order: a tie keeps the lower slot.
     nearest = torch.where(new_score < old_score, new_slot.gather(-1, opener), old_slot)
+    if drop:
+        nearest = torch.where(novel, -1, nearest)
     return torch.where(opens, new_slot, nearest)
 
 
 @torch.no_grad()
 def online_slots(memory_keys: torch.Tensor, counts: torch.Tensor, key_sums: torch.Tensor, L: int,
-                 threshold: float, decay: float | None = None) -> torch.Tensor:
+                 threshold: float, decay: float | None = None, drop: bool = False) -> torch.Tensor:
     """:func:`assign_block` block after block, absorbing each block before the next (the memory times ``decay`` g
     first, :mod:`~vqattn.ops.common.memory_decay`): memory keys (B, H, nb·L, D) and the memory before them ->
-    (B, H, nb·L) slot indices.
+    (B, H, nb·L) slot indices (−1: not stored, with ``drop``).
 
     One opaque operator to ``torch.compile``, which would otherwise unroll the loop over every block into its
     graph. On a GPU the loop is one CUDA graph (:mod:`~vqattn.ops.graphs`): a few dozen tiny kernels per block."""
     return _online_slots_op(memory_keys.detach(), counts.detach(), key_sums.detach(), L, threshold,
-                            1.0 if decay is None else decay)
+                            1.0 if decay is None else decay, drop)
 
 
 @torch.library.custom_op("vqattn::ovq_online_slots", mutates_args=())
 def _online_slots_op(memory_keys: torch.Tensor, counts: torch.Tensor, key_sums: torch.Tensor, L: int,
-                     threshold: float, decay: float) -> torch.Tensor:
+                     threshold: float, decay: float, drop: bool) -> torch.Tensor:
     inputs = (memory_keys, counts, key_sums)
     if can_graph(*inputs):
-        return replay_graphed(_online_slots_loop, inputs, L, threshold, decay)
-    return _online_slots_loop(*inputs, L, threshold, decay)
+        return replay_graphed(_online_slots_loop, inputs, L, threshold, decay, drop)
+    return _online_slots_loop(*inputs, L, threshold, decay, drop)
 
 
 @_online_slots_op.register_fake
-def _(memory_keys, counts, key_sums, L, threshold, decay):
+def _(memory_keys, counts, key_sums, L, threshold, decay, drop):
     return memory_keys.new_empty(memory_keys.shape[:3], dtype=torch.long)
 
 
 def _online_slots_loop(memory_keys: torch.Tensor, counts: torch.Tensor, key_sums: torch.Tensor, L: int,
-                       threshold: float, decay: float) -> torch.Tensor:
+                       threshold: float, decay: float, drop: bool) -> torch.Tensor:
     B, H, S, D = key_sums.shape
     counts, key_sums = counts.clone(), key_sums.clone()
     offsets = torch.arange(B * H, device=counts.device).view(B, H, 1) * S  # rows of the flattened (B·H·S) slots
     out = []
     for block in memory_keys.split(L, 2):
-        slots = assign_block(block, counts, key_sums, threshold)
-        rows = (slots + offsets).flatten()
+        slots = assign_block(block, counts, key_sums, threshold, drop)
+        stored = (slots >= 0).to(counts.dtype)  # a dropped key (−1) adds nothing, to row 0 of its head
+        rows = (slots.clamp_min(0) + offsets).flatten()
         if decay != 1:
             counts.mul_(decay)
             key_sums.mul_(decay)
-        counts.view(-1).index_add_(0, rows, torch.ones_like(rows, dtype=counts.dtype))
-        key_sums.view(-1, D).index_add_(0, rows, block.reshape(-1, D))
+        counts.view(-1).index_add_(0, rows, stored.flatten())
+        key_sums.view(-1, D).index_add_(0, rows, (block * stored.unsqueeze(-1)).reshape(-1, D))
         out.append(slots)
     return torch.cat(out, 2)
 

@@ -10,6 +10,7 @@ import torch
 
 from ..common.memory_cap import memory_scale
 from ..common.memory_decay import block_factor, total_count
+from ..common.statistics import one_hot_rows
 from .state import prepare
 
 
@@ -23,8 +24,10 @@ def _nearest(key: torch.Tensor, centres: dict[int, torch.Tensor]) -> int:
     return best
 
 
-def _assign_online(keys: torch.Tensor, counts: torch.Tensor, key_sums: torch.Tensor, threshold: float) -> list[int]:
-    """One batch·head: keys (L, D) of a block, the memory before it (S,), (S, D) -> the slot of each key."""
+def _assign_online(keys: torch.Tensor, counts: torch.Tensor, key_sums: torch.Tensor, threshold: float,
+                   drop: bool = False) -> list[int]:
+    """One batch·head: keys (L, D) of a block, the memory before it (S,), (S, D) -> the slot of each key (−1: a novel
+    key that found no free slot, with ``drop``)."""
     S = counts.shape[0]
     means = {s: key_sums[s] / counts[s] for s in range(S) if counts[s] > 0}
     novel = [all(float(((key - c) ** 2).sum()) > threshold * float((key**2).sum()) for c in means.values())
@@ -34,7 +37,8 @@ def _assign_online(keys: torch.Tensor, counts: torch.Tensor, key_sums: torch.Ten
     for j, key in enumerate(keys):  # novel keys open slots in position order while slots remain
         if novel[j] and free < S:
             slots[j], centres[free], free = free, key, free + 1
-    return [s if s is not None else _nearest(key, centres) for s, key in zip(slots, keys)]
+    return [s if s is not None else -1 if drop and is_novel else _nearest(key, centres)
+            for s, key, is_novel in zip(slots, keys, novel)]
 
 
 def _block_weights(block: slice, x, counts, key_sums) -> torch.Tensor:
@@ -46,21 +50,22 @@ def _block_weights(block: slice, x, counts, key_sums) -> torch.Tensor:
     else:
         B, H = counts.shape[:2]
         keys = x.k_mem[:, :, block].detach()
-        slots = torch.tensor([[_assign_online(keys[b, h], counts[b, h].detach(), key_sums[b, h].detach(), x.threshold)
-                               for h in range(H)] for b in range(B)], device=keys.device)
-    return torch.nn.functional.one_hot(slots, x.num_slots).to(x.k.dtype)
+        slots = torch.tensor([[_assign_online(keys[b, h], counts[b, h].detach(), key_sums[b, h].detach(), x.threshold,
+                                              x.drop) for h in range(H)] for b in range(B)], device=keys.device)
+    return one_hot_rows(slots, x.num_slots, x.k.dtype)
 
 
 def naive_ovq_attention(q, k, v, *, num_slots: int, block_len: int | None = None, scale: float | None = None,
                         threshold: float | None = None, slots=None, slot_weights=None, q_mem=None, k_mem=None,
-                        memory_cap: int | None = None, memory_decay: float | None = None):
+                        memory_cap: int | None = None, memory_decay: float | None = None, overflow: str = "nearest",
+                        memory_first_pair: int = 0):
     """The semantics of :func:`~vqattn.ops.ovq.ovq_attention` (same arguments, no state) as a loop over tokens."""
     x = prepare(q, k, v, num_slots=num_slots, block_len=block_len, scale=scale, threshold=threshold, slots=slots,
                 slot_weights=slot_weights, q_mem=q_mem, k_mem=k_mem, state=None, memory_cap=memory_cap,
-                memory_decay=memory_decay)
+                memory_decay=memory_decay, overflow=overflow, memory_first_pair=memory_first_pair)
     (B, H, T, D), L, S = x.q.shape, x.block_len, num_slots
     g = 1.0 if x.decay is None else x.decay  # the memory's factor per block that joins it
-    counts, key_sums = x.q.new_zeros(B, H, S), x.q.new_zeros(B, H, S, D)
+    counts, key_sums = x.q.new_zeros(B, H, S), x.q.new_zeros(B, H, S, x.memory_dim)
     value_sums = x.q.new_zeros(B, H, S, x.v.shape[-1])
     outs = []
     for i in range(T):
@@ -89,10 +94,10 @@ def naive_ovq_attention(q, k, v, *, num_slots: int, block_len: int | None = None
 
 
 def naive_online_slots(memory_keys: torch.Tensor, num_slots: int, block_len: int, threshold: float,
-                       memory_decay: float | None = None) -> torch.Tensor:
+                       memory_decay: float | None = None, drop: bool = False) -> torch.Tensor:
     """The slots that the definition's online assignment gives memory keys (B, H, T, D) from an empty memory: block
     after block, each against the memory of the blocks before it (each weighing γ^L less per block after it, with
-    ``memory_decay`` γ) -> (B, H, T) long. For checking the fast impls."""
+    ``memory_decay`` γ) -> (B, H, T) long (−1: not stored, with ``drop``). For checking the fast impls."""
     g = block_factor(memory_decay, block_len) or 1.0
     B, H, T, D = memory_keys.shape
     counts = memory_keys.new_zeros(B, H, num_slots)
@@ -102,11 +107,13 @@ def naive_online_slots(memory_keys: torch.Tensor, num_slots: int, block_len: int
         for b in range(B):
             for h in range(H):
                 keys = memory_keys[b, h, start : start + block_len]
-                slots = _assign_online(keys, counts[b, h], key_sums[b, h], threshold)
+                slots = _assign_online(keys, counts[b, h], key_sums[b, h], threshold, drop)
                 out[b, h, start : start + block_len] = torch.tensor(slots)
                 counts[b, h] *= g
                 key_sums[b, h] *= g
                 for key, slot in zip(keys, slots):
+                    if slot < 0:
+                        continue
                     counts[b, h, slot] += 1
                     key_sums[b, h, slot] += key
     return out.to(memory_keys.device)

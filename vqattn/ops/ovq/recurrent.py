@@ -18,19 +18,19 @@ from .memory import assign_block, memory_logits, statistics
 from .state import Inputs, OVQState
 
 
-def _absorb(state: OVQState, L: int, threshold: float,
-            decay: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The state's memory (times the forgetting factor ``decay`` g) plus its first L raw positions (the block leaving
-    the window, assigned against the memory before it): counts, key and value sums."""
-    dtype = state.counts.dtype  # the raw window may be in half precision (the Triton impl)
-    memory_keys = (state.keys if state.memory_keys is None else state.memory_keys)[:, :, :L].to(dtype)
+def _absorb(x: Inputs, state: OVQState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The state's memory (times the forgetting factor g) plus its first L raw positions (the block leaving the
+    window, assigned against the memory before it): counts, key and value sums."""
+    L, dtype = state.block_len, state.counts.dtype  # the raw window may be in half precision (the Triton impl)
+    keys = x.memory_part(state.keys) if state.memory_keys is None else state.memory_keys
+    memory_keys = keys[:, :, :L].to(dtype)
     weights = None if state.slot_weights is None else state.slot_weights[:, :, :L]
     slots = None if state.slots is None else state.slots[:, :, :L]
     if slots is None and weights is None:
-        slots = assign_block(memory_keys, state.counts, state.key_sums, threshold)
+        slots = assign_block(memory_keys, state.counts, state.key_sums, x.threshold, x.drop)
     n, keys, values = statistics(slots, weights, memory_keys, state.values[:, :, :L].to(dtype),
                                  state.counts.shape[-1])
-    counts, key_sums, value_sums = forget((state.counts, state.key_sums, state.value_sums), decay)
+    counts, key_sums, value_sums = forget((state.counts, state.key_sums, state.value_sums), x.decay)
     return counts + n, key_sums + keys, value_sums + values
 
 
@@ -71,7 +71,7 @@ def _step(x: Inputs, t: int, state: OVQState, fused: bool) -> tuple[torch.Tensor
     L = state.block_len
     if window_start(grown.length, L) == window_start(state.length, L):
         return out, grown
-    counts, key_sums, value_sums = _absorb(grown, L, x.threshold, x.decay)
+    counts, key_sums, value_sums = _absorb(x, grown)
     drop = lambda t: window_tail(t, L)  # noqa: E731
     return out, OVQState(counts, key_sums, value_sums, drop(grown.keys), drop(grown.values), drop(grown.memory_keys),
                          drop(grown.slots), drop(grown.slot_weights), grown.length, L)
@@ -83,7 +83,8 @@ def recurrent_forward(x: Inputs, state: OVQState | None, return_state: bool,
     ``fused``: each token's attention is one Triton kernel (forward only)."""
     if state is None:
         state = OVQState.empty(x.q, x.v, x.num_slots, x.block_len, memory_keys=x.separate_keys,
-                               slots=x.slots is not None, slot_weights=x.slot_weights is not None)
+                               slots=x.slots is not None, slot_weights=x.slot_weights is not None,
+                               memory_dim=x.memory_dim)
         state = state.to(x.dtype, raw=x.k.dtype)
     outs = []
     for t in range(x.q.shape[2]):

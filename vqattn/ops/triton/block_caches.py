@@ -186,7 +186,8 @@ if triton is not None:
         if HARD:
             # this tile holds the row's code: its index against the tile's range, not a row sum over the one-hot
             first = tl.program_id(0) * BS
-            index = hard_index(IDX, bh, rows, T)
+            # a key of no code (−1) gets its zero row of d_values (w's row is zero) from the tile of code 0
+            index = tl.maximum(hard_index(IDX, bh, rows, T), 0)
             held = (index >= first) & (index < first + BS)
             if ADD_TO_DVAL:
                 d_values += tl.load(DVAL + value_offsets, mask=row_mask & held[:, None], other=0.0).to(tl.float32)
@@ -522,8 +523,8 @@ def block_caches(index, weights, v, counts0, sums0, *, block_len: int, fold: int
     """Every block's cache and the state after ``fold`` blocks (see the module doc), differentiable in v, the soft
     weights and the initial cache.
 
-    index (B, H, T) long (hard) or weights (B, H, T, S) (soft; the other None); v (B, H, T, Dv); counts0 (B, H, S),
-    sums0 (B, H, S, Dv) the cache before position 0. Returns the caches n (B, H, nb, S) and C (B, H, nb, S, Dv)
+    index (B, H, T) long (hard; −1: a key of no code) or weights (B, H, T, S) (soft; the other None); v (B, H, T,
+    Dv); counts0 (B, H, S), sums0 (B, H, S, Dv) the cache before position 0. Returns the caches n (B, H, nb, S) and C (B, H, nb, S, Dv)
     (nb = ⌈T/L⌉) and the state (B, H, S), (B, H, S, Dv) after the first ``fold`` ≤ nb blocks, all float32.
     ``segment_steps``: the walks' segments (:func:`walk_segments`).
     """

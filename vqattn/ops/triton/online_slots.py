@@ -6,8 +6,9 @@ program walks the blocks of its sequence and, per block of L keys k̃ (float32 o
     score_is  = ‖k̄_s‖² − 2 k̃_i·k̄_s   (= ‖k̃_i − k̄_s‖² − ‖k̃_i‖²) over the occupied slots, +inf for empty ones
     novel_i   = min_s score_is + ‖k̃_i‖² > threshold·‖k̃_i‖²,  or m = 0  (slots 0..m−1 opened so far)
     new_i     = m + #(novel keys before i);  opens_i = novel_i and new_i < S
-    slot_i    = new_i if opens_i, else the nearest of the occupied slots (at their means k̄_s) and the slots opened
-                in the block (at their opening keys), the lower slot on a tie
+    slot_i    = new_i if opens_i; −1 if novel_i with ``drop`` (not stored); else the nearest of the occupied slots
+                (at their means k̄_s) and the slots opened in the block (at their opening keys), the lower slot on
+                a tie
 
 then multiplies the slots' counts n_s and key sums K_s by the forgetting factor g (1 without ``memory_decay``) and
 adds the block's keys to them (k̄_s = K_s / n_s). These are the masks of
@@ -104,10 +105,12 @@ if triton is not None:
             tl.store(SUM + slots[:, None] * D + dims[None, :], sums, mask=mask)
 
     @triton.jit
-    def _choose(keys, key_sq, old_score, old_slot, m, valid, threshold, S, L: tl.constexpr, EXACT_PREC: tl.constexpr):
+    def _choose(keys, key_sq, old_score, old_slot, m, valid, threshold, S, L: tl.constexpr, EXACT_PREC: tl.constexpr,
+                DROP: tl.constexpr):
         """The block's slots from its keys' nearest occupied slot (``old_score``, ``old_slot``): novel keys open slots
-        m, m + 1, … in position order while slots remain; the others take the nearest of the occupied slots and the
-        block's opened ones (at their opening keys). Returns the slots and which keys opened one."""
+        m, m + 1, … in position order while slots remain (with DROP, those left over get −1, not stored); the others
+        take the nearest of the occupied slots and the block's opened ones (at their opening keys). Returns the slots
+        and which keys opened one."""
         local = tl.arange(0, L)
         # keys after T (a partial last block) open no slot: they would be centres for the keys before them
         novel = (((old_score + key_sq) > threshold * key_sq) | (m == 0)) & valid
@@ -122,6 +125,8 @@ if triton is not None:
         opener_slot = tl.sum(tl.where(local[None, :] == opener[:, None], new_slot[None, :], 0), 1)
         # an opened slot comes after every occupied one: a tie keeps the occupied slot
         nearest = tl.where(new_score < old_score, opener_slot, old_slot)
+        if DROP:
+            nearest = tl.where(novel, -1, nearest)
         return tl.where(opens, new_slot, nearest), opens
 
     @tuned(SLOTS_CONFIGS, key=("S", "D", "L"), restore_value=["CNT", "SUM"])  # the scratch memory, rewritten
@@ -129,7 +134,8 @@ if triton is not None:
     @triton.jit
     def _online_slots_kernel(K, CNT, SUM, OUT, sk_b, sk_h, sk_t, H, T, S, D, threshold, decay,
                              L: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr,
-                             EXACT_PREC: tl.constexpr, HALF_ROWS: tl.constexpr, RESIDENT: tl.constexpr):
+                             EXACT_PREC: tl.constexpr, HALF_ROWS: tl.constexpr, RESIDENT: tl.constexpr,
+                             DROP: tl.constexpr):
         """One sequence's slots. RESIDENT, when all S slots fit one tile (S ≤ BS: ovq's 64 slots at BS = 64): their
         counts and key sums stay in registers from the first block to the last, no scratch memory read and written
         per block, no barrier between blocks. Otherwise tile by tile through the scratch copy."""
@@ -151,7 +157,7 @@ if triton is not None:
                 valid = rows < T
                 old_score, old_slot = _nearest_of(keys, n, sums, PREC, EXACT_PREC, HALF_ROWS)
                 slot, opens = _choose(keys, tl.sum(keys * keys, 1), old_score, old_slot, m, valid, threshold, S, L,
-                                      EXACT_PREC)
+                                      EXACT_PREC, DROP)
                 tl.store(OUT + bh * T + rows, slot.to(tl.int64), mask=valid)
                 hit = ((slot[:, None] == slots[None, :]) & valid[:, None]).to(tl.float32)  # (L, BS) one-hot
                 n = n * decay + tl.sum(hit, 0)
@@ -165,7 +171,7 @@ if triton is not None:
                 valid = rows < T
                 old_score, old_slot = _nearest_slot(keys, CNT, SUM, S, D, L, BD, BS, PREC, EXACT_PREC, HALF_ROWS)
                 slot, opens = _choose(keys, tl.sum(keys * keys, 1), old_score, old_slot, m, valid, threshold, S, L,
-                                      EXACT_PREC)
+                                      EXACT_PREC, DROP)
                 tl.store(OUT + bh * T + rows, slot.to(tl.int64), mask=valid)
                 _absorb(keys, slot, valid, CNT, SUM, S, D, decay, BD, BS, EXACT_PREC)
                 m += tl.sum(opens.to(tl.int32), 0)
@@ -174,10 +180,11 @@ if triton is not None:
 
 @torch.compiler.disable  # a graph break: torch.compile runs the kernel as it is
 def fused_online_slots(memory_keys: torch.Tensor, counts: torch.Tensor, key_sums: torch.Tensor, L: int,
-                       threshold: float, decay: float | None = None) -> torch.Tensor:
+                       threshold: float, decay: float | None = None, drop: bool = False) -> torch.Tensor:
     """:func:`~vqattn.ops.ovq.memory.online_slots` as one kernel: memory keys (B, H, T, D) (any supported dtype,
     scored in float32) and the memory before them, counts (B, H, S) and key sums (B, H, S, D) with occupied
-    slots 0..m−1 -> (B, H, T) long slot indices; ``decay``: the forgetting factor g per block. T need not be a
+    slots 0..m−1 -> (B, H, T) long slot indices (−1: not stored, with ``drop``); ``decay``: the forgetting factor g
+    per block. T need not be a
     multiple of L (the last block is partial). No gradient (the choice is discrete)."""
     B, H, T, D = memory_keys.shape
     S = counts.shape[-1]
@@ -188,5 +195,5 @@ def fused_online_slots(memory_keys: torch.Tensor, counts: torch.Tensor, key_sums
     out = torch.empty(B, H, T, device=keys.device, dtype=torch.long)
     _online_slots_kernel[(B * H,)](K=keys, CNT=cnt, SUM=sums, OUT=out, **stride_args("k", keys), H=H, T=T, S=S, D=D,
                                    threshold=float(threshold), decay=1.0 if decay is None else float(decay), L=L,
-                                   BD=register_width(D), **float32_products(keys.dtype))
+                                   BD=register_width(D), **float32_products(keys.dtype), DROP=drop)
     return out
