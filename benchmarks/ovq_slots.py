@@ -7,7 +7,8 @@ layer, averaged over the sequences and heads:
 * the distinct slots the P keys' tokens (and the P values' tokens) take: below P, pairs share a slot;
 * the later tokens (fillers and queries) that join those slots: each one moves the slot's mean key and mixes its
   value into the value the query reads;
-* the slots used in all.
+* the slots used in all;
+* the pairs' tokens and the later tokens not stored (``overflow="drop"``: novel once the slots are full).
 
 It measures what limits far recall per float of state (docs/evaluation.md); the recall itself is the run's.
 
@@ -47,7 +48,7 @@ def recorded_slots():
 def slot_sharing(model: GPT, x: torch.Tensor, pairs: int) -> list[dict[str, float]]:
     """For every ovq layer of ``model`` run on MQAR sequences x (B, T) whose first 2·pairs tokens are the pairs:
     the mean over sequences and heads of the distinct slots of the keys' and the values' tokens, of the later tokens
-    in those slots (summed over the pairs), and of the slots used."""
+    in those slots (summed over the pairs), of the slots used, and of the tokens not stored (slot −1)."""
     model.eval()
     with torch.no_grad(), recorded_slots() as calls:
         model(x)
@@ -55,13 +56,17 @@ def slot_sharing(model: GPT, x: torch.Tensor, pairs: int) -> list[dict[str, floa
     for slots in calls:  # (B, H, T)
         flat = slots.flatten(0, 1)  # (B·H, T)
         stats = {"keys' slots": 0.0, "values' slots": 0.0, "later tokens in the keys' slots": 0.0,
-                 "later tokens in the values' slots": 0.0, "slots used": 0.0}
+                 "later tokens in the values' slots": 0.0, "slots used": 0.0, "pair tokens not stored": 0.0,
+                 "later tokens not stored": 0.0}
         for s in flat:
             later = s[2 * pairs:]
             for name, taken in (("keys'", s[0:2 * pairs:2]), ("values'", s[1:2 * pairs:2])):
-                stats[f"{name} slots"] += len(set(taken.tolist()))
-                stats[f"later tokens in the {name} slots"] += sum(int((later == slot).sum()) for slot in taken)
-            stats["slots used"] += len(set(s.tolist()))
+                stored = [slot for slot in taken.tolist() if slot >= 0]
+                stats[f"{name} slots"] += len(set(stored))
+                stats[f"later tokens in the {name} slots"] += sum(int((later == slot).sum()) for slot in stored)
+                stats["pair tokens not stored"] += len(taken) - len(stored)
+            stats["slots used"] += len(set(s.tolist()) - {-1})
+            stats["later tokens not stored"] += int((later < 0).sum())
         rows.append({name: value / flat.shape[0] for name, value in stats.items()})
     return rows
 

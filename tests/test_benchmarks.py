@@ -218,9 +218,10 @@ def test_op_buffers_counts_a_step_of_each_op(monkeypatch, capsys):
 
 
 def test_ovq_slots_counts_where_the_pairs_land(monkeypatch):
-    """The slot diagnostic on a tiny ovq model: with one slot every token shares it (known counts: each of the 4
-    keys' slot holds the 40 later tokens); with 16 slots and threshold 0 the first block's 16 tokens open one each
-    (the memory is empty), so the 4 keys and the 4 values take 4 slots each and all 16 are used."""
+    """The slot diagnostic on a tiny ovq model: with one slot that novel keys join, every token shares it (known
+    counts: each of the 4 keys' slot holds the 40 later tokens); with one slot and novel keys dropped, the first token
+    alone is stored (threshold 0: every other key is novel); with 16 slots and threshold 0 the first block's 16 tokens
+    open one each (the memory is empty), so the 4 keys and the 4 values take 4 slots each and all 16 are used."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import ovq_slots
     import torch
@@ -228,11 +229,14 @@ def test_ovq_slots_counts_where_the_pairs_land(monkeypatch):
     from vqattn.model import GPT, GPTConfig
 
     x = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
-    for slots, expected in ((1, {"keys' slots": 1, "values' slots": 1, "later tokens in the keys' slots": 4 * 40,
-                                 "slots used": 1}),
-                            (16, {"keys' slots": 4, "values' slots": 4, "slots used": 16})):
+    for slots, overflow, expected in (
+            (1, "nearest", {"keys' slots": 1, "values' slots": 1, "later tokens in the keys' slots": 4 * 40,
+                            "slots used": 1, "pair tokens not stored": 0}),
+            (1, "drop", {"keys' slots": 1, "values' slots": 0, "later tokens in the keys' slots": 0,
+                         "slots used": 1, "pair tokens not stored": 7, "later tokens not stored": 40}),
+            (16, "drop", {"keys' slots": 4, "values' slots": 4, "slots used": 16, "pair tokens not stored": 0})):
         model = GPT(GPTConfig(attention="ovq", n_layer=2, n_embd=32, n_head=2, seq_len=48, attention_kwargs=dict(
-            num_slots=slots, block_len=16, threshold=0.0)))
+            num_slots=slots, block_len=16, threshold=0.0, overflow=overflow)))
         rows = ovq_slots.slot_sharing(model, x, pairs=4)
         assert len(rows) == 2
         for row in rows:
