@@ -192,10 +192,14 @@ def test_the_plots_position_labels_are_plain_numbers_that_do_not_overlap():
 @pytest.mark.parametrize("name", ["vq_hard", "ovq"])
 def test_the_ablations_edit_only_the_memory(name, monkeypatch):
     """benchmarks/length_ablations.py: capping the total count keeps every code's mean value; emptying the memory
-    empties it; the raw window is left alone."""
+    empties it; the raw window is left alone. ovq's novel keys join their nearest slot here, so that its memory
+    holds every key and its count passes T."""
     length_ablations = _length_ablations(monkeypatch)
     torch.manual_seed(0)
     model = tiny_model(name).eval()
+    for block in model.blocks:
+        if name == "ovq":
+            block.attn.overflow = "nearest"
     T = model.config.seq_len
     state = model(torch.randint(0, 17, (2, 3 * T)), return_state=True).state
     capped = length_ablations.between_segments("cap_T", T)(state)
