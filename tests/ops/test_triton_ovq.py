@@ -185,13 +185,16 @@ def decoder(name, T):
             q, k, v, c, causal=True, assign=assign, block_len=L, exact_window=window == "exact", impl=impl,
             state=state, return_state=True)), [(H, S, D)]
     given = name.split("-")[1]
-    op = ovq_call(ovq_attention, given, **(dict(threshold=1.3) if given == "online" else {}))
+    kwargs = dict(threshold=1.3) if given == "online" else {}
+    if name.endswith("-slow-drop"):  # the layer's defaults: the pairs m ≥ 3 alone (Dm = 10), novel keys dropped
+        kwargs.update(memory_first_pair=3, overflow="drop")
+    op = ovq_call(ovq_attention, given, **kwargs)
     extra = [(B, H, T, D)] * 2 if given == "memory" else []
     return (lambda q, k, v, *rest: op(q, k, v, *rest[:-2], impl=rest[-2], state=rest[-1], return_state=True)), extra
 
 
 @pytest.mark.parametrize("name", ["window", "vq-hard-codes", "vq-hard-exact", "vq-soft-exact", "ovq-online",
-                                  "ovq-memory"])
+                                  "ovq-online-slow-drop", "ovq-memory"])
 @torch.no_grad()
 def test_fused_decoding_step_equals_recurrent(name):
     """After a 40-token prefill, 24 tokens one at a time (crossing two block boundaries, where a block joins the

@@ -101,7 +101,8 @@ def _block_attention(x: Inputs, state: OVQState, q, k, v, q_mem, k_mem, slots, w
     nb = q.shape[2] // L
     counts, key_sums = code_statistics(Assignment(weights, slots), k_mem, S, nb)  # (B, H, nb, S), (.., S, Dm)
     add_values = weigh_blocks(blocks(v, L), block_weights)
-    if slots is not None:  # the cache adds a key's value at slot max(s, 0): a key not stored (−1) adds zeros
+    if slots is not None and (x.drop or x.slots is not None):  # slots that may hold −1 (a key not stored):
+        # the cache adds a key's value at slot max(s, 0), so such a key adds zeros
         add_values = add_values * (blocks(slots, L) >= 0).unsqueeze(-1).to(v.dtype)
         slots = slots.clamp_min(0)
     counts, key_sums = weigh_blocks(counts, block_weights), weigh_blocks(key_sums, block_weights)
