@@ -37,9 +37,10 @@ def _with_prefix(x: Inputs, state: OVQState) -> Inputs:
 
     zeros = x.q.new_zeros(*x.q.shape[:2], state.keys.shape[2], x.q.shape[-1])
     memory_zeros = zeros if x.q_mem is x.q else x.q_mem.new_zeros(*zeros.shape[:3], x.memory_dim)
-    return replaced(x, q=cat(zeros, x.q), q_mem=cat(memory_zeros, x.q_mem), k=cat(state.keys, x.k), v=cat(state.values, x.v),
-                      k_mem=cat(state.memory_keys if x.separate_keys else x.memory_part(state.keys), x.k_mem),
-                      slots=cat(state.slots, x.slots), slot_weights=cat(state.slot_weights, x.slot_weights))
+    memory_keys = state.memory_keys if x.separate_keys else x.memory_part(state.keys)
+    return replaced(x, q=cat(zeros, x.q), q_mem=cat(memory_zeros, x.q_mem), k=cat(state.keys, x.k),
+                    v=cat(state.values, x.v), k_mem=cat(memory_keys, x.k_mem), slots=cat(state.slots, x.slots),
+                    slot_weights=cat(state.slot_weights, x.slot_weights))
 
 
 def chunk_forward(x: Inputs, state: OVQState | None, return_state: bool,

@@ -63,7 +63,7 @@ def naive_ovq_attention(q, k, v, *, num_slots: int, block_len: int | None = None
     x = prepare(q, k, v, num_slots=num_slots, block_len=block_len, scale=scale, threshold=threshold, slots=slots,
                 slot_weights=slot_weights, q_mem=q_mem, k_mem=k_mem, state=None, memory_cap=memory_cap,
                 memory_decay=memory_decay, overflow=overflow, memory_first_pair=memory_first_pair)
-    (B, H, T, D), L, S = x.q.shape, x.block_len, num_slots
+    (B, H, T, _), L, S = x.q.shape, x.block_len, num_slots
     g = 1.0 if x.decay is None else x.decay  # the memory's factor per block that joins it
     counts, key_sums = x.q.new_zeros(B, H, S), x.q.new_zeros(B, H, S, x.memory_dim)
     value_sums = x.q.new_zeros(B, H, S, x.v.shape[-1])

@@ -524,8 +524,9 @@ def block_caches(index, weights, v, counts0, sums0, *, block_len: int, fold: int
     weights and the initial cache.
 
     index (B, H, T) long (hard; −1: a key of no code) or weights (B, H, T, S) (soft; the other None); v (B, H, T,
-    Dv); counts0 (B, H, S), sums0 (B, H, S, Dv) the cache before position 0. Returns the caches n (B, H, nb, S) and C (B, H, nb, S, Dv)
-    (nb = ⌈T/L⌉) and the state (B, H, S), (B, H, S, Dv) after the first ``fold`` ≤ nb blocks, all float32.
+    Dv); counts0 (B, H, S), sums0 (B, H, S, Dv) the cache before position 0. Returns the caches n (B, H, nb, S)
+    and C (B, H, nb, S, Dv) (nb = ⌈T/L⌉) and the state (B, H, S), (B, H, S, Dv) after the first ``fold`` ≤ nb
+    blocks, all float32.
     ``segment_steps``: the walks' segments (:func:`walk_segments`).
     """
     return BlockCaches.apply(index, weights, v, counts0, sums0, block_len, fold, segment_steps)
