@@ -19,8 +19,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .layers import ATTENTIONS, AttentionState, build_attention
+from .layers.base import check_segments
+from .ops.blocks import DEFAULT_BLOCK_LEN, resolve_block_len
 from .ops.checks import check_choice, check_positive_int, compute_dtype
-from .ops.varlen import Packing, as_packing, check_state_list, read_packing
+from .ops.varlen import Packing, Segments, as_packing, check_state_list, read_packing
 
 IGNORE_INDEX = -1  # the target value the loss and every metric skip (unlabelled positions)
 
@@ -141,6 +143,13 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
+    def block_lens(self) -> tuple[int, ...]:
+        """The block lengths of the layers that run blocks (vq, ovq, window): the layouts that
+        :meth:`~vqattn.ops.varlen.Packing.segments` forms for a packed call."""
+        lens = {resolve_block_len(getattr(block.attn, "block_len", None)) for block in self.blocks
+                if hasattr(block.attn, "block_len")}
+        return tuple(sorted(lens)) or (DEFAULT_BLOCK_LEN,)
+
     def num_params(self) -> int:
         """Number of distinct parameters (tied embeddings count once)."""
         return sum(p.numel() for p in self.parameters())
@@ -193,7 +202,7 @@ class GPT(nn.Module):
         *,
         state: GPTState | None = None,
         return_state: bool = False,
-        cu_seqlens: torch.Tensor | Packing | None = None,
+        cu_seqlens: torch.Tensor | Packing | Segments | None = None,
     ) -> GPTOutput:
         """idx, targets: (B, T) token ids. loss is the mean NLL; aux_loss is returned separately.
 
@@ -205,10 +214,15 @@ class GPT(nn.Module):
         along T, and no token sees another sequence; positions restart at each (:mod:`vqattn.ops.varlen`). The
         loss is the mean over all tokens, as unpacked. ``state`` is then a list of N GPTStates (None entries start
         fresh) and the output's state such a list. The boundaries are read on the host once per call (never per
-        layer); a :class:`~vqattn.ops.varlen.Packing` built where they are known (a data loader) is not read at all.
+        layer); a :class:`~vqattn.ops.varlen.Packing` built where they are known (a data loader) is not read at all,
+        and :class:`~vqattn.ops.varlen.Segments` (``packing.segments(model.block_lens())``, the boundaries as tensors)
+        run the packed call in a form ``torch.compile`` traces whole (no states).
         """
         positions = None
-        if cu_seqlens is not None:
+        if isinstance(cu_seqlens, Segments):  # tensors only: nothing is read, a compiled graph traces it whole
+            check_segments(cu_seqlens, idx, state, return_state)
+            positions = cu_seqlens.positions
+        elif cu_seqlens is not None:
             self._check_idx("idx", idx, 0)
             if state is not None or return_state:
                 packing = as_packing(cu_seqlens, batch=idx.shape[0], length=idx.shape[1])

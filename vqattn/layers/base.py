@@ -14,7 +14,7 @@ import torch.nn as nn
 from ..modules.conv import ShortConvolution
 from ..modules.rope import rope_rotate
 from ..ops.checks import check_positive_int
-from ..ops.varlen import Packing, as_packing, check_state_list, read_packing
+from ..ops.varlen import Packing, Segments, as_packing, check_state_list, read_packing
 
 
 @dataclass
@@ -173,7 +173,7 @@ class Attention(nn.Module):
 
     def forward(
         self, x: torch.Tensor, state: AttentionState | None = None, return_state: bool = False,
-        cu_seqlens: torch.Tensor | Packing | None = None,
+        cu_seqlens: torch.Tensor | Packing | Segments | None = None,
     ) -> AttentionOutput:
         """x: (B, T, C) -> AttentionOutput(output (B, T, C), aux_loss (scalar), state or None).
 
@@ -184,11 +184,15 @@ class Attention(nn.Module):
         is attended as a call of its own would attend it (RoPE positions, the short convolution and the op all
         restart at its first token). ``state`` is then a list of N states (None entries start fresh) and the
         returned state such a list. A :class:`~vqattn.ops.varlen.Packing` (boundaries already read, as the model
-        hands them to its layers) is taken in place of the tensor.
+        hands them to its layers) is taken in place of the tensor, and so are
+        :class:`~vqattn.ops.varlen.Segments` (the boundaries as tensors, for ``torch.compile``; no states).
         """
         check_layer_input(x, self.dim)
         positions = None
-        if cu_seqlens is not None:
+        if isinstance(cu_seqlens, Segments):  # tensors only: nothing is read, a compiled graph traces it whole
+            check_segments(cu_seqlens, x, state, return_state)
+            positions = cu_seqlens.positions
+        elif cu_seqlens is not None:
             if state is not None or return_state:
                 packing = as_packing(cu_seqlens, batch=x.shape[0], length=x.shape[1])
                 return self._per_sequence(x, packing.bounds, state, return_state)
@@ -243,6 +247,16 @@ class Attention(nn.Module):
         return {}
 
 
+def check_segments(segments: Segments, x: torch.Tensor, state, return_state: bool) -> None:
+    """ValueError unless a layer or model call given Segments (B = 1, T tokens) has no state."""
+    if state is not None or return_state:
+        raise ValueError("cu_seqlens given as Segments runs calls without states; pass the cu_seqlens tensor or a "
+                         "Packing for a packed call with state or return_state")
+    if x.shape[0] != 1 or x.shape[1] != segments.length:
+        raise ValueError(f"with cu_seqlens (Segments of {segments.length} tokens), the input must be (1, "
+                         f"{segments.length}, …), got {tuple(x.shape)}")
+
+
 class CachedAttention(Attention):
     """Quadratic attention whose decoding state is a KV cache (memory grows with the sequence).
 
@@ -261,14 +275,19 @@ class CachedAttention(Attention):
     def _quadratic(self, q, k, v):
         raise NotImplementedError
 
-    @torch.compiler.disable  # one call per sequence: a graph would recompile for every new batch of documents
-    def _packed_quadratic(self, q, k, v, cu_seqlens: Packing) -> torch.Tensor:
+    def _packed_quadratic(self, q, k, v, cu_seqlens: Packing | Segments) -> torch.Tensor:
         """Causal attention of packed sequences: each one's ``_quadratic`` alone."""
-        bounds = cu_seqlens.bounds
-        return torch.cat([self._quadratic(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b])
-                          for a, b in zip(bounds, bounds[1:])], 2)
+        return _each_sequence(self._quadratic, q, k, v, cu_seqlens)
 
     def _op_state_floats(self, seq_len: int) -> int:
         return 2 * seq_len * self.dim  # every key and value
+
+
+@torch.compiler.disable  # one call per sequence: a graph would recompile for every new batch of documents
+def _each_sequence(quadratic, q, k, v, cu_seqlens: Packing | Segments) -> torch.Tensor:
+    if isinstance(cu_seqlens, Segments):  # read here, outside the graph
+        cu_seqlens = cu_seqlens.cu_seqlens
+    bounds = as_packing(cu_seqlens, batch=q.shape[0], length=q.shape[2]).bounds
+    return torch.cat([quadratic(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b]) for a, b in zip(bounds, bounds[1:])], 2)
 
 

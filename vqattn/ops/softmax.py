@@ -6,10 +6,21 @@ import torch
 import torch.nn.functional as F
 
 from .checks import check_qkv
-from .varlen import varlen
+from .varlen import Segments, varlen
 
 
-@varlen(("q", "k", "v"))
+def _segmented(a: dict, segments: Segments) -> torch.Tensor:
+    """A packed causal call given :class:`~vqattn.ops.varlen.Segments`: one SDPA over the row, each query masked to
+    the keys of its own sequence up to it (a (T, T) mask from the positions, no host read)."""
+    q, k, v = a["q"], a["k"], a["v"]
+    check_qkv(q, k, v, causal=True)
+    i = torch.arange(q.shape[2], device=q.device)
+    first = (i - segments.positions.to(q.device))[:, None]  # each query's sequence's first token
+    mask = (i[None, :] <= i[:, None]) & (i[None, :] >= first)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=a["scale"])
+
+
+@varlen(("q", "k", "v"), segmented=_segmented)
 def softmax_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float | None = None
 ) -> torch.Tensor:

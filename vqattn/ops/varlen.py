@@ -33,9 +33,10 @@ from typing import NamedTuple
 import torch
 
 from .blocks import DEFAULT_BLOCK_LEN
+from .common.segments import BlockLayout
 from .common.statistics import Assignment, map_time
 
-__all__ = ["varlen", "Packing", "as_packing", "check_cu_seqlens", "cu_seqlens_from_starts", "positions",
+__all__ = ["varlen", "Packing", "Segments", "as_packing", "check_cu_seqlens", "cu_seqlens_from_starts", "positions",
            "read_packing", "check_state_list"]
 
 
@@ -169,6 +170,15 @@ class Packing:
             self._positions = positions(self.bounds, device=device)
         return self._positions
 
+    def segments(self, block_lens: Sequence[int] = (DEFAULT_BLOCK_LEN,), device: torch.device | None = None) -> Segments:
+        """The boundaries as tensors alone (:class:`Segments`), with a block layout for each of ``block_lens``: what
+        a compiled model takes, formed here on the host."""
+        device = self.cu_seqlens.device if device is None else torch.device(device)
+        cu_seqlens = self.cu_seqlens.to(device)
+        torch._dynamo.maybe_mark_dynamic(cu_seqlens, 0)
+        layouts = tuple(BlockLayout.build(self.bounds, L, device) for L in sorted(set(block_lens)))
+        return Segments(cu_seqlens, self.positions(device), layouts)
+
     def classes(self, block_len: int, call_tokens: int | None = None) -> tuple[LengthClass, ...]:
         """The sequences grouped into length classes (formed once per block length): by their number of blocks of
         ``block_len``, so each is padded by less than one block, then neighbouring groups merged where a call
@@ -206,6 +216,32 @@ class Packing:
         device = self.cu_seqlens.device
         slots, pads, real, tokens = (torch.tensor(x, device=device) for x in (slots, pads, real, tokens))
         return LengthClass(None, len(seqs), width, slots, pads, real, tokens)
+
+
+class Segments(NamedTuple):
+    """A packed row's boundaries as tensors only, for ``torch.compile`` (:meth:`Packing.segments`): ``cu_seqlens``
+    (N+1,) int32, ``positions`` (T,) long (each token's position in its sequence) and a
+    :class:`~vqattn.ops.common.segments.BlockLayout` per block length. Passed as ``cu_seqlens`` to a model, layer or
+    op, it runs the packed call in its segmented block form (:mod:`vqattn.ops.common.segments`), which a compiled
+    graph traces whole: no host read, and no recompile for new documents (the sizes that change are marked
+    dynamic). Ops without a segmented form (ovq, linear attention) read ``cu_seqlens`` and run the length classes
+    outside the graph."""
+
+    cu_seqlens: torch.Tensor
+    positions: torch.Tensor
+    layouts: tuple[BlockLayout, ...]
+
+    @property
+    def length(self) -> int:
+        return self.positions.shape[0]
+
+    def layout(self, block_len: int) -> BlockLayout:
+        for layout in self.layouts:
+            if layout.block_len == block_len:
+                return layout
+        have = [layout.block_len for layout in self.layouts]
+        raise ValueError(f"these Segments hold block layouts for block_len {have}, not {block_len}: build them with "
+                         f"Packing.segments(block_lens=[..., {block_len}])")
 
 
 # A call's fixed cost, in token slots of work, by device type: what merging two length classes into one padded batch
@@ -363,19 +399,43 @@ def _stateless(op: Callable) -> Callable:
     return call
 
 
-def varlen(per_token: tuple[str, ...]) -> Callable:
+def _check_segmented(given: dict, per_token: tuple[str, ...], segments: Segments) -> None:
+    """ValueError unless a call given :class:`Segments` is causal, without states, with (1, H, T, …) inputs."""
+    if given.get("state") is not None or given.get("return_state") or not given.get("causal", True):
+        raise ValueError("cu_seqlens given as Segments runs causal calls without states; pass the cu_seqlens tensor "
+                         "or a Packing for a call with state, return_state or causal=False")
+    _check_batch(given[per_token[0]].shape[0])
+    for name in per_token:
+        x = given[name]
+        t = x if not isinstance(x, Assignment) else next((y for y in x if y is not None), None)
+        if t is not None and (t.dim() < 3 or t.shape[0] != 1 or t.shape[2] != segments.length):
+            raise ValueError(f"with cu_seqlens, {name} must be (1, H, T, …) with T = {segments.length}, "
+                             f"got {tuple(t.shape)}")
+
+
+def varlen(per_token: tuple[str, ...], segmented: Callable | None = None) -> Callable:
     """Decorator: the op takes ``cu_seqlens`` (see the module docstring); ``per_token`` names its arguments with
     a time axis at dim 2 (tensors or Assignments), which are split along it. The op must take ``state`` and
-    ``return_state`` (ops without a state take them as None / False)."""
+    ``return_state`` (ops without a state take them as None / False). ``segmented(arguments, segments)``: the
+    op's segmented block form (:mod:`vqattn.ops.common.segments`), which runs a call given :class:`Segments`."""
 
     def wrap(op: Callable) -> Callable:
         signature = inspect.signature(op)
         stateful = "state" in signature.parameters
 
         @functools.wraps(op)
-        def packed(*args, cu_seqlens: torch.Tensor | Packing | None = None, **kwargs):
+        def packed(*args, cu_seqlens: torch.Tensor | Packing | Segments | None = None, **kwargs):
             if cu_seqlens is None:
                 return op(*args, **kwargs)
+            if isinstance(cu_seqlens, Segments):
+                given = signature.bind(*args, **kwargs)
+                given.apply_defaults()
+                given = dict(given.arguments)
+                first = given[per_token[0]]
+                if segmented is not None and isinstance(first, torch.Tensor) and first.dim() >= 3:
+                    _check_segmented(given, per_token, cu_seqlens)
+                    return segmented(given, cu_seqlens)
+                cu_seqlens = cu_seqlens.cu_seqlens  # read outside the graph, as a tensor
             return run_packed(args, kwargs, cu_seqlens)
 
         # Outside torch.compile: the boundaries are read on the host, and a graph that saw them as numbers would
@@ -406,7 +466,7 @@ def varlen(per_token: tuple[str, ...]) -> Callable:
         packed.__signature__ = signature.replace(parameters=[
             *signature.parameters.values(),
             inspect.Parameter("cu_seqlens", inspect.Parameter.KEYWORD_ONLY, default=None,
-                              annotation="torch.Tensor | Packing | None")])
+                              annotation="torch.Tensor | Packing | Segments | None")])
         return packed
 
     return wrap

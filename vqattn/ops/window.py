@@ -36,13 +36,14 @@ from .blocks import (
 )
 from .checks import check_choice, check_qkv, compute_dtype, resolve_scale, size_min
 from .common.impls import IMPLS, decoding, needs_grad, pick_impl, with_impl
+from .common.segments import window_bad_keys, window_blocks, window_mask, window_softmax
 from .common.window_code_blocks import WindowCodeInputs, window_code_attention
 from .devices import require_triton
 from .nonfinite import may_be_nonfinite, nonfinite_keys, window_poison, zero_rows
 from .precision import autocast_off
 from .triton.decode import fused_decode_step
 from .triton.window_codes import fused_window_code_attention, unsupported
-from .varlen import varlen
+from .varlen import Segments, varlen
 
 
 @dataclass
@@ -124,7 +125,28 @@ def _validate(q, k, v, block_len, state, return_state, impl) -> None:
                              f"{tuple(state.values.shape)} for k {tuple(k.shape)}, v {tuple(v.shape)}")
 
 
-@varlen(("q", "k", "v"))
+@autocast_off
+def _segmented(a: dict, segments: Segments) -> torch.Tensor:
+    """A packed call given :class:`~vqattn.ops.varlen.Segments`: every block's window in the block layout
+    (:mod:`vqattn.ops.common.segments`), one traced computation for any documents."""
+    q, k, v = a["q"], a["k"], a["v"]
+    _validate(q, k, v, a["block_len"], None, False, a["impl"])
+    layout = segments.layout(resolve_block_len(a["block_len"]))
+    L, dtype = layout.block_len, compute_dtype(q.dtype)
+    q, k, v = (layout.gather(x).to(dtype) for x in (q, k, v))
+    first = layout.first_blocks()
+    bad, _ = nonfinite_keys(k)
+    if may_be_nonfinite(bad):
+        k = zero_rows(k, bad)
+    out = window_softmax(resolve_scale(a["scale"], q.shape[-1]) * blocks(q, L)
+                         @ window_blocks(k, L, first).transpose(-1, -2),
+                         window_mask(first, L), window_blocks(v, L, first)).flatten(2, 3)
+    if may_be_nonfinite(bad):
+        out = out + window_bad_keys(bad, L, first).to(dtype).unsqueeze(-1)
+    return layout.scatter_back(out).to(a["q"].dtype)
+
+
+@varlen(("q", "k", "v"), segmented=_segmented)
 @autocast_off
 def window_attention(
     q: torch.Tensor,

@@ -131,18 +131,20 @@ class SummedNLL(Metric):
                 "bytes_per_token": n_bytes.double() / count, "by_position": by_position}
 
 
-def packed_forward(model: GPT, x: torch.Tensor, starts: torch.Tensor) -> tuple[GPTOutput, torch.Tensor]:
+def packed_forward(model: GPT, x: torch.Tensor, starts: torch.Tensor,
+                   traced: bool = False) -> tuple[GPTOutput, torch.Tensor]:
     """The model on the rows of x (B, T) packed into one row of B·T tokens, cut into sequences at ``starts`` (B, T)
     bool, True at each document's first token, and at every row's first token whatever it holds (a row continues
     no other): ``model(x.reshape(1, B·T), cu_seqlens=...)``, so no document attends to another. The boundaries are
     read on the host once (:meth:`~vqattn.ops.varlen.Packing.from_starts`) and handed to the model as a Packing,
-    which no layer reads again. Returns the output with its logits back in (B, T, V), and each token's position
-    within its document, (B, T) long."""
+    which no layer reads again; for a ``traced`` (compiled) model, as :class:`~vqattn.ops.varlen.Segments`, tensors
+    alone, so that the graph traces the packed call whole and does not recompile for new documents. Returns the
+    output with its logits back in (B, T, V), and each token's position within its document, (B, T) long."""
     b, t = x.shape
     starts = starts.to(dtype=torch.bool).clone()
     starts[:, 0] = True
     packing = Packing.from_starts(starts.reshape(-1), x.device)
-    out = model(x.reshape(1, b * t), cu_seqlens=packing)
+    out = model(x.reshape(1, b * t), cu_seqlens=packing.segments(model.block_lens()) if traced else packing)
     return out._replace(logits=out.logits.reshape(b, t, -1)), packing.positions(x.device).reshape(b, t)
 
 
@@ -332,7 +334,7 @@ class LitLM(L.LightningModule):
             raise ValueError("carry_state=true continues each row from the last step's state: it cannot train on "
                              "packed documents (data.pack_documents=true)")
         if packed:
-            out, _ = packed_forward(self.model, x, packed[0])
+            out, _ = packed_forward(self.model, x, packed[0], traced=self.hparams.get("compile", False))
         else:
             out = self.model(x) if self.carry is None else self._carried_forward(x)
         nll = F.cross_entropy(out.logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE_INDEX)
@@ -396,7 +398,7 @@ class LitLM(L.LightningModule):
         x, y, *packed = batch
         if dataloader_idx == 0:
             if packed:
-                out, pos = packed_forward(self.model, x, packed[0])
+                out, pos = packed_forward(self.model, x, packed[0], traced=self.hparams.get("compile", False))
                 self.val_nll.update(out.logits, y, pos)
             else:
                 self.val_nll.update(self.model(x).logits, y)

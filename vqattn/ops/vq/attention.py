@@ -12,10 +12,11 @@ from ..common.impls import decoding, needs_grad, pick_impl, with_impl
 from ..common.statistics import Assignment, code_means, code_statistics, log_counts, map_time
 from ..nonfinite import zero_assignment_rows
 from ..precision import autocast_off
-from ..varlen import varlen
+from ..varlen import Segments, varlen
 from .chunk import chunk_forward
 from .naive import naive_vq_attention
 from .recurrent import recurrent_forward
+from .segmented import segmented_forward
 from .state import IMPLS, Inputs, VQState, fused_unsupported, prepare, validate
 
 __all__ = ["vq_attention", "chunk_vq_attention", "recurrent_vq_attention", "IMPLS"]
@@ -52,7 +53,24 @@ def _poisoned(out: torch.Tensor, poison: torch.Tensor | None) -> torch.Tensor:
     return out if poison is None else out + poison
 
 
-@varlen(("q", "k", "v", "q_rot", "k_rot", "assignment"))
+@autocast_off
+def _segmented(a: dict, segments: Segments) -> torch.Tensor:
+    """A packed causal call given :class:`~vqattn.ops.varlen.Segments`: the sequences in their block layout, run
+    by :func:`.segmented.segmented_forward` (any ``impl``: the one form a compiled graph traces whole)."""
+    validate(a["q"], a["k"], a["v"], a["codebook"], causal=True, assign=a["assign"], block_len=a["block_len"],
+             exact_window=a["exact_window"], state=None, return_state=False, impl=a["impl"], q_rot=a["q_rot"],
+             k_rot=a["k_rot"], assignment=a["assignment"], memory_cap=a["memory_cap"])
+    layout = segments.layout(resolve_block_len(a["block_len"]))
+    q, k, v, q_rot, k_rot = (layout.gather(a[name]) for name in ("q", "k", "v", "q_rot", "k_rot"))
+    assignment = None if a["assignment"] is None else map_time(layout.gather, a["assignment"])
+    x, _, _ = prepare(q, k, v, a["codebook"], impl="chunk", causal=True, assign=a["assign"],
+                      temperature=a["temperature"], block_len=layout.block_len, scale=a["scale"],
+                      exact_window=a["exact_window"], state=None, assignment=assignment, q_rot=q_rot, k_rot=k_rot,
+                      schedule=as_schedule(a["schedule"]), memory_cap=a["memory_cap"])
+    return layout.scatter_back(segmented_forward(x, layout)).to(a["q"].dtype)
+
+
+@varlen(("q", "k", "v", "q_rot", "k_rot", "assignment"), segmented=_segmented)
 @autocast_off
 def vq_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, codebook: torch.Tensor, *, causal: bool,
                  assign: str = "hard", temperature: float | torch.Tensor = 1.0, block_len: int | None = None,

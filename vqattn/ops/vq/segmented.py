@@ -1,0 +1,84 @@
+"""The segmented block form of causal codebook attention: a packed row of sequences in one traced computation.
+
+The inputs come in a :class:`~vqattn.ops.common.segments.BlockLayout` (every sequence starts at a block boundary),
+so block b of a sequence attends, as in :mod:`.chunk`, to its window and to the codes, whose counts n_s and value
+sums Σ_j Δ_js v_j are those of its own sequence's blocks ≤ b − 2 (≤ b − 1 for the soft mixture window), summed by
+:func:`~vqattn.ops.common.segments.segment_sums`. Every block at once, in plain PyTorch with autograd's gradients:
+no loop over sequences or blocks, no host read, one graph for any documents. It keeps every block's (S, Dv) cache,
+n·S·Dv numbers per batch·head, where the chunk impl runs one cache through its blocks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..blocks import blocks
+from ..common.segments import BlockLayout, segment_prefix, segment_sums, window_blocks, window_mask, window_softmax
+from ..common.statistics import code_means, code_statistics, log_counts
+from ..nonfinite import zero_assignment_rows
+from .state import Inputs
+
+
+def _memory_bias(layout: BlockLayout, memory_cap: int | None, dtype) -> torch.Tensor | None:
+    """(n, 1, 1): log min(1, M / n_b) with n_b = max(0, b − 1)·L keys before the window of block b of its
+    sequence (:mod:`~vqattn.ops.common.memory_cap`), or None."""
+    if memory_cap is None:
+        return None
+    L = layout.block_len
+    held = ((layout.block_in_sequence() - 1).clamp_min(0) * L).clamp_min(1).to(torch.float64)
+    return (math.log(memory_cap) - held.log()).clamp_max(0).to(dtype).view(-1, 1, 1)
+
+
+def _window_keys(x: Inputs, index: torch.Tensor | None) -> torch.Tensor:
+    """The keys the window scores: the raw keys (``exact_window``; k_rot under RoPE), else the hard code keys
+    k̂_j = c_{z_j} + (k_j − sg(k_j)) (straight-through)."""
+    if x.exact_window:
+        return x.window_k
+    H = x.codebook.shape[0]
+    codes = x.codebook[torch.arange(H, device=index.device).view(1, H, 1), index.clamp_min(0)]
+    return codes + (x.k - x.k.detach())
+
+
+def _mixture(x: Inputs, weights: torch.Tensor, code_logits, counts, sums, L: int) -> torch.Tensor:
+    """The soft mixture window: query i weighs key j ≤ i of its block by Σ_s e^{σ q_i·c_s} Δ_js, and the codes of
+    its sequence's earlier blocks by e^{σ q_i·c_s} n_s (value the mean), in one normalisation."""
+    e = torch.exp(code_logits - code_logits.amax(-1, keepdim=True).detach())  # (B, H, n, L, S), ≤ 1
+    pair = e @ blocks(weights, L).transpose(-1, -2)  # (B, H, n, L, L)
+    pair = pair.masked_fill(torch.ones(L, L, dtype=torch.bool, device=pair.device).triu(1), 0)
+    num = pair @ blocks(x.v, L) + e @ sums
+    den = pair.sum(-1, keepdim=True) + e @ counts.unsqueeze(-1)
+    return num / den
+
+
+def segmented_forward(x: Inputs, layout: BlockLayout) -> torch.Tensor:
+    """Causal codebook attention of x (:class:`~.state.Inputs`, tensors (B, H, T', ·) in ``layout``, no state)
+    -> out (B, H, T', Dv), NaN exactly for the queries that see a non-finite key of their own sequence."""
+    L = layout.block_len
+    B, H, T, _ = x.q.shape
+    n, S = T // L, x.codebook.shape[1]
+    a = x.assignment if x.assignment is not None else x.assign_keys(x.k)
+    kept = zero_assignment_rows(a, x.bad)
+    counts, sums = code_statistics(kept, x.v, S, n)  # (B, H, n, S), (B, H, n, S, Dv)
+    first = layout.first_blocks()
+    mixture = x.assign == "soft" and not x.exact_window
+    lag = 1 if mixture else 2
+    counts, sums = segment_sums(counts, first, lag), segment_sums(sums, first, lag)
+    code_logits = (x.scale * blocks(x.q, L)) @ x.codebook.unsqueeze(1).transpose(-1, -2)  # (B, H, n, L, S)
+    if mixture:
+        out = _mixture(x, kept.weights, code_logits, counts, sums, L)
+    else:
+        bias = _memory_bias(layout, x.memory_cap, code_logits.dtype)
+        if bias is not None:
+            code_logits = code_logits + bias
+        queries = blocks(x.q if x.q_rot is None else x.q_rot, L)
+        keys = window_blocks(_window_keys(x, a.index), L, first)  # (B, H, n, 2L, D)
+        out = window_softmax(x.scale * queries @ keys.transpose(-1, -2), window_mask(first, L),
+                             window_blocks(x.v, L, first), code_logits + log_counts(counts).unsqueeze(-2),
+                             code_means(counts, sums))
+    out = out.reshape(B, H, T, -1)
+    if x.bad is not None:  # NaN from the first bad key of a sequence on
+        seen = segment_prefix(x.bad.to(out.dtype), layout.starts)
+        out = out + torch.zeros_like(seen, dtype=out.dtype).masked_fill(seen > 0, float("nan")).unsqueeze(-1)
+    return out
