@@ -12,6 +12,7 @@ from ..ops.blocks import DEFAULT_BLOCK_LEN
 from ..ops.checks import check_choice, check_positive_int
 from ..ops.kernel import kernel_attention
 from ..ops.softmax import softmax_attention
+from ..ops.varlen import Segments
 from ..ops.window import IMPLS as WINDOW_IMPLS
 from ..ops.window import window_attention
 from .base import Attention, CachedAttention, op_result
@@ -49,6 +50,12 @@ class KernelSmootherAttention(CachedAttention):
 
     def _quadratic(self, q, k, v):
         return kernel_attention(q, k, v, kernel=self.kernel, causal=True, degree=self.degree)
+
+    def _packed_quadratic(self, q, k, v, cu_seqlens):
+        if not isinstance(cu_seqlens, Segments):
+            return super()._packed_quadratic(q, k, v, cu_seqlens)
+        return kernel_attention(q, k, v, kernel=self.kernel, causal=True, degree=self.degree,
+                                mask=cu_seqlens.document_mask())
 
 
 class RBFSmootherAttention(KernelSmootherAttention):

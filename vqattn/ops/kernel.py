@@ -28,6 +28,7 @@ def kernel_attention(
     normalizer: str | None = None,
     position_kernel: torch.Tensor | None = None,
     eps: float | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention with an explicit kernel, s = ``scale`` (default D**-0.5):
 
@@ -46,6 +47,8 @@ def kernel_attention(
     ``eps`` given the row sum clamped at eps; "count": number of keys attended, "none"). Default: "kernel" for
     the non-negative kernels (exp, rbf, even-degree poly) and "count" for signed ones (linear, odd-degree poly),
     whose row sums can be ≤ 0.
+    mask: optional (Tq, Tk) bool, the keys each query may see besides causality (packed sequences: its own
+    sequence's, :meth:`~vqattn.ops.varlen.Segments.document_mask`); the "count" normaliser counts those.
     Half precision is computed in float32, also under ``torch.autocast`` (disabled inside); the output has v's dtype.
     """
     normalizer = _check_args(
@@ -63,6 +66,10 @@ def kernel_attention(
     keep = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device)
     if causal:
         keep = keep.tril(Tk - Tq)
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or tuple(mask.shape) != (Tq, Tk):
+            raise ValueError(f"mask must be a ({Tq}, {Tk}) bool tensor, got {getattr(mask, 'shape', type(mask))}")
+        keep = keep & mask
     weights = _kernel_weights(q, k, keep, kernel, s, degree, position_kernel, normalizer)
     num = weights @ v  # (B, H, Tq, Dv)
     count = keep.sum(-1).to(dt).expand(B, H, Tq)

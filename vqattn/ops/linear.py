@@ -21,8 +21,9 @@ from .blocks import check_block_len, resolve_block_len
 from .checks import check_4d, check_choice, check_qkv, check_same_device_dtype, compute_dtype
 from .common.impls import IMPLS as OP_IMPLS
 from .common.impls import pick_impl, with_impl
+from .common.segments import BlockLayout, segment_sums
 from .precision import autocast_off
-from .varlen import varlen
+from .varlen import Segments, varlen
 
 NORMALIZERS = ("kernel", "count", "none")
 IMPLS = tuple(impl for impl in OP_IMPLS if impl != "triton")  # no fused kernel
@@ -64,7 +65,64 @@ def _check_eps(eps: float | None) -> None:
         raise ValueError(f"eps must be > 0 or None, got {eps!r}")
 
 
-@varlen(("phi_q", "phi_k", "v", "k_log_scale"))
+@autocast_off
+def _segmented(a: dict, segments: Segments) -> torch.Tensor:
+    """A packed causal call given :class:`~vqattn.ops.varlen.Segments`: the sequences in their block layout
+    (:mod:`vqattn.ops.common.segments`), the chunks' prefix states summed within each sequence."""
+    phi_q, phi_k, v, ls, out_dtype = _checked_inputs(
+        a["phi_q"], a["phi_k"], a["v"], a["k_log_scale"], causal=True, eps=a["eps"], normalizer=a["normalizer"],
+        block_len=a["block_len"], state=None, return_state=False, impl=a["impl"])
+    layout = segments.layout(resolve_block_len(a["block_len"]))
+    phi_q, phi_k, v = (layout.gather(x) for x in (phi_q, phi_k, v))
+    if ls is not None:  # a pad's features weigh nothing
+        ls = layout.gather(ls).masked_fill(layout.pads, float("-inf"))
+    out = _segmented_causal(phi_q, phi_k, v, ls, layout, a["normalizer"], a["eps"])
+    return layout.scatter_back(out).to(out_dtype)
+
+
+def _segmented_causal(phi_q, phi_k, v, ls, layout: BlockLayout, normalizer, eps):
+    """:func:`_causal` over the sequences of a block layout, chunk = block: each block's prefix state holds the
+    earlier blocks of its own sequence (without log scales by :func:`~vqattn.ops.common.segments.segment_sums`,
+    with them by the (N × N) weights of :func:`_scaled_prefix`, masked to the sequence), and every reference is the
+    running max of the query's own sequence."""
+    B, H, T, M = phi_k.shape
+    C, Dv = layout.block_len, v.shape[-1]
+    N = T // C
+    qc, kc, vc = phi_q.view(B, H, N, C, M), phi_k.view(B, H, N, C, M), v.view(B, H, N, C, Dv)
+    first = layout.first_blocks()
+    mask = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
+    intra = qc @ kc.transpose(-1, -2)  # (B, H, N, C, C)
+    if ls is None:
+        intra = intra.masked_fill(~mask, 0.0)
+        prefix_kv = segment_sums(kc.transpose(-1, -2) @ vc, first, 1)  # (B, H, N, M, Dv)
+        prefix_ksum = segment_sums(kc.sum(3), first, 1)
+        inter_num, inter_den = qc @ prefix_kv, (qc @ prefix_ksum.unsqueeze(-1)).squeeze(-1)
+    else:
+        lsc = ls.view(B, H, N, C)
+        chunk_scale = lsc.detach().amax(-1)  # (B, H, N), finite: every block holds a real key
+        b = torch.arange(N, device=v.device)
+        earlier = (b[None, :] < b[:, None]) & (b[None, :] >= first[:, None])  # (N, N): block j is before b in b's seq
+        # references (detached, they cancel): the running max over the earlier blocks (−inf at a first block)
+        # and per query over its sequence so far
+        rel = chunk_scale.unsqueeze(-2).masked_fill(~earlier, float("-inf")).amax(-1)  # (B, H, N)
+        ref = torch.maximum(lsc.detach().cummax(-1).values, rel.unsqueeze(-1))  # (B, H, N, C)
+        intra = intra * torch.exp((lsc.unsqueeze(-2) - ref.unsqueeze(-1)).masked_fill(~mask, float("-inf")))
+        kc = kc * torch.exp(lsc - chunk_scale.unsqueeze(-1)).unsqueeze(-1)
+        w = torch.exp((chunk_scale.unsqueeze(-2) - rel.unsqueeze(-1)).masked_fill(~earlier, float("-inf")))
+        prefix_kv = torch.einsum("bhnk,bhkmd->bhnmd", w, kc.transpose(-1, -2) @ vc)
+        prefix_ksum = torch.einsum("bhnk,bhkm->bhnm", w, kc.sum(3))
+        to_query = torch.exp(rel.unsqueeze(-1) - ref)  # ≤ 1; 0 at a sequence's first block
+        inter_num = (qc @ prefix_kv) * to_query.unsqueeze(-1)
+        inter_den = (qc @ prefix_ksum.unsqueeze(-1)).squeeze(-1) * to_query
+    num = (intra @ vc + inter_num).reshape(B, H, T, Dv)
+    den = (intra.sum(-1) + inter_den).reshape(B, H, T)
+    if ls is not None and normalizer != "kernel":  # back to the true scale (the kernel normaliser cancels it)
+        num = num * torch.exp(ref.reshape(B, H, T)).unsqueeze(-1)
+    count = (torch.arange(T, device=v.device) - layout.starts + 1).to(v.dtype).expand(B, H, T)
+    return _normalize(num, den, count, normalizer, eps)
+
+
+@varlen(("phi_q", "phi_k", "v", "k_log_scale"), segmented=_segmented)
 @autocast_off
 def linear_attention(
     phi_q: torch.Tensor,

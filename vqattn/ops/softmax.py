@@ -11,13 +11,10 @@ from .varlen import Segments, varlen
 
 def _segmented(a: dict, segments: Segments) -> torch.Tensor:
     """A packed causal call given :class:`~vqattn.ops.varlen.Segments`: one SDPA over the row, each query masked to
-    the keys of its own sequence up to it (a (T, T) mask from the positions, no host read)."""
+    the keys of its own sequence up to it (:meth:`~vqattn.ops.varlen.Segments.document_mask`, no host read)."""
     q, k, v = a["q"], a["k"], a["v"]
     check_qkv(q, k, v, causal=True)
-    i = torch.arange(q.shape[2], device=q.device)
-    first = (i - segments.positions.to(q.device))[:, None]  # each query's sequence's first token
-    mask = (i[None, :] <= i[:, None]) & (i[None, :] >= first)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=a["scale"])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=segments.document_mask().to(q.device), scale=a["scale"])
 
 
 @varlen(("q", "k", "v"), segmented=_segmented)

@@ -235,6 +235,12 @@ class Segments(NamedTuple):
     def length(self) -> int:
         return self.positions.shape[0]
 
+    def document_mask(self) -> torch.Tensor:
+        """(T, T) bool: key j is visible to query i, in i's own sequence and not after it (quadratic attention)."""
+        i = torch.arange(self.length, device=self.positions.device)
+        first = (i - self.positions)[:, None]  # each query's sequence's first token
+        return (i[None, :] <= i[:, None]) & (i[None, :] >= first)
+
     def layout(self, block_len: int) -> BlockLayout:
         for layout in self.layouts:
             if layout.block_len == block_len:
@@ -417,7 +423,8 @@ def varlen(per_token: tuple[str, ...], segmented: Callable | None = None) -> Cal
     """Decorator: the op takes ``cu_seqlens`` (see the module docstring); ``per_token`` names its arguments with
     a time axis at dim 2 (tensors or Assignments), which are split along it. The op must take ``state`` and
     ``return_state`` (ops without a state take them as None / False). ``segmented(arguments, segments)``: the
-    op's segmented block form (:mod:`vqattn.ops.common.segments`), which runs a call given :class:`Segments`."""
+    op's segmented block form (:mod:`vqattn.ops.common.segments`), which runs a call given :class:`Segments`, or
+    returns None for options it does not cover (the call then runs its length classes outside the graph)."""
 
     def wrap(op: Callable) -> Callable:
         signature = inspect.signature(op)
@@ -434,7 +441,9 @@ def varlen(per_token: tuple[str, ...], segmented: Callable | None = None) -> Cal
                 first = given[per_token[0]]
                 if segmented is not None and isinstance(first, torch.Tensor) and first.dim() >= 3:
                     _check_segmented(given, per_token, cu_seqlens)
-                    return segmented(given, cu_seqlens)
+                    out = segmented(given, cu_seqlens)
+                    if out is not None:
+                        return out
                 cu_seqlens = cu_seqlens.cu_seqlens  # read outside the graph, as a tensor
             return run_packed(args, kwargs, cu_seqlens)
 

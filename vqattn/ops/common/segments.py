@@ -12,6 +12,7 @@ boundaries nor recompiles for new documents.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -100,6 +101,15 @@ def segment_prefix(x: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
     prefix = torch.nn.functional.pad(x.to(torch.float64).cumsum(2), (1, 0))  # (B, H, T' + 1)
     i = torch.arange(x.shape[2], device=x.device)
     return prefix.index_select(2, i + 1) - prefix.index_select(2, starts)
+
+
+def memory_bias(layout: BlockLayout, memory_cap: int | None, dtype) -> torch.Tensor | None:
+    """(n, 1, 1): log min(1, M / n_b) for every block, n_b = max(0, b − 1)·L keys before the window of block b of
+    its sequence (:mod:`~vqattn.ops.common.memory_cap`), or None without a cap."""
+    if memory_cap is None:
+        return None
+    held = ((layout.block_in_sequence() - 1).clamp_min(0) * layout.block_len).clamp_min(1).to(torch.float64)
+    return (math.log(memory_cap) - held.log()).clamp_max(0).to(dtype).view(-1, 1, 1)
 
 
 def window_blocks(x: torch.Tensor, L: int, first: torch.Tensor) -> torch.Tensor:

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import functools
 
+from ..blocks import resolve_block_len
 from ..checks import check_choice
 from ..common.impls import IMPLS, decoding, needs_grad, pick_impl, with_impl
 from ..precision import autocast_off
-from ..varlen import varlen
+from ..varlen import Segments, varlen
 from .chunk import chunk_forward
 from .naive import naive_ovq_attention
 from .recurrent import recurrent_forward
+from .segmented import segmented_forward
 from .state import OVQState, fused_unsupported, prepare
 
 __all__ = ["ovq_attention", "chunk_ovq_attention", "recurrent_ovq_attention", "IMPLS"]
@@ -23,7 +25,28 @@ def _run(q, k, v, forward, state, return_state, fused=False, **kwargs):
     return (out.to(q.dtype), new_state) if return_state else out.to(q.dtype)
 
 
-@varlen(("q", "k", "v", "slots", "slot_weights", "q_mem", "k_mem"))
+_PER_TOKEN = ("q", "k", "v", "slots", "slot_weights", "q_mem", "k_mem")
+
+
+@autocast_off
+def _segmented(a: dict, segments: Segments):
+    """A packed call given :class:`~vqattn.ops.varlen.Segments`: the sequences in their block layout, run by
+    :func:`.segmented.segmented_forward` (any ``impl``); None (the length classes, outside the graph) with
+    ``memory_decay``, whose block weights the segmented form does not scale per sequence."""
+    check_choice("impl", a["impl"], IMPLS)
+    if a["memory_decay"] is not None:
+        return None
+    layout = segments.layout(resolve_block_len(a["block_len"]))
+    given = {name: layout.gather(a[name]) for name in _PER_TOKEN}
+    if given["slots"] is not None:  # a pad's slot: −1, stored nowhere
+        given["slots"] = given["slots"].masked_fill(layout.pads, -1)
+    x = prepare(**given, num_slots=a["num_slots"], block_len=layout.block_len, scale=a["scale"],
+                threshold=a["threshold"], state=None, memory_cap=a["memory_cap"], overflow=a["overflow"],
+                memory_first_pair=a["memory_first_pair"], schedule=a["schedule"])
+    return layout.scatter_back(segmented_forward(x, layout)).to(a["q"].dtype)
+
+
+@varlen(_PER_TOKEN, segmented=_segmented)
 def ovq_attention(q, k, v, *, num_slots: int, block_len: int | None = None, scale: float | None = None,
                   threshold: float | None = None, slots=None, slot_weights=None, q_mem=None, k_mem=None,
                   impl: str = "auto", state: OVQState | None = None, return_state: bool = False,

@@ -111,38 +111,44 @@ def assign_block(keys: torch.Tensor, counts: torch.Tensor, key_sums: torch.Tenso
 
 @torch.no_grad()
 def online_slots(memory_keys: torch.Tensor, counts: torch.Tensor, key_sums: torch.Tensor, L: int,
-                 threshold: float, decay: float | None = None, drop: bool = False) -> torch.Tensor:
+                 threshold: float, decay: float | None = None, drop: bool = False,
+                 opens: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`assign_block` block after block, absorbing each block before the next (the memory times ``decay`` g
     first, :mod:`~vqattn.ops.common.memory_decay`): memory keys (B, H, nb·L, D) and the memory before them ->
-    (B, H, nb·L) slot indices (−1: not stored, with ``drop``).
+    (B, H, nb·L) slot indices (−1: not stored, with ``drop``). ``opens`` (nb,) bool: the memory empties before
+    each block where it is set (a packed sequence's first block, :mod:`~vqattn.ops.common.segments`).
 
     One opaque operator to ``torch.compile``, which would otherwise unroll the loop over every block into its
     graph. On a GPU the loop is one CUDA graph (:mod:`~vqattn.ops.graphs`): a few dozen tiny kernels per block."""
     return _online_slots_op(memory_keys.detach(), counts.detach(), key_sums.detach(), L, threshold,
-                            1.0 if decay is None else decay, drop)
+                            1.0 if decay is None else decay, drop, opens)
 
 
 @torch.library.custom_op("vqattn::ovq_online_slots", mutates_args=())
 def _online_slots_op(memory_keys: torch.Tensor, counts: torch.Tensor, key_sums: torch.Tensor, L: int,
-                     threshold: float, decay: float, drop: bool) -> torch.Tensor:
+                     threshold: float, decay: float, drop: bool, opens: torch.Tensor | None = None) -> torch.Tensor:
     inputs = (memory_keys, counts, key_sums)
-    if can_graph(*inputs):
+    if opens is None and can_graph(*inputs):
         return replay_graphed(_online_slots_loop, inputs, L, threshold, decay, drop)
-    return _online_slots_loop(*inputs, L, threshold, decay, drop)
+    return _online_slots_loop(*inputs, L, threshold, decay, drop, opens)
 
 
 @_online_slots_op.register_fake
-def _(memory_keys, counts, key_sums, L, threshold, decay, drop):
+def _(memory_keys, counts, key_sums, L, threshold, decay, drop, opens=None):
     return memory_keys.new_empty(memory_keys.shape[:3], dtype=torch.long)
 
 
 def _online_slots_loop(memory_keys: torch.Tensor, counts: torch.Tensor, key_sums: torch.Tensor, L: int,
-                       threshold: float, decay: float, drop: bool) -> torch.Tensor:
+                       threshold: float, decay: float, drop: bool, opens: torch.Tensor | None = None) -> torch.Tensor:
     B, H, S, D = key_sums.shape
     counts, key_sums = counts.clone(), key_sums.clone()
     offsets = torch.arange(B * H, device=counts.device).view(B, H, 1) * S  # rows of the flattened (B·H·S) slots
     out = []
-    for block in memory_keys.split(L, 2):
+    for b, block in enumerate(memory_keys.split(L, 2)):
+        if opens is not None:  # a masked product, not a branch: no host read of the flag
+            kept = (~opens[b]).to(counts.dtype)
+            counts.mul_(kept)
+            key_sums.mul_(kept)
         slots = assign_block(block, counts, key_sums, threshold, drop)
         stored = (slots >= 0).to(counts.dtype)  # a dropped key (−1) adds nothing, to row 0 of its head
         rows = (slots.clamp_min(0) + offsets).flatten()

@@ -10,25 +10,21 @@ n·S·Dv numbers per batch·head, where the chunk impl runs one cache through it
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..blocks import blocks
-from ..common.segments import BlockLayout, segment_prefix, segment_sums, window_blocks, window_mask, window_softmax
+from ..common.segments import (
+    BlockLayout,
+    memory_bias,
+    segment_prefix,
+    segment_sums,
+    window_blocks,
+    window_mask,
+    window_softmax,
+)
 from ..common.statistics import code_means, code_statistics, log_counts
 from ..nonfinite import zero_assignment_rows
 from .state import Inputs
-
-
-def _memory_bias(layout: BlockLayout, memory_cap: int | None, dtype) -> torch.Tensor | None:
-    """(n, 1, 1): log min(1, M / n_b) with n_b = max(0, b − 1)·L keys before the window of block b of its
-    sequence (:mod:`~vqattn.ops.common.memory_cap`), or None."""
-    if memory_cap is None:
-        return None
-    L = layout.block_len
-    held = ((layout.block_in_sequence() - 1).clamp_min(0) * L).clamp_min(1).to(torch.float64)
-    return (math.log(memory_cap) - held.log()).clamp_max(0).to(dtype).view(-1, 1, 1)
 
 
 def _window_keys(x: Inputs, index: torch.Tensor | None) -> torch.Tensor:
@@ -69,7 +65,7 @@ def segmented_forward(x: Inputs, layout: BlockLayout) -> torch.Tensor:
     if mixture:
         out = _mixture(x, kept.weights, code_logits, counts, sums, L)
     else:
-        bias = _memory_bias(layout, x.memory_cap, code_logits.dtype)
+        bias = memory_bias(layout, x.memory_cap, code_logits.dtype)
         if bias is not None:
             code_logits = code_logits + bias
         queries = blocks(x.q if x.q_rot is None else x.q_rot, L)
