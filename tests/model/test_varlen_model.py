@@ -29,12 +29,19 @@ def _grads(y, leaves):
     return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, leaves)]
 
 
+def _segments(module, bounds=BOUNDS):
+    """The Segments a compiled model takes, with a block layout for every block length of ``module``."""
+    lens = {m.block_len or 64 for m in module.modules() if hasattr(m, "block_len") and hasattr(m, "num_heads")}
+    return Packing.from_bounds(bounds).segments(sorted(lens) or [64])
+
+
+@pytest.mark.parametrize("given", ["tensor", "Segments"])
 @pytest.mark.parametrize("extra", [dict(rope=True), dict(short_conv=4, qk_norm=True)], ids=["rope", "conv"])
 @pytest.mark.parametrize("name", sorted(ATTENTIONS))
-def test_layer_packed_equals_each_document(name, extra):
+def test_layer_packed_equals_each_document(name, extra, given):
     layer = _layer(name, **extra)
     x = torch.randn(1, BOUNDS[-1], 32, dtype=F64, requires_grad=True)
-    cu = torch.tensor(BOUNDS, dtype=torch.int32)
+    cu = torch.tensor(BOUNDS, dtype=torch.int32) if given == "tensor" else _segments(layer)
     leaves = [x, *(p for p in layer.parameters() if p.requires_grad)]
     got = layer(x, cu_seqlens=cu).output
     want = torch.cat([layer(x[:, a:b]).output for a, b in zip(BOUNDS, BOUNDS[1:])], 1)
@@ -58,9 +65,10 @@ def test_layer_states_one_per_document(name):
         torch.testing.assert_close(more[:, i], alone[:, -1], rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("given", ["tensor", "Segments"])
 @pytest.mark.parametrize("pos_emb", ["rope", "learned"])
-@pytest.mark.parametrize("name", ["softmax", "vq_hard", "ovq", "performer"])
-def test_gpt_packed_loss_and_gradients(name, pos_emb):
+@pytest.mark.parametrize("name", ["softmax", "vq_hard", "vq_soft", "ovq", "performer"])
+def test_gpt_packed_loss_and_gradients(name, pos_emb, given):
     torch.manual_seed(0)
     config = GPTConfig(attention=name, n_layer=2, n_embd=32, n_head=2, seq_len=BOUNDS[-1], pos_emb=pos_emb,
                        short_conv=3, attention_kwargs=LAYER_KWARGS.get(name, {}))
@@ -68,7 +76,9 @@ def test_gpt_packed_loss_and_gradients(name, pos_emb):
     idx = torch.randint(0, 256, (1, BOUNDS[-1]), generator=torch.Generator().manual_seed(2))
     targets = torch.randint(0, 256, (1, BOUNDS[-1]), generator=torch.Generator().manual_seed(3))
     params = [p for p in model.parameters() if p.requires_grad]
-    out = model(idx, targets, cu_seqlens=torch.tensor(BOUNDS, dtype=torch.int32))
+    cu = torch.tensor(BOUNDS, dtype=torch.int32)
+    out = model(idx, targets, cu_seqlens=cu if given == "tensor" else Packing.from_bounds(BOUNDS).segments(
+        model.block_lens()))
     pieces = [model(idx[:, a:b], targets[:, a:b]) for a, b in zip(BOUNDS, BOUNDS[1:])]
     want = sum(p.loss * (b - a) for p, a, b in zip(pieces, BOUNDS, BOUNDS[1:])) / BOUNDS[-1]
     torch.testing.assert_close(out.loss, want, rtol=1e-10, atol=1e-12)
@@ -130,6 +140,48 @@ def test_compiled_packed_calls_do_not_recompile_for_new_documents(name, packing)
         torch.testing.assert_close(out.logits, model(idx, idx, cu_seqlens=cu).logits)
 
 
+@pytest.mark.parametrize("name", sorted(set(ATTENTIONS) - {"taylor"}))
+def test_compiled_model_traces_segments_whole(name):
+    """Given Segments, a compiled model traces the packed step whole (fullgraph: no graph break, so no per-class
+    calls outside the graph) and compiles once: new documents, numbers of documents and of blocks reuse the graph.
+    Its logits equal the eager model's with the tensor. (taylor's feature map does not trace whole unpacked
+    either.)"""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(attention=name, n_layer=2, n_embd=32, n_head=2, seq_len=150, short_conv=3,
+                          attention_kwargs=LAYER_KWARGS.get(name, {}))).eval()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    idx = torch.randint(0, 256, (1, 150), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    for i, b in enumerate([[0, 150], [0, 20, 150], [0, 5, 6, 40, 150], [0, 1, 2, 3, 150], [0, 64, 128, 150]]):
+        with torch._dynamo.config.patch(error_on_recompile=i >= 1):
+            out = compiled(idx, idx, cu_seqlens=Packing.from_bounds(b).segments(model.block_lens()))
+        want = model(idx, idx, cu_seqlens=torch.tensor(b, dtype=torch.int32))
+        torch.testing.assert_close(out.logits, want.logits, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_compiled_training_step_with_segments_inductor():
+    """The default attention (vq_soft) compiled by inductor, given Segments: one graph, no recompile for new
+    documents, the loss and its gradients those of the eager model (eval mode: no codebook update between the
+    two calls compared)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(attention="vq_soft", n_layer=1, n_embd=32, n_head=2, seq_len=100,
+                          attention_kwargs=dict(block_len=16))).eval()
+    compiled = torch.compile(model, fullgraph=True)
+    idx = torch.randint(0, 256, (1, 100), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    for i, b in enumerate([[0, 100], [0, 7, 60, 100], [0, 1, 50, 99, 100]]):
+        with torch._dynamo.config.patch(error_on_recompile=i >= 1):
+            out = compiled(idx, idx, cu_seqlens=Packing.from_bounds(b).segments(model.block_lens()))
+        got = torch.autograd.grad(out.loss, list(model.parameters()), allow_unused=True)
+        eager = model(idx, idx, cu_seqlens=torch.tensor(b, dtype=torch.int32))
+        want = torch.autograd.grad(eager.loss, list(model.parameters()), allow_unused=True)
+        torch.testing.assert_close(out.loss, eager.loss, rtol=1e-5, atol=1e-6)
+        for g, w in zip(got, want):
+            if g is not None or w is not None:
+                torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+
+
 def _host_reads(model: GPT, idx, cu_seqlens, monkeypatch) -> int:
     """The tensor reads on the host of one packed training step (forward and backward), counted as on a GPU."""
     from vqattn.ops import nonfinite
@@ -153,7 +205,8 @@ def _host_reads(model: GPT, idx, cu_seqlens, monkeypatch) -> int:
 @pytest.mark.parametrize("name", sorted(ATTENTIONS))
 def test_a_packed_step_reads_the_boundaries_once_whatever_the_depth(name, monkeypatch):
     """The model reads ``cu_seqlens`` once and hands a Packing to every layer: the host reads of a packed step
-    (forward and backward) do not grow with the number of layers: one read of a tensor, none of a Packing."""
+    (forward and backward) do not grow with the number of layers: one read of a tensor, none of a Packing or of
+    Segments."""
     idx = torch.randint(0, 256, (1, 71), generator=torch.Generator().manual_seed(0))
     cu = torch.tensor(BOUNDS, dtype=torch.int32)
     counts = {}
@@ -162,5 +215,7 @@ def test_a_packed_step_reads_the_boundaries_once_whatever_the_depth(name, monkey
         model = GPT(GPTConfig(attention=name, n_layer=n_layer, n_embd=32, n_head=2, seq_len=80, short_conv=3,
                               attention_kwargs=LAYER_KWARGS.get(name, {}))).train()
         counts[n_layer] = (_host_reads(model, idx, cu, monkeypatch),
-                           _host_reads(model, idx, Packing.from_bounds(BOUNDS), monkeypatch))
-    assert counts[2] == counts[4] == (1, 0), counts
+                           _host_reads(model, idx, Packing.from_bounds(BOUNDS), monkeypatch),
+                           _host_reads(model, idx, Packing.from_bounds(BOUNDS).segments(model.block_lens()),
+                                       monkeypatch))
+    assert counts[2] == counts[4] == (1, 0, 0), counts

@@ -1,6 +1,7 @@
 """Packed sequences (``cu_seqlens``): a packed call equals N separate calls of the float64 definitions (the naive
-forms), outputs and every input's gradient, in every form of every causal op; one sequence is today's call bit
-for bit; states are one per sequence; bad ``cu_seqlens`` get a ValueError naming it."""
+forms), outputs and every input's gradient, in every form of every causal op, and in the segmented block form that
+``Segments`` run; one sequence is today's call bit for bit; states are one per sequence; bad ``cu_seqlens`` get a
+ValueError naming it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from vqattn.ops import linear, ovq, softmax, vq, window
-from vqattn.ops.varlen import Packing, cu_seqlens_from_starts, positions
+from vqattn.ops.varlen import Packing, Segments, cu_seqlens_from_starts, positions
 
 from triton_helpers import compare, needs_triton
 
@@ -43,6 +44,12 @@ CASES = {
     "linear": (linear.linear_attention, linear.naive_linear_attention, ("chunk", "recurrent"),
                dict(causal=True, block_len=L), ("k_log_scale",)),
     "softmax": (softmax.softmax_attention, softmax.softmax_attention, ("sdpa",), dict(causal=True), ()),
+    # the segmented forms' own options (they also run every case above)
+    "vq_soft_exact": (vq.vq_attention, vq.naive_vq_attention, ("chunk",), *_vq("soft", "exact")),
+    "ovq_drop_pairs": (ovq.ovq_attention, ovq.naive_ovq_attention, ("chunk",),
+                       dict(num_slots=3, block_len=L, memory_cap=20, overflow="drop", memory_first_pair=2), ()),
+    "linear_count": (linear.linear_attention, linear.naive_linear_attention, ("chunk",),
+                     dict(causal=True, block_len=L, normalizer="count"), ()),
 }
 
 
@@ -53,7 +60,7 @@ def _inputs(name, T, seed=0):
               "k_log_scale": ()}
     names = ("q", "k", "v", *CASES[name][4])
     x = {n: torch.randn(1, H, T, *shapes[n], generator=g, dtype=F64) for n in names}
-    if name == "linear":  # positive features
+    if name.startswith("linear"):  # positive features
         x["q"], x["k"] = x["q"].exp(), x["k"].exp()
     return {n: t.requires_grad_() for n, t in x.items()}
 
@@ -62,7 +69,7 @@ def _call(name, fn, x, **kw):
     op, _, _, kwargs, _ = CASES[name]
     args = dict(kwargs, **kw)
     if op is linear.linear_attention:
-        return fn(x["q"], x["k"], x["v"], k_log_scale=x["k_log_scale"], **args)
+        return fn(x["q"], x["k"], x["v"], k_log_scale=x.get("k_log_scale"), **args)
     extra = {n: t for n, t in x.items() if n not in ("q", "k", "v")}
     if op is vq.vq_attention:
         code = args.pop("codebook")
@@ -87,12 +94,12 @@ def _separate(name, x, bounds, codebook):
     return torch.cat(outs, 2)
 
 
-def _check(name, lengths, impl, *, seed=0):
+def _check(name, lengths, impl, *, seed=0, segments=False):
     bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()]
     x = _inputs(name, bounds[-1], seed)
     code = {"codebook": _codebook().requires_grad_()} if CASES[name][0] is vq.vq_attention else {}
     leaves = [*x.values(), *code.values()]
-    cu = torch.tensor(bounds, dtype=torch.int32)
+    cu = Packing.from_bounds(bounds).segments([L]) if segments else torch.tensor(bounds, dtype=torch.int32)
     kw = {} if impl == "sdpa" else {"impl": impl}
     got = _call(name, CASES[name][0], x, cu_seqlens=cu, **kw, **code)
     want = _separate(name, x, bounds, code)
@@ -117,6 +124,106 @@ def test_packed_equals_separate_calls(name, lengths):
 def test_every_offset_of_a_block(name, offset):
     """The second sequence starts at every position of a block."""
     _check(name, [offset, 2 * L + 3], "chunk", seed=offset)
+
+
+@pytest.mark.parametrize("lengths", LENGTHS, ids=str)
+@pytest.mark.parametrize("name", CASES)
+def test_segments_equal_separate_calls(name, lengths):
+    """The segmented block form (cu_seqlens given as Segments, what a compiled model runs) equals the float64
+    definitions called one sequence at a time, outputs and every gradient (ovq with ``memory_decay``: the length
+    classes, which it falls back to)."""
+    _check(name, lengths, CASES[name][2][0], segments=True)
+
+
+@pytest.mark.parametrize("offset", [1, 7, L - 1, L, L + 1])
+@pytest.mark.parametrize("name", ["vq_hard_codes", "vq_soft_codes", "ovq_drop_pairs", "window", "linear"])
+def test_segments_at_offsets_of_a_block(name, offset):
+    """The segmented form's block layout with the second sequence starting at several positions of a block."""
+    _check(name, [offset, 2 * L + 3, 1], "chunk", seed=offset, segments=True)
+
+
+def test_block_layout():
+    """Each sequence starts at a block boundary and takes its blocks, padded after its tokens by less than a block;
+    the layout's gather and scatter_back are inverse on the tokens; the sums restart at each sequence."""
+    from vqattn.ops.common.segments import BlockLayout, segment_prefix, segment_sums
+
+    bounds = [0, 3, 4, 24, 40]
+    layout = BlockLayout.build(bounds, 8)
+    assert layout.num_slots == 8 + 8 + 24 + 16
+    assert layout.first_blocks().tolist() == [0, 1, 2, 2, 2, 5, 5]
+    assert layout.block_in_sequence().tolist() == [0, 0, 0, 1, 2, 0, 1]
+    real = ~layout.pads
+    assert real.sum() == 40 and layout.slots[real].tolist() == list(range(40))
+    assert layout.starts.tolist() == [0] * 8 + [8] * 8 + [16] * 24 + [40] * 16
+    x = torch.randn(1, 2, 40, 3, dtype=F64)
+    laid = layout.gather(x)
+    assert (laid[:, :, layout.pads] == 0).all() and torch.equal(layout.scatter_back(laid), x)
+    blocks_ = torch.arange(1.0, 8.0, dtype=F64).view(1, 1, 7)
+    assert segment_sums(blocks_, layout.first_blocks(), 2).flatten().tolist() == [0, 0, 0, 0, 3, 0, 0]
+    assert segment_sums(blocks_, layout.first_blocks(), 1).flatten().tolist() == [0, 0, 0, 3, 7, 0, 6]
+    ones = torch.ones(1, 1, layout.num_slots, dtype=F64)
+    assert segment_prefix(ones, layout.starts).flatten().tolist() == [
+        *range(1, 9), *range(1, 9), *range(1, 25), *range(1, 17)]
+
+
+def test_segments_keep_float32_sums_of_a_short_sequence_after_a_long_one():
+    """The segmented sums are differences of float64 prefix sums: a short sequence after a long one of large values
+    gets its own sums as a float32 call of its own does, not the long one's rounding error."""
+    from vqattn.ops.common.segments import segment_sums
+
+    first = torch.tensor([0] * 100 + [100, 100, 100])
+    x = torch.full((1, 1, 103), 1e6)
+    x[..., 100:] = torch.tensor([1.0, 2.0, 3.0])
+    assert segment_sums(x, first, 1)[..., 100:].flatten().tolist() == [0.0, 1.0, 3.0]
+
+
+@pytest.mark.parametrize("name", ["vq_hard_exact", "vq_soft_codes", "window"])
+def test_segments_nonfinite_key_reaches_its_own_sequence_only(name):
+    """A NaN key makes NaN exactly the outputs that see it in its own sequence (its window's, for window
+    attention); the other sequences equal their separate calls."""
+    bounds = [0, 9, 50, 61]
+    x = {n: t.detach() for n, t in _inputs(name, 61).items()}
+    x["k"][:, :, 20] = float("nan")
+    code = {"codebook": _codebook()} if CASES[name][0] is vq.vq_attention else {}
+    got = _call(name, CASES[name][0], x, cu_seqlens=Packing.from_bounds(bounds).segments([L]), impl="chunk", **code)
+    want = _call(name, CASES[name][0], x, cu_seqlens=torch.tensor(bounds, dtype=torch.int32), impl="chunk", **code)
+    assert torch.equal(got.isnan(), want.isnan()) and want[:, :, 20].isnan().all() and not want[:, :, :20].isnan().any()
+    torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), rtol=1e-10, atol=1e-12)
+
+
+def test_segments_errors():
+    """Segments take causal calls without states, of their own length and block lengths; the message names what."""
+    q = torch.rand(1, H, 10, D, dtype=F64)
+    segments = Packing.from_bounds([0, 4, 10]).segments([4])
+    with pytest.raises(ValueError, match="Segments runs causal calls without states"):
+        window.window_attention(q, q, q, block_len=4, cu_seqlens=segments, return_state=True)
+    with pytest.raises(ValueError, match="Segments runs causal calls"):
+        linear.linear_attention(q, q, q, causal=False, block_len=4, cu_seqlens=segments)
+    with pytest.raises(ValueError, match="T = 10"):
+        window.window_attention(q[:, :, :8], q[:, :, :8], q[:, :, :8], block_len=4, cu_seqlens=segments)
+    with pytest.raises(ValueError, match=r"block layouts for block_len \[4\], not 8"):
+        window.window_attention(q, q, q, block_len=8, cu_seqlens=segments)
+    with pytest.raises(ValueError, match="B = 2"):
+        window.window_attention(*[torch.rand(2, H, 10, D)] * 3, block_len=4, cu_seqlens=segments)
+    assert isinstance(segments, Segments) and segments.length == 10
+
+
+@pytest.mark.parametrize("name", ["vq_soft_exact_cap", "vq_hard_codes", "ovq_drop_pairs", "window", "linear",
+                                  "softmax"])
+def test_segments_compile_whole_without_recompiles(name):
+    """A compiled op given Segments traces the packed call whole (fullgraph) and compiles once for new documents,
+    also when the number of sequences and of blocks changes."""
+    op = CASES[name][0]
+    x = {n: t.detach() for n, t in _inputs(name, 70).items()}
+    code = {"codebook": _codebook()} if op is vq.vq_attention else {}
+    compiled = torch.compile(lambda x, cu, code: _call(name, op, x, cu_seqlens=cu, **code), backend="eager",
+                             fullgraph=True)
+    torch._dynamo.reset()
+    for i, bounds in enumerate([[0, 70], [0, 20, 70], [0, 1, 2, 33, 70], [0, 17, 34, 51, 70]]):
+        with torch._dynamo.config.patch(error_on_recompile=i >= 1):
+            got = compiled(x, Packing.from_bounds(bounds).segments([L]), code)
+        want = _call(name, op, x, cu_seqlens=torch.tensor(bounds, dtype=torch.int32), **code)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("name", CASES)

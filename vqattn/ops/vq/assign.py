@@ -47,8 +47,9 @@ def row_tiles(num_rows: int, row_bytes: int, device: torch.device, tile_rows: in
     softmax over it (:func:`~vqattn.ops.blocks.block_groups`), while a tile stays in cache and reuses freed memory.
     Elsewhere (GPUs, compiled graphs) one tile, i.e. few kernels."""
     if tile_rows is None:
-        cpu = device.type == "cpu" and not torch.compiler.is_compiling()
-        tile_rows = TILE_BYTES // max(row_bytes, 1) if cpu else num_rows
+        if device.type != "cpu" or torch.compiler.is_compiling():
+            return [slice(None)]  # no loop over a length that a compiled graph may hold as a symbol
+        tile_rows = TILE_BYTES // max(row_bytes, 1)
     tile_rows = max(1, min(tile_rows, num_rows))
     return [slice(r, min(r + tile_rows, num_rows)) for r in range(0, num_rows, tile_rows)]
 
