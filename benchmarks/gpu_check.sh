@@ -105,11 +105,15 @@ extra decode 120 $decode --methods vq_hard ovq window softmax
 # run beside an unpacked one (the stdlib files are ~14 KB, so 8k rows hold a boundary or two each)
 extra packed 90 python benchmarks/packed_speed.py --device cuda --heads 16 --dtype bfloat16 --in-process --rounds 2 \
   --reps 5
+# the segmented form (Segments) that a compiled model runs, compiled, against one compiled document
+extra packed_segments 240 python benchmarks/packed_speed.py --device cuda --heads 16 --dtype bfloat16 --in-process \
+  --rounds 1 --reps 5 --form segments --compile
 extra tests_varlen 120 python -m pytest -o addopts="" -q -p no:cacheprovider tests/ops/test_varlen.py \
   tests/model/test_varlen_model.py
 extra train_packed 130 bash -c "python benchmarks/train_speed.py --attentions softmax vq_hard --seq-len 8192 \
   --batch 8 --steps 30; python benchmarks/train_speed.py --attentions softmax vq_hard --seq-len 8192 --batch 8 \
-  --steps 30 data.pack_documents=true"
+  --steps 30 data.pack_documents=true; python benchmarks/train_speed.py --attentions vq_soft --seq-len 8192 \
+  --batch 8 --steps 30 compile=true data.pack_documents=true"
 # the launch candidates of the superblock kernels timed by @triton.autotune (vqattn/ops/triton/tuning.py), each
 # kernel's choice printed: the op against SDPA, the step kernel by kernel, the layers, and superblocks of K blocks
 tune="env VQATTN_AUTOTUNE=1 TRITON_PRINT_AUTOTUNING=1"

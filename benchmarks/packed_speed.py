@@ -3,11 +3,15 @@ document, forward and backward, op by op, side by side.
 
     python benchmarks/packed_speed.py                          # CPU, one thread: 7168 + 16 x 64 = 8192 tokens
     python benchmarks/packed_speed.py --layout 1024 16x64      # 2048 tokens
+    python benchmarks/packed_speed.py --form segments          # the segmented form that a compiled model runs
+    python benchmarks/packed_speed.py --form segments --compile  # both calls compiled (inductor)
     python benchmarks/packed_speed.py --device cuda --heads 16 --dtype bfloat16 --in-process
 
 The layout lists the documents: ``N`` one of N tokens, ``KxN`` K of them. The packed row is called with their
-``cu_seqlens`` (a ``Packing``, read once, as a model passes it; ``--read-every-call``: a tensor), the single
-document with none; both hold the same tokens. The table gives each one's median ms,
+``cu_seqlens`` (``--form classes``: a ``Packing``, read once, as an eager model passes it, which runs the length
+classes; ``--read-every-call``: a tensor; ``--form segments``: ``Segments``, the block layout that a compiled model
+traces), the single document with none; both hold the same tokens. ``--compile``: both calls run compiled
+(``torch.compile``, compiled once before the timing). The table gives each one's median ms,
 packed / single (the median of the per-round ratios of interleaved rounds) and the peak memory of each (its own
 process's high-water RSS above what it held before the call on a CPU, ``max_memory_allocated`` on CUDA).
 """
@@ -53,7 +57,8 @@ def call(op: str, q, k, v, codebook, *, block_len: int, slots: int, cu_seqlens):
 
 
 def child(op: str, lengths: list[int], packed: bool, device: str, reps: int, H: int, D: int, S: int, slots: int,
-          block_len: int, dtype: str, read_every_call: bool = False) -> dict:
+          block_len: int, dtype: str, read_every_call: bool = False, form: str = "classes",
+          compile: bool = False) -> dict:
     torch.manual_seed(0)
     T = sum(lengths)
     make = lambda *shape: torch.randn(*shape, device=device, dtype=DTYPES[dtype]).requires_grad_(True)  # noqa: E731
@@ -65,9 +70,12 @@ def child(op: str, lengths: list[int], packed: bool, device: str, reps: int, H: 
     if packed:  # a Packing read once, as a model hands it to its layers; or the tensor, read by every call
         cu = torch.tensor(bounds, dtype=torch.int32, device=device) if read_every_call else Packing.from_bounds(
             bounds, device)
+        if form == "segments":  # the boundaries as tensors, for a compiled model
+            cu = Packing.from_bounds(bounds, device).segments([block_len])
+    run = torch.compile(call) if compile else call
 
     def run_once():
-        out = call(op, q, k, v, codebook, block_len=block_len, slots=slots, cu_seqlens=cu)
+        out = run(op, q, k, v, codebook, block_len=block_len, slots=slots, cu_seqlens=cu)
         out.backward(torch.ones_like(out))
 
     return time_fwd_bwd(run_once, (q, k, v, codebook), device, reps)
@@ -94,6 +102,10 @@ def main(argv=None) -> None:
     parser.add_argument("--read-every-call", action="store_true",
                         help="pass cu_seqlens as a tensor, read on the host by every call (default: a Packing, the "
                              "boundaries read once, as GPT.forward and the trainer hand them to the layers)")
+    parser.add_argument("--form", default="classes", choices=["classes", "segments"],
+                        help="the packed call's form: the length classes (a Packing, eager models) or the segmented "
+                             "block layout (Segments, what a compiled model runs)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile both calls (inductor)")
     add_threads_argument(parser)
     add_in_process_argument(parser)
     parser.set_defaults(threads=1)  # as the cost was first measured: one thread, so a busy core count skews less
@@ -103,8 +115,8 @@ def main(argv=None) -> None:
     if args.device == "cpu":
         use_threads(args.threads, "timing", children=True)
     shape = dict(H=args.heads, D=args.head_dim, S=args.num_codes, slots=args.num_slots, block_len=args.block_len,
-                 dtype=args.dtype, read_every_call=args.read_every_call)
-    print(f"# fwd+bwd, impl auto, H={args.heads} D={args.head_dim} S={args.num_codes} (ovq {args.num_slots} slots) "
+                 dtype=args.dtype, read_every_call=args.read_every_call, form=args.form, compile=args.compile)
+    print(f"# fwd+bwd, impl auto, packed form {args.form}{', compiled' if args.compile else ''}, H={args.heads} D={args.head_dim} S={args.num_codes} (ovq {args.num_slots} slots) "
           f"L={args.block_len} {args.dtype}, {args.device}: {machine()}, torch {torch.__version__}; "
           f"{len(lengths)} documents ({' '.join(args.layout)}) = {sum(lengths)} tokens against one document of "
           f"{sum(lengths)}; median of {args.reps} reps in each of {args.rounds} interleaved rounds")
