@@ -116,7 +116,9 @@ def main(argv=None) -> None:
         use_threads(args.threads, "timing", children=True)
     shape = dict(H=args.heads, D=args.head_dim, S=args.num_codes, slots=args.num_slots, block_len=args.block_len,
                  dtype=args.dtype, read_every_call=args.read_every_call, form=args.form, compile=args.compile)
-    print(f"# fwd+bwd, impl auto, packed form {args.form}{', compiled' if args.compile else ''}, H={args.heads} D={args.head_dim} S={args.num_codes} (ovq {args.num_slots} slots) "
+    form = f"packed form {args.form}{', compiled' if args.compile else ''}"
+    print(f"# fwd+bwd, impl auto, {form}, H={args.heads} D={args.head_dim} S={args.num_codes} "
+          f"(ovq {args.num_slots} slots) "
           f"L={args.block_len} {args.dtype}, {args.device}: {machine()}, torch {torch.__version__}; "
           f"{len(lengths)} documents ({' '.join(args.layout)}) = {sum(lengths)} tokens against one document of "
           f"{sum(lengths)}; median of {args.reps} reps in each of {args.rounds} interleaved rounds")
