@@ -166,15 +166,36 @@ def test_block_layout():
         *range(1, 9), *range(1, 9), *range(1, 25), *range(1, 17)]
 
 
-def test_segments_keep_float32_sums_of_a_short_sequence_after_a_long_one():
-    """The segmented sums are differences of float64 prefix sums: a short sequence after a long one of large values
-    gets its own sums as a float32 call of its own does, not the long one's rounding error."""
-    from vqattn.ops.common.segments import segment_sums
+@pytest.mark.parametrize("lag", [1, 2, 3])
+def test_segment_sums_both_ways_and_their_gradients(lag):
+    """The CPU's walk over the blocks and the prefix differences (the other devices') give the sums over each
+    sequence's blocks ≤ b − lag, as a loop over the definition, and their transposes the gradients (float64)."""
+    from vqattn.ops.common import segments as seg
+
+    first = torch.tensor([0, 0, 0, 0, 4, 5, 5, 5, 5, 5, 10])
+    x = torch.randn(2, 3, 11, 4, 5, dtype=F64, requires_grad=True)
+    want = torch.stack([x[:, :, first[b]:max(b - lag + 1, first[b])].sum(2) for b in range(11)], 2)
+    grad = torch.randn_like(want)
+    (want_grad,) = torch.autograd.grad(want, x, grad)
+    for sums, transposed, given in ((seg._walk_sums, seg._walk_sums_transposed, first.tolist()),
+                                    (seg._prefix_sums, seg._prefix_sums_transposed, first)):
+        torch.testing.assert_close(sums(x.detach(), given, lag), want.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(transposed(grad, given, lag), want_grad, rtol=1e-12, atol=1e-12)
+    got = seg.segment_sums(x, first, lag)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.autograd.grad(got, x, grad)[0], want_grad, rtol=1e-12, atol=1e-12)
+
+
+def test_segment_sums_of_a_short_sequence_after_a_long_one_are_its_own():
+    """A short sequence after a long one of large values gets the float32 sums of a call of its own: the CPU's walk
+    restarts its running sum, and the prefix differences cancel the long one's prefix in float64."""
+    from vqattn.ops.common import segments as seg
 
     first = torch.tensor([0] * 100 + [100, 100, 100])
     x = torch.full((1, 1, 103), 1e6)
     x[..., 100:] = torch.tensor([1.0, 2.0, 3.0])
-    assert segment_sums(x, first, 1)[..., 100:].flatten().tolist() == [0.0, 1.0, 3.0]
+    assert seg.segment_sums(x, first, 1)[..., 100:].flatten().tolist() == [0.0, 1.0, 3.0]
+    assert seg._prefix_sums(x, first, 1)[..., 100:].flatten().tolist() == [0.0, 1.0, 3.0]
 
 
 @pytest.mark.parametrize("name", ["vq_hard_exact", "vq_soft_codes", "window"])

@@ -62,14 +62,13 @@ class BlockLayout(NamedTuple):
         """x (B, H, T, …) -> (B, H, T', …) in the layout, zeros at the pads."""
         if x is None:
             return None
-        out = x.index_select(2, self.slots)
-        if out.is_floating_point():
-            out = out.masked_fill(self.pads.view(-1, *[1] * (x.dim() - 3)), 0)
-        return out
+        if not x.is_floating_point():
+            return x.index_select(2, self.slots)
+        return _Relayout.apply(x, self.slots, self.pads, self.token_slot, None)
 
     def scatter_back(self, out: torch.Tensor) -> torch.Tensor:
         """The layout's outputs (B, H, T', …) -> (B, H, T, …) in token order (the pads dropped)."""
-        return out.index_select(2, self.token_slot)
+        return _Relayout.apply(out, self.token_slot, None, self.slots, self.pads)
 
     def first_blocks(self) -> torch.Tensor:
         """(n,) long, n = T' / L: each block's sequence's first block."""
@@ -84,15 +83,98 @@ class BlockLayout(NamedTuple):
 def segment_sums(x: torch.Tensor, first: torch.Tensor, lag: int) -> torch.Tensor:
     """Σ_{j = first_b}^{b − lag} x_j (zeros where b − lag < first_b) for every block b along dim 2 of x
     (B, H, n, …): what the blocks of a sequence that starts at block first_b (``first`` (n,) long) have compressed
-    ``lag`` blocks behind block b. From prefix sums in float64 (differences of them keep float32 sums exact to
-    rounding: the prefix before a sequence cancels in float64, far below float32's resolution), returned in x's
-    dtype."""
+    ``lag`` blocks behind block b, with its gradient. One opaque operator to ``torch.compile`` (a loop over the
+    blocks would unroll into its graph):
+
+    - on a CPU a walk over the blocks with one running sum that restarts at each sequence's first block: the sums
+      of a sequence alone, to the bit, and contiguous adds where a cumsum along the blocks strides over S·Dv floats;
+    - elsewhere differences of float64 prefix sums (two kernels, no host read), which keep float32 sums exact to
+      rounding: the prefix before a sequence cancels in float64, far below float32's resolution.
+    """
+    return _segment_sums_op(x, first, lag)
+
+
+def _walk_sums(x: torch.Tensor, first: list[int], lag: int) -> torch.Tensor:
+    out, run = torch.zeros_like(x), torch.zeros_like(x[:, :, 0])
     n = x.shape[2]
-    acc = x.to(torch.float64) if x.dtype != torch.float64 else x
-    prefix = torch.nn.functional.pad(acc.cumsum(2), (0, 0) * (x.dim() - 3) + (1, 0))  # (B, H, n + 1, …)
-    b = torch.arange(n, device=x.device)
-    end = torch.maximum(b - lag + 1, first)
+    for j in range(n):
+        if first[j] == j:
+            run.zero_()
+        run.add_(x[:, :, j])
+        if j + lag < n and first[j + lag] <= j:  # block j enters the sums of block j + lag, in its sequence
+            out[:, :, j + lag] = run
+    return out
+
+
+def _walk_sums_transposed(grad: torch.Tensor, first: list[int], lag: int) -> torch.Tensor:
+    """The gradient of :func:`_walk_sums`: Σ over the blocks b ≥ j + lag of j's sequence of grad_b."""
+    out, run = torch.zeros_like(grad), torch.zeros_like(grad[:, :, 0])
+    n = grad.shape[2]
+    for j in range(n - 1, -1, -1):
+        if j + 1 < n and first[j + 1] == j + 1:  # j ends its sequence
+            run.zero_()
+        if j + lag < n and first[j + lag] == first[j]:
+            run.add_(grad[:, :, j + lag])
+        out[:, :, j] = run
+    return out
+
+
+def _prefix(x: torch.Tensor, flip: bool = False) -> torch.Tensor:
+    """Inclusive prefix sums (suffix sums with ``flip``) along dim 2 in float64, with a zero in front (behind)."""
+    acc = x.to(torch.float64)
+    pad = (0, 0) * (x.dim() - 3)
+    if flip:
+        return torch.nn.functional.pad(acc.flip(2).cumsum(2).flip(2), pad + (0, 1))
+    return torch.nn.functional.pad(acc.cumsum(2), pad + (1, 0))
+
+
+def _prefix_sums(x: torch.Tensor, first: torch.Tensor, lag: int) -> torch.Tensor:
+    prefix = _prefix(x)  # (B, H, n + 1, …): the sums before each block
+    end = torch.maximum(torch.arange(x.shape[2], device=x.device) - lag + 1, first)
     return (prefix.index_select(2, end) - prefix.index_select(2, first)).to(x.dtype)
+
+
+def _prefix_sums_transposed(grad: torch.Tensor, first: torch.Tensor, lag: int) -> torch.Tensor:
+    n = grad.shape[2]
+    suffix = _prefix(grad, flip=True)  # (B, H, n + 1, …): the sums from each block on
+    last = torch.searchsorted(first, first, right=True)  # one past each block's sequence's last block
+    begin = torch.minimum(torch.arange(n, device=grad.device) + lag, last)
+    return (suffix.index_select(2, begin) - suffix.index_select(2, last)).to(grad.dtype)
+
+
+@torch.library.custom_op("vqattn::segment_sums", mutates_args=())
+def _segment_sums_op(x: torch.Tensor, first: torch.Tensor, lag: int) -> torch.Tensor:
+    if x.device.type == "cpu":
+        return _walk_sums(x, first.tolist(), lag)
+    return _prefix_sums(x, first, lag)
+
+
+@torch.library.custom_op("vqattn::segment_sums_transposed", mutates_args=())
+def _segment_sums_transposed_op(grad: torch.Tensor, first: torch.Tensor, lag: int) -> torch.Tensor:
+    if grad.device.type == "cpu":
+        return _walk_sums_transposed(grad, first.tolist(), lag)
+    return _prefix_sums_transposed(grad, first, lag)
+
+
+@_segment_sums_op.register_fake
+def _(x, first, lag):
+    return torch.empty_like(x)
+
+
+@_segment_sums_transposed_op.register_fake
+def _(grad, first, lag):
+    return torch.empty_like(grad)
+
+
+def _setup(ctx, inputs, output):
+    ctx.first, ctx.lag = inputs[1], inputs[2]
+
+
+def _backward(ctx, grad):
+    return _segment_sums_transposed_op(grad.contiguous(), ctx.first, ctx.lag), None, None
+
+
+torch.library.register_autograd("vqattn::segment_sums", _backward, setup_context=_setup)
 
 
 def segment_prefix(x: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
@@ -101,6 +183,26 @@ def segment_prefix(x: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
     prefix = torch.nn.functional.pad(x.to(torch.float64).cumsum(2), (1, 0))  # (B, H, T' + 1)
     i = torch.arange(x.shape[2], device=x.device)
     return prefix.index_select(2, i + 1) - prefix.index_select(2, starts)
+
+
+def _zero_at(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    return x if rows is None else x.masked_fill(rows.view(-1, *[1] * (x.dim() - 3)), 0)
+
+
+class _Relayout(torch.autograd.Function):
+    """x (B, H, ·, …) gathered along dim 2 at ``index``, zeros where ``zero``; the gradient gathered back at the
+    ``inverse`` index (zeros where ``inverse_zero``). Tokens and slots map one to one, so the backward pass is a
+    gather too, where index_select's would scatter-add (which compiled CPU code runs element by element)."""
+
+    @staticmethod
+    def forward(ctx, x, index, zero, inverse, inverse_zero):
+        ctx.save_for_backward(inverse, inverse_zero)
+        return _zero_at(x.index_select(2, index), zero)
+
+    @staticmethod
+    def backward(ctx, grad):
+        inverse, inverse_zero = ctx.saved_tensors
+        return _zero_at(grad.index_select(2, inverse), inverse_zero), None, None, None, None
 
 
 def memory_bias(layout: BlockLayout, memory_cap: int | None, dtype) -> torch.Tensor | None:
