@@ -18,6 +18,8 @@ from typing import NamedTuple
 
 import torch
 
+from .. import nonfinite
+
 
 class BlockLayout(NamedTuple):
     """The block layout of a packed row for block length ``block_len`` (L).
@@ -86,8 +88,9 @@ def segment_sums(x: torch.Tensor, first: torch.Tensor, lag: int) -> torch.Tensor
     ``lag`` blocks behind block b, with its gradient. One opaque operator to ``torch.compile`` (a loop over the
     blocks would unroll into its graph):
 
-    - on a CPU a walk over the blocks with one running sum that restarts at each sequence's first block: the sums
-      of a sequence alone, to the bit, and contiguous adds where a cumsum along the blocks strides over S·Dv floats;
+    - on a CPU (where reading the first blocks costs nothing, :func:`~vqattn.ops.nonfinite.host_read_is_free`) a
+      walk over the blocks with one running sum that restarts at each sequence's first block: the sums of a sequence
+      alone, to the bit, and contiguous adds where a cumsum along the blocks strides over S·Dv floats;
     - elsewhere differences of float64 prefix sums (two kernels, no host read), which keep float32 sums exact to
       rounding: the prefix before a sequence cancels in float64, far below float32's resolution.
     """
@@ -144,14 +147,14 @@ def _prefix_sums_transposed(grad: torch.Tensor, first: torch.Tensor, lag: int) -
 
 @torch.library.custom_op("vqattn::segment_sums", mutates_args=())
 def _segment_sums_op(x: torch.Tensor, first: torch.Tensor, lag: int) -> torch.Tensor:
-    if x.device.type == "cpu":
+    if nonfinite.host_read_is_free(first):  # the walk reads the sequences' first blocks
         return _walk_sums(x, first.tolist(), lag)
     return _prefix_sums(x, first, lag)
 
 
 @torch.library.custom_op("vqattn::segment_sums_transposed", mutates_args=())
 def _segment_sums_transposed_op(grad: torch.Tensor, first: torch.Tensor, lag: int) -> torch.Tensor:
-    if grad.device.type == "cpu":
+    if nonfinite.host_read_is_free(first):
         return _walk_sums_transposed(grad, first.tolist(), lag)
     return _prefix_sums_transposed(grad, first, lag)
 
