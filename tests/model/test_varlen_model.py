@@ -184,10 +184,10 @@ def test_compiled_training_step_with_segments_inductor():
 
 def _host_reads(model: GPT, idx, cu_seqlens, monkeypatch) -> int:
     """The tensor reads on the host of one packed training step (forward and backward), counted as on a GPU."""
-    from vqattn.ops import nonfinite
+    from vqattn.ops import devices
 
     reads = []
-    monkeypatch.setattr(nonfinite, "host_read_is_free", lambda x: False)
+    monkeypatch.setattr(devices, "host_read_is_free", lambda x: False)
     for method in ("__bool__", "item", "tolist", "__int__", "__float__", "__index__"):
         original = getattr(torch.Tensor, method)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from . import devices
 from .common.statistics import Assignment
 from .triton.finite import nonfinite_rows, runs_finite_kernel
 
@@ -49,18 +50,12 @@ def nonfinite_keys(*keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return bad, keys[0].new_zeros(bad.shape).masked_fill_(bad, float("nan"))
 
 
-def host_read_is_free(x: torch.Tensor) -> bool:
-    """Whether reading x's value in Python costs nothing: on a CPU in eager mode. A GPU would synchronise, and a
-    compiled graph cannot branch on a value."""
-    return x.device.type == "cpu" and not torch.compiler.is_compiling()
-
-
 def may_be_nonfinite(bad: torch.Tensor) -> bool:
     """Whether some row of ``bad`` may be set: False only when it is known to be all False. Where a read is free
-    (:func:`host_read_is_free`) ``bad`` is read, and a clean input then skips the masked copies of the keys and of
-    their gradient and the poison's pass over the output (at T = 32768, 128 MB of fresh memory per step);
+    (:func:`~vqattn.ops.devices.host_read_is_free`) ``bad`` is read, and a clean input then skips the masked copies
+    of the keys and of their gradient and the poison's pass over the output (at T = 32768, 128 MB of fresh memory per step);
     elsewhere the masking always runs (it gives the same result)."""
-    return not host_read_is_free(bad) or bool(bad.any())
+    return not devices.host_read_is_free(bad) or bool(bad.any())
 
 
 def zero_rows(x: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
