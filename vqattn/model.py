@@ -19,7 +19,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .layers import ATTENTIONS, AttentionState, build_attention
-from .layers.base import check_segments
 from .ops.blocks import DEFAULT_BLOCK_LEN, resolve_block_len
 from .ops.checks import check_choice, check_positive_int, compute_dtype
 from .ops.varlen import Packing, Segments, as_packing, check_state_list, read_packing
@@ -220,7 +219,7 @@ class GPT(nn.Module):
         """
         positions = None
         if isinstance(cu_seqlens, Segments):  # tensors only: nothing is read, a compiled graph traces it whole
-            check_segments(cu_seqlens, idx, state, return_state)
+            cu_seqlens.check(batch=idx.shape[0], length=idx.shape[1], state=state, return_state=return_state)
             positions = cu_seqlens.positions
         elif cu_seqlens is not None:
             self._check_idx("idx", idx, 0)

@@ -119,6 +119,13 @@ def test_bad_packed_input():
     layer = model.blocks[0].attn
     with pytest.raises(ValueError, match="cu_seqlens"):
         layer(torch.randn(2, 10, 32), cu_seqlens=torch.tensor([0, 4, 10], dtype=torch.int32))
+    segments = Packing.from_bounds([0, 4, 10]).segments(model.block_lens())
+    with pytest.raises(ValueError, match="Segments runs causal calls without states"):
+        model(idx[:1], cu_seqlens=segments, return_state=True)
+    with pytest.raises(ValueError, match="Segments of T = 10 tokens.*got 9"):
+        model(idx[:1, :9], cu_seqlens=segments)
+    with pytest.raises(ValueError, match="B = 2"):
+        layer(torch.randn(2, 10, 32), cu_seqlens=segments)
 
 
 @pytest.mark.parametrize("packing", [False, True], ids=["tensor", "Packing"])

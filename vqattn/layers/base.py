@@ -190,7 +190,7 @@ class Attention(nn.Module):
         check_layer_input(x, self.dim)
         positions = None
         if isinstance(cu_seqlens, Segments):  # tensors only: nothing is read, a compiled graph traces it whole
-            check_segments(cu_seqlens, x, state, return_state)
+            cu_seqlens.check(batch=x.shape[0], length=x.shape[1], state=state, return_state=return_state)
             positions = cu_seqlens.positions
         elif cu_seqlens is not None:
             if state is not None or return_state:
@@ -245,16 +245,6 @@ class Attention(nn.Module):
     def usage_stats(self) -> dict[str, float]:
         """Codebook usage statistics (vq layers); empty for the others."""
         return {}
-
-
-def check_segments(segments: Segments, x: torch.Tensor, state, return_state: bool) -> None:
-    """ValueError unless a layer or model call given Segments (B = 1, T tokens) has no state."""
-    if state is not None or return_state:
-        raise ValueError("cu_seqlens given as Segments runs calls without states; pass the cu_seqlens tensor or a "
-                         "Packing for a packed call with state or return_state")
-    if x.shape[0] != 1 or x.shape[1] != segments.length:
-        raise ValueError(f"with cu_seqlens (Segments of {segments.length} tokens), the input must be (1, "
-                         f"{segments.length}, …), got {tuple(x.shape)}")
 
 
 class CachedAttention(Attention):

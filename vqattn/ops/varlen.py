@@ -235,6 +235,16 @@ class Segments(NamedTuple):
     def length(self) -> int:
         return self.positions.shape[0]
 
+    def check(self, *, batch: int, length: int, state=None, return_state: bool = False) -> None:
+        """ValueError unless a call given these Segments has B = 1, their T tokens and no state."""
+        if state is not None or return_state:
+            raise ValueError("cu_seqlens given as Segments runs causal calls without states; pass the cu_seqlens "
+                             "tensor or a Packing for a call with state, return_state or causal=False")
+        _check_batch(batch)
+        if length != self.length:
+            raise ValueError(f"with cu_seqlens (Segments of T = {self.length} tokens), the input's T must be "
+                             f"{self.length}, got {length}")
+
     def document_mask(self) -> torch.Tensor:
         """(T, T) bool: key j is visible to query i, in i's own sequence and not after it (quadratic attention)."""
         i = torch.arange(self.length, device=self.positions.device)
@@ -406,11 +416,10 @@ def _stateless(op: Callable) -> Callable:
 
 
 def _check_segmented(given: dict, per_token: tuple[str, ...], segments: Segments) -> None:
-    """ValueError unless a call given :class:`Segments` is causal, without states, with (1, H, T, …) inputs."""
-    if given.get("state") is not None or given.get("return_state") or not given.get("causal", True):
-        raise ValueError("cu_seqlens given as Segments runs causal calls without states; pass the cu_seqlens tensor "
-                         "or a Packing for a call with state, return_state or causal=False")
-    _check_batch(given[per_token[0]].shape[0])
+    """ValueError unless an op's call given :class:`Segments` is causal, without states, with (1, H, T, …) inputs."""
+    first = given[per_token[0]]
+    segments.check(batch=first.shape[0], length=segments.length, state=given.get("state"),
+                   return_state=given.get("return_state") or not given.get("causal", True))
     for name in per_token:
         x = given[name]
         t = x if not isinstance(x, Assignment) else next((y for y in x if y is not None), None)

@@ -13,8 +13,8 @@ A later run whose record matches (same files, sizes and mtimes, same tokenizer c
 files as they are; a changed file or tokenizer rebuilds them. A token file whose size or checksums disagree with
 its record is a one-line error naming it (delete the directory to rebuild it), never silent garbage.
 
-Tokenizing is parallel over the cores other work leaves idle (forked processes, each encoding ~4 MiB chunks cut at
-a line break or separator, in order), with a progress bar and an estimate of the time left when it takes more
+Tokenizing is parallel over the cores other work leaves idle (worker processes of a fork server, each encoding
+~4 MiB chunks cut at a line break or separator, in order), with a progress bar and an estimate of the time left when it takes more
 than two seconds. A build writes into a temporary directory renamed into place when complete, so an interrupted
 build or two runs building at once leave no half-written file behind.
 """
@@ -211,7 +211,22 @@ def _map(directory: Path, split: str, record: dict) -> TokenSplit:
 
 # --- building ---------------------------------------------------------------------------------------------------
 
-_WORKER: dict = {}  # the tokenizer and separator of a build, inherited by its forked workers
+_WORKER: dict = {}  # the tokenizer and separator of a build, in this process and in each of its workers
+
+
+def _start_worker(tokenizer: Tokenizer, separator: bytes | None) -> None:
+    _WORKER.update(tokenizer=tokenizer, separator=separator)
+
+
+def _pool(workers: int, tokenizer: Tokenizer, separator: bytes | None):
+    """Worker processes started by a fork server, not forked from this process: a fork beside the trainer's threads
+    (torch's, tqdm's, Lightning's) can copy a lock one of them holds, and a DDP run's tokenizing once hung there
+    until killed. The server imports this module once; each worker gets the tokenizer pickled."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    return context.Pool(workers, initializer=_start_worker, initargs=(tokenizer, separator))
 
 
 def _split_documents(data: bytes, separator: bytes | None) -> list[bytes]:
@@ -309,13 +324,10 @@ def _build(directory: Path, wanted: dict, splits: dict[str, list], tokenizer: To
     pool = None
     try:
         tasks = {split: _tasks(units, separator) for split, units in splits.items()}
-        # a pool only for more than one chunk of bytes: forking one for a small corpus costs more than it saves
-        # (and a fork beside the trainer's threads is best not risked for nothing)
+        # a pool only for more than one chunk of bytes: starting one for a small corpus costs more than it saves
         if workers > 1 and sum(map(len, tasks.values())) > 1 and total > CHUNK:
-            import multiprocessing
-
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one thread per worker process
-            pool = multiprocessing.get_context("fork").Pool(workers)
+            pool = _pool(workers, tokenizer, separator)
         for split, split_tasks in tasks.items():
             record["splits"][split] = _write_split(temporary, split, split_tasks, pool, bar)
     finally:
