@@ -224,8 +224,8 @@ class Segments(NamedTuple):
     :class:`~vqattn.ops.common.segments.BlockLayout` per block length. Passed as ``cu_seqlens`` to a model, layer or
     op, it runs the packed call in its segmented block form (:mod:`vqattn.ops.common.segments`), which a compiled
     graph traces whole: no host read, and no recompile for new documents (the sizes that change are marked
-    dynamic). Ops without a segmented form (ovq, linear attention) read ``cu_seqlens`` and run the length classes
-    outside the graph."""
+    dynamic). Options a segmented form does not cover (ovq's ``memory_decay``) read ``cu_seqlens`` and run the length
+    classes outside the graph."""
 
     cu_seqlens: torch.Tensor
     positions: torch.Tensor
@@ -235,9 +235,9 @@ class Segments(NamedTuple):
     def length(self) -> int:
         return self.positions.shape[0]
 
-    def check(self, *, batch: int, length: int, state=None, return_state: bool = False) -> None:
-        """ValueError unless a call given these Segments has B = 1, their T tokens and no state."""
-        if state is not None or return_state:
+    def check(self, *, batch: int, length: int, state=None, return_state: bool = False, causal: bool = True) -> None:
+        """ValueError unless a call given these Segments is causal, without states, with B = 1 and their T tokens."""
+        if state is not None or return_state or not causal:
             raise ValueError("cu_seqlens given as Segments runs causal calls without states; pass the cu_seqlens "
                              "tensor or a Packing for a call with state, return_state or causal=False")
         _check_batch(batch)
@@ -415,17 +415,13 @@ def _stateless(op: Callable) -> Callable:
     return call
 
 
-def _check_segmented(given: dict, per_token: tuple[str, ...], segments: Segments) -> None:
-    """ValueError unless an op's call given :class:`Segments` is causal, without states, with (1, H, T, …) inputs."""
-    first = given[per_token[0]]
-    segments.check(batch=first.shape[0], length=segments.length, state=given.get("state"),
-                   return_state=given.get("return_state") or not given.get("causal", True))
+def _check_per_token(given: dict, per_token: tuple[str, ...], length: int) -> None:
+    """ValueError unless every per-token input of a packed call is (1, H, T, …) with T = ``length``."""
     for name in per_token:
         x = given[name]
         t = x if not isinstance(x, Assignment) else next((y for y in x if y is not None), None)
-        if t is not None and (t.dim() < 3 or t.shape[0] != 1 or t.shape[2] != segments.length):
-            raise ValueError(f"with cu_seqlens, {name} must be (1, H, T, …) with T = {segments.length}, "
-                             f"got {tuple(t.shape)}")
+        if t is not None and (t.dim() < 3 or t.shape[0] != 1 or t.shape[2] != length):
+            raise ValueError(f"with cu_seqlens, {name} must be (1, H, T, …) with T = {length}, got {tuple(t.shape)}")
 
 
 def varlen(per_token: tuple[str, ...], segmented: Callable | None = None) -> Callable:
@@ -449,7 +445,9 @@ def varlen(per_token: tuple[str, ...], segmented: Callable | None = None) -> Cal
                 given = dict(given.arguments)
                 first = given[per_token[0]]
                 if segmented is not None and isinstance(first, torch.Tensor) and first.dim() >= 3:
-                    _check_segmented(given, per_token, cu_seqlens)
+                    cu_seqlens.check(batch=first.shape[0], length=cu_seqlens.length, state=given.get("state"),
+                                     return_state=given.get("return_state"), causal=given.get("causal", True))
+                    _check_per_token(given, per_token, cu_seqlens.length)
                     out = segmented(given, cu_seqlens)
                     if out is not None:
                         return out
@@ -468,12 +466,7 @@ def varlen(per_token: tuple[str, ...], segmented: Callable | None = None) -> Cal
                 return op(*args, **kwargs)  # the op's own checks name the bad argument
             packing = as_packing(cu_seqlens, batch=first.shape[0], length=first.shape[2])
             bounds = packing.bounds
-            for name in per_token:
-                x = given[name]
-                t = x if not isinstance(x, Assignment) else next(y for y in x if y is not None)
-                if t is not None and (t.dim() < 3 or t.shape[:1] != (1,) or t.shape[2] != bounds[-1]):
-                    raise ValueError(f"with cu_seqlens, {name} must be (1, H, T, …) with T = {bounds[-1]}, "
-                                     f"got {tuple(t.shape)}")
+            _check_per_token(given, per_token, bounds[-1])
             state, return_state = given.pop("state", None), given.pop("return_state", False)
             tokens = {name: given.pop(name) for name in per_token}
             call = functools.partial(op if stateful else _stateless(op), **given)
