@@ -46,7 +46,7 @@ CACHE_SCHEDULES = ("auto", "loop", "cumsum")
 
 class KernelDesign(NamedTuple):
     """Which design the fused (Triton) vq kernels run; never what they compute (each gives the same result to
-    rounding). The defaults are the ones measured best on an H200 (docs/performance.md).
+    rounding). The defaults are the ones measured best on an H200 (docs/triton_kernels.md).
 
     superblock_blocks: hard keys' caches every K blocks, the keys in between read through their codes
         (:mod:`vqattn.ops.triton.superblock`); 0: every block's cache and the cache walks

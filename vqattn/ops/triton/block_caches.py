@@ -45,7 +45,7 @@ TILE_FLOATS = 4096
 # in sequence, each step waiting on memory; split into segments (fla's chunk_h_split), the segments' sums are
 # formed in parallel, a short scan gives every segment its start, and the segments walk in parallel: more programs,
 # each walk shorter, for twice the steps and the segments' sums in memory. That can pay only where the unsplit
-# programs leave SMs idle; off by default (docs/performance.md, "Split walks at 65536 tokens"). Where the GPU
+# programs leave SMs idle; off by default (docs/triton_kernels.md, "Split walks at 65536 tokens"). Where the GPU
 # chooses (segment_steps=None, :func:`walk_segments`): the programs of a walk per SM that fill it (the walks fit two
 # per SM by their registers), and the fewest steps of a segment.
 WALK_PROGRAMS_PER_SM = 2

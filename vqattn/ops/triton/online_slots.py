@@ -45,7 +45,7 @@ SLOT_TILE = 64
 # program is its own parallelism, the warps over a block's L × S distances, and the slot tile. The first: 8 warps, as
 # a program has its SM to itself when there are fewer sequences than SMs, and at 4 the registers' walk of 64 slots
 # spilled 160 bytes on sm_90 (benchmarks/kernel_resources.py); not yet timed (the walk through the scratch memory in
-# tiles of 32, at 4 warps, ran at 4% of its floor, docs/performance.md).
+# tiles of 32, at 4 warps, ran at 4% of its floor, docs/triton_kernels.md).
 SLOTS_CONFIGS = configs(dict(BS=SLOT_TILE, num_warps=8, num_stages=3), BS=(16, 32, 64, 128), num_warps=(1, 2, 4, 8))
 
 if triton is not None:

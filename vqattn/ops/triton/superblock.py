@@ -12,7 +12,7 @@ with g_b = ⌊max(b−1, 0)/K⌋, c_b = K g_b, and cache g = the keys of blocks 
 n_g = n_0 + Σ_{j < gK·L} e_{z_j}, C_g = C_0 + Σ_{j < gK·L} e_{z_j} v_jᵀ. A hard key j read through its code adds
 exp(σ qc·c_{z_j} + β) v_j to the numerator and exp(σ qc·c_{z_j} + β) to the normaliser: exactly its share of a
 cache. So the output equals the per-block caches' of :mod:`.vq_causal` (K = 1 is that design), while the caches
-that reach memory are K times fewer (docs/performance.md, "The floor model").
+that reach memory are K times fewer (docs/triton_kernels.md, "The floor model").
 
 Kernels, in launch order (all parallel; the only sequential pass is the scan over ⌈nb/K⌉ superblocks):
 
@@ -70,7 +70,7 @@ if triton is not None:
 # Codes per tile of the caches' scan (a (BS, Dv) float32 tile in registers).
 SUM_CODE_TILE = 64
 # Each kernel's launch candidates (:mod:`.tuning`), the first the one it runs with; BS: codes per tile. The first
-# ones are @triton.autotune's choices on an H200 (bf16, D = 64, S = 512, 8k and 32k tokens; docs/performance.md):
+# ones are @triton.autotune's choices on an H200 (bf16, D = 64, S = 512, 8k and 32k tokens; docs/triton_kernels.md):
 # they took the step's kernels from 6.72 to 5.97 ms.
 SUMS_CONFIGS = configs(dict(BS=256, num_warps=4, num_stages=3), BS=(64, 128, 256), num_warps=(4, 8),
                        num_stages=(1, 3))

@@ -1,11 +1,11 @@
 """Launch settings: each tuned kernel's candidate ``triton.Config`` list, its first entry the setting it runs with.
 
 A kernel decorated with :func:`tuned` launches with its first config (the settings measured best on an H200,
-docs/performance.md, "Launch settings"), with no search and no startup cost. ``VQATTN_AUTOTUNE=1`` (read when the
-kernels are defined, as ``TRITON_INTERPRET``) lets ``@triton.autotune`` time every candidate on the first call of
-each shape key and keep the fastest, as flash-linear-attention does on every GPU: worth it on a GPU the defaults were
-not measured on, at the cost of compiling and timing every candidate once (seconds per kernel; the choice is kept
-in Triton's cache directory for later processes).
+docs/triton_kernels.md, "The vq_hard step kernel by kernel"), with no search and no startup cost.
+``VQATTN_AUTOTUNE=1`` (read when the kernels are defined, as ``TRITON_INTERPRET``) lets ``@triton.autotune`` time
+every candidate on the first call of each shape key and keep the fastest, as flash-linear-attention does on every
+GPU: worth it on a GPU the defaults were not measured on, at the cost of compiling and timing every candidate once
+(seconds per kernel; the choice is kept in Triton's cache directory for later processes).
 ``TRITON_PRINT_AUTOTUNING=1`` prints what it chose. Under the interpreter a kernel always runs its first config;
 the tests run every candidate's meta-parameters there (``kernel.candidates``).
 """

@@ -15,7 +15,7 @@ and takes it one of two ways (``walk_cache_gradient``):
   "Kernel resources");
 * the reverse walk forms it block by block from the block's code queries, output gradients and logsumexp, as fla's
   ``chunk_bwd_kernel_dh`` builds its state gradient from q and dO: nothing per block reaches memory, but the
-  walk's sequential steps grow (docs/performance.md: slower on an H200).
+  walk's sequential steps grow (docs/triton_kernels.md: slower on an H200).
 
 Either way the walk adds its value gradients to the window's (in place for hard keys) instead of a separate sum.
 """
