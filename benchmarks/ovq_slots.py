@@ -10,7 +10,7 @@ layer, averaged over the sequences and heads:
 * the slots used in all;
 * the pairs' tokens and the later tokens not stored (``overflow="drop"``: novel once the slots are full).
 
-It measures what limits far recall per float of state (docs/evaluation.md); the recall itself is the run's.
+It measures what limits far recall per float of state (docs/far_recall.md); the recall itself is the run's.
 
     python benchmarks/ovq_slots.py outputs/DATE/TIME_ovq/checkpoints/last.ckpt --pairs 16 --gap 80
 """

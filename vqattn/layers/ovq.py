@@ -49,7 +49,7 @@ class OnlineVQAttention(Attention):
     ``qk_norm="l2"`` (unit q and k, q times a learned scale) makes the relative threshold and the slot means
     independent of the keys' norms. Decoding keeps the memory (S counts, S·(Dh + Dh) sums per head) and under
     2·block_len raw keys and values: constant in the length. ``memory_pairs="slow"`` with ``overflow="drop"``
-    recall far keys at a quarter of softmax's state (docs/evaluation.md).
+    recall far keys at a quarter of softmax's state (docs/far_recall.md).
     """
 
     def __init__(
