@@ -3,7 +3,8 @@
 loss = NLL + aux_weight * aux, where NLL is the mean next-token cross-entropy (nats) over labelled positions
 and aux is the model's summed auxiliary (codebook commitment) loss. The optimizer and its schedule are partials
 (lightning-hydra-template's ``_partial_`` targets, conf/optimizer and conf/scheduler): by default AdamW with
-linear warmup then cosine decay to ``min_lr_ratio * lr`` (:class:`OptimConfig`); gradient clipping is the
+linear warmup then cosine decay to ``min_lr_ratio * lr`` (:class:`OptimConfig`), or with ``optimizer=muon``
+Muon on the blocks' weight matrices and AdamW on the rest (:class:`MuonAdamW`); gradient clipping is the
 Trainer's ``gradient_clip_val``. Every metric goes through ``self.log``.
 
 Logged: train_loss, train_nll, train_aux, train_bpb, and after each validation (one row at step =
@@ -172,7 +173,12 @@ class OptimConfig:
     """The ``optim`` keys a command line sets: AdamW's lr, weight_decay and betas, and the schedule: linear warmup
     over ``warmup_steps``, then cosine decay to ``min_lr_ratio * lr`` at ``total_steps`` (the cosine horizon;
     None = trainer.max_steps; fix it to stop early and resume on the same schedule). conf/optimizer and
-    conf/scheduler read them; :meth:`optimizer` and :meth:`scheduler` are the same partials, for Python."""
+    conf/scheduler read them; :meth:`optimizer` and :meth:`scheduler` are the same partials, for Python.
+
+    ``muon_lr``, ``muon_momentum`` and ``muon_weight_decay`` are read by ``optimizer=muon`` alone (:class:`MuonAdamW`):
+    Muon's rule for the blocks' weight matrices, whose lr the same schedule scales; the other parameters keep
+    AdamW's lr, weight_decay and betas. Their defaults are Keller Jordan's Muon of the modded-nanogpt speedrun (lr
+    0.02, Nesterov momentum 0.95, no weight decay)."""
 
     lr: float = 2e-3
     weight_decay: float = 0.1
@@ -180,6 +186,9 @@ class OptimConfig:
     warmup_steps: int = 50
     min_lr_ratio: float = 0.1
     total_steps: int | None = None
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.0
 
     def __post_init__(self):
         self.betas = tuple(self.betas)  # a list when it comes from a config
@@ -190,6 +199,9 @@ class OptimConfig:
             "warmup_steps": (lambda v: isinstance(v, int) and v >= 0, "an int >= 0"),
             "min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
             "total_steps": (lambda v: v is None or isinstance(v, int) and v > 0, "a positive int or None"),
+            "muon_lr": (lambda v: v > 0, "> 0"),
+            "muon_momentum": (lambda v: 0 <= v < 1, "in [0, 1)"),
+            "muon_weight_decay": (lambda v: v >= 0, ">= 0"),
         }
         for key, (test, allowed) in rules.items():
             value = getattr(self, key)
@@ -200,14 +212,120 @@ class OptimConfig:
             if not ok:
                 raise ValueError(f"optim.{key} must be {allowed}, got {value!r}")
 
-    def optimizer(self) -> Callable:
-        """torch.optim.AdamW with these values, waiting for its parameter groups."""
-        return functools.partial(torch.optim.AdamW, lr=self.lr, weight_decay=self.weight_decay, betas=self.betas)
+    def optimizer(self, name: str = "adamw") -> Callable:
+        """The optimizer of conf/optimizer/NAME.yaml with these values, waiting for its parameter groups:
+        torch.optim.AdamW ("adamw") or :class:`MuonAdamW` ("muon")."""
+        adamw = {"lr": self.lr, "weight_decay": self.weight_decay, "betas": self.betas}
+        if name == "adamw":
+            return functools.partial(torch.optim.AdamW, **adamw)
+        if name == "muon":
+            return functools.partial(MuonAdamW, **adamw, muon_lr=self.muon_lr, muon_momentum=self.muon_momentum,
+                                     muon_weight_decay=self.muon_weight_decay)
+        raise ValueError(f"optimizer must be adamw or muon, got {name!r}")
 
     def scheduler(self, max_steps: int | None = None) -> Callable:
         """:func:`warmup_cosine_schedule` with these values and the run's ``max_steps``, waiting for the optimizer."""
         return functools.partial(warmup_cosine_schedule, warmup_steps=self.warmup_steps,
                                  min_lr_ratio=self.min_lr_ratio, total_steps=self.total_steps, max_steps=max_steps)
+
+
+def parameter_groups(model: torch.nn.Module, muon: bool = False) -> list[dict]:
+    """The optimizer's parameter groups of ``model``, each parameter in exactly one (a tied head is the embedding's
+    parameter, once): its matrices (embeddings, the head, the linear layers' weights, the short convolution's
+    kernel), which decay, then its norms, biases, scalars (e.g. learned temperatures) and codebooks, with
+    weight_decay 0 (a codebook's codes are centroids to fit, not weights to shrink).
+
+    With ``muon`` (:class:`MuonAdamW`), the weights of the linear layers inside ``model.blocks`` (attention q/k/v
+    and output projections, the MLP's two) leave the first group for a third, marked ``"muon": True``: the hidden
+    matrices, to which modded-nanogpt gives Muon. The embeddings and the head stay with AdamW (their rows are
+    per-token vectors, not a map between hidden spaces), and so does everything that is not a linear layer's 2-D
+    weight (codebooks, the convolution's (C, 1, K) kernel, norms, biases). The groups are then named for the
+    learning-rate monitor: adamw, adamw_no_decay and muon."""
+    blocks = getattr(model, "blocks", None)
+    hidden = ({id(m.weight) for m in blocks.modules() if isinstance(m, torch.nn.Linear)}
+              if muon and blocks is not None else set())
+    decay, no_decay, matrices = [], [], []
+    for name, p in model.named_parameters():
+        if id(p) in hidden:
+            matrices.append(p)
+        else:
+            (decay if p.ndim >= 2 and "codebook" not in name else no_decay).append(p)
+    if not muon:
+        return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [{"params": decay, "name": "adamw"}, {"params": no_decay, "weight_decay": 0.0, "name": "adamw_no_decay"},
+            {"params": matrices, "muon": True, "name": "muon"}]
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """One optimizer of two update rules: torch.optim.Muon on the parameter groups marked ``"muon": True`` (the
+    blocks' weight matrices: :func:`parameter_groups`), torch.optim.AdamW on the others.
+
+    One object, so that what takes the run's single optimizer works unchanged: Lightning's automatic optimization
+    and gradient clipping, the learning-rate schedule (which scales every group's lr, Muon's and AdamW's, by the
+    same factor), the learning-rate monitor, and the checkpoint's optimizer state. Its ``param_groups`` are the two
+    inner optimizers' groups themselves (AdamW's first, then Muon's) and its ``state`` is theirs, so ``state_dict``
+    and ``load_state_dict`` are torch's own over every group in order, and a resumed run continues both rules'
+    moments.
+
+    Args:
+        params: parameter groups (dicts), at least one marked ``"muon": True``; a group's own lr or weight_decay
+            overrides the rule's.
+        lr, weight_decay, betas: AdamW's.
+        muon_lr, muon_momentum, muon_weight_decay: Muon's, with torch.optim.Muon's other defaults (Nesterov momentum,
+            5 Newton-Schulz steps, Keller Jordan's update scale sqrt(max(1, rows / cols))). Muon's weight decay is
+            decoupled: each step multiplies a matrix by 1 - lr * weight_decay.
+    """
+
+    muon_groups = True  # LitLM.configure_optimizers hands it parameter_groups(model, muon=True)
+
+    def __init__(self, params, lr: float = 2e-3, weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95),
+                 muon_lr: float = 0.02, muon_momentum: float = 0.95, muon_weight_decay: float = 0.0):
+        groups = list(params)
+        if not all(isinstance(g, dict) for g in groups) or not any(g.get("muon") for g in groups):
+            raise ValueError('MuonAdamW takes parameter groups (dicts), at least one marked "muon": True, e.g. '
+                             "parameter_groups(model, muon=True)")
+        adamw = [{**g, "muon": False} for g in groups if not g.get("muon")]
+        muon = [g for g in groups if g.get("muon")]
+        self._inner = [torch.optim.Muon(muon, lr=muon_lr, momentum=muon_momentum, weight_decay=muon_weight_decay)]
+        if adamw:
+            self._inner.insert(0, torch.optim.AdamW(adamw, lr=lr, weight_decay=weight_decay, betas=tuple(betas)))
+        self._sizes = [len(opt.param_groups) for opt in self._inner]
+        # No defaults of its own: each group holds its rule's values already (an outer default would be copied
+        # into every group). The same group dicts: the schedule's lr changes reach the inner optimizers.
+        super().__init__([g for opt in self._inner for g in opt.param_groups], {})
+        self.defaults = {"lr": lr, "weight_decay": weight_decay, "betas": tuple(betas), "muon_lr": muon_lr,
+                         "muon_momentum": muon_momentum, "muon_weight_decay": muon_weight_decay}
+        self._link()
+
+    def _link(self) -> None:
+        """The inner optimizers read this one's groups and state (``load_state_dict`` replaces both)."""
+        start = 0
+        for opt, size in zip(self._inner, self._sizes):
+            opt.param_groups, opt.state = self.param_groups[start:start + size], self.state
+            start += size
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One step of each rule; ``closure`` (Lightning's forward and backward) runs once, first."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for opt in self._inner:
+            opt.step()
+        return loss
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load over every group, with a one-line error for the state of another optimizer (or another
+        model): its groups must be this one's, Muon's where this one has Muon's."""
+        saved = [bool(g.get("muon")) for g in state_dict["param_groups"]]
+        own = [bool(g.get("muon")) for g in self.param_groups]
+        if saved != own:
+            raise ValueError(f"the optimizer state to load is not optimizer=muon's ({len(saved)} parameter groups, "
+                             f"{sum(saved)} of them Muon's; this one has {len(own)}, {sum(own)} of them Muon's): "
+                             "resume with the optimizer it was trained with")
+        super().load_state_dict(state_dict)
+        self._link()
 
 
 def model_config(model: dict) -> GPTConfig:
@@ -269,8 +387,9 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> GPT:
 class LitLM(L.LightningModule):
     """Args:
         model: GPTConfig keyword arguments (a plain dict, so it is saved in the checkpoint's hyperparameters).
-        optimizer: ``params -> Optimizer`` (a partial, e.g. of torch.optim.AdamW), given two parameter groups:
-            matrices, then norms, biases, scalars and codebooks with weight_decay 0; None: ``OptimConfig().optimizer()``.
+        optimizer: ``params -> Optimizer`` (a partial, e.g. of torch.optim.AdamW), given :func:`parameter_groups`:
+            matrices, then norms, biases, scalars and codebooks with weight_decay 0, and for :class:`MuonAdamW`
+            (optimizer=muon) the blocks' weight matrices as a third group; None: ``OptimConfig().optimizer()``.
         scheduler: ``optimizer -> LRScheduler`` (a partial), stepped every optimizer step; None:
             ``OptimConfig().scheduler(trainer.max_steps)``, warmup then cosine decay over the run.
         aux_weight: weight of the auxiliary (commitment) loss.
@@ -304,6 +423,7 @@ class LitLM(L.LightningModule):
             self.model.compile()
         self.optimizer = optimizer or OptimConfig().optimizer()
         self.scheduler = scheduler
+        self._configured_lrs: list[float] | None = None  # set by configure_optimizers
         self.aux_weight = aux_weight
         self.val_nll = SummedNLL(DEFAULT_POSITION_EDGES if position_edges is None else position_edges)
         self.val_nll_carried = SummedNLL()
@@ -361,19 +481,23 @@ class LitLM(L.LightningModule):
         set_feature_step(self.model, self.trainer.global_step)  # Performer redraws follow the global step
 
     def on_train_start(self):
-        """A resumed run trains at the configured ``optim.lr``, not at the one its checkpoint's optimizer and schedule
-        saved: its schedule is scaled by configured / saved lr (nothing changes when they agree), so that a run
-        resumed from its last finite checkpoint with a lower lr, as a divergence advises, takes it."""
+        """A resumed run trains at the configured learning rates (``optim.lr``, and ``optim.muon_lr`` for
+        optimizer=muon), not at those its checkpoint's optimizer and schedule saved: each parameter group's schedule
+        is scaled by configured / saved lr (nothing changes when they agree), so that a run resumed from its last
+        finite checkpoint with a lower lr, as a divergence advises, takes it."""
+        configured = self._configured_lrs
         for config in self.trainer.lr_scheduler_configs:
             scheduler, optimizer = config.scheduler, config.scheduler.optimizer
-            saved = getattr(scheduler, "base_lrs", [None])[0]
-            if not saved or optimizer.defaults.get("lr") in (None, saved):
+            saved = list(getattr(scheduler, "base_lrs", []))
+            if configured is None or not len(saved) == len(configured) == len(optimizer.param_groups):
                 continue
-            ratio = optimizer.defaults["lr"] / saved
-            scheduler.base_lrs = [lr * ratio for lr in scheduler.base_lrs]
-            for group in optimizer.param_groups:
+            for i, (group, lr, was) in enumerate(zip(optimizer.param_groups, configured, saved)):
+                if not was or lr == was:
+                    continue
+                ratio = lr / was
+                scheduler.base_lrs[i] = was * ratio
                 group["lr"] *= ratio
-                group["initial_lr"] = group.get("initial_lr", saved) * ratio
+                group["initial_lr"] = group.get("initial_lr", was) * ratio
             scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
     def on_train_end(self):
@@ -432,11 +556,12 @@ class LitLM(L.LightningModule):
                                 "bytes_per_token": bytes_per_token}  # of the validation windows: not a curve to log
 
     def configure_optimizers(self):
-        # Matrices decay; norms, biases, scalars (e.g. learned temperatures) and codebooks do not.
-        decay, no_decay = [], []
-        for name, p in self.model.named_parameters():
-            (decay if p.ndim >= 2 and "codebook" not in name else no_decay).append(p)
-        optimizer = self.optimizer([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}])
+        # Matrices decay; norms, biases, scalars (e.g. learned temperatures) and codebooks do not. An optimizer
+        # that says so (MuonAdamW) gets the blocks' weight matrices as a group of their own.
+        muon = getattr(getattr(self.optimizer, "func", self.optimizer), "muon_groups", False)
+        optimizer = self.optimizer(parameter_groups(self.model, muon=muon))
+        # each group's configured lr, before the schedule scales it: a resumed run trains at these (on_train_start)
+        self._configured_lrs = [group["lr"] for group in optimizer.param_groups]
         scheduler = (self.scheduler or OptimConfig().scheduler(self.trainer.max_steps))(optimizer)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
