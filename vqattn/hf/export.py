@@ -16,6 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..files import WriteFailed, atomic_directory
 from ..utils import add_threads_argument, use_threads
 from .configuration import VQAttnConfig
 from .modeling import VQAttnForCausalLM
@@ -47,9 +48,12 @@ def checkpoint_tokenizer(checkpoint: str | Path):
 
 def save(model: VQAttnForCausalLM, out_dir: str | Path, tokenizer=None) -> Path:
     """Write ``model`` and ``tokenizer`` (a transformers tokenizer; None: the byte tokenizer) to ``out_dir``;
-    returns it."""
-    model.save_pretrained(out_dir)
-    (tokenizer if tokenizer is not None else VQAttnByteTokenizer()).save_pretrained(out_dir)
+    returns it. The files go to a temporary directory beside ``out_dir``, fsynced and renamed into its place when
+    all are written (:func:`vqattn.files.atomic_directory`): a fault leaves the directory that was there, whole; a
+    failed write raises :class:`vqattn.files.WriteFailed`."""
+    with atomic_directory(out_dir) as temporary:
+        model.save_pretrained(temporary)
+        (tokenizer if tokenizer is not None else VQAttnByteTokenizer()).save_pretrained(temporary)
     return Path(out_dir)
 
 
@@ -65,7 +69,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vqattn-export: error: {err}", file=sys.stderr)
         return 2
     use_threads(args.threads, "exporting")
-    out = save(model, args.out_dir, tokenizer)
+    try:
+        out = save(model, args.out_dir, tokenizer)
+    except WriteFailed as failure:  # a full disk, a read-only directory: what was at out_dir is still there
+        print(f"vqattn-export: error: {failure}", file=sys.stderr)
+        return 74  # sysexits.h's EX_IOERR, as the trainer's
+
     print(f"wrote {out}: load it with `import vqattn.hf` then AutoModelForCausalLM.from_pretrained({str(out)!r})")
     return 0
 

@@ -1,14 +1,17 @@
 """Trainer parts of train.py that Lightning does not ship as such, each a small callback on Lightning's public
 hooks: per-rank RNG state in checkpoints, a graceful Ctrl-C, a stop (or skip) at a non-finite loss or gradient,
-one last.ckpt save per step that never holds non-finite weights, a run-long progress
+last.ckpt (and kept steps, best.ckpt) saved once per step, never from non-finite weights, a run-long progress
 bar, training-only token throughput, and a model summary without the FLOPs column; and
 :func:`instantiate_callbacks`, which builds the ``callbacks`` config group.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
+import shutil
 import signal
 import statistics
 import sys
@@ -24,7 +27,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_summary import get_human_readable_count
 
+from ..files import WriteFailed, atomic_path, remove_temporaries, write_failed_as, write_text
 from .lifecycle import Diverged, log_to_file, note_signal, raise_interrupt, restore_handlers, set_handlers
+from .saving import note_failure, stop_on_failure
 
 log = logging.getLogger("lightning.pytorch.callbacks.model_summary")  # where Lightning's summary goes
 train_log = logging.getLogger("train")  # the trainer's own lines (vqattn.train.cli)
@@ -212,23 +217,55 @@ class NonFiniteGuard(Callback):
 
 
 class LastCheckpoint(Checkpoint):
-    """Keeps only ``dirpath/last.ckpt``: saved every ``every_n_train_steps`` optimizer steps and once more when
+    """Keeps ``dirpath/last.ckpt``: saved every ``every_n_train_steps`` optimizer steps and once more when
     training ends (finished or interrupted) unless that step was just saved, so each step is written at most once.
+
+    - ``keep`` > 1: the last ``keep`` saves stay as ``step-NNNNNN.ckpt`` (the optimizer step, six digits or more),
+      last.ckpt being a second name (a hard link, a copy where the filesystem has none) of the newest: ``keep``
+      checkpoints' worth of disk. Older step files are removed; those of steps after the current one (left by the
+      run a resume went back from) stay until this run saves that step.
+    - ``best``: ``best.ckpt`` is saved after each validation whose bpb is the lowest so far (the run dir's: a
+      resumed run compares with the best.json already there, which names its step and bpb): a second name of
+      last.ckpt where that holds the step, else one more checkpoint's worth of disk.
+
+    Every file is written whole or not at all (the trainer's AtomicCheckpointIO, :mod:`vqattn.files`). A failed
+    write noted anywhere in the run (metrics.csv, train.log, a checkpoint) stops it here
+    (:func:`vqattn.train.saving.stop_on_failure`): after every step in one process, at every save under DDP.
 
     Never from non-finite weights or optimizer state: the run stops there instead (:class:`Diverged`), and last.ckpt
     keeps the last finite step. Lightning runs Checkpoint callbacks after the others, so the saved step includes
     their state (RNGState). Saving is a collective under DDP: every rank calls it at the same step, rank 0 writes.
     """
 
-    def __init__(self, dirpath: Path, every_n_train_steps: int):
-        self.path, self.every_n_train_steps = Path(dirpath) / "last.ckpt", every_n_train_steps
+    def __init__(self, dirpath: Path, every_n_train_steps: int, keep: int = 1, best: bool = False):
+        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+            raise ValueError(f"checkpoint_keep must be a positive int (1: last.ckpt alone), got {keep!r}")
+        self.dirpath, self.every_n_train_steps, self.keep, self.best = Path(dirpath), every_n_train_steps, keep, best
+        self.path = self.dirpath / "last.ckpt"
+        self.best_path, self.best_record = self.dirpath / "best.ckpt", self.dirpath / "best.json"
         self.saved_step: int | None = None
+        self.best_bpb, self.best_step = math.inf, None
+
+    def step_path(self, step: int) -> Path:
+        return self.dirpath / f"step-{step:06d}.ckpt"
 
     def _save(self, trainer, pl_module) -> None:
         if trainer.global_step != self.saved_step and not trainer.sanity_checking:
+            stop_on_failure()  # a log that could not be written stops the run before this save
             self._check_finite(trainer, pl_module)
             trainer.save_checkpoint(self.path, weights_only=False)
+            if self.keep > 1 and trainer.is_global_zero:
+                _noted_under_ddp(self._keep_step, trainer.global_step)
+            stop_on_failure()
             self.saved_step = trainer.global_step
+
+    def _keep_step(self, step: int) -> None:
+        """last.ckpt (just saved at ``step``) also as its step file; the step files beyond ``keep`` removed."""
+        _second_name(self.path, self.step_path(step))
+        steps = sorted(s for s in (_step_of(p) for p in self.dirpath.glob("step-*.ckpt")) if s is not None and s <= step)
+        for old in steps[:-self.keep]:
+            with write_failed_as(self.step_path(old)):
+                self.step_path(old).unlink(missing_ok=True)
 
     @staticmethod
     def _check_finite(trainer, pl_module) -> None:
@@ -244,13 +281,72 @@ class LastCheckpoint(Checkpoint):
 
     def on_train_start(self, trainer, pl_module):
         self.saved_step = trainer.global_step  # a resumed run's checkpoint holds this step already
+        if trainer.is_global_zero:  # what a process killed mid-save left
+            for name in ("last.ckpt", "best.ckpt", "best.json", "step-*.ckpt"):
+                remove_temporaries(self.dirpath, name)
+        if self.best and self.best_record.is_file():  # the run dir's best so far, whichever checkpoint this run resumed
+            record = json.loads(self.best_record.read_text())
+            self.best_bpb, self.best_step = float(record["val_bpb"]), int(record["step"])
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.world_size == 1:
+            stop_on_failure(collective=False)
         if trainer.global_step % self.every_n_train_steps == 0:
             self._save(trainer, pl_module)
 
+    def on_validation_end(self, trainer, pl_module):
+        """best.ckpt after a validation with the lowest bpb so far: last.ckpt's second name where it holds this
+        step (always so for the validation after training), else a save of its own."""
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if not self.best or trainer.sanity_checking or (not fitting and self.saved_step != trainer.global_step):
+            return  # a validate() outside a run has no training state to keep
+        validation = pl_module.last_validation or {}
+        bpb = float(validation.get("val_bpb", math.nan))
+        improved = bool(math.isfinite(bpb) and bpb < self.best_bpb)
+        if trainer.world_size > 1:  # the ranks agree, as every one of them must take part in a save
+            improved = trainer.strategy.broadcast(improved, src=0)
+        if not improved:
+            return
+        stop_on_failure()
+        step = trainer.global_step
+        if self.saved_step == step:
+            if trainer.is_global_zero:
+                _noted_under_ddp(_second_name, self.path, self.best_path)
+        else:
+            trainer.save_checkpoint(self.best_path, weights_only=False)
+        if trainer.is_global_zero:
+            _noted_under_ddp(write_text, self.best_record, json.dumps({"step": step, "val_bpb": bpb}) + "\n")
+        stop_on_failure()
+        self.best_bpb, self.best_step = bpb, step
+
     def on_train_end(self, trainer, pl_module):
         self._save(trainer, pl_module)
+
+
+def _second_name(source: Path, target: Path) -> None:
+    """``target`` replaced, atomically, by a hard link to ``source`` (a copy where the filesystem has no links)."""
+    with atomic_path(target) as temporary:
+        try:
+            os.link(source, temporary)
+        except OSError:
+            shutil.copyfile(source, temporary)
+
+
+def _step_of(path: Path) -> int | None:
+    """The step of a ``step-NNNNNN.ckpt`` file name, else None."""
+    digits = path.stem.removeprefix("step-")
+    return int(digits) if digits.isdigit() else None
+
+
+def _noted_under_ddp(write, *args) -> None:
+    """``write(*args)`` on rank 0 alone: under DDP its failure is noted, not raised, so that no rank is left at the
+    next collective; the next :func:`stop_on_failure` raises it on every rank."""
+    try:
+        write(*args)
+    except WriteFailed as failure:
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            raise
+        note_failure(failure)
 
 
 class StepProgressBar(TQDMProgressBar):

@@ -35,6 +35,9 @@ def check_config(cfg: DictConfig) -> None:
     positive_int("trainer.max_steps", cfg.trainer.max_steps)
     NonFiniteGuard(cfg.nonfinite, cfg.nonfinite_max_skips)  # one line naming nonfinite or nonfinite_max_skips
     positive_int("checkpoint_every", cfg.checkpoint_every)
+    positive_int("checkpoint_keep", cfg.checkpoint_keep)
+    if not isinstance(cfg.checkpoint_best, bool):
+        raise ValueError(f"checkpoint_best must be true or false, got {cfg.checkpoint_best!r}")
     OptimConfig(**OmegaConf.to_container(cfg.optim))  # one line naming optim.KEY for a value out of range
     devices = _device_count(cfg.trainer.devices)
     if cfg.trainer.strategy == "auto" and devices is not None and devices > 1:

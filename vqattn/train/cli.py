@@ -101,8 +101,10 @@ def build(cfg: DictConfig, run_dir: Path, started: float | None = None):
     from .callbacks import GracefulInterrupt, LastCheckpoint, NonFiniteGuard, RNGState, instantiate_callbacks
     from .lit import read_checkpoint
     from .loggers import RunCSVLogger, extra_loggers
+    from .saving import AtomicCheckpointIO, clear_failures
 
     check_config(cfg)
+    clear_failures()  # a multirun's earlier job is not this one
     for warning in (cpu_processes_warning(cfg, available_cores(), torch.cuda.is_available()), raw_window_warning(cfg)):
         if warning is not None and is_rank_zero():
             log.warning("%s", warning)
@@ -117,13 +119,15 @@ def build(cfg: DictConfig, run_dir: Path, started: float | None = None):
         module.tokenizer = datamodule.tokenizer
     # The checkpoint, its RNG states, Ctrl-C's saved step and a stop before a non-finite step are what resuming rests
     # on: every run has them.
-    callbacks = [LastCheckpoint(run_dir / "checkpoints", cfg.checkpoint_every), RNGState(), GracefulInterrupt(),
+    callbacks = [LastCheckpoint(run_dir / "checkpoints", cfg.checkpoint_every, cfg.checkpoint_keep, cfg.checkpoint_best),
+                 RNGState(), GracefulInterrupt(),
                  NonFiniteGuard(cfg.nonfinite, cfg.nonfinite_max_skips),
                  *instantiate_callbacks(cfg.get("callbacks"), cfg.trainer, started)]
     if cfg.compile:  # the first steps compile the model: say so before the bar sits at 0/N
         callbacks.append(LambdaCallback(on_fit_start=_say_compiling))
     loggers = [RunCSVLogger(run_dir, resume_step), *extra_loggers(cfg.get("logger"), run_dir)]
-    trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers, callbacks=callbacks)
+    # every checkpoint written beside its target and renamed onto it: whole or not at all, on any filesystem
+    trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers, callbacks=callbacks, plugins=[AtomicCheckpointIO()])
     # The optimizer and scheduler reach the module as partials, which its saved hyperparameters leave out: the
     # loggers get their settings here (Lightning adds the module's at fit).
     optimization = {key: OmegaConf.to_container(cfg[key], resolve=True) for key in ("optim", "optimizer", "scheduler")
@@ -172,8 +176,10 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
 def _train(cfg: DictConfig, run_dir: Path) -> dict:
     import lightning as L
 
+    from ..files import WriteFailed, write_text
     from ..utils import tune_cpu_allocator
     from .callbacks import GracefulInterrupt, TokenThroughput
+    from .saving import note_failure, stop_on_failure
 
     start = time.perf_counter()
     tune_cpu_allocator()  # CPU steps reuse freed memory instead of page-faulting every temporary again
@@ -205,7 +211,12 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
         results["tokens_per_sec"], results["train_tokens"] = tokens / max(seconds, 1e-9), tokens
         results["wall_seconds"] = throughput.wall_seconds()
     if trainer.global_rank == 0:
-        (run_dir / "results.json").write_text(json.dumps(strict_json(results), indent=2, allow_nan=False) + "\n")
+        try:
+            write_text(run_dir / "results.json", json.dumps(strict_json(results), indent=2, allow_nan=False) + "\n")
+        except WriteFailed as failure:
+            note_failure(failure)
+    stop_on_failure()  # every rank alike: a write noted since the last save, results.json's
+    if trainer.global_rank == 0:
         log.info("%s", summary_text(results, run_dir))
     return results
 

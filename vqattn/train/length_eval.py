@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..files import write_text
 from ..model import GPT
 from ..ops.common.memory_decay import check_memory_decay
 from ..utils import add_threads_argument, use_threads
@@ -297,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(err))
     out = Path(args.out) if args.out is not None else default_out(args.ckpt[0])
     out.mkdir(parents=True, exist_ok=True)
-    (out / "length_eval.json").write_text(json.dumps(result, indent=1))
+    write_text(out / "length_eval.json", json.dumps(result, indent=1))  # whole or not at all: --against reads it
     plot([result], out / "length_eval.png")
     try:
         print(table([result], baseline))

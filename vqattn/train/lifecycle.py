@@ -14,6 +14,10 @@ one-line errors, the cleanup of a run that saved nothing, the environment, and t
 - **Errors.** A configuration, data or checkpoint problem is one line (``error: ...``, exit status 2) in the
   console and in train.log; anything else is a bug and keeps its traceback (so does everything with
   ``HYDRA_FULL_ERROR=1``).
+- **A failed write.** A full disk, a read-only directory or a quota (:class:`vqattn.files.WriteFailed`, from any
+  file the run writes: checkpoints, metrics.csv, train.log, results.json) stops the run on every rank: one line
+  naming the path and the error, the step whose checkpoint is intact and the command that resumes from it; exit
+  status 74 (sysexits' EX_IOERR). Every file is written whole or not at all, so that checkpoint loads.
 - **Cleanup.** A run that stops before saving a checkpoint or results.json leaves no run dir behind.
 - **Environment.** What the job changed in ``os.environ`` (Lightning's MASTER_PORT, LOCAL_RANK, ...) is undone and
   the process group destroyed, so the next job of a multirun launches fresh ranks.
@@ -32,6 +36,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from ..files import WriteFailed
 
 log = logging.getLogger("train")
 # What a run writes before it has anything worth keeping (a checkpoint, results.json): a failed run dir holding
@@ -69,6 +75,7 @@ class Diverged(Exception):
 
 
 DIVERGED_STATUS = 1
+WRITE_FAILED_STATUS = 74  # sysexits.h's EX_IOERR
 
 
 class Aborted(Exception):
@@ -206,6 +213,13 @@ def task_wrapper(task):
             if is_rank_zero():
                 print(f"\nerror: {stop}\n{_last_checkpoint_line(run_dir)}", file=sys.stderr)
             raise SystemExit(DIVERGED_STATUS) from None
+        except WriteFailed as failure:
+            log_to_file(f"error: {failure}", logging.ERROR)
+            discard_failed_run(run_dir)
+            if is_rank_zero():
+                print(f"\nerror: {failure}\n{_last_checkpoint_line(run_dir, 'intact', 'once that path can be written')}",
+                      file=sys.stderr)
+            raise SystemExit(WRITE_FAILED_STATUS) from None
         except (Aborted, KeyboardInterrupt) as stop:
             discard_failed_run(run_dir)
             checkpoint = run_dir / "checkpoints" / "last.ckpt"
@@ -231,15 +245,14 @@ def task_wrapper(task):
     return wrapped
 
 
-def _last_checkpoint_line(run_dir: Path) -> str:
-    """Where a stopped run's last finite state is, and the command that resumes from it (nothing was saved yet: say
-    so)."""
+def _last_checkpoint_line(run_dir: Path, kind: str = "finite", when: str = "with a change from the line above") -> str:
+    """Where a stopped run's last ``kind`` state is, and the command that resumes from it (nothing was saved yet:
+    say so)."""
     checkpoint = run_dir / "checkpoints" / "last.ckpt"
     if not checkpoint.exists():
         return "no checkpoint was saved before it: nothing to resume"
     step = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)["global_step"]
-    return (f"the last finite checkpoint is {checkpoint} (step {step}); with a change from the line above, resume "
-            f"with:\n  {resume_command(run_dir)}")
+    return f"the last {kind} checkpoint is {checkpoint} (step {step}); {when}, resume with:\n  {resume_command(run_dir)}"
 
 
 def resume_command(run_dir: Path) -> str:

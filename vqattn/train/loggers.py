@@ -9,6 +9,7 @@ validation rows at the optimizer step they followed), so each plots against the 
 from __future__ import annotations
 
 import csv
+import io
 from pathlib import Path
 
 from lightning.pytorch.core.saving import save_hparams_to_yaml
@@ -16,7 +17,9 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
+from ..files import WriteFailed, atomic_file, atomic_path, write_failed_as
 from .configs import instantiate_targets
+from .saving import note_failure
 
 
 class RunCSVLogger(Logger):
@@ -24,7 +27,10 @@ class RunCSVLogger(Logger):
     them, a row's missing keys empty), continuing a resumed run's file.
 
     A resumed run (``resume_step`` > 0) keeps the rows its checkpoint already holds and drops those logged after
-    it, which it logs again. Only rank 0 writes.
+    it, which it logs again. Only rank 0 writes. Rows are appended; a rewrite (the first save, a new column) and
+    hparams.yaml replace their file whole (:mod:`vqattn.files`), and a last row cut short by a kill or a full disk is
+    not read back. A failed write keeps its rows for the next try and is noted for
+    :func:`vqattn.train.saving.stop_on_failure`, which stops the run with one line.
     """
 
     def __init__(self, run_dir: str | Path, resume_step: int = 0):
@@ -34,6 +40,7 @@ class RunCSVLogger(Logger):
         self.metrics_file_path = self.run_dir / "metrics.csv"
         self._rows: list[dict] = []
         self._keys: list[str] | None = None  # the file's columns, once read or written
+        self._torn = False  # a failed append may have left a partial row
 
     @property
     def name(self) -> str:
@@ -54,8 +61,11 @@ class RunCSVLogger(Logger):
     @rank_zero_only
     def log_hyperparams(self, params, *args, **kwargs) -> None:
         self._hparams.update(dict(params) if params is not None else {})
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        save_hparams_to_yaml(self.run_dir / "hparams.yaml", self._hparams)
+        try:
+            with atomic_path(self.run_dir / "hparams.yaml") as temporary:
+                save_hparams_to_yaml(temporary, self._hparams)
+        except WriteFailed as failure:
+            note_failure(failure)
 
     @rank_zero_only
     def log_metrics(self, metrics: dict, step: int | None = None) -> None:
@@ -73,30 +83,41 @@ class RunCSVLogger(Logger):
         """metrics.csv's rows (when resuming, only those before resume_step); sets the columns it has."""
         if not self.metrics_file_path.is_file():
             return []
-        with self.metrics_file_path.open(newline="") as f:
-            reader = csv.DictReader(f)
-            rows = [r for r in reader if not resuming or self._before_resume(r)]
-            self._keys = list(reader.fieldnames or [])
+        text = self.metrics_file_path.read_text()
+        if not text.endswith("\n"):  # an append cut short: its last row is partial
+            text = text[:text.rfind("\n") + 1]
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        rows = [r for r in reader if not resuming or self._before_resume(r)]
+        self._keys = list(reader.fieldnames or [])
         return rows
 
     @rank_zero_only
     def save(self) -> None:
+        try:
+            with write_failed_as(self.metrics_file_path):
+                self._save()
+        except WriteFailed as failure:
+            self._torn = True  # an append may have left part of a row: the next save writes the file whole
+            note_failure(failure)
+
+    def _save(self) -> None:
         first = self._keys is None  # the file is then rewritten: kept rows of an existing file, or a fresh one
         kept = self._read_file(resuming=True) if first else []
         self._keys = self._keys or []
         new_keys = {k for row in self._rows for k in row} - set(self._keys)
-        if new_keys and not first:  # a new column changes the header: the file is written again
+        if (new_keys or self._torn) and not first:  # a new column changes the header: the file is written again
             kept = self._read_file(resuming=False)
         self._keys = sorted({*self._keys, *new_keys})
-        if not self._keys or not (first or new_keys or self._rows):
+        if not self._keys or not (first or new_keys or self._torn or self._rows):
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        with self.metrics_file_path.open("w" if first or new_keys else "a", newline="") as f:
+        rewrite = first or new_keys or self._torn
+        with (atomic_file(self.metrics_file_path, "w", newline="") if rewrite
+              else self.metrics_file_path.open("a", newline="")) as f:
             writer = csv.DictWriter(f, fieldnames=self._keys)
-            if first or new_keys:
+            if rewrite:
                 writer.writeheader()
             writer.writerows([*kept, *self._rows])
-        self._rows = []
+        self._rows, self._torn = [], False
 
     @rank_zero_only
     def finalize(self, status: str) -> None:

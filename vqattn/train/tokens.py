@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..files import fsync_directory, fsync_file, write_failed_as
 from .tokenizer import Tokenizer
 
 CHUNK = 4 << 20  # bytes per tokenizing task
@@ -312,10 +313,11 @@ def _build(directory: Path, wanted: dict, splits: dict[str, list], tokenizer: To
 
     from ..utils import available_cores
 
-    directory.parent.mkdir(parents=True, exist_ok=True)
     temporary = directory.with_name(f"{directory.name}.tmp-{os.getpid()}")
-    shutil.rmtree(temporary, ignore_errors=True)
-    temporary.mkdir()
+    with write_failed_as(directory):  # a read-only cache: one line naming it
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(temporary, ignore_errors=True)
+        temporary.mkdir()
     record = {**wanted, "splits": {}}
     workers = workers or max(1, available_cores())
     total = sum(unit_len(u) for units in splits.values() for u in units)
@@ -329,13 +331,21 @@ def _build(directory: Path, wanted: dict, splits: dict[str, list], tokenizer: To
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one thread per worker process
             pool = _pool(workers, tokenizer, separator)
         for split, split_tasks in tasks.items():
-            record["splits"][split] = _write_split(temporary, split, split_tasks, pool, bar)
+            with write_failed_as(temporary):  # a full disk: one line naming the build's directory
+                record["splits"][split] = _write_split(temporary, split, split_tasks, pool, bar)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)  # nothing half-written left beside the cache
+        raise
     finally:
         bar.close()
         if pool is not None:
             pool.terminate()
         _WORKER.clear()
-    (temporary / "record.json").write_text(json.dumps(record, indent=1) + "\n")
+    with write_failed_as(directory):  # the files durable before the rename that publishes them
+        (temporary / "record.json").write_text(json.dumps(record, indent=1) + "\n")
+        for path in temporary.iterdir():
+            fsync_file(path)
+        fsync_directory(temporary)
     current = _read_record(directory) if directory.exists() else None
     if current is not None and all(current.get(k) == v for k, v in wanted.items()):  # another run built it meanwhile
         shutil.rmtree(temporary, ignore_errors=True)
@@ -346,6 +356,7 @@ def _build(directory: Path, wanted: dict, splits: dict[str, list], tokenizer: To
     except OSError:  # another run renamed its own build first: use that one
         shutil.rmtree(temporary, ignore_errors=True)
         return _read_record(directory)
+    fsync_directory(directory.parent)
     return record
 
 
