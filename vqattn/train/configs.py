@@ -71,10 +71,10 @@ def instantiate_targets(cfg, group: str, overrides=lambda node: {}) -> list:
 
 def data_classes() -> dict[str, type]:
     """The data modules conf/data/ builds, by schema name."""
-    from . import data, mqar
+    from . import data, mqar, token_files
 
     return {"stdlib": data.StdlibDataModule, "text": data.TextDataModule, "hub": data.HubTextDataModule,
-            "mqar": mqar.MQARDataModule}
+            "tokens": token_files.TokenFilesDataModule, "mqar": mqar.MQARDataModule}
 
 
 def config_groups() -> dict[str, list[str]]:

@@ -20,6 +20,8 @@ Corpora:
 * ``StdlibDataModule`` (``data=default``): the ``.py`` files of the running Python's standard library.
 * ``TextDataModule`` (``data=text``): local files, a path or a glob.
 * ``HubTextDataModule`` (``data=enwik8`` / ``data=wikitext103``): Hugging Face Hub datasets via ``datasets``.
+* ``vqattn.train.token_files.TokenFilesDataModule`` (``data=tokens``): pre-tokenized files (nanoGPT's ``train.bin``,
+  modded-nanogpt's shards), memory-mapped as they are.
 * ``vqattn.train.mqar.MQARDataModule`` (``data=mqar``): multi-query associative recall (Zoology).
 """
 
@@ -290,12 +292,17 @@ class ByteDataModule(_LMDataModule):
         sizes = self.split_sizes
         return None if sizes is None else sizes["val_bytes"] / sizes["val_tokens"]
 
+    def _splits(self) -> dict[str, tokens.TokenSplit]:
+        """The ``train`` and ``val`` token splits: the units tokenized into token files (made once, then reused).
+        Pre-tokenized files (:mod:`vqattn.train.token_files`) are another source of the same splits."""
+        train_units, val_units = self._units()
+        return tokens.prepare(self.name, {"train": train_units, "val": val_units}, self.tokenizer, self.separator,
+                              self.cache_dir)
+
     def setup(self, stage: str | None = None) -> None:
         if self.train_data is not None:
             return
-        train_units, val_units = self._units()
-        splits = tokens.prepare(self.name, {"train": train_units, "val": val_units}, self.tokenizer,
-                                self.separator, self.cache_dir)
+        splits = self._splits()
         need, word = self.seq_len + 1, "byte" if self.tokenizer.spec == "bytes" else "token"
         for split, data in (("training", splits["train"].tokens), ("validation", splits["val"].tokens)):
             if len(data) < need:

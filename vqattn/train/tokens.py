@@ -117,10 +117,11 @@ class TokenFile:
 
     Random windows read this way copy only their own tokens. Through the memory map each would map the page-cache
     folio it falls in (up to a couple of MiB on current kernels, whatever madvise says), and the resident set of a
-    long run would grow towards the corpus's size."""
+    long run would grow towards the corpus's size. ``offset``: the bytes before the first token (a header, as in
+    modded-nanogpt's shards: :mod:`vqattn.train.token_files`)."""
 
-    def __init__(self, path: Path, dtype: np.dtype):
-        self.path, self.dtype, self._fd, self._pid = path, np.dtype(dtype), None, None
+    def __init__(self, path: Path, dtype: np.dtype, offset: int = 0):
+        self.path, self.dtype, self.offset, self._fd, self._pid = path, np.dtype(dtype), offset, None, None
 
     def _descriptor(self) -> int:
         if self._pid != os.getpid():  # opened per process (DataLoader workers)
@@ -129,14 +130,15 @@ class TokenFile:
 
     def windows(self, offsets, length: int) -> torch.Tensor:
         fd, size = self._descriptor(), self.dtype.itemsize
-        rows = [np.frombuffer(os.pread(fd, length * size, int(o) * size), dtype=self.dtype) for o in offsets]
+        rows = [np.frombuffer(os.pread(fd, length * size, self.offset + int(o) * size), dtype=self.dtype)
+                for o in offsets]
         return torch.from_numpy(np.stack(rows).astype(np.int64))
 
     def __getstate__(self):
-        return {"path": self.path, "dtype": self.dtype}
+        return {"path": self.path, "dtype": self.dtype, "offset": self.offset}
 
     def __setstate__(self, state):
-        self.__init__(state["path"], state["dtype"])
+        self.__init__(state["path"], state["dtype"], state.get("offset", 0))
 
 
 @dataclass
