@@ -2,16 +2,20 @@
 
 It imports :mod:`vqattn.hf` (registering VQAttnConfig, VQAttnForCausalLM and the byte tokenizer with the Auto
 classes, which lm-eval's ``hf`` model loads through), adds ``--include_path`` of vqattn's own tasks
-(:mod:`vqattn.hf.tasks`: ``vqattn_heldout``, ``vqattn_kv_recall``) unless the command line gives one, and runs
-lm-eval's CLI with the rest of the arguments, e.g.::
+(:mod:`vqattn.hf.tasks`: ``vqattn_heldout``, ``vqattn_kv_recall``, ``vqattn_text``) unless the command line gives
+one, and runs lm-eval's CLI with the rest of the arguments, e.g.::
 
     vqattn-eval --model hf --model_args pretrained=OUT_DIR --tasks vqattn_heldout,vqattn_kv_recall --device cpu
+    vqattn-eval --model hf --model_args pretrained=OUT_DIR --tasks vqattn_text --metadata path='notes/*.md'
 
 It sets its threads as the trainer does (``--threads N|auto``, default auto: the cores other work leaves idle),
 taking that option out of what lm-eval reads. With ``--model hf`` it adds ``backend=causal`` to ``--model_args``
 unless they name a backend: lm-eval tells a causal model by transformers' own table of model types, which a
 registered model type is not in, and would warn before taking the causal backend anyway. lm-eval's warning that a
-task loaded through a function could take ``--metadata`` is dropped for vqattn's tasks, whose functions take none.
+task loaded through a function could take ``--metadata`` is dropped for vqattn's tasks: ``vqattn_text``, the one
+that reads it (``path``), says so itself when it is missing. That error, and a path that matches no file or holds
+no UTF-8 text, is one line on stderr and exit status 2; a path given on the command line is checked before lm-eval
+loads the model.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 import vqattn.hf  # noqa: F401  (registers the Auto classes)
 
 from ..utils import threads_arg, use_threads
+from .tasks.data import TextTaskError, text_files
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 
@@ -74,15 +79,32 @@ def split_threads(argv: list[str]) -> tuple[int | str, list[str]]:
     return threads, rest
 
 
+def check_text_path(args: argparse.Namespace) -> None:
+    """A ``--metadata path`` that matches no file, with ``vqattn_text`` among ``--tasks``: its error now, before lm-eval
+    loads the model (which it does before the tasks). A path given elsewhere (``--config``) is checked by the task."""
+    tasks, metadata = getattr(args, "tasks", None), getattr(args, "metadata", None)
+    if isinstance(tasks, list) and "vqattn_text" in tasks and isinstance(metadata, dict) and "path" in metadata:
+        text_files(metadata["path"])
+
+
 def main(argv: list[str] | None = None) -> None:
-    from lm_eval.__main__ import cli_evaluate  # reads sys.argv
+    from lm_eval._cli import HarnessCLI
+    from lm_eval.utils import setup_logging
 
     threads, rest = split_threads(sys.argv[1:] if argv is None else argv)
     if "-h" not in rest and "--help" not in rest:
         use_threads(threads, "evaluating")
     sys.argv = ["lm-eval", *lm_eval_argv(rest)]
     logging.getLogger("lm_eval.api.task").addFilter(_not_about_our_functions)
-    cli_evaluate()
+    try:  # lm_eval.__main__.cli_evaluate, with the text path checked between parsing and running
+        setup_logging()
+        parser = HarnessCLI()  # reads sys.argv
+        args = parser.parse_args()
+        check_text_path(args)
+        parser.execute(args)
+    except TextTaskError as err:  # the user's --metadata path: a usage error, not a failure of lm-eval's
+        print(f"vqattn-eval: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

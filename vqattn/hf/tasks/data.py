@@ -7,14 +7,19 @@
   trainer's validation windows tile ``NUL + document`` (the tokenizer's prefix token is NUL).
 * ``kv_recall.jsonl`` (task ``vqattn_kv_recall``): key-value recall in Python syntax, ``PAIRS`` assignments
   ``key = value`` then ``assert KEY == `` of one key; the choices are the values assigned, the answer the key's.
+* task ``vqattn_text``: the user's own text, named by lm-eval's task metadata (``--metadata path=FILE_OR_GLOB``),
+  one document per file (:func:`text`); no shipped data.
 
-``python -m vqattn.hf.tasks.data`` rewrites both files (the held-out one from the running Python's stdlib).
+``python -m vqattn.hf.tasks.data`` rewrites both jsonl files (the held-out one from the running Python's stdlib).
 """
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 import random
+import re
 import string
 from pathlib import Path
 
@@ -40,6 +45,82 @@ def heldout(**kwargs):
 
 def kv_recall(**kwargs):
     return _test_split("kv_recall.jsonl", **kwargs)
+
+
+class TextTaskError(ValueError):
+    """``vqattn_text`` was not told which text to score, or cannot read it (``vqattn-eval`` prints it on one line)."""
+
+
+def text_files(path) -> list[str]:
+    """The files ``path`` names, as the trainer's ``data=text`` reads ``data.path``: a file, or every file matching
+    a glob (``**`` recursive, ``~`` expanded), in sorted order."""
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise TextTaskError('vqattn_text needs the text to score: pass --metadata path=FILE_OR_GLOB '
+                            '(or --metadata \'{"path": "FILE_OR_GLOB"}\'), a file or a glob of files')
+    pattern = os.path.expanduser(str(path))
+    files = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+    if not files:
+        raise TextTaskError(f"vqattn_text: no file found at path={str(path)!r} (give an existing file or a glob that "
+                            "matches files)")
+    return files
+
+
+def _read_text(file: str) -> str:
+    """The file's bytes as UTF-8, exactly (no newline translation: lm-eval counts the bytes of this string)."""
+    data = Path(file).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise TextTaskError(f"vqattn_text: {file} is not UTF-8 text (byte {err.start}): lm-eval scores str "
+                            "documents") from None
+
+
+def _token_counter(tokenizer, pretrained, add_bos_token):
+    """``len(tokens)`` of a text as lm-eval's ``hf`` model encodes it (its ``tokenizer`` model argument, else
+    ``pretrained``; special tokens as its ``add_bos_token`` sets them, else the tokenizer's default), or None when
+    neither names a tokenizer (a model object passed in Python, or a TaskManager given no model arguments)."""
+    name = tokenizer if isinstance(tokenizer, (str, os.PathLike)) else pretrained
+    if not isinstance(name, (str, os.PathLike)):
+        return None
+    from transformers import AutoTokenizer
+
+    import vqattn.hf  # noqa: F401  (registers the byte tokenizer with AutoTokenizer)
+
+    tok = AutoTokenizer.from_pretrained(str(name))
+    special = {} if add_bos_token is None else {"add_special_tokens": bool(add_bos_token)}
+    return lambda doc: len(tok.encode(doc, **special))
+
+
+def text(path=None, tokenizer=None, pretrained=None, add_bos_token=None, **kwargs):
+    """lm-eval's ``custom_dataset`` of ``vqattn_text``: one document per non-empty file of ``path`` (a file or a
+    glob, :func:`text_files`), {"text", "file", "tokens"} with tokens the count :func:`_token_counter` gives (-1 when
+    no tokenizer is named). lm-eval calls it with the task's metadata: ``--metadata`` merged with ``--model_args``
+    (which is where ``pretrained`` and ``tokenizer`` come from); the other keys are unused."""
+    import datasets  # lm-eval's own dependency; imported when a task loads
+
+    files = text_files(path)
+    count = _token_counter(tokenizer, pretrained, add_bos_token)
+    rows = []
+    for file in files:
+        doc = _read_text(file)
+        if doc:  # an empty file has no byte to predict
+            rows.append({"text": doc, "file": file, "tokens": -1 if count is None else count(doc)})
+    if not rows:
+        raise TextTaskError(f"vqattn_text: every file at path={str(path)!r} is empty")
+    return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
+
+
+def text_results(doc: dict, results: list) -> dict:
+    """lm-eval's ``process_results`` of ``vqattn_text``: lm-eval's own three rolling metrics (bytes: of the UTF-8
+    text; words: ``re.split(r"\\s+")`` pieces, as lm-eval counts them) and ``token_perplexity`` over the document's
+    tokens, when they were counted."""
+    (loglikelihood,) = results
+    text, n_bytes = doc["text"], len(doc["text"].encode("utf-8"))
+    out = {"word_perplexity": (loglikelihood, len(re.split(r"\s+", text))),
+           "byte_perplexity": (loglikelihood, n_bytes), "bits_per_byte": (loglikelihood, n_bytes)}
+    if doc["tokens"] > 0:
+        out["token_perplexity"] = (loglikelihood, doc["tokens"])
+    return out
 
 
 def heldout_docs() -> list[str]:
