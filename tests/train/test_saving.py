@@ -17,12 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from faults import full_disk
 from test_train import FAST, ROOT, finish_script, run_inprocess, val_rows
 
 from vqattn.files import WriteFailed, atomic_directory, atomic_file, is_temporary, write_text
 from vqattn.train.lit import load_model, read_checkpoint
 from vqattn.train.saving import AtomicCheckpointIO, RunLogHandler, clear_failures, note_failure, stop_on_failure
+
+from faults import full_disk
 
 NO_SPACE = r"\[Errno 28\] No space left on device"
 TINY = [*FAST, "attention=softmax", "threads=1"]
