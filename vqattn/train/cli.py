@@ -168,8 +168,10 @@ def intra_op_threads(threads: int | str | None):
 def train(cfg: DictConfig, run_dir: Path) -> dict:
     """Train, validate once at the end (reusing the last in-fit validation when it was at the final step), write
     results.json; returns the results (raises Interrupted after Ctrl-C or SIGTERM, with the checkpoint saved, and
-    Aborted after a second one)."""
-    with intra_op_threads(cfg.get("threads")):
+    Aborted after a second one); a Weights & Biases run the job started ends with it."""
+    from .loggers import wandb_run_finished
+
+    with intra_op_threads(cfg.get("threads")), wandb_run_finished():
         return _train(cfg, run_dir)
 
 

@@ -8,8 +8,10 @@ validation rows at the optimizer step they followed), so each plots against the 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
+import sys
 from pathlib import Path
 
 from lightning.pytorch.core.saving import save_hparams_to_yaml
@@ -128,3 +130,22 @@ def extra_loggers(cfg: DictConfig | None, run_dir: Path) -> list[Logger]:
     """The loggers the ``logger`` group names, each built from its ``_target_``; ``save_dir: null`` is the run dir."""
     return instantiate_targets(cfg, "logger", lambda node: {"save_dir": str(run_dir)}
                                if node.get("save_dir", "unset") is None else {})
+
+
+@contextlib.contextmanager
+def wandb_run_finished():
+    """End the Weights & Biases run that the job started (logger=wandb), however the job ends. wandb writes the run's
+    history, config and summary (offline: RUN_DIR/wandb/offline-run-*/run-*.wandb) when the run finishes, which
+    would otherwise wait for the process to exit; and the next job of a multirun starts a run of its own, where
+    Lightning's WandbLogger would reuse a run still in progress (every job's metrics in the first job's run). The
+    exit code wandb records is 0 when the job returned, 1 when it raised (an error, a divergence, Ctrl-C). A run
+    in progress before the job (a notebook's own) is left alone."""
+    before = getattr(sys.modules.get("wandb"), "run", None)
+    failed = True
+    try:
+        yield
+        failed = False
+    finally:
+        wandb = sys.modules.get("wandb")  # imported by WandbLogger: a job without logger=wandb has no run to end
+        if wandb is not None and wandb.run is not None and wandb.run is not before:
+            wandb.finish(exit_code=1 if failed else 0)
