@@ -163,8 +163,8 @@ class SentencePieceTokenizer(Tokenizer):
         try:
             import sentencepiece
         except ImportError:
-            raise ValueError("a SentencePiece model needs the sentencepiece package (pip install sentencepiece; "
-                             "the train extra has it)") from None
+            raise ValueError("is a SentencePiece model, which needs the sentencepiece package (pip install "
+                             "sentencepiece; the train extra has it)") from None
         self.proto, self.spec = bytes(proto), spec
         self.processor = sentencepiece.SentencePieceProcessor()
         try:
@@ -366,7 +366,10 @@ def from_json(text: str | None, spec: str = "checkpoint") -> Tokenizer:
     if text is None:
         return ByteTokenizer()
     if text.startswith(f'{{"{SENTENCEPIECE_KEY}"'):  # SentencePieceTokenizer.to_json
-        return SentencePieceTokenizer(base64.b64decode(json.loads(text)[SENTENCEPIECE_KEY]), spec)
+        try:
+            return SentencePieceTokenizer(base64.b64decode(json.loads(text)[SENTENCEPIECE_KEY]), spec)
+        except ValueError as err:  # no sentencepiece installed where the checkpoint is read
+            raise ValueError(f"the checkpoint's tokenizer ({spec}) {err}") from None
     from tokenizers import Tokenizer as RustTokenizer
 
     return HFTokenizer(RustTokenizer.from_str(text), spec)
