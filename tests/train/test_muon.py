@@ -182,6 +182,26 @@ def test_a_misspelt_muon_key_is_one_line_naming_the_key(monkeypatch, capsys):
     assert capsys.readouterr().err == "error: unknown config key optim.muon_lrr; did you mean optim.muon_lr=0.01?\n"
 
 
+@pytest.mark.parametrize("trained,resumed,message", [
+    ("muon", "adamw", "was trained with optimizer=muon, this run's optimizer is another: resume with optimizer=muon"),
+    ("adamw", "muon", "was trained with another optimizer than this run's optimizer=muon: resume with the optimizer "
+                      "it was trained with (optimizer=adamw by default)"),
+])
+def test_a_checkpoint_resumes_with_its_own_optimizer_alone(tmp_path, trained, resumed, message):
+    from vqattn.train import cli, lifecycle
+
+    module = instantiate(cfg_for(*FAST, f"optimizer={trained}").module, _convert_="all")
+    module.trainer = SimpleNamespace(max_steps=50)
+    optimizer = module.configure_optimizers()["optimizer"]
+    path = tmp_path / f"{trained}.ckpt"
+    torch.save({"state_dict": module.state_dict(), "global_step": 5, "hyper_parameters": dict(module.hparams),
+                "optimizer_states": [optimizer.state_dict()]}, path)
+    with pytest.raises(ValueError) as info:
+        cli.train(cfg_for(*FAST, f"optimizer={resumed}", f"ckpt_path={path}"), tmp_path / "run")
+    assert lifecycle.user_error(info.value) == f"ValueError: ckpt_path={path} {message}"
+    assert not (tmp_path / "run").exists()
+
+
 def lr_rows(run_dir, group: str) -> dict[int, float]:
     with open(run_dir / "metrics.csv", newline="") as f:
         return {int(r["step"]): float(r[f"lr-MuonAdamW/{group}"]) for r in csv.DictReader(f)

@@ -167,7 +167,18 @@ def raw_window_warning(cfg: DictConfig) -> str | None:
 
 
 def check_resumable(module, checkpoint: dict, path: str) -> None:
-    """Raise a one-line ValueError unless the checkpoint's weights fit the module (same attention, same shapes)."""
+    """Raise a one-line ValueError unless the checkpoint's weights fit the module (same attention, same shapes) and
+    its optimizer state the module's optimizer (Muon's groups where optimizer=muon has them, none elsewhere)."""
+    groups = (checkpoint.get("optimizer_states") or [{}])[0].get("param_groups")
+    if groups is not None:
+        saved_muon = any(group.get("muon") for group in groups)
+        muon = bool(getattr(getattr(module.optimizer, "func", module.optimizer), "muon_groups", False))
+        if saved_muon and not muon:
+            raise ValueError(f"ckpt_path={path} was trained with optimizer=muon, this run's optimizer is another: "
+                             "resume with optimizer=muon")
+        if muon and not saved_muon:
+            raise ValueError(f"ckpt_path={path} was trained with another optimizer than this run's optimizer=muon: "
+                             "resume with the optimizer it was trained with (optimizer=adamw by default)")
     trained = checkpoint.get("hyper_parameters", {}).get("model", {}).get("attention")
     attention = module.model.config.attention
     if trained is not None and trained != attention:
