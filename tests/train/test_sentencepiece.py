@@ -187,3 +187,12 @@ def test_a_sentencepiece_run_counts_bits_per_byte_samples_and_exports_for_lm_eva
     heldout = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={out},backend=causal", device="cpu", limit=1,
                                       tasks=["vqattn_heldout"], task_manager=TaskManager(include_path=str(TASKS_DIR)))
     assert 0 < heldout["results"]["vqattn_heldout"]["bits_per_byte,none"] < 20
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_token_files_made_with_a_sentencepiece_model_start_documents_at_its_eos(models, kind):
+    from vqattn.train.token_files import end_of_text
+
+    tokenizer = load_tokenizer(str(models[1][kind]))
+    eos = end_of_text(tokenizer, str(models[1][kind]))
+    assert eos == tokenizer.processor.piece_to_id("</s>") and eos >= 0  # data=tokens packs at it, no data.eos_id
