@@ -29,7 +29,7 @@ from lightning.pytorch.utilities.model_summary import get_human_readable_count
 
 from ..files import WriteFailed, atomic_path, remove_temporaries, write_failed_as, write_text
 from .lifecycle import Diverged, log_to_file, note_signal, raise_interrupt, restore_handlers, set_handlers
-from .saving import note_failure, stop_on_failure
+from .saving import distributed, note_failure, stop_on_failure
 
 log = logging.getLogger("lightning.pytorch.callbacks.model_summary")  # where Lightning's summary goes
 train_log = logging.getLogger("train")  # the trainer's own lines (vqattn.train.cli)
@@ -344,7 +344,7 @@ def _noted_under_ddp(write, *args) -> None:
     try:
         write(*args)
     except WriteFailed as failure:
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        if not distributed():
             raise
         note_failure(failure)
 

@@ -36,7 +36,8 @@ def clear_failures() -> None:
     _failures.clear()
 
 
-def _distributed() -> bool:
+def distributed() -> bool:
+    """Whether this process is one rank of several (a DDP run's process group is up)."""
     return torch.distributed.is_available() and torch.distributed.is_initialized() and \
         torch.distributed.get_world_size() > 1
 
@@ -45,7 +46,7 @@ def stop_on_failure(collective: bool = True) -> None:
     """Raise the first noted write failure; under DDP (``collective``: every rank calls it at the same point) each
     rank raises the same one, the lowest rank's, if any rank noted one."""
     mine = _failures[0] if _failures else None
-    if collective and _distributed():
+    if collective and distributed():
         gathered = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(gathered, mine)
         mine = next((failure for failure in gathered if failure is not None), None)
@@ -84,7 +85,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             with atomic_file(path, "wb") as f, _os_error_of_torch_save():
                 torch.save(checkpoint, f)
         except WriteFailed as failure:
-            if not _distributed():
+            if not distributed():
                 raise
             note_failure(failure)
 
