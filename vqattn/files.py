@@ -154,6 +154,33 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
         raise
 
 
+@contextlib.contextmanager
+def atomic_files(directory: str | Path) -> Iterator[Path]:
+    """A temporary directory beside ``directory`` for the block to write files to; when it ends normally each file
+    is fsynced and renamed into ``directory`` (created if missing), replacing its namesake whole, and the others
+    there are left as they are. Each file is atomic, not the set: a fault between two renames leaves some files
+    new and some old, each whole. On any error the temporary is removed; an OSError is raised as
+    :class:`WriteFailed`."""
+    directory = Path(directory)
+    with write_failed_as(directory):
+        directory.mkdir(parents=True, exist_ok=True)
+        temporary = temporary_beside(directory)
+        temporary.mkdir()
+    try:
+        yield temporary
+        with write_failed_as(directory):
+            for file in sorted(p for p in temporary.iterdir() if p.is_file()):
+                fsync_file(file)
+                os.replace(file, directory / file.name)
+            fsync_directory(directory)
+    except BaseException as err:
+        if isinstance(err, OSError) and not isinstance(err, WriteFailed):
+            raise WriteFailed(directory, err) from err
+        raise
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
+
+
 def remove_temporaries(directory: str | Path, name: str) -> None:
     """Remove the temporaries of ``directory/name`` that an earlier process left (it was killed mid-write)."""
     directory = Path(directory)

@@ -340,3 +340,20 @@ def test_a_full_disk_during_the_export_keeps_the_export_that_was_there(tmp_path,
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after the threads line
     assert re.fullmatch(rf"vqattn-export: error: could not write {out}: {NO_SPACE}", err), err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before and not temporaries(tmp_path)
+
+
+def test_a_full_disk_while_training_a_tokenizer_keeps_the_one_that_was_there(tmp_path, monkeypatch, capsys):
+    from test_tokenizers import write_corpus
+
+    from vqattn.train.tokenizer import load_tokenizer, main
+
+    corpus, out = write_corpus(tmp_path / "corpus.txt"), tmp_path / "bpe"
+    assert main(["train", "--files", str(corpus), "--vocab-size", "300", "--out", str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    full_disk(monkeypatch, tmp_path, budget=0, match="tokenizer_config.json")  # after tokenizer.json's own write
+    assert main(["train", "--files", str(corpus), "--vocab-size", "320", "--out", str(out)]) == 74
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.fullmatch(rf"python -m vqattn.train.tokenizer: error: could not write {out}: {NO_SPACE}", err), err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before and not temporaries(tmp_path)
+    assert load_tokenizer(str(out)).vocab_size == 300

@@ -39,6 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..files import WriteFailed, atomic_files
+
 BYTES = "bytes"
 PAD_MULTIPLE = 64
 SPECIAL = "<|endoftext|>"  # the BPE trainer's one special token (id 0), GPT-2's end-of-text marker
@@ -392,13 +394,13 @@ def train_bpe(files: list[str], vocab_size: int, out: str | Path, min_frequency:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tokenizer.train(paths, trainer)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(out / "tokenizer.json"))
-    try:  # the transformers files beside it, for AutoTokenizer (vqattn[hf])
-        from ..hf.tokenizer import transformers_tokenizer
-    except ImportError:
-        return out
-    transformers_tokenizer(HFTokenizer(tokenizer, str(out))).save_pretrained(str(out))
+    with atomic_files(out) as temporary:  # each file whole or not at all: runs read them
+        tokenizer.save(str(temporary / "tokenizer.json"))
+        try:  # the transformers files beside it, for AutoTokenizer (vqattn[hf])
+            from ..hf.tokenizer import transformers_tokenizer
+        except ImportError:
+            return out
+        transformers_tokenizer(HFTokenizer(tokenizer, str(out))).save_pretrained(str(temporary))
     return out
 
 
@@ -448,18 +450,19 @@ def train_sentencepiece(files: list[str], vocab_size: int, out: str | Path, mode
     except ImportError:
         raise ValueError("--kind sentencepiece needs the sentencepiece package (pip install sentencepiece; the "
                          "train extra has it)") from None
-    out.mkdir(parents=True, exist_ok=True)
     options = dict(model_type=model_type, vocab_size=vocab_size, byte_fallback=True, normalization_rule_name="identity",
                    add_dummy_prefix=False, remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
                    input_sentence_size=max_lines, shuffle_input_sentence=True,
                    num_threads=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
                    minloglevel=1)  # warnings and errors, not its progress
-    try:
-        sentencepiece.SentencePieceTrainer.train(sentence_iterator=_lines(paths),
-                                                 model_prefix=str(out / Path(SENTENCEPIECE_FILE).stem), **options)
-    except RuntimeError as err:  # e.g. a vocabulary larger than the text allows; its message names the limit
-        reason = str(err).strip().splitlines()[-1]  # "INTERNAL: FILE(LINE) [CHECK] what is wrong": what is wrong
-        raise ValueError(f"SentencePiece could not train: {reason.rpartition('] ')[2] or reason}") from None
+    with atomic_files(out) as temporary:  # each file whole or not at all: runs read the model
+        try:
+            sentencepiece.SentencePieceTrainer.train(sentence_iterator=_lines(paths),
+                                                     model_prefix=str(temporary / Path(SENTENCEPIECE_FILE).stem),
+                                                     **options)
+        except RuntimeError as err:  # e.g. a vocabulary larger than the text allows; its message names the limit
+            reason = str(err).strip().splitlines()[-1]  # "INTERNAL: FILE(LINE) [CHECK] what is wrong": what is wrong
+            raise ValueError(f"SentencePiece could not train: {reason.rpartition('] ')[2] or reason}") from None
     return out
 
 
@@ -493,6 +496,9 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = load_tokenizer(str(out))
     except ValueError as err:
         parser.error(str(err))
+    except WriteFailed as err:  # a full disk or a read-only --out: what was there is whole
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return 74
     written = out / ("tokenizer.json" if args.kind == "bpe" else SENTENCEPIECE_FILE)
     print(f"wrote {written} ({tokenizer.vocab_size} tokens): train with data.tokenizer={out}")
     return 0
