@@ -78,3 +78,22 @@ def ref_window_attention(q, k, v, *, block_len, scale=None):
     pos = torch.arange(q.shape[2])
     visible = (pos[None, :] <= pos[:, None]) & (pos[None, :] // block_len >= pos[:, None] // block_len - 1)
     return torch.einsum("bhij,bhjd->bhid", torch.softmax(logits.masked_fill(~visible, -math.inf), -1), v)
+
+
+def ref_decay_attention(q, k, v, log_decay, *, scale=None, S0=None):
+    """Linear attention with a scalar decay as one (T, T) matrix: out_t = Σ_{s≤t} exp(G_t − G_s) scale q_t·k_s v_s
+    + exp(G_t) S0 (scale q_t), with G the cumulative log decay; and the final state Σ_s exp(G_T − G_s) v_s k_sᵀ
+    + exp(G_T) S0 (B, H, Dv, Dk)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    G = log_decay.cumsum(-1)  # (B, H, T)
+    T = q.shape[2]
+    future = torch.ones(T, T, dtype=torch.bool).triu(1)
+    weights = scale * torch.einsum("bhid,bhjd->bhij", q, k) * torch.exp((G[..., :, None] - G[..., None, :])
+                                                                        .masked_fill(future, -math.inf))
+    out = torch.einsum("bhij,bhjd->bhid", weights, v)
+    to_end = torch.exp(G[..., -1:] - G)  # (B, H, T)
+    S = torch.einsum("bhj,bhjv,bhjd->bhvd", to_end, v, k)
+    if S0 is not None:
+        out = out + torch.exp(G).unsqueeze(-1) * torch.einsum("bhvd,bhid->bhiv", S0, scale * q)
+        S = S + torch.exp(G[..., -1])[..., None, None] * S0
+    return out, S

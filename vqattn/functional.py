@@ -1,5 +1,6 @@
 """Public functional API: attention ops on (B, H, T, D) tensors, as in ``F.scaled_dot_product_attention``."""
 
+from .ops.decay import DecayState, decay_attention
 from .ops.kernel import kernel_attention
 from .ops.linear import LinearState, linear_attention
 from .ops.ovq import OVQState, ovq_attention
@@ -21,6 +22,8 @@ __all__ = [
     "WindowState",
     "linear_attention",
     "LinearState",
+    "decay_attention",
+    "DecayState",
     "kernel_attention",
     "ovq_attention",
     "OVQState",

@@ -8,7 +8,7 @@ import inspect
 import pytest
 import torch
 
-from vqattn.ops import linear, ovq, vq, window
+from vqattn.ops import decay, linear, ovq, vq, window
 
 F64 = torch.float64
 
@@ -32,6 +32,8 @@ OPS = {
                linear.naive_linear_attention, lambda q, k, v: ((q.exp(), k.exp(), v), dict(causal=True))),
     "ovq": (ovq.ovq_attention, ovq.chunk_ovq_attention, ovq.recurrent_ovq_attention, ovq.naive_ovq_attention,
             lambda q, k, v: ((q, k, v), dict(num_slots=4))),
+    "decay": (decay.decay_attention, decay.chunk_decay_attention, decay.recurrent_decay_attention,
+              decay.naive_decay_attention, lambda q, k, v: ((q, k, v, -q[..., 0].sigmoid()), {})),
 }
 
 
@@ -57,8 +59,9 @@ def test_impls_agree_and_return_the_same_convention(name):
         torch.testing.assert_close(fixed(*args, **kwargs), ref, rtol=1e-10, atol=1e-12)
     for impl in ("auto", "chunk", "recurrent", "naive"):
         torch.testing.assert_close(op(*args, impl=impl, **kwargs), ref, rtol=1e-10, atol=1e-12)
-    head = [x[:, :, :30] if x.dim() == 4 and x.shape[2] == 37 else x for x in args]
-    tail = [x[:, :, 30:] if x.dim() == 4 and x.shape[2] == 37 else x for x in args]
+    per_token = [x.dim() >= 3 and x.shape[2] == 37 for x in args]  # q, k, v and (B, H, T) inputs such as decays
+    head = [x[:, :, :30] if split else x for x, split in zip(args, per_token)]
+    tail = [x[:, :, 30:] if split else x for x, split in zip(args, per_token)]
     out, state = op(*head, return_state=True, **kwargs)
     rest, _ = op(*tail, state=state, return_state=True, **kwargs)
     torch.testing.assert_close(torch.cat([out, rest], 2), ref, rtol=1e-10, atol=1e-12)
