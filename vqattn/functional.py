@@ -1,6 +1,7 @@
 """Public functional API: attention ops on (B, H, T, D) tensors, as in ``F.scaled_dot_product_attention``."""
 
 from .ops.decay import DecayState, decay_attention
+from .ops.delta_rule import DeltaRuleState, delta_rule_attention
 from .ops.kernel import kernel_attention
 from .ops.linear import LinearState, linear_attention
 from .ops.ovq import OVQState, ovq_attention
@@ -27,4 +28,6 @@ __all__ = [
     "kernel_attention",
     "ovq_attention",
     "OVQState",
+    "delta_rule_attention",
+    "DeltaRuleState",
 ]

@@ -8,7 +8,7 @@ import inspect
 import pytest
 import torch
 
-from vqattn.ops import decay, linear, ovq, vq, window
+from vqattn.ops import decay, delta_rule, linear, ovq, vq, window
 
 F64 = torch.float64
 
@@ -34,6 +34,10 @@ OPS = {
             lambda q, k, v: ((q, k, v), dict(num_slots=4))),
     "decay": (decay.decay_attention, decay.chunk_decay_attention, decay.recurrent_decay_attention,
               decay.naive_decay_attention, lambda q, k, v: ((q, k, v, -q[..., 0].sigmoid()), {})),
+    "delta_rule": (delta_rule.delta_rule_attention, delta_rule.chunk_delta_rule_attention,
+                   delta_rule.recurrent_delta_rule_attention, delta_rule.naive_delta_rule_attention,
+                   lambda q, k, v: ((q, torch.nn.functional.normalize(k, dim=-1), v, k[..., 0].sigmoid(),
+                                     -torch.nn.functional.softplus(v[..., 0])), {})),
 }
 
 
