@@ -37,12 +37,12 @@ def heads(layer: Attention, x: torch.Tensor):
 
 def test_registry_names():
     assert set(ATTENTIONS) == {"softmax", "vq_hard", "vq_soft", "window", "performer", "linear", "taylor",
-                               "kernel_rbf", "kernel_poly", "kernel_linear", "ovq"}
+                               "kernel_rbf", "kernel_poly", "kernel_linear", "ovq", "mamba2"}
 
 
 def test_unknown_name_lists_valid_names():
-    with pytest.raises(ValueError, match="valid names are: kernel_linear, kernel_poly, kernel_rbf, linear, ovq, "
-                       "performer, softmax, taylor, vq_hard, vq_soft, window"):
+    with pytest.raises(ValueError, match="valid names are: kernel_linear, kernel_poly, kernel_rbf, linear, mamba2, "
+                       "ovq, performer, softmax, taylor, vq_hard, vq_soft, window"):
         build_attention("flash", dim=DIM, num_heads=HEADS)
 
 
@@ -308,6 +308,8 @@ def test_state_floats_counts_the_decoding_state(name):
             2 * min(t, 2 * layer.block_len) * DIM
     elif hasattr(inner, "kv"):
         held = inner.kv[0].numel() + inner.k_sum[0].numel()
+    elif hasattr(inner, "S"):  # a recurrent layer's matrix state and its own convolution's last inputs
+        held = inner.S[0].numel() + (0 if state.conv is None else state.conv[0].numel())
     else:
         held = inner.k[0].numel() + inner.v[0].numel()
     assert layer.state_floats(t) == held

@@ -25,6 +25,7 @@ from __future__ import annotations
 from ..modules.rope import rope_rotate
 from .base import Attention, AttentionOutput, AttentionState, CachedAttention, KVCache
 from .linear import EluLinearAttention, FeatureMapAttention, PerformerAttention, TaylorAttention
+from .mamba import Mamba2Attention
 from .ovq import OnlineVQAttention
 from .quadratic import (
     KernelSmootherAttention,
@@ -48,6 +49,7 @@ ATTENTIONS: dict[str, type[Attention]] = {
     "kernel_poly": PolySmootherAttention,
     "kernel_linear": LinearSmootherAttention,
     "ovq": OnlineVQAttention,
+    "mamba2": Mamba2Attention,
 }
 
 
@@ -60,7 +62,8 @@ def build_attention(name: str, **kwargs) -> Attention:
 
 __all__ = [
     "ATTENTIONS", "Attention", "AttentionOutput", "AttentionState", "CachedAttention", "EluLinearAttention",
-    "FeatureMapAttention", "KVCache", "KernelSmootherAttention", "LinearSmootherAttention", "OnlineVQAttention",
+    "FeatureMapAttention", "KVCache", "KernelSmootherAttention", "LinearSmootherAttention", "Mamba2Attention",
+    "OnlineVQAttention",
     "PerformerAttention", "PolySmootherAttention", "RBFSmootherAttention", "SoftmaxAttention", "TaylorAttention", "VQAttention",
     "VQHardAttention", "VQSoftAttention", "WindowAttention", "build_attention", "rope_rotate",
 ]

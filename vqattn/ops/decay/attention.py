@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import devices
 from ..blocks import check_block_len, resolve_block_len
 from ..checks import check_choice, check_qkv, compute_dtype, resolve_scale
 from ..common.impls import decoding, pick_impl, with_impl
-from ..devices import host_read_is_free
 from ..precision import autocast_off
 from ..varlen import Packing, Segments, as_packing, check_state_list
 from .chunk import chunk_forward
@@ -41,7 +41,7 @@ def _check_log_decay(log_decay, q: torch.Tensor) -> None:
         raise ValueError(f"log_decay must have shape (B, H, T) = {tuple(q.shape[:3])}, got {tuple(log_decay.shape)}")
     if log_decay.device != q.device:
         raise ValueError(f"log_decay is on {log_decay.device} but q is on {q.device}")
-    if host_read_is_free(log_decay) and bool((log_decay > 0).any()):
+    if devices.host_read_is_free(log_decay) and bool((log_decay > 0).any()):
         raise ValueError(f"log_decay must be <= 0 (the decay exp(log_decay) lies in [0, 1]), got a maximum of "
                          f"{log_decay.max().item():.4g}")
 
