@@ -42,10 +42,14 @@ def test_window_attention(T):
 ASSIGN_WINDOWS = [("hard", "codes"), ("hard", "exact"), ("soft", "exact"), ("hard", "rotated"), ("soft", "rotated")]
 
 
-def vq_inputs(assign, window, T, scale=1.0, generator=None):
+def vq_inputs(assign, window, T, scale=1.0, generator=None, batch=B):
+    """The inputs of ``vq_call``. The interpreter's time grows with the programs, one per (sequence, head) and block:
+    the variants of one algorithm run a ``batch`` of 1 (the tests of the definition, of strides and of layouts keep
+    2 sequences, which tell a sequence's stride from a head's)."""
     Dc = D // 2 if window == "rotated" else D
-    q, k, v, c = leaves((B, H, T, Dc), (B, H, T, D), (B, H, T, DV), (H, S, Dc), scale=scale, generator=generator)
-    rotated = leaves((B, H, T, D), (B, H, T, D), scale=scale, generator=generator) if window == "rotated" else []
+    n = batch
+    q, k, v, c = leaves((n, H, T, Dc), (n, H, T, D), (n, H, T, DV), (H, S, Dc), scale=scale, generator=generator)
+    rotated = leaves((n, H, T, D), (n, H, T, D), scale=scale, generator=generator) if window == "rotated" else []
     return [q, k, v, c, *rotated]
 
 
@@ -71,11 +75,16 @@ def test_vq_attention(assign, window, T):
             vq_inputs(assign, window, T))
 
 
-@pytest.mark.parametrize("assign,window", [("hard", "rotated"), ("soft", "exact"), ("hard", "codes")])
-@pytest.mark.parametrize("segment_steps,walk", [(3, True), pytest.param(1, True, marks=pytest.mark.slow),
-                                                pytest.param(0, True, marks=pytest.mark.slow),
-                                                pytest.param(3, False, marks=pytest.mark.slow)])
-def test_vq_attention_with_split_walks(assign, window, segment_steps, walk):
+# Every walk with hard and soft keys; the window's forms (which the walks never read) spread over them
+@pytest.mark.parametrize("segment_steps,walk,assign,window", [
+    (3, True, "hard", "rotated"), (3, True, "soft", "exact"),
+    pytest.param(1, True, "hard", "codes", marks=pytest.mark.slow),
+    pytest.param(1, True, "soft", "exact", marks=pytest.mark.slow),
+    pytest.param(0, True, "hard", "rotated", marks=pytest.mark.slow),
+    pytest.param(0, True, "soft", "exact", marks=pytest.mark.slow),
+    pytest.param(3, False, "hard", "codes", marks=pytest.mark.slow),
+    pytest.param(3, False, "soft", "exact", marks=pytest.mark.slow)])
+def test_vq_attention_with_split_walks(segment_steps, walk, assign, window):
     """The cache walks split into segments of 1 or 3 blocks (summed in parallel, then scanned) or not, with the
     caches' gradients formed in the reverse walk (``walk``) or read from the code backward, give the definition's
     outputs and gradients, with the memory bound's bias on the codes, and a state continued from one call to the
@@ -84,8 +93,8 @@ def test_vq_attention_with_split_walks(assign, window, segment_steps, walk):
     walks = Schedule(kernels=KernelDesign(superblock_blocks=0, walk_cache_gradient=walk, segment_steps=segment_steps))
     compare(vq_call(naive_vq_attention, assign, window, memory_cap=40),
             vq_call(vq_attention, assign, window, "triton", memory_cap=40, schedule=walks),
-            vq_inputs(assign, window, 170))
-    q, k, v, c, *rotated = (x.detach().to(DEVICE, torch.float32) for x in vq_inputs(assign, window, 170))
+            vq_inputs(assign, window, 170, batch=1))
+    q, k, v, c, *rotated = (x.detach().to(DEVICE, torch.float32) for x in vq_inputs(assign, window, 170, batch=1))
     whole = vq_call(vq_attention, assign, window, "triton", schedule=walks)(q, k, v, c, *rotated)
     first, state = vq_call(vq_attention, assign, window, "triton", return_state=True, schedule=walks)(
         *(x[:, :, :110] for x in (q, k, v)), c, *(x[:, :, :110] for x in rotated))
@@ -99,7 +108,7 @@ def test_vq_attention_with_split_walks(assign, window, segment_steps, walk):
 def test_vq_attention_large_logits_and_empty_codes(assign, window):
     """Inputs at 4× the scale (logits in the tens) and half the codes far from every key: those never hold a key
     (empty caches, log 0 = −inf) yet their logits are the largest."""
-    inputs = vq_inputs(assign, window, 100, scale=2.0)
+    inputs = vq_inputs(assign, window, 100, scale=2.0, batch=1)
     with torch.no_grad():
         inputs[3][:, S // 2:] *= 20
     compare(vq_call(naive_vq_attention, assign, window), vq_call(vq_attention, assign, window, "triton"), inputs,
@@ -254,28 +263,28 @@ def test_nonfinite_window_keys_are_zeroed_in_the_kernels(assign, given, where):
     that see it are NaN (the poison) and the others are the clean call's; its gradient is 0; no masked copy of the
     keys or of their gradient is made; a returned state keeps the row zeroed."""
     T, J = 100, 70  # J in the raw window a state keeps (positions 64..99)
-    q, k, v, c, q_rot, k_rot = (x.detach().to(DEVICE, torch.float32) for x in vq_inputs(assign, "rotated", T))
+    q, k, v, c, q_rot, k_rot = (x.detach().to(DEVICE, torch.float32) for x in vq_inputs(assign, "rotated", T, batch=1))
     # every key of the codes' width (an assignment inside reads k with the codebook)
     k, q_rot, k_rot = (x[..., :c.shape[-1]].contiguous() for x in (k, q_rot, k_rot))
     a = vq_assign(k, c, assign=assign) if given else None
     k_bad, k_rot_bad = k.clone(), k_rot.clone()
-    (k_rot_bad if where == "k_rot" else k_bad)[1, 0, J, 3] = float("nan")
+    (k_rot_bad if where == "k_rot" else k_bad)[0, 1, J, 3] = float("nan")
     kw = dict(causal=True, assign=assign, block_len=L, exact_window=True, impl="triton", q_rot=q_rot, assignment=a)
     clean = vq_attention(q, k, v, c, k_rot=k_rot, **kw)
     k_rot_bad.requires_grad_()
     with MaskedCopies() as copies:
         out = vq_attention(q, k_bad, v, c, k_rot=k_rot_bad, **kw)
         seen = torch.zeros(out.shape[:3], dtype=torch.bool, device=out.device)
-        seen[1, 0, J:] = True
+        seen[0, 1, J:] = True
         out[~seen].sum().backward()
     assert [shape for shape in copies.shapes if len(shape) == 4] == []
     assert torch.equal(out.isnan().any(-1), seen) and out.isnan().all(-1)[seen].all()
     torch.testing.assert_close(out[~seen], clean[~seen], rtol=0, atol=1e-6)
     grad = k_rot_bad.grad
-    assert torch.isfinite(grad).all() and (grad[1, 0, J] == 0).all() and grad.abs().sum() > 0
+    assert torch.isfinite(grad).all() and (grad[0, 1, J] == 0).all() and grad.abs().sum() > 0
     _, state = vq_attention(q, k_bad, v, c, k_rot=k_rot_bad.detach(), return_state=True, **kw)
     kept = state.keys.shape[2]
-    assert torch.isfinite(state.keys).all() and (state.keys[1, 0, J - (T - kept)] == 0).all()
+    assert torch.isfinite(state.keys).all() and (state.keys[0, 1, J - (T - kept)] == 0).all()
 
 
 @pytest.mark.parametrize("assign,window", [("hard", "exact"), ("soft", "rotated")])
@@ -344,8 +353,8 @@ def test_block_caches(assign, T, fold, num_codes, segment_steps):
     run in one program per tile (``segment_steps`` 0) or split into segments of that many steps, the state at
     every place within them (its first and last step, the last segment, the last step of all)."""
     g = torch.Generator().manual_seed(T + fold)
-    index = torch.randint(0, num_codes, (B, H, T), generator=g)
-    v, counts0, sums0, weights = leaves((B, H, T, DV), (B, H, num_codes), (B, H, num_codes, DV), (B, H, T, num_codes),
+    index = torch.randint(0, num_codes, (1, H, T), generator=g)  # one sequence: see vq_inputs
+    v, counts0, sums0, weights = leaves((1, H, T, DV), (1, H, num_codes), (1, H, num_codes, DV), (1, H, T, num_codes),
                                         generator=g)
     hard = assign == "hard"
 
