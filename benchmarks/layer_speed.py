@@ -48,7 +48,7 @@ AUTOCASTS = ("none", "bf16")
 
 
 # the layers whose op takes an ``impl`` (``--impl``)
-IMPL_LAYERS = ("vq_hard", "vq_soft", "window", "ovq")
+IMPL_LAYERS = ("vq_hard", "vq_soft", "window", "ovq", "mamba2")
 
 
 def build(name: str, dim: int, num_heads: int, num_codes: int, device: str, dtype: torch.dtype, impl: str = "auto"):

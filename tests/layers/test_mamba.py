@@ -109,6 +109,7 @@ def test_the_default_state_is_comparable_to_vq_hards():
     (dict(a_init_range=(2.0, 1.0)), "a_init_range must be two numbers 0 < low <= high"),
     (dict(norm_eps=0.0), "norm_eps must be > 0"),
     (dict(block_len=0), "block_len must be a positive int"),
+    (dict(impl="fast"), "impl must be one of"),
     (dict(qk_norm="layer"), "qk_norm must be one of"),
 ])
 def test_bad_construction_is_named(kwargs, match):

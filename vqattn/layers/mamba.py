@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from ..modules.conv import ShortConvolution
 from ..ops.blocks import check_block_len
-from ..ops.checks import check_positive_int
-from ..ops.decay import decay_attention
+from ..ops.checks import check_choice, check_positive_int
+from ..ops.decay import IMPLS, decay_attention
 from ..ops.varlen import Segments, as_packing, read_packing
 from .base import Attention, AttentionOutput, AttentionState, L2Norm, check_layer_input, op_result
 
@@ -73,6 +73,7 @@ class Mamba2Attention(Attention):
         n_groups: int = 1,
         conv_size: int = 4,
         block_len: int | None = None,
+        impl: str = "auto",
         dt_min: float = 0.001,
         dt_max: float = 0.1,
         dt_init_floor: float = 1e-4,
@@ -80,7 +81,8 @@ class Mamba2Attention(Attention):
         norm_eps: float = 1e-5,
         **attention_kwargs,
     ):
-        """``block_len``: the op's chunk length (default 64), which never changes the result. Other kwargs go to
+        """``block_len``: the op's chunk length (default 64), which never changes the result; ``impl``: the op's
+        (:func:`~vqattn.ops.decay.decay_attention`: "auto" runs fla's kernels on CUDA when installed). Other kwargs go to
         :class:`~vqattn.layers.base.Attention` (see the class docstring for ``short_conv``, ``rope`` and
         ``qk_norm``)."""
         short_conv = attention_kwargs.pop("short_conv", 0)
@@ -96,6 +98,7 @@ class Mamba2Attention(Attention):
         if isinstance(conv_size, bool) or not isinstance(conv_size, int) or conv_size < 0:
             raise ValueError(f"conv_size must be an int >= 0 (a kernel size; 0 = no convolution), got {conv_size!r}")
         check_block_len(block_len)
+        check_choice("impl", impl, IMPLS)
         _check_dt(dt_min, dt_max, dt_init_floor)
         if (not isinstance(a_init_range, Sequence) or len(a_init_range) != 2
                 or not 0 < a_init_range[0] <= a_init_range[1]):
@@ -105,7 +108,7 @@ class Mamba2Attention(Attention):
             raise ValueError(f"norm_eps must be > 0, got {norm_eps!r}")
         bias = attention_kwargs.get("bias", False)
         self.rope = False  # see the class docstring
-        self.block_len, self.expand, self.d_state, self.n_groups = block_len, expand, d_state, n_groups
+        self.block_len, self.impl, self.expand, self.d_state, self.n_groups = block_len, impl, expand, d_state, n_groups
         self.inner_dim = expand * dim
         self.head_dim = self.inner_dim // num_heads  # P, the values' (x̂'s) head dim
         self.qkv = nn.Linear(dim, 2 * n_groups * d_state + self.inner_dim, bias=bias)  # C, B, x̂
@@ -160,7 +163,7 @@ class Mamba2Attention(Attention):
         v = (xs * dt.unsqueeze(-1)).to(xs.dtype)
         result = decay_attention(q, k, v, log_decay, scale=1.0, block_len=self.block_len,
                                  state=None if state is None else state.inner, return_state=return_state,
-                                 cu_seqlens=cu_seqlens)
+                                 cu_seqlens=cu_seqlens, impl=self.impl)
         y, inner = op_result(result, return_state)
         y = y + self.D.to(y.dtype).view(H, 1, 1) * xs
         y = self.norm(y.transpose(1, 2).reshape(b, t, H * P), self.gate_proj(x))

@@ -58,9 +58,10 @@ def chunk_forward(q, k, v, g, scale: float, S0, C: int, starts: torch.Tensor | N
         through = through * passes
     S = q.new_zeros(B, H, Dv, Dk) if S0 is None else S0
     before = []
-    for n in range(N):
+    # unbound once: indexing chunk n would give each step's backward a zero-filled gradient of all N chunks
+    for through_n, sums_n in zip(through.unbind(2), sums.unbind(2)):
         before.append(S)
-        S = through[:, :, n, None, None] * S + sums[:, :, n]
+        S = through_n[..., None, None] * S + sums_n
     read = b.exp()  # (B, H, N, C): the state's decay to each token
     if sees_state is not None:
         read = read * sees_state
