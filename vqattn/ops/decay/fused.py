@@ -23,6 +23,8 @@ def unsupported(q: torch.Tensor) -> str | None:
         return "impl='triton' needs flash-linear-attention (pip install fla-core)"
     if not q.is_cuda:
         return f"impl='triton' needs CUDA tensors, got a tensor on {q.device}"
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"impl='triton' takes float32, bfloat16 or float16 inputs (fla's kernels), got {q.dtype}"
     return None
 
 
