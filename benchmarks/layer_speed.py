@@ -48,7 +48,7 @@ AUTOCASTS = ("none", "bf16")
 
 
 # the layers whose op takes an ``impl`` (``--impl``)
-IMPL_LAYERS = ("vq_hard", "vq_soft", "window", "ovq", "mamba2")
+IMPL_LAYERS = ("vq_hard", "vq_soft", "window", "ovq", "gated_deltanet", "deltanet", "mamba2")
 
 
 def build(name: str, dim: int, num_heads: int, num_codes: int, device: str, dtype: torch.dtype, impl: str = "auto"):
@@ -97,7 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--num-codes", type=int, default=512, help="codes per head of the vq layers")
     parser.add_argument("--impl", default="auto", choices=["auto", "chunk", "triton"],
-                        help="the op impl of the vq, window and ovq layers (auto: triton on CUDA where it applies)")
+                        help="the op impl of the vq, window, ovq and delta-rule layers (auto: triton on CUDA where it "
+                             "applies; for the delta rule, flash-linear-attention's kernels)")
     parser.add_argument("--tokens", type=int, default=None,
                         help="tokens per step: B = tokens // T (at least 1); default B = 1")
     parser.add_argument("--reps", type=int, default=3)

@@ -23,6 +23,9 @@ SMALL_KWARGS = {
     "kernel_poly": {"degree": 3},
     "kernel_linear": {},
     "ovq": {"num_slots": 8, "block_len": 4},
+    # q, k and v each as wide as the model (16), in the order of the others' fused projection
+    "gated_deltanet": {"head_dim": 8, "expand_v": 1, "block_len": 4},
+    "deltanet": {"head_dim": 8, "expand_v": 1, "block_len": 4},
     # x̂, B and C each as wide as the model (16): the q/k rows of the fused projection come first, as in the others
     "mamba2": {"expand": 1, "d_state": 16, "block_len": 4},
 }

@@ -14,7 +14,8 @@ from vqattn.ops.varlen import Packing
 F64 = torch.float64
 BOUNDS = [0, 5, 6, 40, 71]  # shorter than a block, one token, crossing the blocks of 16
 LAYER_KWARGS = {"vq_hard": dict(block_len=16, num_codes=8), "vq_soft": dict(block_len=16, num_codes=8),
-                "window": dict(block_len=16), "ovq": dict(block_len=16, num_slots=4), "performer": dict(block_len=16)}
+                "window": dict(block_len=16), "ovq": dict(block_len=16, num_slots=4), "performer": dict(block_len=16),
+                "gated_deltanet": dict(block_len=16, head_dim=16), "deltanet": dict(block_len=16, head_dim=16)}
 
 
 def _layer(name, **kw):

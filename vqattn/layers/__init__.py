@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from ..modules.rope import rope_rotate
 from .base import Attention, AttentionOutput, AttentionState, CachedAttention, KVCache
+from .delta import DeltaNetAttention, GatedDeltaNetAttention
 from .linear import EluLinearAttention, FeatureMapAttention, PerformerAttention, TaylorAttention
 from .mamba import Mamba2Attention
 from .ovq import OnlineVQAttention
@@ -49,6 +50,8 @@ ATTENTIONS: dict[str, type[Attention]] = {
     "kernel_poly": PolySmootherAttention,
     "kernel_linear": LinearSmootherAttention,
     "ovq": OnlineVQAttention,
+    "gated_deltanet": GatedDeltaNetAttention,
+    "deltanet": DeltaNetAttention,
     "mamba2": Mamba2Attention,
 }
 
@@ -61,7 +64,8 @@ def build_attention(name: str, **kwargs) -> Attention:
 
 
 __all__ = [
-    "ATTENTIONS", "Attention", "AttentionOutput", "AttentionState", "CachedAttention", "EluLinearAttention",
+    "ATTENTIONS", "Attention", "AttentionOutput", "AttentionState", "CachedAttention", "DeltaNetAttention",
+    "EluLinearAttention", "GatedDeltaNetAttention",
     "FeatureMapAttention", "KVCache", "KernelSmootherAttention", "LinearSmootherAttention", "Mamba2Attention",
     "OnlineVQAttention",
     "PerformerAttention", "PolySmootherAttention", "RBFSmootherAttention", "SoftmaxAttention", "TaylorAttention", "VQAttention",
