@@ -6,11 +6,16 @@ Pre-norm RMSNorm blocks, a GELU MLP and optionally tied input/output embeddings.
 NLL loss and the summed auxiliary (commitment) loss separately, so the trainer decides how to mix them.
 ``forward_step`` decodes incrementally with a per-layer recurrent state (a KV cache for softmax, the
 constant-size codebook or feature-map state for the others); ``generate`` samples with it.
+
+The layers may differ (a hybrid stack, as Qwen3-Next's 3 linear : 1 softmax): ``GPTConfig.attention`` takes one name
+per layer, or a shorter pattern repeated over the depth, and ``attention_kwargs`` is then keyed by attention name.
+Each layer keeps its own state (a KV cache beside O(1) states) and packs documents its own way.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -38,8 +43,12 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = False
     tie_embeddings: bool = True
-    attention: str = "vq_soft"
-    attention_kwargs: dict = field(default_factory=dict)  # extra constructor kwargs of the attention layer
+    # every layer's attention; or a list: one name per layer, or a pattern repeated over n_layer ([ovq, ovq, ovq,
+    # softmax] with n_layer=8 is 3:1 twice)
+    attention: str | list[str] = "vq_soft"
+    # extra constructor kwargs of the attention layers; for a list of several attentions keyed by attention name
+    # ({"ovq": {"num_slots": 32}, "softmax": {}}: each applies to every layer of that name; a name left out: defaults)
+    attention_kwargs: dict = field(default_factory=dict)
     pos_emb: str = "rope"  # "rope" (inside the attention), "learned" (absolute, added to embeddings), "none"
     qk_norm: bool | str = False  # False, True (RMSNorm) or "l2" (unit q and k, learned scale): see layers.base
     short_conv: int = 0  # kernel size of the attention layers' short convolution over q/k/v (0 = none)
@@ -49,10 +58,94 @@ class GPTConfig:
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "n_embd", "mlp_ratio"):
             check_positive_int(name, getattr(self, name))
         check_choice("pos_emb", self.pos_emb, POS_EMBS)
-        if self.attention not in ATTENTIONS:
-            raise ValueError(f"unknown attention {self.attention!r}; valid names are: {', '.join(sorted(ATTENTIONS))}")
+        self._check_attention()
+        self._check_attention_kwargs()
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+
+    def _check_attention(self) -> None:
+        valid = ", ".join(sorted(ATTENTIONS))
+        if isinstance(self.attention, str):
+            if self.attention not in ATTENTIONS:
+                raise ValueError(f"unknown attention {self.attention!r}; valid names are: {valid}")
+            return
+        if not isinstance(self.attention, Sequence) or not self.attention:
+            raise ValueError(f"attention must be an attention name or a non-empty list of them (one per layer, or a "
+                             f"pattern repeated over the n_layer layers), got {self.attention!r}")
+        self.attention = list(self.attention)  # a tuple or an OmegaConf list: configs compare and save as lists
+        for i, name in enumerate(self.attention):
+            if not isinstance(name, str) or name not in ATTENTIONS:
+                raise ValueError(f"attention lists an unknown attention {name!r} (entry {i}); valid names are: {valid}")
+        if self.n_layer % len(self.attention):
+            divisors = [str(d) for d in range(1, self.n_layer + 1) if self.n_layer % d == 0]
+            lengths = " or ".join([", ".join(divisors[:-1]), divisors[-1]] if len(divisors) > 1 else divisors)
+            raise ValueError(f"attention lists {len(self.attention)} attentions, which does not divide "
+                             f"n_layer={self.n_layer}: list {lengths} attentions (one per layer, or a pattern repeated over "
+                             f"the depth)")
+
+    def _keyed_kwargs(self) -> bool:
+        """Whether attention_kwargs is keyed by attention name (every key a registered attention), not the kwargs
+        of one attention (no layer takes a kwarg named like an attention)."""
+        kwargs = self.attention_kwargs
+        return bool(kwargs) and all(isinstance(key, str) and key in ATTENTIONS for key in kwargs)
+
+    def _check_attention_kwargs(self) -> None:
+        kwargs = self.attention_kwargs
+        if not isinstance(kwargs, Mapping):
+            raise ValueError(f"attention_kwargs must be a dict, got {type(kwargs).__name__}")
+        names = sorted(set(self.layer_attentions))
+        if self._keyed_kwargs():
+            for name, value in kwargs.items():
+                if name not in names:
+                    raise ValueError(f"attention_kwargs has kwargs for {name!r}, but no layer is {name}; the "
+                                     f"layers' attentions: {', '.join(names)}")
+                if not isinstance(value, Mapping):
+                    raise ValueError(f"attention_kwargs[{name!r}] must be a dict of {name}'s kwargs, got {value!r}")
+        elif kwargs and len(names) > 1:
+            raise ValueError(f"attention_kwargs of a stack of several attentions ({', '.join(names)}) must be keyed "
+                             f"by attention name, e.g. {{{names[0]!r}: {{...}}}}; got the keys {', '.join(kwargs)}")
+
+    @property
+    def layer_attentions(self) -> list[str]:
+        """Each layer's attention name (n_layer of them): the name, or the list repeated over the depth."""
+        if isinstance(self.attention, str):
+            return [self.attention] * self.n_layer
+        return list(self.attention) * (self.n_layer // len(self.attention))
+
+    def layer_kwargs(self, name: str) -> dict:
+        """The extra constructor kwargs of the layers of attention ``name``."""
+        if self._keyed_kwargs():
+            return dict(self.attention_kwargs.get(name, {}))
+        return dict(self.attention_kwargs)
+
+    @property
+    def stack_name(self) -> str:
+        """The stack in a short readable form (:func:`stack_name`): ``ovq`` for every layer ovq, ``ovq×3+softmax``
+        for three ovq layers then a softmax one, ``(ovq×3+softmax)×2`` for that pattern twice."""
+        return stack_name(self.layer_attentions)
+
+
+def stack_name(layers: Sequence[str], ascii: bool = False) -> str:
+    """Per-layer attention names in a short readable form: the shortest pattern whose repetition gives them, its runs
+    of one name as ``name×count`` joined by ``+``, and ``(pattern)×repeats`` when it repeats: ``ovq`` (every layer
+    alike), ``ovq×3+softmax``, ``(ovq×3+softmax)×2``. ``ascii``: the same with ``x`` for ``×`` and ``_x2`` for a
+    repeat (``ovqx3+softmax_x2``), for a directory name."""
+    layers, times = list(layers), "x" if ascii else "×"
+    n = len(layers)
+    period = next(p for p in range(1, n + 1) if n % p == 0 and layers == layers[:p] * (n // p)) if n else 0
+    runs: list[list] = []
+    for name in layers[:period]:
+        if runs and runs[-1][0] == name:
+            runs[-1][1] += 1
+        else:
+            runs.append([name, 1])
+    if len(runs) <= 1:
+        return runs[0][0] if runs else ""
+    body = "+".join(name if count == 1 else f"{name}{times}{count}" for name, count in runs)
+    repeats = n // period
+    if repeats == 1:
+        return body
+    return f"{body}_x{repeats}" if ascii else f"({body})×{repeats}"
 
 
 @dataclass
@@ -94,18 +187,25 @@ class Block(nn.Module):
     def __init__(self, config: GPTConfig, layer_idx: int):
         super().__init__()
         self.norm1 = nn.RMSNorm(config.n_embd)
-        self.attn = build_attention(
-            config.attention,
-            dim=config.n_embd,
-            num_heads=config.n_head,
-            bias=config.bias,
-            dropout=config.dropout,
-            qk_norm=config.qk_norm,
-            short_conv=config.short_conv,
-            rope=config.pos_emb == "rope",
-            layer_idx=layer_idx,
-            **config.attention_kwargs,
-        )
+        name = config.layer_attentions[layer_idx]
+        kwargs = config.layer_kwargs(name)
+        try:
+            self.attn = build_attention(
+                name,
+                dim=config.n_embd,
+                num_heads=config.n_head,
+                bias=config.bias,
+                dropout=config.dropout,
+                qk_norm=config.qk_norm,
+                short_conv=config.short_conv,
+                rope=config.pos_emb == "rope",
+                layer_idx=layer_idx,
+                **kwargs,
+            )
+        except ValueError as err:  # a keyed kwarg's error names its key as it is written: attention_kwargs.ovq.KEY
+            if config._keyed_kwargs() and str(err).split(" ", 1)[0] in kwargs:
+                raise ValueError(f"attention_kwargs.{name}.{err}") from None
+            raise
         self.norm2 = nn.RMSNorm(config.n_embd)
         self.mlp = MLP(config)
 
@@ -342,9 +442,18 @@ class GPT(nn.Module):
             logits = logits.masked_fill(logits < kth, float("-inf"))
         return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
 
-    def state_floats(self, seq_len: int | None = None) -> int:
-        """Numbers in one layer's decoding state after ``seq_len`` tokens (default: config.seq_len)."""
-        return self.blocks[0].attn.state_floats(self.config.seq_len if seq_len is None else seq_len)
+    def layer_state_floats(self, seq_len: int | None = None) -> list[int]:
+        """Numbers in each layer's decoding state after ``seq_len`` tokens (default: config.seq_len)."""
+        seq_len = self.config.seq_len if seq_len is None else seq_len
+        return [block.attn.state_floats(seq_len) for block in self.blocks]
+
+    def state_floats(self, seq_len: int | None = None, *, total: bool = False) -> int:
+        """Numbers in one layer's decoding state after ``seq_len`` tokens (default: config.seq_len): the memory that
+        recall must fit through, which runs compare per layer (as Zoology does). For a hybrid stack, the layers'
+        mean: their sum (:meth:`layer_state_floats`) over n_layer, rounded. ``total``: summed layer by layer, the
+        whole model's decoding state."""
+        floats = self.layer_state_floats(seq_len)
+        return sum(floats) if total else round(sum(floats) / len(floats))
 
     def codebook_stats(self) -> dict[str, float]:
         """Codebook usage statistics averaged over the vq layers ({} when there are none)."""

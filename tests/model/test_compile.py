@@ -111,7 +111,7 @@ def _tensors(x):
             yield from _tensors(item)
 
 
-@pytest.mark.parametrize("name", ["vq_hard", "vq_soft", "window", "ovq"])
+@pytest.mark.parametrize("name", ["vq_hard", "vq_soft", "window", "ovq", "softmax"])
 def test_decoding_states_hold_tensors_of_their_own(name):
     """A state's raw window is not a view: a view's strides depend on the chunk it came from, and a compiled decoding
     step recompiles for every new layout."""

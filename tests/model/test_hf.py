@@ -18,11 +18,18 @@ from vqattn.model import GPT  # noqa: E402
 from model_helpers import NAMES, SMALL_KWARGS  # noqa: E402
 
 VOCAB = 256
+HYBRID = ["ovq", "softmax"]  # a hybrid stack: an O(1) state beside a KV cache (tests/model/test_hybrid.py)
+NAMES_AND_HYBRID = [*NAMES, HYBRID]
+IDS = [name if isinstance(name, str) else "+".join(name) for name in NAMES_AND_HYBRID]
 
 
-def hf_model(name: str, pos_emb: str = "rope", seq_len: int = 32) -> VQAttnForCausalLM:
-    """A tiny model whose buffers left their initial values (codebook EMA, Performer draw 2), in eval mode."""
-    kwargs = dict(SMALL_KWARGS[name], **({"exact_window": True} if pos_emb == "rope" and name.startswith("vq") else {}))
+def hf_model(name: str | list[str], pos_emb: str = "rope", seq_len: int = 32) -> VQAttnForCausalLM:
+    """A tiny model whose buffers left their initial values (codebook EMA, Performer draw 2), in eval mode; ``name``
+    a list: a hybrid stack of those layers, its kwargs keyed by name."""
+    def layer_kwargs(name):
+        return dict(SMALL_KWARGS[name], **({"exact_window": True} if pos_emb == "rope" and name.startswith("vq") else {}))
+
+    kwargs = layer_kwargs(name) if isinstance(name, str) else {n: layer_kwargs(n) for n in dict.fromkeys(name)}
     config = VQAttnConfig(vocab_size=VOCAB, seq_len=seq_len, n_layer=2, n_head=2, n_embd=16, attention=name,
                           attention_kwargs=kwargs, pos_emb=pos_emb)
     torch.manual_seed(0)
@@ -45,7 +52,7 @@ def reloaded_gpt(model: VQAttnForCausalLM) -> GPT:
     return gpt
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", NAMES_AND_HYBRID, ids=IDS)
 def test_save_and_auto_load_keep_every_tensor_and_the_logits(name, tmp_path):
     model = hf_model(name)
     idx = torch.randint(0, VOCAB, (2, 9))
@@ -60,7 +67,7 @@ def test_save_and_auto_load_keep_every_tensor_and_the_logits(name, tmp_path):
     assert torch.equal(loaded(idx).logits, model(idx).logits)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", NAMES_AND_HYBRID, ids=IDS)
 def test_greedy_generate_equals_gpt_generate_and_full_forwards(name):
     model = hf_model(name)
     prompt = torch.randint(0, VOCAB, (2, 5))
@@ -129,7 +136,7 @@ def write_trainer_checkpoint(path, model: VQAttnForCausalLM) -> None:
                 "state_dict": {f"model.{key}": value for key, value in gpt.state_dict().items()}}, path)
 
 
-@pytest.mark.parametrize("name", ["performer", "vq_hard"])
+@pytest.mark.parametrize("name", ["performer", "vq_hard", HYBRID], ids=["performer", "vq_hard", "hybrid"])
 def test_export_writes_a_directory_the_auto_classes_load(name, tmp_path):
     pytest.importorskip("lightning")
     from vqattn.hf.export import main
@@ -159,7 +166,8 @@ def test_export_refuses_a_file_that_is_not_a_vqattn_checkpoint(tmp_path, capsys)
 @pytest.mark.slow
 def test_lm_eval_heldout_bits_per_byte_equal_the_trainers_validation(tmp_path):
     """The shipped tasks end to end in lm-eval, in this process: one held-out document's bits per byte equals the
-    trainer's validation metric over NUL + that document (the same windows of seq_len), and the recall task runs."""
+    trainer's validation metric over NUL + that document (the same windows of seq_len), and the recall task runs. The
+    model is a hybrid stack (the default attention, vq_soft, beside a softmax layer): lm-eval runs it as any other."""
     pytest.importorskip("lm_eval")
     pytest.importorskip("lightning")
     import lm_eval
@@ -170,7 +178,7 @@ def test_lm_eval_heldout_bits_per_byte_equal_the_trainers_validation(tmp_path):
     from vqattn.train.data import _WindowSet
     from vqattn.train.lit import SummedNLL
 
-    model = hf_model("vq_soft", seq_len=64)
+    model = hf_model(["vq_soft", "softmax"], seq_len=64)
     model.save_pretrained(tmp_path)
     VQAttnByteTokenizer().save_pretrained(tmp_path)
     results = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={tmp_path}", device="cpu", limit=1,

@@ -554,9 +554,15 @@ def test_an_exception_in_training_is_raised_as_itself_and_restores_sigint(tmp_pa
     assert signal.getsignal(signal.SIGINT) is handler
 
 
-# performer: each rank redraws its features from the global step. A codebook's all-reduce is checked end to end by
-# the README's own DDP command (vq_soft, tests/test_docs.py) and in-process by tests/layers/test_codebook.py.
-DDP_ATTENTIONS = ["performer"]
+# performer: each rank redraws its features from the global step. It runs in a hybrid stack beside a softmax layer,
+# so the same run checks a hybrid under DDP. A codebook's all-reduce is checked end to end by the README's own DDP
+# command (vq_soft, tests/test_docs.py) and in-process by tests/layers/test_codebook.py.
+DDP_ATTENTIONS = ["performer+softmax"]
+
+
+def attention_override(attention: str) -> str:
+    """The command line's attention: ``attention=NAME``, or for ``a+b`` the hybrid stack ``model.attention=[a,b]``."""
+    return f"model.attention=[{attention.replace('+', ',')}]" if "+" in attention else f"attention={attention}"
 
 
 @pytest.fixture(scope="module")
@@ -566,7 +572,7 @@ def ddp_runs(tmp_path_factory):
     runs = {}
     for attention in DDP_ATTENTIONS:
         cwd = tmp_path_factory.mktemp(f"ddp_{attention}")
-        runs[attention] = (cwd, start_script([*AS_USERS_HAVE_IT, f"attention={attention}", "trainer=ddp",
+        runs[attention] = (cwd, start_script([*AS_USERS_HAVE_IT, attention_override(attention), "trainer=ddp",
                                               "trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=10",
                                               f"hydra.run.dir={cwd / 'OUT'}"], cwd))
     yield runs
@@ -587,7 +593,7 @@ def test_ddp_two_cpu_processes_share_one_run_dir_and_stay_in_sync(ddp_runs, atte
     assert not [word for word in NOISE if word in console]
     assert console.count("step 10/10 (100%)") == 1  # rank 0's progress line; the others draw none
     results = read_results(out)
-    assert results["world_size"] == 2 and results["steps"] == 10
+    assert results["world_size"] == 2 and results["steps"] == 10 and results["attention"] == attention
     assert results["ddp_buffer_divergence"] == 0.0  # codebook EMA / feature draws identical on both ranks
     assert sorted(p.name for p in tmp_path.iterdir()) == ["OUT"]  # no second run dir (outputs/, multirun/)
     assert (out / "rank1.log").exists()

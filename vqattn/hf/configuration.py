@@ -5,6 +5,13 @@ transformers' own ``tie_word_embeddings`` (also readable as ``tie_embeddings``),
 saves once) exactly the weights GPT ties. ``max_position_embeddings`` reads ``seq_len``: tools that size their
 windows by it (lm-evaluation-harness's rolling log-likelihood) then score windows of the training context.
 ``extra_states`` carries the model's non-tensor module state (Performer feature draws).
+
+A hybrid stack's ``attention`` is saved one name per layer (a pattern given to GPTConfig is written out over the
+depth), and ``layer_types`` says per layer what kind of attention it is in transformers' terms (as Qwen3-Next's
+config does): ``full_attention`` for a layer whose state is a KV cache of every token (softmax, the kernel
+smoothers), ``sliding_attention`` for the raw window, ``linear_attention`` for a constant-size state (the codebook,
+ovq and feature-map layers, and any other registered layer). It is derived from ``attention`` whenever the config is
+built, so a config read back always agrees with the model it builds.
 """
 
 from __future__ import annotations
@@ -16,6 +23,17 @@ from transformers import PreTrainedConfig
 from ..model import GPTConfig
 
 _DEFAULTS = GPTConfig()
+
+
+def layer_type(attention: str) -> str:
+    """The kind of a registered attention in transformers' ``layer_types`` terms (allowed names of
+    ``transformers.configuration_utils.ALLOWED_ATTN_LAYER_TYPES``), by what its decoding state holds."""
+    from ..layers import ATTENTIONS, CachedAttention, WindowAttention
+
+    cls = ATTENTIONS[attention]
+    if issubclass(cls, CachedAttention):
+        return "full_attention"
+    return "sliding_attention" if issubclass(cls, WindowAttention) else "linear_attention"
 
 
 class VQAttnConfig(PreTrainedConfig):
@@ -36,7 +54,8 @@ class VQAttnConfig(PreTrainedConfig):
     dropout: float = _DEFAULTS.dropout
     bias: bool = _DEFAULTS.bias
     tie_word_embeddings: bool = _DEFAULTS.tie_embeddings
-    attention: str = _DEFAULTS.attention
+    attention: str | list = _DEFAULTS.attention
+    layer_types: list | None = None  # derived from attention: see the module docstring
     attention_kwargs: dict = dataclasses.field(default_factory=dict)
     pos_emb: str = _DEFAULTS.pos_emb
     qk_norm: bool | str = _DEFAULTS.qk_norm
@@ -49,7 +68,10 @@ class VQAttnConfig(PreTrainedConfig):
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
-        self.gpt_config()  # a one-line ValueError now (unknown attention, bad sizes), not at model construction
+        gpt = self.gpt_config()  # a one-line ValueError now (unknown attention, bad sizes), not at model construction
+        if not isinstance(self.attention, str):
+            self.attention = gpt.layer_attentions
+        self.layer_types = [layer_type(name) for name in gpt.layer_attentions]
 
     def gpt_config(self) -> GPTConfig:
         """The :class:`GPTConfig` these fields describe (ValueError when they describe none)."""

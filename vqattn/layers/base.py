@@ -260,7 +260,10 @@ class CachedAttention(Attention):
             return self._packed_quadratic(q, k, v, cu_seqlens), None, None
         if state is not None:
             k, v = torch.cat((state.k, k), dim=2), torch.cat((state.v, v), dim=2)  # (B, H, P+T, Dh)
-        return self._quadratic(q, k, v), None, (KVCache(k, v) if return_state else None)
+        # A prefill's k and v are views of the q/k/v projection, with strides that depend on its length: the cache
+        # holds tensors of its own, so that a compiled decoding step does not recompile for every prompt's layout.
+        cache = KVCache(k.contiguous(), v.contiguous()) if return_state else None
+        return self._quadratic(q, k, v), None, cache
 
     def _quadratic(self, q, k, v):
         raise NotImplementedError

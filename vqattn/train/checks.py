@@ -45,6 +45,7 @@ def check_config(cfg: DictConfig) -> None:
         raise ValueError(f"trainer.devices={cfg.trainer.devices} starts one process per device: add trainer=ddp "
                          f"(or set trainer.strategy), or use trainer.devices=1")
     check_vocab(cfg)
+    check_stack_kwargs(cfg)
     m, d = cfg.model, cfg.data
     if m.pos_emb == "learned" and isinstance(d.seq_len, int) and d.seq_len > m.seq_len:
         raise ValueError(
@@ -66,6 +67,21 @@ def check_vocab(cfg: DictConfig) -> None:
     if vocab != expected:
         raise ValueError(f"model.vocab_size={vocab} does not fit data.tokenizer={spec} ({tokenizer.vocab_size} tokens, "
                          f"padded to {expected}): leave model.vocab_size unset, it follows the tokenizer")
+
+
+def check_stack_kwargs(cfg: DictConfig) -> None:
+    """A hybrid stack (``model.attention`` a list) builds its layers with ``layer_kwargs.NAME``, not with the attention
+    group's ``attention.kwargs``: a changed ``attention.kwargs`` would be ignored, so it is a one-line error naming the
+    key to set instead."""
+    group = cfg.get("attention")
+    if OmegaConf.is_list(cfg.model.attention) and group is not None and group.name in cfg.get("layer_kwargs", {}):
+        given, layer = (OmegaConf.to_container(node, resolve=True) for node in (group.kwargs, cfg.layer_kwargs[group.name]))
+        changed = sorted(key for key in given if key not in layer or given[key] != layer[key])
+        if changed:
+            key = changed[0]
+            raise ValueError(f"attention.kwargs.{key} configures the uniform stack of attention={group.name}; "
+                             f"model.attention is a list, whose {group.name} layers take layer_kwargs.{group.name}."
+                             f"{key}")
 
 
 def unknown_option(args: list[str], groups: dict[str, list[str]]) -> str | None:
@@ -157,13 +173,24 @@ def raw_window_warning(cfg: DictConfig) -> str | None:
     only older keys through the codebook or memory, so with seq_len T <= 2L the run trains softmax attention and
     never reads what it is meant to test. Carried state (older segments in the cache) and a quantised window
     (``exact_window=false``) read the codebook all the same."""
-    kwargs, seq_len = cfg.attention.kwargs, cfg.data.seq_len
-    block_len = kwargs.get("block_len")
-    if block_len is None or cfg.carry_state or kwargs.get("exact_window") is False or seq_len > 2 * block_len:
-        return None
-    return (f"block_len={block_len} with seq_len={seq_len}: every key sits in the raw window (2 x block_len keys), so "
-            f"{cfg.attention.name} is plain softmax attention here; set block_len below seq_len / 2 "
-            f"(block_len={max(1, (seq_len - 1) // 2)} or less), or carry_state=true")
+    seq_len = cfg.data.seq_len
+    for name, kwargs in stack_kwargs(cfg).items():  # each attention of a hybrid stack
+        block_len = kwargs.get("block_len")
+        if block_len is None or cfg.carry_state or kwargs.get("exact_window") is False or seq_len > 2 * block_len:
+            continue
+        return (f"block_len={block_len} with seq_len={seq_len}: every key sits in the raw window (2 x block_len keys), "
+                f"so {name} is plain softmax attention here; set block_len below seq_len / 2 "
+                f"(block_len={max(1, (seq_len - 1) // 2)} or less), or carry_state=true")
+    return None
+
+
+def stack_kwargs(cfg: DictConfig) -> dict:
+    """{attention name: its kwargs} over the model's attentions: the attention group's for attention=X, each name's
+    own for a hybrid stack (model.attention_kwargs keyed by name)."""
+    attention, kwargs = cfg.model.attention, cfg.model.attention_kwargs
+    if isinstance(attention, str):
+        return {attention: kwargs}
+    return {name: kwargs.get(name, {}) for name in dict.fromkeys(attention)}
 
 
 def check_resumable(module, checkpoint: dict, path: str) -> None:
@@ -182,8 +209,10 @@ def check_resumable(module, checkpoint: dict, path: str) -> None:
     trained = checkpoint.get("hyper_parameters", {}).get("model", {}).get("attention")
     attention = module.model.config.attention
     if trained is not None and trained != attention:
-        raise ValueError(f"ckpt_path={path} was trained with attention={trained}, this run has attention={attention}: "
-                         f"resume with attention={trained}")
+        def key(value) -> str:  # as the command line sets it
+            return f"attention={value}" if isinstance(value, str) else f"model.attention=[{','.join(map(str, value))}]"
+        raise ValueError(f"ckpt_path={path} was trained with {key(trained)}, this run has {key(attention)}: "
+                         f"resume with {key(trained)}")
     saved, own = checkpoint["state_dict"], module.state_dict()
     mismatch = sorted(k for k in own.keys() | saved.keys()
                       if k not in own or k not in saved or own[k].shape != saved[k].shape)

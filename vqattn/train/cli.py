@@ -83,12 +83,16 @@ def device_name(device: torch.device) -> str:
 
 
 def instantiate_module(cfg: DictConfig):
-    """The LitLM, with an attention layer's error named by the key the user types (attention.kwargs.num_codes)."""
+    """The LitLM, with an attention layer's error named by the key the user types (attention.kwargs.num_codes, or
+    for a hybrid stack layer_kwargs.ovq.num_slots)."""
     try:
         return hydra.utils.instantiate(cfg.module, _convert_="all")
     except InstantiationException as err:
         cause = err.__cause__
-        if isinstance(cause, ValueError) and str(cause).split(" ", 1)[0] in cfg.attention.kwargs:
+        first = str(cause).split(" ", 1)[0]
+        if isinstance(cause, ValueError) and first.startswith("attention_kwargs."):  # GPT names a hybrid's layer
+            raise ValueError(f"layer_kwargs.{str(cause).removeprefix('attention_kwargs.')}") from None
+        if isinstance(cause, ValueError) and isinstance(cfg.model.attention, str) and first in cfg.attention.kwargs:
             raise ValueError(f"attention.kwargs.{cause}") from None
         raise
 
@@ -251,7 +255,8 @@ def summarize(cfg: DictConfig, module, datamodule, trainer, run_dir: Path) -> di
     val = module.last_validation
     memory, memory_kind = peak_memory_mb(trainer.strategy.root_device)
     results = {
-        "attention": cfg.model.attention,
+        "attention": module.model.config.stack_name,  # ovq, or a hybrid's ovq×3+softmax
+        "layer_attentions": module.model.config.layer_attentions,
         "params": module.model.num_params(),
         "steps": trainer.global_step,
         "headline": "val_bpb",
@@ -262,7 +267,8 @@ def summarize(cfg: DictConfig, module, datamodule, trainer, run_dir: Path) -> di
         # per bucket "A_B" of positions A..B in the validation windows (LitLM's position_edges)
         **{f"val_{k}_by_position": {name: bucket[k] for name, bucket in val["by_position"].items()}
            for k in ("bpb", "acc", "tokens")},
-        "state_floats": module.model.state_floats(cfg.data.seq_len),
+        "state_floats": module.model.state_floats(cfg.data.seq_len),  # per layer (a hybrid's mean)
+        "state_floats_total": module.model.state_floats(cfg.data.seq_len, total=True),  # summed layer by layer
         "carry_state": cfg.carry_state,
         "seed": cfg.seed,
         "lr": cfg.optim.lr,

@@ -3,7 +3,9 @@
 ``register()`` stores in Hydra's ConfigStore, under the ``schema`` group, the keyword defaults of
 ``GPTConfig`` (``schema/model``), ``OptimConfig`` (``schema/optim``), ``lightning.Trainer``
 (``schema/trainer``) and each data module (``schema/data/<class>``), and one ``attention`` option per
-registered attention layer (``attention.kwargs`` = the layer's own keyword defaults). The yaml files in
+registered attention layer (``attention.kwargs`` = the layer's own keyword defaults), and the same kwargs of every
+attention under the root key ``layer_kwargs`` (``layer_kwargs.ovq.num_slots``: what the layers of a hybrid stack,
+``model.attention=[ovq,ovq,ovq,softmax]``, are built with). The yaml files in
 conf/ extend these nodes and set only what a configuration deliberately changes, each with a comment
 saying why; every key still exists in the composed config, so any default can be overridden from the
 command line (``model.qk_norm=true``, ``attention.kwargs.num_codes=128``, ``trainer.precision=bf16-mixed``).
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 _PLAIN = (type(None), bool, int, float, str)
 
@@ -94,17 +96,54 @@ def tokenizer_vocab(spec: str | None) -> int:
     return padded_vocab(load_tokenizer(spec).vocab_size)
 
 
+def stack_kwargs(attention, group, layer_kwargs):
+    """``model.attention_kwargs`` (conf/model/small.yaml) for ``model.attention``: for the attention group's own name
+    its ``attention.kwargs`` (the uniform stack ``attention=X`` builds); for another name, or a list (a hybrid stack),
+    each name's ``layer_kwargs.NAME``, resolved, keyed by name for a list. Unknown names are left out: GPTConfig
+    names them in its error."""
+    if isinstance(attention, str):
+        return group.kwargs if attention == group.name else layer_kwargs.get(attention, OmegaConf.create({}))
+    names = dict.fromkeys(name for name in attention if isinstance(name, str) and name in layer_kwargs)
+    # a config node, not a dict: OmegaConf.resolve (as instantiate calls it) can put only a node in its place
+    return OmegaConf.create({name: OmegaConf.to_container(layer_kwargs[name], resolve=True) for name in names})
+
+
+def _layers(attention, n_layer) -> list[str]:
+    """model.attention as one name per layer, where it is a name or a list whose length divides n_layer; as it is
+    otherwise (GPTConfig then says what is wrong)."""
+    names = [attention] if isinstance(attention, str) else [str(name) for name in attention]
+    if names and isinstance(n_layer, int) and n_layer > 0 and n_layer % len(names) == 0:
+        names *= n_layer // len(names)
+    return names
+
+
+def stack_label(attention, n_layer) -> str:
+    """``${stack_label:${model.attention},${model.n_layer}}``: the stack's short readable name (``ovq``,
+    ``ovq×3+softmax``: :func:`vqattn.model.stack_name`), which results.json, the report and W&B name runs by."""
+    from ..model import stack_name
+
+    return stack_name(_layers(attention, n_layer))
+
+
+def stack_dir(attention, n_layer) -> str:
+    """``${stack_dir:...}``: the stack's name in ASCII (``ovqx3+softmax``), the suffix of its run dir."""
+    from ..model import stack_name
+
+    return stack_name(_layers(attention, n_layer), ascii=True)
+
+
 def register() -> None:
-    """Store the schema nodes and the attention options, and the ``tokenizer_vocab`` resolver (idempotent: a second
-    call stores the same nodes)."""
+    """Store the schema nodes and the attention options, and the resolvers ``tokenizer_vocab``, ``stack_kwargs``,
+    ``stack_label`` and ``stack_dir`` (idempotent: a second call stores the same nodes)."""
     import lightning
-    from omegaconf import OmegaConf
 
     from ..layers import ATTENTIONS, Attention
     from ..model import GPTConfig
     from .lit import OptimConfig
 
     OmegaConf.register_new_resolver("tokenizer_vocab", tokenizer_vocab, use_cache=True, replace=True)
+    for name, resolver in (("stack_kwargs", stack_kwargs), ("stack_label", stack_label), ("stack_dir", stack_dir)):
+        OmegaConf.register_new_resolver(name, resolver, replace=True)
     cs = ConfigStore.instance()
     cs.store(group="schema", name="model", node=_dataclass_defaults(GPTConfig))
     cs.store(group="schema", name="optim", node=_dataclass_defaults(OptimConfig))
@@ -113,6 +152,7 @@ def register() -> None:
     for name, cls in data_classes().items():
         cs.store(group="schema/data", name=name,
                  node={"_target_": f"{cls.__module__}.{cls.__qualname__}", **signature_defaults(cls)})
+    layer_kwargs = {}  # every attention's kwargs, for the layers of a hybrid stack
     for name, cls in ATTENTIONS.items():
         kwargs = signature_defaults(cls, stop=Attention)
         if "block_len" in kwargs:  # the root key block_len (conf/config.yaml) sets every attention that has one
@@ -122,3 +162,5 @@ def register() -> None:
         if "memory_decay" in kwargs:  # the online memory's forgetting, which training with carried state sets
             kwargs["memory_decay"] = "${memory_decay}"
         cs.store(group="attention", name=name, node={"name": name, "kwargs": kwargs})
+        layer_kwargs[name] = kwargs
+    cs.store(group="schema", name="layer_kwargs", node=layer_kwargs)

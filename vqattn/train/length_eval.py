@@ -116,7 +116,7 @@ def length_eval(model: GPT, text: bytes, *, multiple: int = 16, streams: int = 3
     else:
         size = table[windows[:, 1:]].double()  # bytes of each target
         by_stream = torch.stack([bits[:, a:b].sum(1) / size[:, a:b].sum(1) for a, b in zip(edges[:-1], edges[1:])], 1)
-    return {"attention": model.config.attention, "seq_len": T, "streams": streams, "edges": edges,
+    return {"attention": model.config.stack_name, "seq_len": T, "streams": streams, "edges": edges,
             "bpb": by_stream.mean(0).tolist(), "bpb_by_stream": by_stream.tolist()}
 
 
@@ -125,7 +125,7 @@ def read_with_memory_decay(model: GPT, memory_decay: float | str) -> GPT:
     ``"T"``: a horizon of the training length, so that far past T a slot averages about as many recent keys as
     training showed it rather than every key since the stream began (docs/evaluation.md measures it)."""
     if not any(hasattr(block.attn, "memory_decay") for block in model.blocks):
-        raise ValueError(f"memory_decay applies to ovq layers; this model's attention is {model.config.attention}")
+        raise ValueError(f"memory_decay applies to ovq layers; this model's attention is {model.config.stack_name}")
     gamma = math.exp(-1 / model.config.seq_len) if memory_decay == "T" else memory_decay
     model = copy.deepcopy(model)
     for block in model.blocks:

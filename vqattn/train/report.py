@@ -1,8 +1,9 @@
 """Compare the runs of a sweep: ``python -m vqattn.train.report SWEEP_DIR``.
 
 Reads every ``results.json`` under SWEEP_DIR (one per run dir, as train.py writes them) and the validation
-rows of each run's ``metrics.csv``; writes SWEEP_DIR/report.md (a markdown table: val bpb, tokens/s, threads, params,
-state floats (one layer's decoding state at the run's seq_len), peak memory, steps, seed, sorted by val bpb; MQAR runs
+rows of each run's ``metrics.csv``; writes SWEEP_DIR/report.md (a markdown table: the attention, a hybrid stack by its
+short name (``ovq×3+softmax``), val bpb, tokens/s, threads, params, state floats (one layer's decoding state at the
+run's seq_len, a hybrid's mean over layers) and those of all layers, peak memory, steps, seed, sorted by val bpb; MQAR runs
 add recall accuracy and are sorted by it; then the corpus, tokenizer, threads, device and code of the runs, and a
 warning where tokens/s mix threads or devices; runs that differ only in seed pooled in a table of their mean,
 standard deviation, min – max and count) and SWEEP_DIR/val_bpb.png (val bpb against step, a line per setup: runs that
@@ -126,14 +127,16 @@ def sort_key(run: dict) -> tuple:
 def markdown_table(runs: list[dict]) -> str:
     """A row per run, best first, then what the runs ran on (:func:`provenance_lines`) and how to read the columns."""
     recall = any("recall_acc" in r for r in runs)
+    total = any("state_floats_total" in r for r in runs)  # older results.json files lack it
     lines = [
         f"| run | attention |{' recall acc |' if recall else ''} val bpb | tokens/s | threads | params "
-        "| state floats | peak memory (MB) | steps | seed |",
-        f"|---|---|{'---:|' if recall else ''}---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| state floats |{' all layers |' if total else ''} peak memory (MB) | steps | seed |",
+        f"|---|---|{'---:|' if recall else ''}---:|---:|---:|---:|---:|{'---:|' if total else ''}---:|---:|---:|",
     ]
     for r in sorted(runs, key=sort_key):
         acc = (f" {r['recall_acc']:.4f} |" if "recall_acc" in r else " |") if recall else ""
         state = f"{r['state_floats']:,}" if "state_floats" in r else "?"
+        state += (f" | {r['state_floats_total']:,}" if "state_floats_total" in r else " | ?") if total else ""
         lines.append(
             f"| {r['name']} | {r['attention']} |{acc} {r['val_bpb']:.4f} | {r['tokens_per_sec']:,.0f} "
             f"| {r.get('threads', '?')} | {r['params']:,} | {state} | {r['peak_memory_mb']:,.0f} | {r['steps']} "
