@@ -352,6 +352,23 @@ def test_the_trainer_reports_a_list_that_cannot_work_in_one_line(tmp_path, overr
     assert not (tmp_path / "run").exists()
 
 
+def test_the_trainers_checks_read_each_layer_of_a_hybrid():
+    """The raw-window warning names the hybrid's layer whose window holds the whole sequence, and resuming with
+    another stack is one line naming both in the command line's spelling."""
+    from types import SimpleNamespace
+
+    from vqattn.train.checks import check_resumable, raw_window_warning
+
+    assert raw_window_warning(cfg_for(*FAST, "model.attention=[softmax,ovq]")) is None  # block_len 16, T = 64
+    warning = raw_window_warning(cfg_for(*FAST, "model.attention=[softmax,ovq]", "block_len=32"))
+    assert "block_len=32 with seq_len=64" in warning and "so ovq is plain softmax attention" in warning
+    module = SimpleNamespace(model=hybrid(["ovq", "softmax"]), optimizer=None, state_dict=dict)
+    checkpoint = {"hyper_parameters": {"model": {"attention": "vq_soft"}}, "state_dict": {}}
+    with pytest.raises(ValueError, match=r"trained with attention=vq_soft, this run has "
+                                         r"model.attention=\[ovq,softmax\]: resume with attention=vq_soft"):
+        check_resumable(module, checkpoint, "x.ckpt")
+
+
 def run_inprocess(tmp_path, name, *overrides):
     from vqattn.train import cli
 
