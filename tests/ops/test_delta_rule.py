@@ -273,7 +273,7 @@ def test_fla_kernels_on_a_gpu_match_the_definition(dtype, decay):
     got_in = [None if x is None else x.detach().to(dtype if i < 3 else torch.float32).requires_grad_()
               for i, x in enumerate(ref_in)]
     out, state = _call(delta_rule_attention, *got_in, impl="triton", return_state=True)
-    tol = 1e-4 if dtype == torch.float32 else 2e-2  # fla's float32 products may run in TF32
+    tol = 2e-3 if dtype == torch.float32 else 3e-2  # fla's float32 products may run in TF32 (10 mantissa bits)
     assert out.dtype == dtype and state.S.dtype == torch.float32
     assert _rel_rms(out, ref) < tol and _rel_rms(state.S, ref_state.S) < tol
     for g, r in zip(_grads(out, got_in), _grads(ref, ref_in)):
