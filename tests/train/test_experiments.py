@@ -3,12 +3,14 @@ share, query gaps), the state-size sweep, the report's state_floats and recall c
 state, a DDP carried run and an mqar_long smoke run (slow)."""
 
 import json
+import re
+import signal
 
 import numpy as np
 import pytest
 import torch
 from hydra.utils import instantiate
-from test_train import FAST, cfg_for, finish_script, run_inprocess, start_script, val_rows
+from test_train import FAST, cfg_for, finish_script, run_inprocess, start_script, val_rows, wait_for
 
 from vqattn.model import IGNORE_INDEX
 from vqattn.train.report import markdown_table
@@ -119,51 +121,65 @@ def test_report_names_the_code_and_the_process_wide_peak():
 
 
 @pytest.mark.slow
-def test_resume_with_carried_state_20_plus_20_equals_40_straight(tmp_path):
-    # two stream groups: the checkpoint at step 20 holds both groups' states, mid-sequence (a reset every 32 steps)
-    common = ["carry_state=true", "data.stream_groups=2", "attention=vq_hard", "optim.total_steps=40",
-              "trainer.val_check_interval=20", "checkpoint_every=20"]
-    first, a = run_inprocess(tmp_path, "a", *common, "trainer.max_steps=20")
+def test_resume_with_carried_state_10_plus_10_equals_20_straight(tmp_path):
+    # two stream groups: the checkpoint at step 10 holds both groups' states, mid-sequence (a reset every 32 steps)
+    common = ["carry_state=true", "data.stream_groups=2", "attention=vq_hard", "optim.total_steps=20",
+              "trainer.val_check_interval=10", "checkpoint_every=10"]
+    first, a = run_inprocess(tmp_path, "a", *common, "trainer.max_steps=10")
     ckpt = a / "checkpoints" / "last.ckpt"
-    resumed, b = run_inprocess(tmp_path, "b", *common, "trainer.max_steps=40", f"ckpt_path={ckpt}")
-    straight, c = run_inprocess(tmp_path, "c", *common, "trainer.max_steps=40")
-    assert resumed["steps"] == straight["steps"] == 40 and straight["carry_state"]
+    resumed, b = run_inprocess(tmp_path, "b", *common, "trainer.max_steps=20", f"ckpt_path={ckpt}")
+    straight, c = run_inprocess(tmp_path, "c", *common, "trainer.max_steps=20")
+    assert resumed["steps"] == straight["steps"] == 20 and straight["carry_state"]
     for key in ("val_loss", "val_loss_carried"):
         assert resumed[key] == pytest.approx(straight[key], rel=1e-6, abs=1e-7), key
-    # metrics.csv: the resumed run writes the validation at step 40 once, as the straight run does
+    # metrics.csv: the resumed run writes the validation at step 20 once, as the straight run does
     final_b, final_c = ({int(r["step"]): float(r["val_bpb_carried"]) for r in val_rows(d)} for d in (b, c))
-    assert list(final_b) == [40] and final_b[40] == pytest.approx(final_c[40], rel=1e-6)
-    # the test can fail: resuming without the carried state (a fresh state at step 20) gives another run
+    assert list(final_b) == [20] and final_b[20] == pytest.approx(final_c[20], rel=1e-6)
+    # the test can fail: resuming without the carried state (a fresh state at step 10) gives another run
     stored = torch.load(ckpt, weights_only=True)
     del stored["carry_state"]
     torch.save(stored, tmp_path / "stateless.ckpt")
-    fresh, _ = run_inprocess(tmp_path, "d", *common, "trainer.max_steps=40", f"ckpt_path={tmp_path / 'stateless.ckpt'}")
+    fresh, _ = run_inprocess(tmp_path, "d", *common, "trainer.max_steps=20", f"ckpt_path={tmp_path / 'stateless.ckpt'}")
     assert fresh["val_loss"] != pytest.approx(straight["val_loss"], rel=1e-6, abs=1e-7)
 
 
 @pytest.mark.slow
-def test_ddp_carried_run_resumes_exactly(tmp_path):
+def test_sigterm_to_rank_0_alone_stops_a_ddp_carried_run_and_it_resumes_exactly(tmp_path):
+    """docker stop signals the main process only: rank 1 hears of it through the per-step all-reduce and stops at
+    the same step (a rank that went on would hang the checkpoint's collective save). The checkpoint holds both
+    ranks' carried states, and the run resumed from it ends as one never stopped. (One stopped run serves both: a
+    DDP run is two processes of start-up.)"""
     common = [*FAST, "carry_state=true", "attention=vq_hard", "trainer=ddp", "trainer.accelerator=cpu",
-              "trainer.devices=2", "optim.total_steps=8", "checkpoint_every=4"]
+              "trainer.devices=2", "optim.total_steps=2000", "checkpoint_every=3"]
 
     def run(name, *extra):
         return start_script([*common, *extra, f"hydra.run.dir={tmp_path / name}"], tmp_path)
 
-    # a (4 steps, then resumed as b) and c (8 straight) are independent: side by side
-    a_and_c = {"a": run("a", "trainer.max_steps=4"), "c": run("c", "trainer.max_steps=8")}
-    finished = {name: finish_script(proc) for name, proc in a_and_c.items()}
-    resume = f"ckpt_path={tmp_path / 'a' / 'checkpoints' / 'last.ckpt'}"
-    finished["b"] = finish_script(run("b", "trainer.max_steps=8", resume))
-    runs = {}
-    for name, proc in finished.items():
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        runs[name] = json.loads((tmp_path / name / "results.json").read_text())
-    stored = torch.load(tmp_path / "a" / "checkpoints" / "last.ckpt", weights_only=True)["carry_state"]
+    checkpoint = tmp_path / "a" / "checkpoints" / "last.ckpt"
+    proc = run("a", "trainer.max_steps=2000")
+    wait_for(checkpoint, proc)
+    proc.send_signal(signal.SIGTERM)
+    stopped = finish_script(proc, timeout=120)
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+    step = int(re.search(r"terminated \(SIGTERM\) at step (\d+): saved", stopped.stderr).group(1))
+    saved = torch.load(checkpoint, weights_only=True)
+    assert saved["global_step"] == step and saved["callbacks"]["RNGState"]["world_size"] == 2
+    assert stopped.stderr.count("resume with:") == 1  # from rank 0 alone
+    assert "Traceback" not in stopped.stderr and "Traceback" not in (tmp_path / "a" / "rank1.log").read_text()
+    stored = saved["carry_state"]
     assert stored["world_size"] == 2 and len(stored["states"]) == 2  # both ranks' rows are kept, and differ
     # each rank's states by stream group: one group here
     counts = [s[0]["fields"]["layers"][0]["fields"]["inner"]["fields"]["counts"] for s in stored["states"]]
     assert counts[0].shape == counts[1].shape and not torch.equal(*counts)
-    assert runs["b"]["world_size"] == 2 and runs["b"]["steps"] == 8
+    # b resumes a; c runs as many steps straight: independent, side by side
+    total = f"trainer.max_steps={step + 4}"
+    b_and_c = {"b": run("b", total, f"ckpt_path={checkpoint}"), "c": run("c", total)}
+    runs = {}
+    for name, proc in b_and_c.items():
+        finished = finish_script(proc)
+        assert finished.returncode == 0, finished.stderr[-3000:]
+        runs[name] = json.loads((tmp_path / name / "results.json").read_text())
+    assert runs["b"]["world_size"] == 2 and runs["b"]["steps"] == step + 4
     for key in ("val_loss", "val_loss_carried"):
         assert runs["b"][key] == pytest.approx(runs["c"][key], rel=1e-6, abs=1e-7), key
 
