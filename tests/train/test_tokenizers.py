@@ -259,17 +259,5 @@ def test_results_record_the_tokenizer_and_bytes_per_token(tmp_path):
     assert re.match(r"^\d", str(results["val_loss"])) and np.isfinite(results["val_bpb"])
 
 
-@pytest.mark.slow
-def test_a_bpe_run_under_ddp_on_two_cpu_processes(bpe, tmp_path):
-    from test_train import finish_script, read_results, start_script
-
-    corpus, directory = bpe
-    out = tmp_path / "OUT"
-    proc = finish_script(start_script([*FAST, "attention=softmax", "trainer=ddp", "trainer.accelerator=cpu",
-                                       "trainer.devices=2", "trainer.max_steps=4", "data=text", f"data.path={corpus}",
-                                       f"data.tokenizer={directory}", f"data.cache_dir={tmp_path / 'cache'}",
-                                       f"hydra.run.dir={out}"], tmp_path))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = read_results(out)
-    assert results["world_size"] == 2 and results["tokenizer"] == str(directory) and results["val_bytes_per_token"] > 2
-    assert len(list((tmp_path / "cache").iterdir())) == 1  # rank 1 reused rank 0's token files
+# A BPE run under DDP on two CPU processes (rank 1 reuses rank 0's token files): the DDP runs of
+# tests/train/test_train.py train on a BPE tokenizer (test_ddp_two_cpu_processes_share_one_run_dir_and_stay_in_sync).

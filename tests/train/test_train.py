@@ -561,15 +561,31 @@ def attention_override(attention: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def ddp_runs(tmp_path_factory):
-    """The README's DDP command (progress bar on) for each of DDP_ATTENTIONS, started together: {attention: (cwd,
+def ddp_bpe(tmp_path_factory):
+    """(corpus, BPE tokenizer directory, token cache dir) for the DDP runs, outside their run dirs' parent."""
+    from test_tokenizers import write_corpus
+
+    from vqattn.train.tokenizer import train_bpe
+
+    root = tmp_path_factory.mktemp("ddp_bpe")
+    corpus = write_corpus(root / "corpus.txt")
+    return corpus, train_bpe([str(corpus)], 300, root / "tok"), root / "cache"
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory, ddp_bpe):
+    """The README's DDP command (progress bar on) for each of DDP_ATTENTIONS, started together, on a text corpus with
+    a BPE tokenizer trained here (so the same runs check a subword tokenizer under DDP): {attention: (cwd,
     process)}."""
+    corpus, tokenizer, cache = ddp_bpe
     runs = {}
     for attention in DDP_ATTENTIONS:
         cwd = tmp_path_factory.mktemp(f"ddp_{attention}")
         runs[attention] = (cwd, start_script([*AS_USERS_HAVE_IT, attention_override(attention), "trainer=ddp",
                                               "trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=10",
-                                              f"hydra.run.dir={cwd / 'OUT'}"], cwd))
+                                              "data=text", f"data.path={corpus}", f"data.tokenizer={tokenizer}",
+                                              f"data.cache_dir={cache / attention}", f"hydra.run.dir={cwd / 'OUT'}"],
+                                             cwd))
     yield runs
     for _, proc in runs.values():
         proc.kill()
@@ -579,7 +595,7 @@ def ddp_runs(tmp_path_factory):
 @pytest.mark.xdist_group("ddp_runs")  # the module fixture starts all of its runs once, on one worker
 @pytest.mark.slow
 @pytest.mark.parametrize("attention", DDP_ATTENTIONS)
-def test_ddp_two_cpu_processes_share_one_run_dir_and_stay_in_sync(ddp_runs, attention):
+def test_ddp_two_cpu_processes_share_one_run_dir_and_stay_in_sync(ddp_runs, ddp_bpe, attention):
     tmp_path, running = ddp_runs[attention]
     out = tmp_path / "OUT"
     proc = finish_script(running)
@@ -592,6 +608,9 @@ def test_ddp_two_cpu_processes_share_one_run_dir_and_stay_in_sync(ddp_runs, atte
     assert results["ddp_buffer_divergence"] == 0.0  # codebook EMA / feature draws identical on both ranks
     assert sorted(p.name for p in tmp_path.iterdir()) == ["OUT"]  # no second run dir (outputs/, multirun/)
     assert (out / "rank1.log").exists()
+    _, tokenizer, cache = ddp_bpe
+    assert results["tokenizer"] == str(tokenizer) and results["val_bytes_per_token"] > 2
+    assert len(list((cache / attention).iterdir())) == 1  # rank 1 reused rank 0's token files
 
 
 # SIGTERM to rank 0 alone stops every DDP rank at the same saved step: tests/train/test_experiments.py, whose
