@@ -6,12 +6,12 @@ import json
 import math
 import re
 import shlex
-import sys
 
 import pytest
 import torch
-from test_train import FAST, cfg_for, finish_script, run_inprocess, start_script
+from test_train import FAST, ROOT, cfg_for, finish_script, run_inprocess, start_script
 
+from vqattn.train import cli
 from vqattn.train.cli import strict_json
 from vqattn.train.lifecycle import Diverged
 from vqattn.train.lit import LitLM
@@ -110,11 +110,12 @@ def test_a_diverging_run_exits_1_naming_the_step_and_its_resume_command_works(tm
     assert 5 <= saved < step + 1 and finite(checkpoint)
     assert f"the last finite checkpoint is {checkpoint} (step {saved})" in stopped.stderr
     assert not (out / "results.json").exists()
+    # the printed command's overrides with a lower lr, in this process (the Ctrl-C and SIGTERM tests of test_train.py
+    # run printed resume commands, which one function writes for every stop, as processes)
     command = shlex.split(stopped.stderr.split("resume with:")[1].strip().splitlines()[0])
-    command = [sys.executable if c == "python" else c for c in command]
-    command = [c for c in command if not c.startswith("optim.lr=")] + ["optim.lr=0.001", "trainer.max_steps=10"]
-    resumed = finish_script(start_script(command[2:], tmp_path))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert command[:2] == ["python", str(ROOT / "train.py")] and command[-1] == f"hydra.run.dir={out}"
+    overrides = [c for c in command[2:-1] if not c.startswith(("optim.lr=", "trainer.max_steps="))]
+    cli.train(cfg_for(*overrides, "optim.lr=0.001", "trainer.max_steps=10"), out)
     results = json.loads((out / "results.json").read_text())
     assert results["steps"] == 10 and results["nonfinite_skipped"] == 0 and math.isfinite(results["val_bpb"])
     lrs = {int(r["step"]): float(r["lr-AdamW/pg1"]) for r in csv.DictReader(open(out / "metrics.csv"))

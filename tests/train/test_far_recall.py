@@ -95,14 +95,20 @@ def test_recall_against_state_figure_one_line_per_attention_on_log_state(tmp_pat
 
 @pytest.mark.slow
 def test_the_driver_trains_the_grid_skips_finished_runs_and_reports(tmp_path, capsys):
-    args = [str(tmp_path), "--attentions", "vq_hard", "--sizes", "8,16", "--lrs", "1e-3", "--seeds", "0",
-            "--threads", "1", "--", "trainer.max_steps=2", "trainer.enable_model_summary=false", "model.n_embd=32",
-            "model.n_head=2", "data.batch_size=2", "data.num_val_examples=4"]
+    # a grid of one run (each run is a process of seconds of start-up): its size override reaches the run, whose
+    # state is that size's; that each size override sets the state size, and the plan of a larger grid, are tested
+    # above
+    model = ["model.n_embd=32", "model.n_head=2"]
+    args = [str(tmp_path), "--attentions", "vq_hard", "--sizes", "8", "--lrs", "1e-3", "--seeds", "0",
+            "--threads", "1", "--", "trainer.max_steps=2", "trainer.enable_model_summary=false", *model,
+            "data.batch_size=2", "data.num_val_examples=4"]
     assert far_recall.main(args) == 0
     results = {p.parent.name: json.loads(p.read_text()) for p in tmp_path.rglob("results.json")}
-    assert sorted(results) == ["vq_hard_s16_lr0.001_seed0", "vq_hard_s8_lr0.001_seed0"]  # a sizeless attention: the plan tests
-    assert results["vq_hard_s8_lr0.001_seed0"]["state_floats"] < results["vq_hard_s16_lr0.001_seed0"]["state_floats"]
-    assert all(r["steps"] == 2 and r["lr"] == 1e-3 and r["seed"] == 0 for r in results.values())
+    assert sorted(results) == ["vq_hard_s8_lr0.001_seed0"]
+    (result,) = results.values()
+    assert result["state_floats"] == state_floats("attention=vq_hard", "attention.kwargs.num_codes=8", *model)
+    assert state_floats("attention=vq_hard", *model) != result["state_floats"]  # the default size's differs
+    assert result["steps"] == 2 and result["lr"] == 1e-3 and result["seed"] == 0
     assert (tmp_path / "recall_vs_state.png").exists()
     before = {p: p.stat().st_mtime for p in tmp_path.rglob("results.json")}
     assert far_recall.main(args) == 0  # everything finished: nothing retrained
