@@ -107,10 +107,11 @@ def test_lm_eval_generation_at_batch_size_4_equals_batch_size_1(tmp_path):
         "generation_kwargs:\n  until: ['\\n']\n  max_gen_toks: 8\n  do_sample: false\n"
         "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n"
         "metadata:\n  version: 1.0\n")
+    manager = TaskManager(include_path=str(tasks), include_defaults=False)  # lm-eval's own tasks: seconds to index
     generations = {}
     for batch_size in (1, 4):
         result = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={tmp_path / 'model'}", device="cpu",
                                          tasks=["vqattn_test_lengths"], batch_size=batch_size, log_samples=True,
-                                         task_manager=TaskManager(include_path=str(tasks)))
+                                         task_manager=manager)
         generations[batch_size] = [s["resps"] for s in result["samples"]["vqattn_test_lengths"]]
     assert len(generations[1]) == 8 and generations[1] == generations[4]

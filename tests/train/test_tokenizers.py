@@ -245,8 +245,9 @@ def test_a_bpe_run_resumes_exactly_samples_and_exports_for_auto_tokenizer(bpe, t
 
     from vqattn.hf.eval import TASKS_DIR
 
+    manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False)  # lm-eval's own tasks: seconds to index
     heldout = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={out},backend=causal", device="cpu", limit=1,
-                                      tasks=["vqattn_heldout"], task_manager=TaskManager(include_path=str(TASKS_DIR)))
+                                      tasks=["vqattn_heldout"], task_manager=manager)
     assert 0 < heldout["results"]["vqattn_heldout"]["bits_per_byte,none"] < 20
 
 
