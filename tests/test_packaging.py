@@ -2,6 +2,7 @@
 vqattn.analysis; the trainer's configs ship inside the package."""
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -50,40 +51,35 @@ def test_only_vqattn_hf_imports_the_hf_stack():
 
 LIBRARY = ["vqattn.functional", "vqattn.layers", "vqattn.model", "vqattn.codebook", "vqattn.feature_maps"]
 
-
-def test_library_imports_no_trainer_package():
-    """The library's public modules, imported one after another in one fresh process, with sys.modules checked after
-    each: the first to pull a trainer package is named (one process instead of one per module)."""
-    code = (f"import importlib, sys\n"
-            f"for module in {LIBRARY!r}:\n"
-            f"    importlib.import_module(module)\n"
-            f"    print(module, sorted(m for m in {TRAINER_STACK!r} if m in sys.modules))\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines() == [f"{module} []" for module in LIBRARY], proc.stdout
-
-
 IMPORT_EACH_FIRST = """
-import importlib, sys
+import importlib, json, sys
 import torch
+trainer_stack = json.loads(sys.argv[1])
 failed = []
-for module in sys.argv[1:]:
+for module in sys.argv[2:]:
     for name in [m for m in sys.modules if m == "vqattn" or m.startswith("vqattn.")]:
         del sys.modules[name]
     try:
         importlib.import_module(module)
     except ImportError as err:
         failed.append(f"{module}: {err}")
+    pulled = sorted(m for m in trainer_stack if m in sys.modules)
+    if pulled:  # the first module to pull one (they stay imported)
+        failed.append(f"{module} imports the trainer stack: {pulled}")
+        break
 print("\\n".join(failed))
 """
 
 
-def test_every_core_module_imports_first_on_its_own():
+def test_every_core_module_imports_first_on_its_own_and_imports_no_trainer_package():
     """``from vqattn.ops.window import window_attention`` in a fresh interpreter: no circular import, whichever
-    module comes first (each one imported into a process that holds no vqattn module yet)."""
+    module comes first (each one imported into a process that holds no vqattn module yet); and none of them, the
+    library's public modules among them, pulls a trainer package in (sys.modules checked after each: the first to
+    pull one is named). One process for both: most of it is imports."""
     modules = [".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__") for p in core_modules()]
-    proc = subprocess.run([sys.executable, "-c", IMPORT_EACH_FIRST, *modules], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    assert set(LIBRARY) <= set(modules)
+    proc = subprocess.run([sys.executable, "-c", IMPORT_EACH_FIRST, json.dumps(TRAINER_STACK), *modules], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "", proc.stdout
 
