@@ -91,8 +91,8 @@ def test_performer_layers_draw_different_features():
 @pytest.mark.parametrize(
     "overrides,match",
     [
-        ({"attention": "flash"}, "valid names are: kernel_linear, kernel_poly, kernel_rbf, linear, mamba2, ovq, "
-                                 "performer, softmax, taylor, vq_hard, vq_soft"),
+        ({"attention": "flash"}, "valid names are: deltanet, gated_deltanet, kernel_linear, kernel_poly, kernel_rbf, "
+                                 "linear, mamba2, ovq, performer, softmax, taylor, vq_hard, vq_soft"),
         ({"pos_emb": "alibi"}, "pos_emb"),
         ({"n_embd": 30, "n_head": 4}, "divisible"),
         ({"seq_len": 0}, "seq_len"),
