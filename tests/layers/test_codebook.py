@@ -215,6 +215,7 @@ def _single_process_ema(batches, init_codes, decay):
     return codebook
 
 
+@pytest.mark.slow  # seconds a case
 def test_ddp_ranks_with_different_data_hold_identical_codebooks(tmp_path):
     """Two gloo processes see different keys; all-reduced EMA statistics keep their codebooks identical."""
     world, result = 2, str(tmp_path / "codes")

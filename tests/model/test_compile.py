@@ -142,6 +142,7 @@ def _counted_step_model(name: str, **kwargs) -> tuple[GPT, GPT, list]:
     return eager, model, graphs
 
 
+@pytest.mark.slow  # seconds a case
 @pytest.mark.parametrize("name", ["softmax", "ovq"])  # a KV cache that grows; a raw window and float settings
 def test_compile_step_compiles_once_for_every_prompt_length(name):
     """``compile_step`` compiles the one-token step with dynamic shapes: after the first prompt, new prompt lengths
@@ -162,6 +163,7 @@ def test_compile_step_compiles_once_for_every_prompt_length(name):
         torch.testing.assert_close(got, eager.generate(prompt, 3, temperature=0))
 
 
+@pytest.mark.slow  # seconds a case
 @pytest.mark.parametrize("name,kwargs", [("ovq", {}), ("vq_hard", {}), ("ovq", dict(memory_decay=0.97))])
 def test_compiled_decoding_past_the_memory_cap_keeps_its_graphs(name, kwargs):
     """Past ``memory_cap`` the memory's weight M / n changes with every block (n its total count with

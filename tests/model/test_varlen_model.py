@@ -129,6 +129,7 @@ def test_bad_packed_input():
         layer(torch.randn(2, 10, 32), cu_seqlens=segments)
 
 
+@pytest.mark.slow  # seconds a case
 @pytest.mark.parametrize("packing", [False, True], ids=["tensor", "Packing"])
 @pytest.mark.parametrize("name", ["vq_hard", "ovq", "softmax"])
 def test_compiled_packed_calls_do_not_recompile_for_new_documents(name, packing):
@@ -148,6 +149,7 @@ def test_compiled_packed_calls_do_not_recompile_for_new_documents(name, packing)
         torch.testing.assert_close(out.logits, model(idx, idx, cu_seqlens=cu).logits)
 
 
+@pytest.mark.slow  # seconds a case
 @pytest.mark.parametrize("name", sorted(set(ATTENTIONS) - {"taylor"}))
 def test_compiled_model_traces_segments_whole(name):
     """Given Segments, a compiled model traces the packed step whole (fullgraph: no graph break, so no per-class

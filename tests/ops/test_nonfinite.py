@@ -127,6 +127,7 @@ def test_layers_propagate_a_nan_key_causally(name, training):
     assert nan_rows.tolist() == [False] * 6 + [True] * 7
 
 
+@pytest.mark.slow  # seconds a case
 def test_the_mask_is_skipped_only_where_reading_the_flag_is_free():
     from vqattn.ops.nonfinite import may_be_nonfinite
 

@@ -117,6 +117,7 @@ def test_vq_float32_matches_float64_at_the_width_users_train(impl, assign, windo
     assert out_error < 1e-4 and max(grad_errors) < 1e-3
 
 
+@pytest.mark.slow  # seconds a case
 @needs_triton
 @pytest.mark.parametrize("assign,window", [("hard", "mixture"), ("hard", "exact"), ("soft", "exact")])
 def test_triton_float32_matches_float64_at_scale_3(assign, window):

@@ -131,6 +131,7 @@ def test_strided_inputs(assign, window):
             vq_inputs(assign, window, 70))
 
 
+@pytest.mark.slow  # seconds a case
 @pytest.mark.parametrize("op", ["window", "hard", "soft"])
 def test_gradients_keep_their_inputs_memory_order(op):
     """q, k and v as views of one (B, T, 3, H, D) projection, as a layer's are: every kernel writes its share of their
@@ -158,6 +159,7 @@ def test_gradients_keep_their_inputs_memory_order(op):
         torch.testing.assert_close(view_grad, copy.grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # seconds a case
 @pytest.mark.parametrize("assign,window", [("hard", "rotated"), ("soft", "exact")])
 def test_chunked_calls_equal_one_call(assign, window):
     """A sequence fed as 3 chunks, each continuing the state of the one before, equals one call; the state equals
@@ -201,6 +203,7 @@ def test_gradient_of_a_continued_states_counts(walk):
     compare(call("chunk", torch.float64, "cpu"), call("triton", torch.float32, DEVICE), [*rest, counts, sums])
 
 
+@pytest.mark.slow  # seconds a case
 @pytest.mark.parametrize("assign", ["hard", "soft"])
 @pytest.mark.parametrize("walk", [False, True])
 def test_where_the_cache_gradient_is_formed(assign, walk):
@@ -287,6 +290,7 @@ def test_nonfinite_window_keys_are_zeroed_in_the_kernels(assign, given, where):
     assert torch.isfinite(state.keys).all() and (state.keys[0, 1, J - (T - kept)] == 0).all()
 
 
+@pytest.mark.slow  # seconds a case
 @pytest.mark.parametrize("assign,window", [("hard", "exact"), ("soft", "rotated")])
 def test_bfloat16_inputs(assign, window):
     """bf16 q, k, v (and codebook) accumulate in float32: within bf16's rounding of the float64 definition. The
@@ -297,6 +301,7 @@ def test_bfloat16_inputs(assign, window):
             rounded, dtype=torch.bfloat16, tol=2e-2)
 
 
+@pytest.mark.slow  # seconds a case
 def test_float16_value_sums_beyond_the_half_range():
     """float16 values whose cache sums pass float16's largest value (65504): all 100 keys near code 0, values of
     about 1000, so the sums reach about 100000 while every output stays near 1000. The per-block sums are kept in

@@ -34,6 +34,7 @@ def test_the_superblock_kernels_are_tuned():
     assert all(kernel.configs == kernel.candidates[:1] for kernel in TUNED) or tuning.AUTOTUNE
 
 
+@pytest.mark.slow  # seconds a case
 @pytest.mark.parametrize("choice", [1, 2])
 def test_every_candidate_equals_the_definition(choice, monkeypatch):
     """The choice-th distinct candidate of every tuned kernel (the last one where a kernel has fewer) at once."""

@@ -229,6 +229,7 @@ def test_segments_errors():
     assert isinstance(segments, Segments) and segments.length == 10
 
 
+@pytest.mark.slow  # seconds a case
 @pytest.mark.parametrize("name", ["vq_soft_exact_cap", "vq_hard_codes", "ovq_drop_pairs", "window", "linear",
                                   "softmax"])
 def test_segments_compile_whole_without_recompiles(name):
