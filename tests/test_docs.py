@@ -1,11 +1,13 @@
 """The docs run as written.
 
-Every ```python block of README.md and docs/*.md runs in a fresh interpreter, and every command of the README's
-```bash blocks runs in short form (the tiny model for 2 steps, sweeps cut to their first two jobs, a short sample),
-each expected to exit with status 0. A block that is not meant to run is preceded by the line ``<!-- no-test -->``;
+Every ```python block of README.md and docs/*.md runs in a process of its own with a fresh namespace (forked from one
+that has imported torch and the library: FORKED_BLOCKS), and every command of the README's ```bash blocks runs in
+short form (the tiny model for 2 steps, sweeps cut to their first two jobs, a short sample), each expected to exit
+with status 0. A block that is not meant to run is preceded by the line ``<!-- no-test -->``;
 keep those rare. A README command this file cannot shorten fails its test, so a new command gets a short form here.
 
-Most of each process is imports and start-up, so the independent ones start together and each test awaits its own.
+Most of each process is imports and start-up, so the independent ones start together and each test awaits its own,
+and the README's single train.py runs after the first share one process (SHARED_RUNS).
 """
 
 import json
@@ -13,6 +15,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -139,22 +142,79 @@ def resolve(form: ShortForm, earlier: list[ShortForm]) -> list[str]:
     return [fill.get(arg, arg) for arg in form.argv]
 
 
+# The README's single train.py runs after the first: one process runs them one after another, as a multirun runs its
+# jobs (their overrides are what each checks; the script's start-up is the first run's, vqattn-train's and the
+# others', and each process is seconds of imports). It prints a header line before each run and writes their exit
+# statuses to the file named by its second argument.
+SHARED_RUNS = r"""
+import json, sys, traceback
+from vqattn.train.entry import main
+
+commands, path, statuses = json.loads(sys.argv[1]), sys.argv[2], []
+for index, argv in enumerate(commands):
+    for stream in (sys.stdout, sys.stderr):
+        print(f"--- command {index} ---", file=stream, flush=True)
+    sys.argv = argv
+    try:
+        main()
+        statuses.append(0)
+    except SystemExit as exit:
+        statuses.append(exit.code if isinstance(exit.code, int) else int(exit.code is not None))
+    except BaseException:
+        traceback.print_exc()
+        statuses.append(1)
+with open(path, "w") as f:
+    json.dump(statuses, f)
+"""
+
+
+def shares_a_process(form: ShortForm) -> bool:
+    """A single run of train.py (not a sweep, not DDP): the README commands that may share one process."""
+    return (form.argv is not None and form.argv[:2] == [sys.executable, str(ROOT / "train.py")] and not form.sweep
+            and "trainer=ddp" not in form.argv and not form.needs_earlier)
+
+
+def shared_part(text: str, index: int) -> str:
+    """What the shared process wrote for its ``index``-th command."""
+    parts = re.split(r"^--- command \d+ ---\n", text, flags=re.M)
+    return parts[index + 1] if index + 1 < len(parts) else ""
+
+
 class CommandRuns:
     """The README commands in short form, all in one directory. The independent ones start at once; those that read
-    an earlier run start together once the independent ones are done."""
+    an earlier run start together once the independent ones are done. The single train.py runs after the first share
+    one process (SHARED_RUNS)."""
 
     def __init__(self, cwd: Path):
         self.cwd = cwd
         self.forms = [short_form(argv, cwd / f"command_{i}") for i, argv in enumerate(COMMANDS)]
+        self.shared = [i for i, form in enumerate(self.forms) if shares_a_process(form)][1:]
+        self.statuses = cwd / "shared_statuses.json"
+        self.shared_run = start([sys.executable, "-c", SHARED_RUNS,
+                                 json.dumps([[str(ROOT / "train.py"), *self.forms[i].argv[2:]] for i in self.shared]),
+                                 str(self.statuses)], cwd) if self.shared else None
+        self.shared_result = None
         self.running = self._start(needs_earlier=False)
         self.results = {}
 
     def _start(self, needs_earlier: bool) -> dict[int, subprocess.Popen]:
         return {i: start(resolve(form, self.forms[:i]), self.cwd) for i, form in enumerate(self.forms)
-                if form.argv and form.needs_earlier == needs_earlier}
+                if form.argv and form.needs_earlier == needs_earlier and i not in self.shared}
+
+    def _finish_shared(self) -> None:
+        if self.shared_run is not None and self.shared_result is None:
+            self.shared_result = finish(self.shared_run)
 
     def result(self, index: int) -> subprocess.CompletedProcess:
+        if index in self.shared:
+            self._finish_shared()
+            done, k = self.shared_result, self.shared.index(index)
+            statuses = json.loads(self.statuses.read_text()) if self.statuses.exists() else []
+            status = statuses[k] if k < len(statuses) else done.returncode or 1  # the process ended before it
+            return subprocess.CompletedProcess(self.forms[index].argv, status, shared_part(done.stdout, k),
+                                               shared_part(done.stderr, k) or done.stderr)
         if index not in self.results and self.forms[index].needs_earlier:
+            self._finish_shared()
             self.results.update({i: finish(proc) for i, proc in self.running.items() if i not in self.results})
             self.running = self._start(needs_earlier=True)
         if index not in self.results:
@@ -162,7 +222,7 @@ class CommandRuns:
         return self.results[index]
 
     def kill(self):
-        for proc in self.running.values():
+        for proc in [*self.running.values(), *([self.shared_run] if self.shared_run else [])]:
             proc.kill()
             proc.communicate()
 
@@ -174,14 +234,72 @@ def command_runs(tmp_path_factory):
     runs.kill()
 
 
+# The Python blocks: each in a process of its own, forked from one that has imported torch and the library (most of a
+# block's time, when each was an interpreter of its own), in an empty directory and a fresh namespace, so a block
+# still needs its own imports. The parent writes each block's exit status to BLOCK.status and its output to
+# BLOCK/stdout and BLOCK/stderr.
+FORKED_BLOCKS = r"""
+import json, os, sys, traceback
+from pathlib import Path
+
+import torch  # noqa: F401
+import vqattn.codebook, vqattn.feature_maps, vqattn.functional, vqattn.layers, vqattn.model  # noqa: F401, E401
+
+root = Path(sys.argv[1])
+children = {}
+for index, code in enumerate(json.loads((root / "blocks.json").read_text())):
+    directory = root / str(index)
+    directory.mkdir()
+    pid = os.fork()
+    if pid == 0:  # the block, as python -c would run it
+        os.chdir(directory)
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            os.dup2(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        sys.argv = ["-c"]
+        exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
+        raise SystemExit(0)  # (an exception: its traceback and status 1, as python -c; interpreter shutdown as ever)
+    children[pid] = index
+while children:
+    pid, status = os.wait()
+    (root / f"{children.pop(pid)}.status").write_text(str(os.waitstatus_to_exitcode(status)))
+"""
+
+
+class BlockRuns:
+    """Every Python block, started together (with the README commands) as forks of one process (FORKED_BLOCKS)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        (root / "blocks.json").write_text(json.dumps([code for _, code in PYTHON_BLOCKS]))
+        self.proc = subprocess.Popen([sys.executable, "-c", FORKED_BLOCKS, str(root)], cwd=root, env=environment(),
+                                     text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     start_new_session=True)  # the blocks in its group, killed with it
+        self.done = None
+
+    def result(self, index: int) -> subprocess.CompletedProcess:
+        if self.done is None:
+            self.done = finish(self.proc)  # all of them
+        status, block = self.root / f"{index}.status", self.root / str(index)
+        if not status.exists():  # the parent died or timed out first
+            return subprocess.CompletedProcess(self.proc.args, self.done.returncode or 1, self.done.stdout,
+                                               self.done.stderr)
+        return subprocess.CompletedProcess(["python", "-c", PYTHON_BLOCKS[index][0]], int(status.read_text()),
+                                           (block / "stdout").read_text(), (block / "stderr").read_text())
+
+    def kill(self):
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.communicate()
+
+
 @pytest.fixture(scope="module")
 def python_block_runs(tmp_path_factory, command_runs):
-    """Every Python block, each in its own empty directory, started together with the README commands."""
-    runs = [start([sys.executable, "-c", code], tmp_path_factory.mktemp("python_block")) for _, code in PYTHON_BLOCKS]
+    """Every Python block, started together with the README commands."""
+    runs = BlockRuns(tmp_path_factory.mktemp("python_blocks"))
     yield runs
-    for proc in runs:
-        proc.kill()
-        proc.communicate()
+    runs.kill()
 
 
 def test_this_module_runs_on_one_worker(request):
@@ -256,7 +374,7 @@ def test_short_forms(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(PYTHON_BLOCKS)), ids=[name for name, _ in PYTHON_BLOCKS])
 def test_python_block_runs(python_block_runs, index):
-    result = finish(python_block_runs[index])
+    result = python_block_runs.result(index)
     assert result.returncode == 0, f"{PYTHON_BLOCKS[index][0]}\n{report(result)}"
 
 
