@@ -7,7 +7,7 @@ with status 0. A block that is not meant to run is preceded by the line ``<!-- n
 keep those rare. A README command this file cannot shorten fails its test, so a new command gets a short form here.
 
 Most of each process is imports and start-up, so the independent ones start together and each test awaits its own,
-and the README's single train.py runs after the first share one process (SHARED_RUNS).
+and the README's single train.py runs share one process (SHARED_RUNS).
 """
 
 import json
@@ -142,10 +142,10 @@ def resolve(form: ShortForm, earlier: list[ShortForm]) -> list[str]:
     return [fill.get(arg, arg) for arg in form.argv]
 
 
-# The README's single train.py runs after the first: one process runs them one after another, as a multirun runs its
-# jobs (their overrides are what each checks; the script's start-up is the first run's, vqattn-train's and the
-# others', and each process is seconds of imports). It prints a header line before each run and writes their exit
-# statuses to the file named by its second argument.
+# The README's single train.py runs: one process runs them one after another, as a multirun runs its jobs (their
+# overrides are what each checks; the script's start-up is checked by the DDP and sweep commands, which run train.py
+# as processes, and vqattn-train's; each process is seconds of imports). It prints a header line before each run and
+# writes their exit statuses to the file named by its second argument.
 SHARED_RUNS = r"""
 import json, sys, traceback
 from vqattn.train.entry import main
@@ -182,13 +182,13 @@ def shared_part(text: str, index: int) -> str:
 
 class CommandRuns:
     """The README commands in short form, all in one directory. The independent ones start at once; those that read
-    an earlier run start together once the independent ones are done. The single train.py runs after the first share
-    one process (SHARED_RUNS)."""
+    an earlier run start together once the independent ones are done. The single train.py runs share one process
+    (SHARED_RUNS)."""
 
     def __init__(self, cwd: Path):
         self.cwd = cwd
         self.forms = [short_form(argv, cwd / f"command_{i}") for i, argv in enumerate(COMMANDS)]
-        self.shared = [i for i, form in enumerate(self.forms) if shares_a_process(form)][1:]
+        self.shared = [i for i, form in enumerate(self.forms) if shares_a_process(form)]
         self.statuses = cwd / "shared_statuses.json"
         self.shared_run = start([sys.executable, "-c", SHARED_RUNS,
                                  json.dumps([[str(ROOT / "train.py"), *self.forms[i].argv[2:]] for i in self.shared]),
