@@ -107,7 +107,7 @@ class DeltaNetAttention(Attention):
 
     def forward(self, x: torch.Tensor, state: AttentionState | None = None, return_state: bool = False,
                 cu_seqlens=None) -> AttentionOutput:
-        """As :meth:`Attention.forward <vqattn.layers.base.Attention.forward>`: x (B, T, C) -> AttentionOutput; the
+        """As :meth:`~vqattn.layers.base.Attention.forward`: x (B, T, C) -> AttentionOutput; the
         state holds the delta rule's S (the op's :class:`~vqattn.ops.delta_rule.DeltaRuleState`) and the
         convolution's last inputs."""
         check_layer_input(x, self.dim)
