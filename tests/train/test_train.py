@@ -392,41 +392,28 @@ def resume_command(stderr: str, max_steps: int | None = None) -> list[str]:
 
 
 @pytest.mark.slow
-def test_ctrl_c_and_sigterm_save_and_the_printed_commands_resume_to_the_uninterrupted_run(tmp_path):
-    """Ctrl-C, then SIGTERM (preemption, ``docker stop`` and cluster time limits send it) on the resumed run: each
-    finishes its step, saves it and prints the resume command; the printed commands resume in the same run dir, and
-    the run ends with the model of a run never stopped. (One chain of runs: each run's start-up is most of its time.)"""
+def test_ctrl_c_saves_and_the_printed_command_resumes_to_the_uninterrupted_run(tmp_path):
+    """Ctrl-C finishes the step, saves it and prints the resume command; the printed command resumes in the same run
+    dir, and the run ends with the model of a run never stopped. SIGTERM (preemption, ``docker stop``, cluster time
+    limits) takes the same handler (lifecycle.STOP_SIGNALS): it stops a DDP carried run, which then resumes exactly,
+    in tests/train/test_experiments.py."""
     out = tmp_path / "OUT"
     checkpoint = out / "checkpoints" / "last.ckpt"
     common = ["attention=vq_soft", "optim.total_steps=2000", "checkpoint_every=3", "trainer.val_check_interval=4",
               "threads=1"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = start_script([*AS_USERS_HAVE_IT, *common, "trainer.max_steps=2000", f"hydra.run.dir={out}"], tmp_path)
     wait_for(checkpoint, proc)
     proc.send_signal(signal.SIGINT)
     interrupted = finish_script(proc, timeout=120)
     _stopped_by_ctrl_c(interrupted)
-    first = int(re.search(r"interrupted at step (\d+)", interrupted.stderr).group(1))
-    command = resume_command(interrupted.stderr)
-    assert f"ckpt_path={checkpoint}" in command and f"hydra.run.dir={out}" in command
-    assert torch.load(checkpoint, weights_only=True)["global_step"] == first
-    assert not (out / "results.json").exists()
-    # the printed command, as printed; stopped by SIGTERM once it saved a later step
-    saved = os.stat(checkpoint).st_ino
-    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    while os.stat(checkpoint).st_ino == saved:  # each save is a new file renamed into place
-        assert proc.poll() is None, "the resumed run ended before it saved a checkpoint"
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    stopped = finish_script(proc, timeout=120)
-    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
-    assert "Traceback" not in stopped.stderr and "aborted" not in stopped.stderr
-    step = int(re.search(r"terminated \(SIGTERM\) at step (\d+): saved", stopped.stderr).group(1))
-    assert step > first and torch.load(checkpoint, weights_only=True)["global_step"] == step
-    assert not (out / "results.json").exists()
+    step = int(re.search(r"interrupted at step (\d+)", interrupted.stderr).group(1))
     total = step + 5
-    resumed = subprocess.run(resume_command(stopped.stderr, total), cwd=tmp_path, env=env, capture_output=True,
-                             text=True, timeout=300)
+    command = resume_command(interrupted.stderr, total)
+    assert f"ckpt_path={checkpoint}" in command and f"hydra.run.dir={out}" in command
+    assert torch.load(checkpoint, weights_only=True)["global_step"] == step
+    assert not (out / "results.json").exists()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    resumed = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["OUT"]  # no second run dir
     assert read_results(out)["steps"] == total
@@ -442,7 +429,7 @@ def test_ctrl_c_and_sigterm_save_and_the_printed_commands_resume_to_the_uninterr
     assert not [rest for rest in before if "val_bpb" in rest]  # no value left from the interrupted run
     steps = [int(r["step"]) for r in val_rows(out)]
     assert steps == sorted(set(steps)) and steps[-1] == total  # no validation logged twice, the final one at the end
-    assert all(s % 4 == 0 for s in steps[:-1])  # no validation pass on the way out of the interrupted runs
+    assert all(s % 4 == 0 for s in steps[:-1])  # no validation pass on the way out of the interrupted run
     straight, straight_dir = run_inprocess(tmp_path, "straight", *common, f"trainer.max_steps={total}")
     assert straight["steps"] == total
     weights, expected = (torch.load(d / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
@@ -641,13 +628,11 @@ CONFIG_ERRORS = [
     (["data.tokenizer=nope/tokenizer.json"], "nope/tokenizer.json' does not exist: give bytes, a tokenizer.json"),
     (["model.vocab_size=50257"], "model.vocab_size=50257 does not fit data.tokenizer=bytes (256 tokens"),
 ]
-# Errors Hydra reports itself, composing the config: its own message, exit status 2 as well. (An unknown key, which
-# the trainer reports as one line, goes through the same command line in-process:
-# test_an_unknown_key_is_one_line_naming_the_nearest_valid_key.)
-COMPOSE_ERRORS = [(["model.n_layer=["], "no viable alternative at input '['")]
 # The whole path as a user meets it, in a subprocess: one line, exit 2, no run dir, no warning on the console. One case
 # for the errors train() finds (each process is seconds of imports): the checkpoint's, which loads a file on the way;
-# every message, one line, no run dir: in-process below.
+# every message, one line, no run dir: in-process below. Errors found while Hydra composes the config come before any
+# job, so the command line's main() runs them in-process: test_an_unknown_key_is_one_line_naming_the_nearest_valid_key
+# and test_a_config_hydra_cannot_compose_exits_2_too.
 SUBPROCESS_ERRORS = [CONFIG_ERRORS[7]]
 
 
@@ -677,10 +662,9 @@ def test_config_errors_are_one_line_messages(tmp_path, monkeypatch, overrides, m
 
 @pytest.fixture(scope="module")
 def config_error_runs(tmp_path_factory):
-    """Every SUBPROCESS_ERRORS and COMPOSE_ERRORS run, started together, each in its own directory:
-    {overrides: (cwd, process)}."""
+    """Every SUBPROCESS_ERRORS run, started together, each in its own directory: {overrides: (cwd, process)}."""
     runs = {}
-    for case, (overrides, _) in enumerate(SUBPROCESS_ERRORS + COMPOSE_ERRORS):
+    for case, (overrides, _) in enumerate(SUBPROCESS_ERRORS):
         cwd = tmp_path_factory.mktemp(f"config_error_{case}")
         write_bad_checkpoints(cwd)
         runs[tuple(overrides)] = (cwd, start_script([*FAST, *overrides], cwd))
@@ -709,12 +693,20 @@ def test_config_errors_are_one_line_exit_2_and_leave_no_run_dir(config_error_run
     assert "HYDRA_FULL_ERROR" not in proc.stderr  # the error line alone
 
 
-@pytest.mark.xdist_group("config_error_runs")  # the module fixture starts all of its runs once, on one worker
-@pytest.mark.slow
-@pytest.mark.parametrize("overrides,message", COMPOSE_ERRORS, ids=[message for _, message in COMPOSE_ERRORS])
-def test_a_config_hydra_cannot_compose_exits_2_too(config_error_runs, overrides, message):
-    proc = finish_config_error(config_error_runs, overrides)
-    assert message in proc.stderr
+def test_a_config_hydra_cannot_compose_exits_2_too(tmp_path, monkeypatch, capsys):
+    """Hydra's own report of a command line it cannot parse, exit status 2 as for the trainer's errors, no traceback
+    and no run dir."""
+    from vqattn.train import cli
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["train.py", *FAST, "model.n_layer=["])
+    with pytest.raises(SystemExit) as exit:
+        cli.main()
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert "no viable alternative at input '['" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_mqar_results_lead_with_recall_accuracy(tmp_path):
