@@ -71,6 +71,7 @@ print("\\n".join(failed))
 """
 
 
+@pytest.mark.slow  # a fresh import of each of ~90 modules: seconds
 def test_every_core_module_imports_first_on_its_own_and_imports_no_trainer_package():
     """``from vqattn.ops.window import window_attention`` in a fresh interpreter: no circular import, whichever
     module comes first (each one imported into a process that holds no vqattn module yet); and none of them, the
