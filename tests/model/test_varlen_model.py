@@ -169,29 +169,6 @@ def test_compiled_model_traces_segments_whole(name):
         torch.testing.assert_close(out.logits, want.logits, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.slow
-def test_compiled_training_step_with_segments_inductor():
-    """The default attention (vq_soft) compiled by inductor, given Segments: one graph, no recompile for new
-    documents, the loss and its gradients those of the eager model (eval mode: no codebook update between the
-    two calls compared)."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(attention="vq_soft", n_layer=1, n_embd=32, n_head=2, seq_len=100,
-                          attention_kwargs=dict(block_len=16))).eval()
-    compiled = torch.compile(model, fullgraph=True)
-    idx = torch.randint(0, 256, (1, 100), generator=torch.Generator().manual_seed(0))
-    torch._dynamo.reset()
-    for i, b in enumerate([[0, 100], [0, 7, 60, 100], [0, 1, 50, 99, 100]]):
-        with torch._dynamo.config.patch(error_on_recompile=i >= 1):
-            out = compiled(idx, idx, cu_seqlens=Packing.from_bounds(b).segments(model.block_lens()))
-        got = torch.autograd.grad(out.loss, list(model.parameters()), allow_unused=True)
-        eager = model(idx, idx, cu_seqlens=torch.tensor(b, dtype=torch.int32))
-        want = torch.autograd.grad(eager.loss, list(model.parameters()), allow_unused=True)
-        torch.testing.assert_close(out.loss, eager.loss, rtol=1e-5, atol=1e-6)
-        for g, w in zip(got, want):
-            if g is not None or w is not None:
-                torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
-
-
 def _host_reads(model: GPT, idx, cu_seqlens, monkeypatch) -> int:
     """The tensor reads on the host of one packed training step (forward and backward), counted as on a GPU."""
     from vqattn.ops import devices
