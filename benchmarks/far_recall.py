@@ -7,7 +7,8 @@ skipped: rerun the command to continue an interrupted sweep), then writes OUT/re
 learning rate of its cell, averaged over the seeds.
 
 The state size is the layer's own knob, found in its signature: ``num_codes`` (vq_hard, vq_soft), ``num_slots`` or
-``num_features`` (a layer that takes it directly) or the feature map's ``num_features`` (performer). Attentions
+``num_features`` (a layer that takes it directly), ``head_dim`` (gated_deltanet, deltanet), ``d_state`` (mamba2) or
+the feature map's ``num_features`` (performer). Attentions
 without one (softmax, window, linear) run at their single size. Attentions not registered are left out with a note.
 
     python benchmarks/far_recall.py OUT --dry-run            # list the runs (and their count) without running
@@ -28,8 +29,11 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ATTENTIONS = ("softmax", "window", "vq_hard", "vq_soft", "ovq", "performer", "linear")
-SIZE_KNOBS = ("num_codes", "num_slots", "num_features")  # the layer's own state-size argument, first found
+ATTENTIONS = ("softmax", "window", "vq_hard", "vq_soft", "ovq", "performer", "linear", "gated_deltanet", "deltanet",
+              "mamba2")
+# the layer's own state-size argument, first found: the delta rule's state grows as head_dim² (Dv = expand_v · Dk),
+# Mamba-2's as d_state
+SIZE_KNOBS = ("num_codes", "num_slots", "num_features", "head_dim", "d_state")
 
 
 def size_override(attention: str, size: int) -> str | None:
