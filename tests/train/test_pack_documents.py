@@ -239,9 +239,10 @@ def test_the_training_loss_is_each_document_run_alone(attention):
 
 
 @pytest.mark.filterwarnings("ignore:You are trying to `self.log")
-# softmax's trace takes seconds, the codebook attentions' tens of seconds: theirs run with the slow tests
-@pytest.mark.parametrize("attention", [pytest.param("vq_soft", marks=pytest.mark.slow),
-                                       pytest.param("ovq", marks=pytest.mark.slow), "softmax"])
+# The trainer's path from document starts to Segments, on softmax (its trace takes seconds, the codebook attentions'
+# tens): every attention's packed step traces whole in tests/model/test_varlen_model.py, and vq_soft's compiles by
+# inductor and trains as eager does in tests/model/test_compile.py.
+@pytest.mark.parametrize("attention", ["softmax"])
 def test_a_compiled_model_runs_every_packed_batch_in_one_graph(attention):
     """With ``compile``, the packed batches reach the model as Segments: the whole step is one graph (fullgraph),
     new documents compile nothing new, and the loss is each document's alone. (The trainer's inductor is replaced by
