@@ -17,6 +17,11 @@ from triton_helpers import DEVICE, Allocations, compare, leaves, nan_empty, need
 
 pytestmark = [needs_triton, pytest.mark.usefixtures("nan_empty")]
 B, H, D, DV, S, L = 2, 2, 16, 8, 24, 16
+# The long sequence of each K: the fewest blocks that give 3 caches or more (a scan over more than one superblock)
+# and a gathered walk of every length 0 .. K − 1, not a multiple of L: 5 blocks at K = 1 (4 caches), 7 at K = 2 (3
+# caches, the last superblock one block), 8 at K = 3 (3 caches, the last superblock two blocks). The interpreter's
+# time grows with the blocks.
+LONG = {1: 70, 2: 100, 3: 120}
 
 
 @pytest.fixture(params=[pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(3, marks=pytest.mark.slow)])
@@ -26,26 +31,21 @@ def K(request):
     return request.param
 
 
-@pytest.fixture(params=[pytest.param(1, marks=pytest.mark.slow), 2, 3])
-def every_K(request):
-    """K = 2 and 3 in the quick suite (1, the per-block caches, in the whole suite)."""
-    return request.param
-
-
 def design(K: int) -> Schedule:
     """The schedule whose kernels use superblocks of K blocks (0: the per-block walks)."""
     return Schedule(kernels=KernelDesign(superblock_blocks=K))
 
 
-def inputs(window, T, scale=1.0, seed=0, batch=1):
+def inputs(window, T, scale=1.0, seed=0, batch=1, heads=H):
     """One sequence unless ``batch`` says more: the interpreter's time grows with the programs, one per (sequence,
     head) and block, and the definition's short tests run B sequences, which tell a sequence's stride from a
-    head's."""
+    head's. ``heads`` 1 for the properties of one head's numbers (scale, half types): H heads elsewhere tell a
+    head's caches, codebook and bias from another's."""
     g = torch.Generator().manual_seed(seed)
     Dc = D // 2 if window == "rotated" else D
-    n = batch
-    q, k, v, c = leaves((n, H, T, Dc), (n, H, T, D), (n, H, T, DV), (H, S, Dc), scale=scale, generator=g)
-    rotated = leaves((n, H, T, D), (n, H, T, D), scale=scale, generator=g) if window == "rotated" else []
+    n, h = batch, heads
+    q, k, v, c = leaves((n, h, T, Dc), (n, h, T, D), (n, h, T, DV), (h, S, Dc), scale=scale, generator=g)
+    rotated = leaves((n, h, T, D), (n, h, T, D), scale=scale, generator=g) if window == "rotated" else []
     return [q, k, v, c, *rotated]
 
 
@@ -64,34 +64,70 @@ def call(attention, window, impl=None, K=None, **kwargs):
     return run
 
 
-@pytest.mark.parametrize("window", ["codes", "exact", "rotated"])
-@pytest.mark.parametrize("T", [1, 20, 47, pytest.param(150, marks=pytest.mark.slow)])
-def test_superblocks_equal_the_definition(every_K, window, T):
-    """T = 1, shorter than two blocks, not a multiple of L or of K·L, and 150 tokens (10 blocks: 3 to 9
-    superblocks, the last one partial; the other tests run 150 tokens at K = 2 in the quick suite)."""
-    compare(call(naive_vq_attention, window), call(vq_attention, window, "triton", every_K),
-            inputs(window, T, batch=B if T < 150 else 1))
+class Float32Allocations(Allocations):
+    """The shapes of the float32 tensors allocated while it is active: the kernels' (the float64 definition's are
+    left out)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.__name__.startswith(("empty", "zeros", "new_empty", "new_zeros")) and out.dtype == torch.float32:
+            self.shapes.append(tuple(out.shape))
+        return out
 
 
-@pytest.mark.parametrize("window", ["exact", pytest.param("rotated", marks=pytest.mark.slow)])
+def slow_unless(quick: bool, *values):
+    return pytest.param(*values) if quick else pytest.param(*values, marks=pytest.mark.slow)
+
+
+# A covering set, not the cross product: at T = 1 and 20 (one and two blocks: one cache, no gathered keys) K reads
+# nothing, so each window runs once; at T = 47 (3 blocks) K = 1 reads a second cache and K = 2, 3 gather block 0
+# alike, so every window runs with K = 1 and with K = 2 or 3; at the long T every K runs the raw-key and the rotated
+# window (with test_memory_cap's cases, which take the other one of each K) and the codes once (its window kernel is
+# the raw keys', on straight-through keys). K = 1 and the long T in the whole suite only, as before.
+@pytest.mark.parametrize("K, window, T", [
+    slow_unless(False, 1, "codes", 1), (2, "exact", 1), (3, "rotated", 1),
+    (2, "codes", 20), (3, "exact", 20), slow_unless(False, 1, "rotated", 20),
+    slow_unless(False, 1, "codes", 47), (3, "codes", 47), slow_unless(False, 1, "exact", 47), (2, "exact", 47),
+    slow_unless(False, 1, "rotated", 47), (2, "rotated", 47),
+    slow_unless(False, 1, "exact", "long"), slow_unless(False, 2, "rotated", "long"),
+    slow_unless(False, 3, "exact", "long"), slow_unless(False, 3, "codes", "long")])
+def test_superblocks_equal_the_definition(K, window, T):
+    """T = 1, shorter than two blocks, not a multiple of L or of K·L, and the long sequence (LONG: 3 or more
+    superblocks, the last one partial; two sequences below it). On the long sequence the forward and backward also
+    allocate caches and cache gradients for ⌊(nb − 2)/K⌋ + 1 superblocks, and no per-block (nb, S, Dv) tensor."""
+    if T != "long":
+        compare(call(naive_vq_attention, window), call(vq_attention, window, "triton", K), inputs(window, T, batch=B))
+        return
+    T = LONG[K]
+    nb = -(-T // L)
+    with Float32Allocations() as seen:
+        compare(call(naive_vq_attention, window), call(vq_attention, window, "triton", K), inputs(window, T))
+    assert (H, superblock_module.superblocks(nb, K), S, DV) in seen.shapes  # one sequence
+    assert not {(H, nb, S, DV), (1, H, nb, S, DV)} & set(seen.shapes) or K == 1
+
+
+# Every K once, with the window test_superblocks_equal_the_definition's long sequence does not run it with (the bias
+# is on the code logits, the same for every window); two heads: one bias per block, for every head.
+@pytest.mark.parametrize("K, window", [slow_unless(False, 1, "rotated"), (2, "exact"), slow_unless(False, 3, "rotated")])
 def test_memory_cap_biases_gathered_keys_and_caches_alike(K, window):
     """The memory bound's bias log min(1, M / n_b) is on every code logit of query block b: its cache's and its
-    gathered keys'."""
+    gathered keys' (blocks 4 on: 48 keys or more before the window, M = 40)."""
     compare(call(naive_vq_attention, window, memory_cap=40), call(vq_attention, window, "triton", K, memory_cap=40),
-            inputs(window, 150, seed=1))
+            inputs(window, LONG[K], seed=1))
 
 
 @pytest.mark.slow
 def test_large_logits_and_empty_codes(K):
     """Inputs at 4× the scale and half the codes far from every key (empty in every cache, yet the largest
-    logits)."""
-    x = inputs("exact", 150, scale=2.0, seed=2)
+    logits); one head."""
+    x = inputs("exact", LONG[K], scale=2.0, seed=2, heads=1)
     with torch.no_grad():
         x[3][:, S // 2:] *= 20
     compare(call(naive_vq_attention, "exact"), call(vq_attention, "exact", "triton", K), x, tol=1e-4)
 
 
-@pytest.mark.parametrize("window", [pytest.param("exact", marks=pytest.mark.slow), "rotated"])
+# Every K once and each window: the window keys a state keeps and the superblock caches it continues are apart.
+@pytest.mark.parametrize("K, window", [slow_unless(False, 1, "exact"), (2, "rotated"), slow_unless(False, 3, "exact")])
 def test_chunked_calls_equal_one_call(K, window):
     """A sequence fed as 3 chunks (each state continued across a superblock boundary, its kept state folded from
     a cache and the blocks after it) equals one call, and the state equals the chunk impl's."""
@@ -111,8 +147,8 @@ def test_chunked_calls_equal_one_call(K, window):
 def test_gradients_through_a_continued_state(K):
     """A continued state whose counts and sums are leaves, and the kept state's counts and sums in the loss: their
     gradients (the initial cache's, through every cache and the kept state; the values', through the kept state)
-    against the chunk impl in float64."""
-    q, k, v, c = (x.detach() for x in inputs("exact", 180, seed=4))
+    against the chunk impl in float64; the continued call as long as LONG[K]."""
+    q, k, v, c = (x.detach() for x in inputs("exact", 70 + LONG[K], seed=4))
     _, state = vq_attention(q[:, :, :70], k[:, :, :70], v[:, :, :70], c, causal=True, block_len=L,
                             exact_window=True, impl="chunk", return_state=True)
     counts, sums = (x.detach().requires_grad_() for x in (state.counts, state.sums))
@@ -134,23 +170,10 @@ def test_gradients_through_a_continued_state(K):
 @pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), pytest.param(torch.float16, 2e-3, marks=pytest.mark.slow)])
 def test_half_inputs(dtype, tol):
     """Half q, k, v (and codebook) accumulate in float32: within the half type's rounding of the definition, which
-    reads the rounded inputs (so that no argmin flips between the two)."""
-    rounded = [x.detach().to(dtype).double().requires_grad_() for x in inputs("rotated", 150, seed=5)]
+    reads the rounded inputs (so that no argmin flips between the two); one head."""
+    rounded = [x.detach().to(dtype).double().requires_grad_() for x in inputs("rotated", LONG[2], seed=5, heads=1)]
     compare(call(naive_vq_attention, "rotated"), call(vq_attention, "rotated", "triton", 2), rounded, dtype=dtype,
             tol=tol)
-
-
-def test_only_every_kth_block_has_a_cache(K):
-    """The forward and backward allocate caches and cache gradients for ⌊(nb − 2)/K⌋ + 1 superblocks, and no
-    per-block (nb, S, Dv) tensor."""
-    T = 150
-    nb = -(-T // L)
-    nsb = superblock_module.superblocks(nb, K)
-    q, k, v, c = (x.detach().to(DEVICE, torch.float32).requires_grad_() for x in inputs("exact", T))
-    with Allocations() as seen:
-        call(vq_attention, "exact", "triton", K)(q, k, v, c).square().sum().backward()
-    assert (H, nsb, S, DV) in seen.shapes  # one sequence
-    assert not {(H, nb, S, DV), (1, H, nb, S, DV)} & set(seen.shapes) or K == 1
 
 
 def test_superblock_count():
