@@ -1,4 +1,4 @@
-"""The contract every causal op keeps (docs/ops.md): the keywords ``block_len``, ``impl``, ``state`` and
+"""The contract every causal op keeps (docs/math.md): the keywords ``block_len``, ``impl``, ``state`` and
 ``return_state``; ``impl`` in {auto, chunk, recurrent, naive} (plus triton where a fused kernel exists); public
 ``chunk_*`` / ``recurrent_*`` / ``naive_*`` forms that give the op's result; out, or (out, state) with
 ``return_state``."""
