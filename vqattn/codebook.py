@@ -10,7 +10,7 @@ Hard mode (Transformer-VQ) quantises keys to their nearest code and learns the c
 
 Both add the commitment loss β ‖k − sg(c_z)‖² (mean over elements), β = 1e-4 by default as in Transformer-VQ: with
 the exact window the raw keys also score the window, and the VQ-VAE value 0.25 pulled them onto the codes at the
-window's expense (docs/experiments.md, "Ablations"). Every training step keeps S random keys per
+window's expense (docs/vq_ablations.md). Every training step keeps S random keys per
 head (rank 0's, on every rank) as restart candidates; at the start of the next training step the codes are
 initialised from them (once, with ``data_init``), and codes whose EMA usage fell below ``dead_code_threshold``
 keys per step are restarted on them. (Applied at the start of a step, not the end, because the step's autograd

@@ -36,8 +36,8 @@ class VQAttention(Attention):
     turn by less than one radian across the raw window (2·block_len tokens): at the cache's distances the faster
     pairs' RoPE terms average out, as they do in softmax attention, so the code score keeps only what a far key's
     RoPE logit keeps (the assignment is unchanged). ``"all"`` scores a code as if its keys sat at distance 0 in
-    every RoPE pair. "slow" won by 0.13-0.16 bpb at two seeds and two lengths (docs/experiments.md); without
-    RoPE no pair turns, and both score every dim.
+    every RoPE pair. "slow" won by 0.13-0.16 bpb at two seeds and two lengths (docs/vq_ablations.md,
+    docs/experiments.md); without RoPE no pair turns, and both score every dim.
     """
 
     assign: ClassVar[str]
