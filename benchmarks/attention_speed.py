@@ -49,16 +49,34 @@ from vqattn.ops.blocks import KernelDesign, Schedule
 from vqattn.utils import add_threads_argument, tune_cpu_allocator, use_threads
 
 METHODS = ("sdpa", "vq_hard", "vq_soft", "vq_hard_rope", "vq_soft_rope", "window", "ovq")
-# A peer, asked for by name (not in the default list): flash-linear-attention's chunked simple GLA (its fla-core
-# package on a GPU), on (B, T, H, D) inputs, with a per-head decay.
-PEERS = ("fla_simple_gla",)
+# Asked for by name (not in the default list): the library's gated delta rule (q and k L2-normalised, β and the log
+# decay drawn per token as Gated DeltaNet's layer makes them; ``impl`` auto runs fla's kernels on CUDA when fla-core is
+# installed, ``--impl chunk`` the library's own chunk form), and the peers, flash-linear-attention's chunked simple
+# GLA (a per-head decay) and chunked gated delta rule (its fla-core package on a GPU), on (B, T, H, D) inputs.
+RECURRENT = ("delta_rule",)
+PEERS = ("fla_simple_gla", "fla_gated_delta_rule")
 
 
-def peer_attention(q, k, v):
-    from fla.ops.simple_gla import chunk_simple_gla
+def delta_rule_inputs(q, k, head_dim: int):
+    """β (B, H, T) in (0, 1) and log decays ≤ 0 from q's first features, and the L2-normalised q and k, for a
+    (B, ·, ·, D) layout whose token axis is ``head_dim`` (1 for fla's (B, T, H, D), 2 for (B, H, T, D))."""
+    token_axes = (0, 1, 2) if head_dim == 2 else (0, 2, 1)
+    beta = torch.sigmoid(q[..., 0].detach()).permute(*token_axes).float()
+    log_decay = -torch.nn.functional.softplus(q[..., 1].detach()).permute(*token_axes).float() / 16
+    return torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1), beta, log_decay
 
-    log_decay = torch.full((q.shape[2],), -1 / 64, device=q.device, dtype=torch.float32)
-    return chunk_simple_gla(q, k, v, g_gamma=log_decay)[0]
+
+def peer_attention(method: str, q, k, v):
+    if method == "fla_simple_gla":
+        from fla.ops.simple_gla import chunk_simple_gla
+
+        log_decay = torch.full((q.shape[2],), -1 / 64, device=q.device, dtype=torch.float32)
+        return chunk_simple_gla(q, k, v, g_gamma=log_decay)[0]
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    q, k, beta, log_decay = delta_rule_inputs(q, k, 1)
+    # fla's β and g are (B, T, H)
+    return chunk_gated_delta_rule(q, k, v, log_decay.transpose(1, 2), beta.transpose(1, 2))[0]
 MODES = ("default", "tuned", "compiled")
 
 
@@ -66,7 +84,12 @@ def attention(method: str, q, k, v, codebook, block_len, q_rot=None, k_rot=None,
     if method == "sdpa":
         return softmax_attention(q, k, v, causal=True)
     if method in PEERS:
-        return peer_attention(q, k, v)
+        return peer_attention(method, q, k, v)
+    if method == "delta_rule":
+        from vqattn.functional import delta_rule_attention
+
+        q, k, beta, log_decay = delta_rule_inputs(q, k, 2)
+        return delta_rule_attention(q, k, v, beta, log_decay, block_len=block_len, impl=impl)
     if method == "window":
         return window_attention(q, k, v, block_len=block_len, impl=impl)
     if method == "ovq":
@@ -235,7 +258,7 @@ def machine() -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS + PEERS)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS + RECURRENT + PEERS)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--block-lens", type=int, nargs="+", default=[0], help="0 = vq_attention's default")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

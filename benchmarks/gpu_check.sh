@@ -85,6 +85,12 @@ extra tests_elsewhere 180 python -m pytest -o addopts="" -q -p no:cacheprovider 
 extra layers_compiled 180 $layers --lengths 8192 32768 --layers softmax vq_hard vq_soft --compile
 # fla autotunes every kernel on first use, which takes minutes
 extra ops_peer 200 $ops --batch 8 --lengths 8192 --methods sdpa fla_simple_gla
+# the recurrent baselines: Gated DeltaNet, DeltaNet and Mamba-2's layers beside softmax (fla's kernels where fla-core
+# is in .whl/, else the library's chunk forms), and the gated delta rule op beside fla's chunk_gated_delta_rule, the
+# anchor, in the same process: through the library (fla's kernels) and as the library's own chunk form
+extra recurrent 300 bash -c "$layers --lengths 8192 32768 --layers softmax gated_deltanet deltanet mamba2; \
+  $ops --batch 8 --lengths 8192 --methods sdpa fla_gated_delta_rule delta_rule; \
+  $ops --batch 8 --lengths 8192 --methods fla_gated_delta_rule delta_rule --impl chunk"
 # the reverse walk forming the caches' gradients itself (KernelDesign.walk_cache_gradient), and with the walks split
 # as the GPU chooses at 64k tokens, B·H = 16 (KernelDesign.segment_steps)
 # hard keys' superblock caches of K = 4 and 16 blocks beside the default 8 (KernelDesign.superblock_blocks), and the

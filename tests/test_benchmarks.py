@@ -53,6 +53,29 @@ def test_in_process_rows_measure_here_and_report_a_failure(layer_speed, monkeypa
     assert math.isnan(failed["ms"]) and "Error" in failed["error"]
 
 
+def test_the_delta_rule_row_and_fla_peer_take_the_same_inputs_in_their_layouts(layer_speed):
+    """attention_speed's delta_rule row runs the library's op on L2-normalised q and k with β in (0, 1) and log
+    decays ≤ 0; fla's peer gets the same per-token values in its (B, T, H) layout (run here on fla's naive
+    recurrence, the definition the GPU row's chunk kernel implements)."""
+    import attention_speed
+    import torch
+
+    from vqattn.functional import delta_rule_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 37, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    qn, kn, beta, log_decay = attention_speed.delta_rule_inputs(q, k, 2)
+    assert beta.shape == (1, 2, 37) and bool(((0 < beta) & (beta < 1)).all()) and bool((log_decay <= 0).all())
+    torch.testing.assert_close(qn.norm(dim=-1), torch.ones(1, 2, 37, dtype=torch.float64))
+    out = attention_speed.attention("delta_rule", q, k, v, None, None, impl="chunk")
+    torch.testing.assert_close(out, delta_rule_attention(qn, kn, v, beta, log_decay, impl="naive"))
+    fla_naive = pytest.importorskip("fla.ops.gated_delta_rule.naive")
+    t = lambda x: x.transpose(1, 2)  # noqa: E731  (B, H, T, ·) -> fla's (B, T, H, ·)
+    q2, k2, beta2, log_decay2 = attention_speed.delta_rule_inputs(t(q), t(k), 1)
+    want = fla_naive.naive_recurrent_gated_delta_rule(q2, k2, t(v), beta2.transpose(1, 2), log_decay2.transpose(1, 2))
+    torch.testing.assert_close(t(want[0]).double(), out, rtol=1e-5, atol=1e-6)  # fla's naive computes in float32
+
+
 @pytest.mark.parametrize("flags", [[], ["--compile", "--autocast", "bf16"], ["--tuned-allocator"]])
 def test_every_option_reaches_the_child(layer_speed, monkeypatch, flags):
     sent = []
