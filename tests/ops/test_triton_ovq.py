@@ -54,8 +54,10 @@ def ovq_inputs(given, T, scale=1.0):
     return inputs
 
 
-@pytest.mark.parametrize("overflow", ["nearest", "drop"])
-@pytest.mark.parametrize("threshold", [0.0, 1.3, float("inf")])
+# Both overflows where keys go novel with the slots full (thresholds 0 and 1.3); at inf no key is novel once the
+# first block has filled the slots, so the overflow is never read and one case runs
+@pytest.mark.parametrize("threshold,overflow", [(0.0, "nearest"), (0.0, "drop"), (1.3, "nearest"), (1.3, "drop"),
+                                                (float("inf"), "nearest")])
 def test_online_assignment(threshold, overflow):
     """Online slots at thresholds where the slots run out (0: every key novel; inf: the first block fills them)
     and where keys join slots (1.3), T = 70: not a multiple of L; novel keys without a slot join the nearest or
@@ -65,8 +67,11 @@ def test_online_assignment(threshold, overflow):
             ovq_inputs("online", 70))
 
 
-@pytest.mark.parametrize("given", ["slots", "slots-dropped", "weights", "memory", "memory-narrow"])
-@pytest.mark.parametrize("T", [1, 20, 70])
+# Every assignment at T = 70 (a memory); below 2L no block reads the memory, so T = 1 and 20 share the assignments
+# out between them (given slots and narrow memory keys at 1, dropped slots, weights and memory keys at 20)
+@pytest.mark.parametrize("given,T", [*((g, 70) for g in ("slots", "slots-dropped", "weights", "memory", "memory-narrow")),
+                                     ("slots", 1), ("memory-narrow", 1), ("slots-dropped", 20), ("weights", 20),
+                                     ("memory", 20)])
 def test_given_assignment_and_memory_queries(given, T):
     """Given slots (some −1: not stored) and slot weights (with their gradient) and separate memory queries and
     keys (memory_rope=False; narrower than the window's, with dropped keys), at T = 1, T < 2L (no memory) and
