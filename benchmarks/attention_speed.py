@@ -57,12 +57,12 @@ RECURRENT = ("delta_rule",)
 PEERS = ("fla_simple_gla", "fla_gated_delta_rule")
 
 
-def delta_rule_inputs(q, k, head_dim: int):
-    """β (B, H, T) in (0, 1) and log decays ≤ 0 from q's first features, and the L2-normalised q and k, for a
-    (B, ·, ·, D) layout whose token axis is ``head_dim`` (1 for fla's (B, T, H, D), 2 for (B, H, T, D))."""
-    token_axes = (0, 1, 2) if head_dim == 2 else (0, 2, 1)
-    beta = torch.sigmoid(q[..., 0].detach()).permute(*token_axes).float()
-    log_decay = -torch.nn.functional.softplus(q[..., 1].detach()).permute(*token_axes).float() / 16
+def delta_rule_inputs(q, k, token_axis: int):
+    """β (B, H, T) in (0, 1) and log decays ≤ 0 from q's first features, and the L2-normalised q and k, for the
+    layout whose token axis is ``token_axis``: 1 for fla's (B, T, H, D), 2 for the library's (B, H, T, D)."""
+    to_bht = (0, 1, 2) if token_axis == 2 else (0, 2, 1)
+    beta = torch.sigmoid(q[..., 0].detach()).permute(*to_bht).float()
+    log_decay = -torch.nn.functional.softplus(q[..., 1].detach()).permute(*to_bht).float() / 16
     return torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1), beta, log_decay
 
 

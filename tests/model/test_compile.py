@@ -11,6 +11,7 @@ import torch
 
 from vqattn.layers import build_attention
 from vqattn.model import GPT, GPTConfig
+from vqattn.ops.varlen import Packing
 
 from model_helpers import decode_in_chunks, layer_kwargs, scramble_short_conv
 
@@ -58,8 +59,6 @@ PACKED_BATCHES = [[0, 7, 45], [0, 1, 30, 44, 45]]
 
 
 def _compare(name: str, short_conv: int, backend: str, packed: bool) -> None:
-    from vqattn.ops.varlen import Packing
-
     eager = _model(name, short_conv)
     compiled = copy.deepcopy(eager)
     compiled.compile(backend=backend, fullgraph=packed)  # in place: parameter names (and checkpoints) stay eager's
