@@ -242,13 +242,28 @@ class ByteDataModule(_LMDataModule):
     ``separator``: a string read with Python's backslash escapes (``"\\n\\n"``, ``"\\x00"``) and encoded as
     UTF-8; it needs ``pack_documents``. Packing cuts windows, so it cannot be combined with ``stream`` or
     ``val_carried``, which read the text as one continuous stream with the state carried across windows.
+
+    Repeated passages (``repeat_fraction`` > 0), the training mix of retrieval data, where a passage recurs later in
+    its document: that fraction of the training rows (drawn per row) has a passage of ``repeat_len`` tokens copied
+    from a random place of the row to a random later place, at every gap that fits (:func:`repeat_passages`), so
+    that copying from far back pays; ``vqattn.train.copy_eval`` scores it. Validation windows are never changed, so
+    val bpb stays the corpus's. A copy would cross the documents of ``pack_documents`` and the windows of
+    ``stream``, so it combines with neither.
     """
 
     name = "bytes"
 
     def __init__(self, *, val_windows: int = 256, pack_documents: bool = False, separator: str | None = None,
-                 tokenizer: str = "bytes", cache_dir: str | None = None, **kwargs):
+                 tokenizer: str = "bytes", cache_dir: str | None = None, repeat_fraction: float = 0.0,
+                 repeat_len: int = 32, **kwargs):
         super().__init__(**kwargs)
+        check_repeats(repeat_fraction, repeat_len, self.seq_len)
+        for key, clash in (("pack_documents", pack_documents), ("stream", self.stream)):
+            if repeat_fraction and clash:
+                raise ValueError(f"data.repeat_fraction={repeat_fraction} copies passages inside a training window, "
+                                 f"across the documents or the carried windows of data.{key}=true: set one of them "
+                                 "off (data.repeat_fraction=0)")
+        self.repeat_fraction, self.repeat_len = repeat_fraction, repeat_len
         self.tokenizer = load_tokenizer(tokenizer)  # a one-line error for a path that holds no tokenizer
         self.cache_dir = cache_dir
         if not isinstance(pack_documents, bool):
@@ -336,9 +351,35 @@ class ByteDataModule(_LMDataModule):
     def _train_batch(self, rng):
         offsets = rng.integers(0, len(self.train_data) - self.seq_len, size=self.batch_size)
         chunk = self.train_file.windows(offsets, self.seq_len + 1)  # (B, T+1)
+        if self.repeat_fraction:
+            chunk = repeat_passages(chunk, rng, self.repeat_fraction, self.repeat_len)
         if self.train_starts is None:
             return chunk[:, :-1], chunk[:, 1:]
         return chunk[:, :-1], chunk[:, 1:], window_starts(self.train_starts, offsets, self.seq_len)
+
+
+def check_repeats(fraction, length, seq_len: int) -> None:
+    """data.repeat_fraction in [0, 1]; with a fraction, data.repeat_len an int with two passages fitting a window."""
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
+        raise ValueError(f"data.repeat_fraction must be a number in [0, 1], got {fraction!r}")
+    if fraction and (isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= (seq_len + 1) // 2):
+        raise ValueError(f"data.repeat_len must be an int in [1, {(seq_len + 1) // 2}] (two passages in a window of "
+                         f"seq_len + 1 = {seq_len + 1} tokens), got {length!r}")
+
+
+def repeat_passages(chunk: torch.Tensor, rng: np.random.Generator, fraction: float, length: int) -> torch.Tensor:
+    """Training rows with a repeated passage: chunk (B, T + 1) token ids -> the same rows, each with probability
+    ``fraction`` changed so that its ``length`` tokens at a uniform position a recur at a uniform later position
+    b ≥ a + length (written over what stood there), every gap from 0 to T + 1 − 2·length possible. Draws from ``rng``
+    (three numbers per row), so a batch stays a pure function of its seed."""
+    chunk = chunk.clone()
+    span = chunk.shape[1] - length  # the last start a passage can have
+    for row, (u, va, vb) in enumerate(rng.random((chunk.shape[0], 3))):
+        if u < fraction:
+            a = int(va * (span - length + 1))  # a in [0, span − length]: room for the repeat after it
+            b = a + length + int(vb * (span - a - length + 1))  # b in [a + length, span]
+            chunk[row, b:b + length] = chunk[row, a:a + length]
+    return chunk
 
 
 def stdlib_files(max_bytes: int) -> tuple[Path, list[Path]]:
