@@ -39,11 +39,11 @@ from pathlib import Path
 
 import torch
 
+from vqattn.checkpoint import load_model
 from vqattn.model import GPTState
 from vqattn.ops.ovq.state import OVQState
 from vqattn.ops.vq.state import VQState
 from vqattn.train.length_eval import default_held_out, length_eval, read_with_memory_decay
-from vqattn.train.lit import load_model
 from vqattn.utils import add_threads_argument, use_threads
 
 MEMORY_FIELDS = {VQState: ("counts", "sums"), OVQState: ("counts", "key_sums", "value_sums")}

@@ -78,7 +78,7 @@ def main(argv=None) -> None:
     parser.add_argument("--gap", type=int, default=80, help="the least distance of a query from its pair")
     parser.add_argument("--sequences", type=int, default=128)
     args = parser.parse_args(argv)
-    from vqattn.train.lit import load_model
+    from vqattn.checkpoint import load_model
 
     model = load_model(args.checkpoint)
     x, _ = mqar_example(np.random.default_rng(0), args.sequences, seq_len=model.config.seq_len,

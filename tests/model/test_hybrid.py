@@ -391,7 +391,7 @@ def test_a_hybrid_trains_with_carried_state_and_resumes_exactly(tmp_path):
         assert resumed[key] == pytest.approx(straight[key], rel=1e-6, abs=1e-7), key
     assert straight["val_loss"] != pytest.approx(first["val_loss"], rel=1e-4)  # the test can fail
     assert (straight["attention"], straight["layer_attentions"]) == ("ovq+softmax", ["ovq", "softmax"])
-    from vqattn.train.lit import load_model
+    from vqattn.checkpoint import load_model
 
     floats = load_model(tmp_path / "c" / "checkpoints" / "last.ckpt").layer_state_floats(64)
     assert floats[1] == 2 * 64 * 32  # the softmax layer's KV cache: 2·T·C at experiment=tiny's width

@@ -59,3 +59,37 @@ def test_common_imports_first_in_a_fresh_interpreter():
             "sorted(sys.modules)\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
+
+
+PACKAGE = ROOT / "vqattn"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    return imported_modules(path.read_text(), package)
+
+
+def inside(names: set[str], package: str) -> set[str]:
+    return {n for n in names if n == package or n.startswith(package + ".")}
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "train").rglob("*.py")), ids=lambda p: p.name)
+def test_the_trainer_imports_nothing_from_the_hf_package(path):
+    """The layers of the package, bottom up: the library (ops, layers, model, tokenizer, checkpoint), the trainer
+    (vqattn.train), the Hugging Face integration (vqattn.hf, which may read the trainer's corpus). An arrow up from
+    the trainer to hf would make the two a cycle."""
+    assert not inside(imports_of(path), "vqattn.hf"), path.name
+
+
+@pytest.mark.parametrize("path", sorted(p for p in PACKAGE.rglob("*.py")
+                                        if p.relative_to(PACKAGE).parts[0] not in {"train", "hf"}),
+                         ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_the_library_imports_neither_the_trainer_nor_hf(path):
+    names = imports_of(path)
+    assert not inside(names, "vqattn.train") | inside(names, "vqattn.hf"), path

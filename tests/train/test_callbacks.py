@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from vqattn.checkpoint import model_config, read_checkpoint
 from vqattn.train import cli, launch, lifecycle
 from vqattn.train.callbacks import GracefulInterrupt, ParamSummary, RNGState, StepProgressBar, TokenThroughput
-from vqattn.train.lit import model_config, read_checkpoint
 from vqattn.train.loggers import RunCSVLogger, extra_loggers
 from vqattn.train.report import markdown_table
 

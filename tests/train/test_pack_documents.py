@@ -74,8 +74,8 @@ def expected_starts(x: torch.Tensor, firsts: list[int]) -> torch.Tensor:
 
 
 def test_document_starts_of_units_and_a_separator(tmp_path):
+    from vqattn.tokenizer import load_tokenizer
     from vqattn.train import tokens
-    from vqattn.train.tokenizer import load_tokenizer
 
     units = [b"ab|cd|", b"", b"ef", b"|g||h"]
 

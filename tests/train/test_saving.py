@@ -19,8 +19,8 @@ import pytest
 import torch
 from test_train import FAST, ROOT, finish_script, run_inprocess, val_rows
 
+from vqattn.checkpoint import load_model, read_checkpoint
 from vqattn.files import WriteFailed, atomic_directory, atomic_file, is_temporary, write_text
-from vqattn.train.lit import load_model, read_checkpoint
 from vqattn.train.saving import AtomicCheckpointIO, RunLogHandler, clear_failures, note_failure, stop_on_failure
 
 from faults import full_disk
@@ -346,7 +346,7 @@ def test_a_full_disk_during_the_export_keeps_the_export_that_was_there(tmp_path,
 def test_a_full_disk_while_training_a_tokenizer_keeps_the_one_that_was_there(tmp_path, monkeypatch, capsys):
     from test_tokenizers import write_corpus
 
-    from vqattn.train.tokenizer import load_tokenizer, main
+    from vqattn.tokenizer import load_tokenizer, main
 
     corpus, out = write_corpus(tmp_path / "corpus.txt"), tmp_path / "bpe"
     assert main(["train", "--files", str(corpus), "--vocab-size", "300", "--out", str(out)]) == 0
@@ -355,6 +355,6 @@ def test_a_full_disk_while_training_a_tokenizer_keeps_the_one_that_was_there(tmp
     full_disk(monkeypatch, tmp_path, budget=0, match="tokenizer_config.json")  # after tokenizer.json's own write
     assert main(["train", "--files", str(corpus), "--vocab-size", "320", "--out", str(out)]) == 74
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert re.fullmatch(rf"python -m vqattn.train.tokenizer: error: could not write {out}: {NO_SPACE}", err), err
+    assert re.fullmatch(rf"python -m vqattn.tokenizer: error: could not write {out}: {NO_SPACE}", err), err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before and not temporaries(tmp_path)
     assert load_tokenizer(str(out)).vocab_size == 300

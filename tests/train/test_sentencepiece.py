@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from test_tokenizers import write_corpus
 from test_train import FAST, cfg_for, run_inprocess
 
-from vqattn.train.lit import LN2, load_model, read_tokenizer
-from vqattn.train.tokenizer import SentencePieceTokenizer, from_json, load_tokenizer, main, padded_vocab
+from vqattn.checkpoint import load_model, read_tokenizer
+from vqattn.tokenizer import SentencePieceTokenizer, from_json, load_tokenizer, main, padded_vocab
+from vqattn.train.lit import LN2
 
 sentencepiece = pytest.importorskip("sentencepiece")
 
@@ -105,7 +106,7 @@ def test_the_command_s_bad_arguments_are_one_line_errors(tmp_path, capsys, args,
         main(argv)
     assert info.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.startswith("python -m vqattn.train.tokenizer: error: ")
+    assert last.startswith("python -m vqattn.tokenizer: error: ")
     assert re.search(message, last), last
 
 
@@ -113,7 +114,7 @@ def test_the_command_s_bad_arguments_are_one_line_errors(tmp_path, capsys, args,
 def test_the_exported_tokenizer_loads_with_auto_tokenizer_and_encodes_as_the_trainer(models, tmp_path, kind):
     from transformers import AutoTokenizer
 
-    from vqattn.hf.tokenizer import transformers_tokenizer
+    from vqattn.tokenizer import transformers_tokenizer
 
     corpus, directories = models
     tokenizer = load_tokenizer(str(directories[kind]))

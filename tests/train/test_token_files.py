@@ -15,10 +15,10 @@ import torch
 from test_tokenizers import WORDS
 from test_train import FAST, cfg_for, run_inprocess
 
+from vqattn.tokenizer import load_tokenizer, padded_vocab, train_bpe
 from vqattn.train import data as D
 from vqattn.train import token_files as TF
 from vqattn.train.streams import StreamBatches
-from vqattn.train.tokenizer import load_tokenizer, padded_vocab, train_bpe
 
 
 def fake_trainer(global_step=0, max_steps=4):

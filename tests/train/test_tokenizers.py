@@ -12,10 +12,11 @@ import torch
 import torch.nn.functional as F
 from test_train import FAST, cfg_for, run_inprocess
 
+from vqattn.checkpoint import load_model, read_tokenizer
 from vqattn.model import IGNORE_INDEX
+from vqattn.tokenizer import load_tokenizer, padded_vocab, train_bpe
 from vqattn.train import tokens
-from vqattn.train.lit import LN2, SummedNLL, load_model, read_tokenizer
-from vqattn.train.tokenizer import load_tokenizer, padded_vocab, train_bpe
+from vqattn.train.lit import LN2, SummedNLL
 
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "naïve", "café", "данные", "über"]
 

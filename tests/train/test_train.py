@@ -552,7 +552,7 @@ def ddp_bpe(tmp_path_factory):
     """(corpus, BPE tokenizer directory, token cache dir) for the DDP runs, outside their run dirs' parent."""
     from test_tokenizers import write_corpus
 
-    from vqattn.train.tokenizer import train_bpe
+    from vqattn.tokenizer import train_bpe
 
     root = tmp_path_factory.mktemp("ddp_bpe")
     corpus = write_corpus(root / "corpus.txt")

@@ -20,13 +20,13 @@ from ..files import WriteFailed, atomic_directory
 from ..utils import add_threads_argument, use_threads
 from .configuration import VQAttnConfig
 from .modeling import VQAttnForCausalLM
-from .tokenizer import VQAttnByteTokenizer, transformers_tokenizer
+from .tokenizer import VQAttnByteTokenizer
 
 
 def load_checkpoint(path: str | Path) -> VQAttnForCausalLM:
     """The model of the trainer checkpoint at ``path`` (eval mode), or a one-line ValueError when the file is not
     a vqattn trainer checkpoint."""
-    from ..train.lit import load_model  # the train extra: Lightning checkpoints
+    from ..checkpoint import load_model
 
     gpt = load_model(path)
     model = VQAttnForCausalLM(VQAttnConfig.from_gpt_config(gpt.config))
@@ -41,9 +41,11 @@ def export(checkpoint: str | Path, out_dir: str | Path) -> Path:
 
 def checkpoint_tokenizer(checkpoint: str | Path):
     """The transformers tokenizer of the run that wrote ``checkpoint`` (bytes for one from before tokenizers)."""
-    from ..train.lit import read_tokenizer
+    from ..checkpoint import read_tokenizer
+    from ..tokenizer import transformers_tokenizer
 
-    return transformers_tokenizer(read_tokenizer(checkpoint))
+    tokenizer = read_tokenizer(checkpoint)
+    return VQAttnByteTokenizer() if tokenizer.to_json() is None else transformers_tokenizer(tokenizer)
 
 
 def save(model: VQAttnForCausalLM, out_dir: str | Path, tokenizer=None) -> Path:

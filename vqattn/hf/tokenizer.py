@@ -48,31 +48,3 @@ class VQAttnByteTokenizer(PreTrainedTokenizer):
 
     def save_vocabulary(self, save_directory: str, filename_prefix: str | None = None) -> tuple[str, ...]:
         return ()  # the vocabulary is the byte values: nothing to write
-
-
-def backend_tokenizer(path):
-    """The ``tokenizers.Tokenizer`` of a transformers tokenizer directory without a tokenizer.json (transformers
-    converts a slow tokenizer to a fast one where it can), read offline: what ``data.tokenizer=DIR`` trains with."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True).backend_tokenizer
-
-
-def transformers_tokenizer(tokenizer):
-    """A trainer tokenizer (vqattn.train.tokenizer) as transformers' own, for an exported model directory that
-    ``AutoTokenizer`` loads: :class:`VQAttnByteTokenizer` for bytes, else a ``PreTrainedTokenizerFast`` around its
-    JSON, whose end-of-text token (``<|endoftext|>``, when it has one) is eos, bos and pad. A SentencePiece model
-    becomes its ``tokenizers`` equivalent (``SentencePieceTokenizer.fast_tokenizer``: a ``tokenizer.json`` needing
-    no sentencepiece) with its own ``</s>``, ``<s>`` and ``<unk>``, which text never encodes to (split_special_tokens,
-    as the trainer encodes "</s>" in text as its characters)."""
-    if tokenizer.to_json() is None:
-        return VQAttnByteTokenizer()
-    from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    if hasattr(tokenizer, "fast_tokenizer"):  # a SentencePiece model
-        return PreTrainedTokenizerFast(tokenizer_object=tokenizer.fast_tokenizer(), split_special_tokens=True,
-                                       **tokenizer.special_tokens())
-    rust = Tokenizer.from_str(tokenizer.to_json())
-    eos = "<|endoftext|>" if rust.token_to_id("<|endoftext|>") is not None else None
-    return PreTrainedTokenizerFast(tokenizer_object=rust, eos_token=eos, bos_token=eos, pad_token=eos)

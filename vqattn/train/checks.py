@@ -57,7 +57,7 @@ def check_config(cfg: DictConfig) -> None:
 def check_vocab(cfg: DictConfig) -> None:
     """data.tokenizer names a tokenizer, and model.vocab_size is its vocabulary padded to a multiple of 64 (what it is
     unless set): a 50257-way head on bytes would train 6.7x slower for nothing, a smaller head cannot predict."""
-    from .tokenizer import load_tokenizer, padded_vocab
+    from ..tokenizer import load_tokenizer, padded_vocab
 
     spec = cfg.data.get("tokenizer")
     if spec is None:  # no tokenizer: MQAR's vocabulary is model.vocab_size itself

@@ -102,8 +102,8 @@ def build(cfg: DictConfig, run_dir: Path, started: float | None = None):
     and loggers; ``started``: the ``time.perf_counter()`` at which the run began (the wall time counts from it)."""
     from lightning.pytorch.callbacks import LambdaCallback
 
+    from ..checkpoint import read_checkpoint
     from .callbacks import GracefulInterrupt, LastCheckpoint, NonFiniteGuard, RNGState, instantiate_callbacks
-    from .lit import read_checkpoint
     from .loggers import RunCSVLogger, extra_loggers
     from .saving import AtomicCheckpointIO, clear_failures
 

@@ -91,7 +91,7 @@ def config_groups() -> dict[str, list[str]]:
 def tokenizer_vocab(spec: str | None) -> int:
     """The model vocabulary data.tokenizer asks for (``${tokenizer_vocab:...}`` in conf/config.yaml): the tokenizer's
     size padded to a multiple of 64; 256 for bytes or a corpus without a tokenizer (MQAR)."""
-    from .tokenizer import load_tokenizer, padded_vocab
+    from ..tokenizer import load_tokenizer, padded_vocab
 
     return padded_vocab(load_tokenizer(spec).vocab_size)
 

@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     add_threads_argument(p)
     args = p.parse_args(argv)
-    from .lit import load_model, read_tokenizer
+    from ..checkpoint import load_model, read_tokenizer
 
     try:
         if all(path.endswith(".json") for path in args.ckpt):

@@ -12,7 +12,7 @@ uninterrupted run would have seen, and DDP ranks draw different batches without 
 (the trainer configs set ``use_distributed_sampler: false``). Validation windows are fixed and sharded by rank.
 
 Every corpus is tokenized once by ``data.tokenizer`` (bytes by default, or a subword tokenizer:
-:mod:`vqattn.train.tokenizer`) into memory-mapped token files (:mod:`vqattn.train.tokens`), which training and
+:mod:`vqattn.tokenizer`) into memory-mapped token files (:mod:`vqattn.train.tokens`), which training and
 validation windows read: a run's memory does not grow with its corpus, and a later run reuses the files.
 
 Corpora:
@@ -43,9 +43,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from ..tokenizer import load_tokenizer
 from . import tokens
 from .streams import CarriedValBatches, StreamBatches
-from .tokenizer import load_tokenizer
 
 # The loaders below resume from trainer.global_step (see module docstring), which Lightning cannot see.
 warnings.filterwarnings("ignore", message=".*resuming from a checkpoint that ended before the epoch ended.*")
@@ -220,7 +220,7 @@ class ByteDataModule(_LMDataModule):
     """Next-token prediction on a train and a validation text, tokenized by ``tokenizer`` into token files.
 
     ``tokenizer``: ``bytes`` (one token per byte), a tokenizers JSON file or a transformers tokenizer directory
-    (:mod:`vqattn.train.tokenizer`); ``cache_dir``: where the token files go (None: ``$VQATTN_CACHE_DIR`` or
+    (:mod:`vqattn.tokenizer`); ``cache_dir``: where the token files go (None: ``$VQATTN_CACHE_DIR`` or
     ``~/.cache/vqattn/tokens``; :mod:`vqattn.train.tokens`). ``token_bytes`` (V,) gives the bytes each token id
     stands for, so that validation counts bits per byte of text whatever the tokenizer.
     Training batches are ``batch_size`` windows of ``seq_len + 1`` tokens at uniformly random offsets.

@@ -94,8 +94,8 @@ def length_eval(model: GPT, text: bytes, *, multiple: int = 16, streams: int = 3
     """Bits per byte by bucket of absolute position (:func:`bucket_edges`, in tokens) when ``model`` reads ``streams``
     stretches of ``text`` to ``multiple`` times its training length. Returns {"attention", "seq_len", "streams",
     "edges", "bpb", "bpb_by_stream"} with one bpb per bucket [edges[i], edges[i + 1]), and every stream's
-    (streams, buckets). ``edit_state`` as in :func:`stream_bits`. ``tokenizer`` (vqattn.train.tokenizer, the
-    checkpoint's: :func:`vqattn.train.lit.read_tokenizer`): the text is encoded with it, and a bucket's bits are
+    (streams, buckets). ``edit_state`` as in :func:`stream_bits`. ``tokenizer`` (vqattn.tokenizer, the
+    checkpoint's: :func:`vqattn.checkpoint.read_tokenizer`): the text is encoded with it, and a bucket's bits are
     divided by the bytes its tokens stand for; None: bytes."""
     for name, value in (("multiple", multiple), ("streams", streams)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     add_threads_argument(p)
     args = p.parse_args(argv)
-    from .lit import load_model, read_tokenizer
+    from ..checkpoint import load_model, read_tokenizer
 
     saved = [path.endswith(".json") for path in args.ckpt]
     try:

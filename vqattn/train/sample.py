@@ -25,7 +25,7 @@ def sample(ckpt: str | Path, prompt: str, max_new_tokens: int, *, temperature: f
     ``threads``: torch's intra-op threads for the sampling, set and said in one line on stderr
     (:func:`vqattn.utils.use_threads`: "auto" takes the idle cores, as the trainer does); None leaves them as they
     are (the command line's default is auto)."""
-    from .lit import load_model, read_tokenizer
+    from ..checkpoint import load_model, read_tokenizer
 
     if not prompt:
         raise ValueError("prompt must not be empty (the model needs at least one byte to condition on)")

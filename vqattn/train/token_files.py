@@ -156,7 +156,7 @@ def end_of_text(tokenizer, spec: str | None) -> int | None:
     """The id packed documents start at: the ``eos_token`` of the transformers files beside the tokenizer
     (tokenizer_config.json or special_tokens_map.json), else ``<|endoftext|>`` when the vocabulary holds it; None
     for bytes or a tokenizer with neither. A SentencePiece model's is its ``</s>``."""
-    processor = getattr(tokenizer, "processor", None)  # vqattn.train.tokenizer's SentencePiece model
+    processor = getattr(tokenizer, "processor", None)  # vqattn.tokenizer's SentencePiece model
     if processor is not None:
         return int(processor.eos_id()) if processor.eos_id() >= 0 else None
     rust = getattr(tokenizer, "tokenizer", None)

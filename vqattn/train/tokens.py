@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from ..files import fsync_directory, fsync_file, write_failed_as
-from .tokenizer import Tokenizer
+from ..tokenizer import Tokenizer
 
 CHUNK = 4 << 20  # bytes per tokenizing task
 CHECK = 1 << 20  # bytes of the token file's start and end that the record's checksums cover

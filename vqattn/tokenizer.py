@@ -16,7 +16,7 @@ stands for (:meth:`Tokenizer.token_bytes`), so runs with different tokenizers co
 
 Train a byte-level BPE on local files (no network)::
 
-    python -m vqattn.train.tokenizer train --files 'corpus/*.txt' --vocab-size 8000 --out my_tokenizer
+    python -m vqattn.tokenizer train --files 'corpus/*.txt' --vocab-size 8000 --out my_tokenizer
 
 writes ``my_tokenizer/tokenizer.json`` and (with transformers installed) the transformers files beside it:
 ``data.tokenizer=my_tokenizer`` (the directory) or ``data.tokenizer=my_tokenizer/tokenizer.json`` both name it.
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..files import WriteFailed, atomic_files
+from .files import WriteFailed, atomic_files
 
 BYTES = "bytes"
 PAD_MULTIPLE = 64
@@ -183,12 +183,12 @@ class SentencePieceTokenizer(Tokenizer):
         if not all(sp.is_byte(int(i)) for i in self._byte_ids):
             raise ValueError("is a SentencePiece model without byte fallback: a character outside its vocabulary "
                              "would be <unk>, whose bytes bits per byte cannot count (train one with byte_fallback, "
-                             "as python -m vqattn.train.tokenizer train --kind sentencepiece does)")
+                             "as python -m vqattn.tokenizer train --kind sentencepiece does)")
         self._pieces = [self._piece_bytes(i) for i in range(self.vocab_size)]
         if self.decode_bytes(self.encode(_PROBE)) != _PROBE:
             raise ValueError("is a SentencePiece model that changes the text it encodes (a normalization other than "
                              "identity, a dummy prefix, or removing extra whitespace), so its pieces do not spell "
-                             "the text; python -m vqattn.train.tokenizer train --kind sentencepiece trains one that "
+                             "the text; python -m vqattn.tokenizer train --kind sentencepiece trains one that "
                              "keeps it")
 
     def _piece_bytes(self, i: int) -> bytes:
@@ -343,7 +343,7 @@ def _load(spec: str, stamp: int) -> Tokenizer:
     if not path.exists():
         raise ValueError(f"data.tokenizer={spec!r} does not exist: give bytes, a tokenizer.json file, a "
                          "SentencePiece .model file or a transformers tokenizer directory (python -m "
-                         "vqattn.train.tokenizer train makes one)")
+                         "vqattn.tokenizer train makes one)")
     model = path if path.is_file() and path.suffix == ".model" else path / SENTENCEPIECE_FILE
     if model.is_file() and not (path / "tokenizer.json").is_file():
         try:
@@ -355,9 +355,7 @@ def _load(spec: str, stamp: int) -> Tokenizer:
             return HFTokenizer(RustTokenizer.from_file(str(path)), spec)
         if (path / "tokenizer.json").is_file():
             return HFTokenizer(RustTokenizer.from_file(str(path / "tokenizer.json")), spec)
-        from ..hf.tokenizer import backend_tokenizer  # a directory without tokenizer.json: transformers converts it
-
-        return HFTokenizer(backend_tokenizer(path), spec)
+        return HFTokenizer(backend_tokenizer(path), spec)  # no tokenizer.json: transformers converts it
     except Exception as err:  # not JSON, not a tokenizer, a slow-only tokenizer
         raise ValueError(f"data.tokenizer={spec!r} holds no tokenizer the tokenizers library reads "
                          f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
@@ -375,6 +373,35 @@ def from_json(text: str | None, spec: str = "checkpoint") -> Tokenizer:
     from tokenizers import Tokenizer as RustTokenizer
 
     return HFTokenizer(RustTokenizer.from_str(text), spec)
+
+
+def backend_tokenizer(path):
+    """The ``tokenizers.Tokenizer`` of a transformers tokenizer directory without a tokenizer.json (transformers
+    converts a slow tokenizer to a fast one where it can), read offline: what ``data.tokenizer=DIR`` trains with."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True).backend_tokenizer
+
+
+def transformers_tokenizer(tokenizer: Tokenizer):
+    """A subword tokenizer as transformers' own ``PreTrainedTokenizerFast``, for a directory ``AutoTokenizer`` loads:
+    around its JSON, whose end-of-text token (``<|endoftext|>``, when it has one) is eos, bos and pad. A
+    SentencePiece model becomes its ``tokenizers`` equivalent (``SentencePieceTokenizer.fast_tokenizer``: a
+    ``tokenizer.json`` needing no sentencepiece) with its own ``</s>``, ``<s>`` and ``<unk>``, which text never
+    encodes to (split_special_tokens, as the trainer encodes "</s>" in text as its characters). Bytes have no
+    such form: their transformers tokenizer is ``vqattn.hf.VQAttnByteTokenizer``. Raises ImportError without
+    transformers."""
+    if tokenizer.to_json() is None:
+        raise ValueError("the byte tokenizer's transformers form is vqattn.hf.VQAttnByteTokenizer")
+    from tokenizers import Tokenizer as RustTokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    if hasattr(tokenizer, "fast_tokenizer"):  # a SentencePiece model
+        return PreTrainedTokenizerFast(tokenizer_object=tokenizer.fast_tokenizer(), split_special_tokens=True,
+                                       **tokenizer.special_tokens())
+    rust = RustTokenizer.from_str(tokenizer.to_json())
+    eos = SPECIAL if rust.token_to_id(SPECIAL) is not None else None
+    return PreTrainedTokenizerFast(tokenizer_object=rust, eos_token=eos, bos_token=eos, pad_token=eos)
 
 
 def train_bpe(files: list[str], vocab_size: int, out: str | Path, min_frequency: int = 2) -> Path:
@@ -397,10 +424,10 @@ def train_bpe(files: list[str], vocab_size: int, out: str | Path, min_frequency:
     with atomic_files(out) as temporary:  # each file whole or not at all: runs read them
         tokenizer.save(str(temporary / "tokenizer.json"))
         try:  # the transformers files beside it, for AutoTokenizer (vqattn[hf])
-            from ..hf.tokenizer import transformers_tokenizer
+            files = transformers_tokenizer(HFTokenizer(tokenizer, str(out)))
         except ImportError:
             return out
-        transformers_tokenizer(HFTokenizer(tokenizer, str(out))).save_pretrained(str(temporary))
+        files.save_pretrained(str(temporary))
     return out
 
 
@@ -467,7 +494,7 @@ def train_sentencepiece(files: list[str], vocab_size: int, out: str | Path, mode
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vqattn.train.tokenizer", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m vqattn.tokenizer", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train a byte-level BPE or a SentencePiece tokenizer on local files")
     train.add_argument("--files", nargs="+", required=True, help="text files or globs")
