@@ -48,7 +48,8 @@ def test_in_process_rows_measure_here_and_report_a_failure(layer_speed, monkeypa
         layer_speed.parse_args(["--device", "cpu", "--in-process"])
     monkeypatch.setattr(attention_speed, "IN_PROCESS", True)
     args = layer_speed.parse_args(["--device", "cpu", "--dim", "32", "--heads", "2", "--num-codes", "8", "--reps", "1"])
-    assert layer_speed.measure(args, "vq_hard", 40)["ms"] > 0
+    row = layer_speed.measure(args, "vq_hard", 40)
+    assert row["ms"] > 0, row
     failed = layer_speed.measure(args, "vq_hard", 0)
     assert math.isnan(failed["ms"]) and "Error" in failed["error"]
 

@@ -157,7 +157,8 @@ def test_signature_defaults_follow_the_kwargs_chain():
                                                     "batch_size": 8, "seed": 0, "num_workers": 0, "stream": False,
                                                     "stream_groups": 1, "val_carried": False,
                                                     "pack_documents": False, "separator": None,
-                                                    "tokenizer": "bytes", "cache_dir": None}
+                                                    "tokenizer": "bytes", "cache_dir": None, "repeat_fraction": 0.0,
+                                                    "repeat_len": 32}
     trainer = signature_defaults(lightning.Trainer)
     assert trainer["max_steps"] == -1 and trainer["accelerator"] == "auto"
     vq = signature_defaults(ATTENTIONS["vq_soft"], stop=Attention)

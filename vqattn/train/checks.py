@@ -125,16 +125,21 @@ def config_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
 
 def nearest_key(key: str, keys: list[str]) -> str | None:
     """The valid key a mistyped ``key`` most likely meant, else None: one with the same last name (the fewest
-    dots first: ``model.block_len`` -> the root key ``block_len``), else the closest name beside it
-    (``trainer.max_step`` -> ``trainer.max_steps``), else the closest key anywhere."""
+    dots first: ``model.block_len`` -> the root key ``block_len``), else the one whose last name is closest,
+    beside it on a tie (``trainer.max_step`` -> ``trainer.max_steps``; ``data.seqlen`` -> ``model.seq_len``
+    rather than ``data.repeat_len``), else the closest key anywhere."""
     parent, _, name = key.rpartition(".")
     same_name = sorted((k for k in keys if k.rpartition(".")[2] == name), key=lambda k: (k.count("."), k))
     if same_name:
         return same_name[0]
-    beside = [k for k in keys if k.rpartition(".")[0] == parent]
-    close = difflib.get_close_matches(name, [k.rpartition(".")[2] for k in beside], n=1, cutoff=0.6)
-    if close:
-        return f"{parent}.{close[0]}" if parent else close[0]
+
+    def score(k: str) -> tuple:
+        k_parent, _, k_name = k.rpartition(".")
+        return difflib.SequenceMatcher(None, name, k_name).ratio(), k_parent == parent, -k.count(".")
+
+    best = max(keys, key=score, default=None)
+    if best is not None and score(best)[0] >= 0.6:
+        return best
     close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
     return close[0] if close else None
 
