@@ -41,6 +41,20 @@ def pytest_configure(config):
         os.environ["OMP_NUM_THREADS"] = "1"
 
 
+def pytest_collection_modifyitems(config, items):
+    """The modules with the most slow tests run first, each module's tests together and in their own order: the
+    workers then end on short tests together, instead of one of them idling while the other finishes a run of
+    subprocesses that started last."""
+    def module(item):
+        return item.nodeid.split("::")[0]
+
+    slow = {}
+    for item in items:
+        slow[module(item)] = slow.get(module(item), 0) + (item.get_closest_marker("slow") is not None)
+    order = {name: rank for rank, name in enumerate(dict.fromkeys(map(module, items)))}
+    items.sort(key=lambda item: (-slow[module(item)], order[module(item)]))
+
+
 @pytest.fixture(params=[(None, "loop"), (1, "loop"), (3, "loop"), (None, "cumsum"), (3, "cumsum")],
                 ids=["one_group", "block_by_block", "groups_of_3", "one_group-cumsum", "groups_of_3-cumsum"])
 def block_grouping(request) -> Schedule:

@@ -121,6 +121,16 @@ def write_text(path: str | Path, text: str) -> Path:
     return Path(path)
 
 
+def save_figure(fig, path: str | Path, **savefig_kwargs) -> Path:
+    """A matplotlib figure saved to ``path`` atomically, in the format its suffix names (``.png``, ``.pdf``, ...,
+    as ``savefig`` infers it); returns ``path``."""
+    path = Path(path)
+    savefig_kwargs.setdefault("format", path.suffix.lstrip(".") or None)
+    with atomic_path(path) as temporary:
+        fig.savefig(temporary, **savefig_kwargs)
+    return path
+
+
 @contextlib.contextmanager
 def atomic_directory(path: str | Path) -> Iterator[Path]:
     """A temporary directory beside ``path`` for the block to fill; when it ends normally every file in it is

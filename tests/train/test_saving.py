@@ -358,3 +358,56 @@ def test_a_full_disk_while_training_a_tokenizer_keeps_the_one_that_was_there(tmp
     assert re.fullmatch(rf"python -m vqattn.tokenizer: error: could not write {out}: {NO_SPACE}", err), err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before and not temporaries(tmp_path)
     assert load_tokenizer(str(out)).vocab_size == 300
+
+
+def test_a_full_disk_during_a_report_keeps_each_of_its_files_whole(tmp_path, monkeypatch, capsys):
+    """report.md and each figure are replaced whole or not at all; the command says which in one line."""
+    from test_experiments import fake_run_dir
+
+    from vqattn.train.report import main
+
+    positions = {"0_63": 3.0, "64_255": 2.5}
+    fake_run_dir(tmp_path, "0_softmax", "softmax", [(20, 2.9)], positions)
+    assert main([str(tmp_path)]) == 0
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    fake_run_dir(tmp_path, "1_window", "window", [(20, 2.7)], positions)  # the next report differs
+    capsys.readouterr()
+    for name in ("report.md", "val_bpb.png", "by_position.png"):
+        with monkeypatch.context() as patch:
+            full_disk(patch, tmp_path, budget=100, match=name)  # its first 100 bytes written, then the disk is full
+            assert main([str(tmp_path)]) == 74
+        err = capsys.readouterr().err.strip()
+        assert re.fullmatch(rf"python -m vqattn.train.report: error: could not write {tmp_path / name}: {NO_SPACE}",
+                            err), err
+        assert (tmp_path / name).read_bytes() == before[name], name
+    assert not temporaries(tmp_path)
+    assert main([str(tmp_path)]) == 0 and "1_window" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.parametrize("command", ["length_eval", "copy_eval"])
+def test_a_full_disk_during_an_eval_keeps_what_its_out_dir_held(tmp_path, monkeypatch, capsys, command):
+    import importlib
+
+    from test_length_eval import _checkpoint as write_checkpoint
+
+    from model_helpers import tiny_model
+
+    main = importlib.import_module(f"vqattn.train.{command}").main
+    torch.manual_seed(0)
+    write_checkpoint(tiny_model("window"), tmp_path / "last.ckpt")
+    (tmp_path / "held_out.txt").write_bytes(bytes(range(17)) * 200)  # the tiny model's 17 token ids
+    out = tmp_path / "eval"
+    args = [str(tmp_path / "last.ckpt"), "--streams", "4", "--text", str(tmp_path / "held_out.txt"), "--out", str(out)]
+    args += ["--multiple", "2"] if command == "length_eval" else []
+    assert main(args) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    for name in sorted(before):
+        with monkeypatch.context() as patch:
+            full_disk(patch, out, budget=10, match=name)
+            assert main([*args, "--streams", "3"]) == 74
+        err = capsys.readouterr().err.strip().splitlines()[-1]  # after the threads line
+        assert re.fullmatch(rf"python -m vqattn.train.{command}: error: could not write {out / name}: {NO_SPACE}",
+                            err), err
+        assert (out / name).read_bytes() == before[name], name
+    assert not temporaries(tmp_path)

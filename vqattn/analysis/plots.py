@@ -22,6 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from ..feature_maps import draw_random_features  # noqa: E402
+from ..files import save_figure, write_text  # noqa: E402
 from ..ops.linear import linear_attention  # noqa: E402
 from ..ops.softmax import softmax_attention  # noqa: E402
 from ..ops.vq import vq_attention  # noqa: E402
@@ -70,7 +71,7 @@ def sparsity_figures(out: Path) -> dict:
     axes[0].legend()
     fig.suptitle("Row sparsity, closed form (lines) vs Monte Carlo (dots)")
     fig.tight_layout()
-    fig.savefig(out / "sparsity_beta.png", dpi=120)
+    save_figure(fig, out / "sparsity_beta.png", dpi=120)
     plt.close(fig)
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
@@ -95,7 +96,7 @@ def sparsity_figures(out: Path) -> dict:
     axes[1].legend()
     axes[1].grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out / "sparsity_gamma.png", dpi=120)
+    save_figure(fig, out / "sparsity_gamma.png", dpi=120)
     plt.close(fig)
     return {"sparsity_monte_carlo_max_relative_deviation": worst}
 
@@ -122,7 +123,7 @@ def approximation_figure(out: Path) -> dict:
     ax.grid(alpha=0.3, which="both")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "approximation_error.png", dpi=120)
+    save_figure(fig, out / "approximation_error.png", dpi=120)
     plt.close(fig)
     return {"approximation_error": curves}
 
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(argv[0])
     out.mkdir(parents=True, exist_ok=True)
     figures = {**sparsity_figures(out), **approximation_figure(out), **kernel_vs_soft()}
-    (out / "figures.json").write_text(json.dumps(figures, indent=2))
+    write_text(out / "figures.json", json.dumps(figures, indent=2))
     print(f"wrote {', '.join(sorted(p.name for p in out.iterdir()))} to {out}")
 
 

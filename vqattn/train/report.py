@@ -23,6 +23,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from .. import files
+
 
 def load_runs(sweep_dir: Path) -> list[dict]:
     """One dict per run: its results.json plus ``name`` (its dir relative to sweep_dir), ``curve`` [(step, bpb)],
@@ -341,8 +343,10 @@ def save_figure(draw, data, path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        files.save_figure(fig, path, dpi=120)
+    finally:
+        plt.close(fig)
 
 
 def write_report(sweep_dir: Path, runs: list[dict]) -> list[Path]:
@@ -357,7 +361,7 @@ def write_report(sweep_dir: Path, runs: list[dict]) -> list[Path]:
         table += "\nRecall against state (the best learning rate of each cell, mean over its seeds):\n\n"
         table += recall_table(cells)
     written = [sweep_dir / "report.md", sweep_dir / "val_bpb.png"]
-    written[0].write_text(table)
+    files.write_text(written[0], table)
     save_figure(draw_curves, runs, written[1])
     if any(r.get("val_bpb_by_position") for r in runs):
         written.append(sweep_dir / "by_position.png")
@@ -377,7 +381,11 @@ def main(argv: list[str] | None = None) -> int:
     runs = load_runs(args.sweep_dir)
     if not runs:
         parser.error(f"no results.json found under {args.sweep_dir}; did the runs finish?")
-    written = write_report(args.sweep_dir, runs)
+    try:
+        written = write_report(args.sweep_dir, runs)
+    except files.WriteFailed as err:  # a full disk, a read-only sweep dir: what was there is whole
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return 74
     print(written[0].read_text())
     print(f"wrote {', '.join(str(p) for p in written)}")
     return 0
