@@ -17,7 +17,8 @@ from vqattn.train.copy_eval import copy_eval, copy_streams, layout, main  # noqa
 
 
 def test_the_layout_fills_one_window_and_refuses_what_does_not_fit():
-    assert layout(256) == (32, 32, 161)  # lead + passage + gap + passage = T + 1
+    assert layout(256) == (64, 64, 65)  # lead + passage + gap + passage = T + 1; the copy T/2 + 1 tokens back
+    assert layout(256, passage=16) == (112, 16, 113) and layout(256, passage=128) == (0, 128, 1)
     assert layout(256, passage=16, gap=100) == (125, 16, 100)
     for kwargs, match in (({"passage": 1}, "passage must be an int ≥ 2"), ({"gap": -1}, "gap must be"),
                           ({"passage": 100, "gap": 100}, "need 300 tokens, more than a window of seq_len \\+ 1 = 257"),
@@ -44,10 +45,11 @@ def _text():
 
 def test_a_window_beyond_reach_copies_nothing_and_softmax_does():
     """The default gap puts the first passage out of two windows' reach (tiny_model: 2 layers of block_len 4, at most
-    8 keys back each): the window's bits of the repeat equal its control's exactly; softmax's do not."""
+    7 keys back each; T = 32, so each token of the repeat is 17 back from its source): the window's bits of the repeat
+    equal its control's exactly; softmax's do not."""
     torch.manual_seed(0)
     window = copy_eval(tiny_model("window"), _text(), streams=8)
-    assert (window["lead"], window["passage"], window["gap"]) == (4, 4, 21)
+    assert (window["lead"], window["passage"], window["gap"]) == (8, 8, 9)
     assert window["bits_repeat"] == window["bits_control"] and window["copied"] == 0
     assert window["low"] == window["high"] == 0
     near = copy_eval(tiny_model("window"), _text(), passage=4, gap=2, streams=8)  # within the window: it differs
@@ -91,9 +93,9 @@ def test_the_command_writes_the_json_and_tables_saved_results(tmp_path, capsys):
     assert main([ckpt, "--streams", "4", "--text", str(tmp_path / "held_out.txt")]) == 0
     result = json.loads((run / "copy_eval" / "copy_eval.json").read_text())
     assert result["attention"] == "window" and result["copied"] == 0 and result["streams"] == 4
-    assert "| window | 4 / 21 |" in capsys.readouterr().out
+    assert "| window | 8 / 9 |" in capsys.readouterr().out
     assert main([str(run / "copy_eval" / "copy_eval.json")]) == 0
-    assert "| run | 4 / 21 |" in capsys.readouterr().out  # a saved result is named by its run dir
+    assert "| run | 8 / 9 |" in capsys.readouterr().out  # a saved result is named by its run dir
     for bad in ([ckpt, "--passage", "30"], [ckpt, "--streams", "1"], [ckpt, ckpt]):
         with pytest.raises(SystemExit):  # argparse's one-line error
             main([*bad, "--text", str(tmp_path / "held_out.txt")])

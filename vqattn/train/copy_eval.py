@@ -1,6 +1,6 @@
 """Copy at a distance: how much of a passage a model recalls when the passage recurs beyond its raw window.
 
-    python -m vqattn.train.copy_eval CKPT                       # passage T/8, gap to the window's end: RUN/copy_eval/
+    python -m vqattn.train.copy_eval CKPT                       # passage T/4, T/2 + 1 tokens back: RUN/copy_eval/
     python -m vqattn.train.copy_eval CKPT --passage 32 --gap 160 --text notes.txt
     python -m vqattn.train.copy_eval a/copy_eval.json b/copy_eval.json   # saved results: a row each
 
@@ -10,15 +10,15 @@ Each of ``streams`` evenly spaced stretches of held-out text, one training windo
 
 with the passage's second occurrence written over the stretch's end, and read in one forward pass. Its control is
 the same stretch with the first occurrence replaced by another stretch's passage, so that the two differ only in
-whether the passage was seen G tokens before. The score is over the repeat's tokens after its first (the ones a
+whether the passage was seen P + G tokens before. The score is over the repeat's tokens after its first (the ones a
 copy can predict): ``bpb_repeat`` and ``bpb_control``, and ``copied`` = 1 − bpb_repeat / bpb_control, the share of
 the passage's bits that the earlier occurrence saves, with a 95% bootstrap interval over the streams. Softmax
-attention can copy the whole passage (``copied`` → 1); a memory that holds nothing from G tokens back saves
-nothing (``copied`` ≈ 0), and a compressed memory sits between the two. The default gap, 5T/8 + 1, puts the first
-passage further back than one raw window of block_len ≤ T/4 (2·block_len keys) and its short convolution reach (a
-stack of such windows reaches further in principle, but copies nothing measurable: docs/attentions_in_training.md).
-A model learns to copy from data that repeats passages (``data.repeat_fraction``,
-:func:`vqattn.train.data.repeat_passages`).
+attention can copy the whole passage (``copied`` → 1); a memory that holds nothing from P + G tokens back saves
+nothing (``copied`` ≈ 0), and a compressed memory sits between the two. The default, P = T/4 and P + G = T/2 + 1,
+puts each token of the repeat one token further back from its source than a raw window of block_len = T/4 reaches
+(its current and previous blocks: at most T/2 − 1 keys back); a stack of such windows reaches further in principle
+(docs/evaluation.md measures how far it copies). A model learns to copy from data that repeats passages
+(``data.repeat_fraction``, :func:`vqattn.train.data.repeat_passages`).
 
 Held-out text as :mod:`vqattn.train.length_eval`'s: the default corpus's validation split, or ``--text``.
 """
@@ -39,13 +39,16 @@ from .length_eval import default_held_out, held_out_streams, stream_bits
 
 
 def layout(seq_len: int, passage: int | None = None, gap: int | None = None) -> tuple[int, int, int]:
-    """(lead, passage, gap) for windows of seq_len + 1 tokens: passage default T // 8, gap default the rest after a
-    lead of T // 8. A passage needs 2 tokens (its first is not scored); everything must fit the window."""
-    passage = seq_len // 8 if passage is None else passage
-    gap = seq_len + 1 - 2 * passage - seq_len // 8 if gap is None else gap
-    for name, value, low in (("passage", passage, 2), ("gap", gap, 0)):
+    """(lead, passage, gap) for windows of seq_len + 1 tokens: passage default T // 4, gap default what puts the
+    first occurrence T // 2 + 1 tokens before the second (P + G = T // 2 + 1; 0 for a longer passage). A passage
+    needs 2 tokens (its first is not scored); everything must fit the window."""
+    def checked(name: str, value, low: int) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an int ≥ {low}, got {value!r}")
+        return value
+
+    passage = checked("passage", seq_len // 4 if passage is None else passage, 2)
+    gap = checked("gap", max(0, seq_len // 2 + 1 - passage) if gap is None else gap, 0)
     lead = seq_len + 1 - 2 * passage - gap
     if lead < 0:
         raise ValueError(f"two passages of {passage} tokens {gap} apart need {2 * passage + gap} tokens, more than a "
@@ -129,9 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m vqattn.train.copy_eval", description=__doc__.splitlines()[0])
     p.add_argument("ckpt", nargs="+", help="a trainer checkpoint (OUT/checkpoints/last.ckpt), or saved copy_eval.json "
                                            "files: their table, a row each")
-    p.add_argument("--passage", type=int, default=None, help="passage length in tokens (default seq_len // 8)")
-    p.add_argument("--gap", type=int, default=None, help="tokens between the two occurrences (default: the rest of "
-                                                         "the window after a lead of seq_len // 8)")
+    p.add_argument("--passage", type=int, default=None, help="passage length in tokens (default seq_len // 4)")
+    p.add_argument("--gap", type=int, default=None, help="tokens between the two occurrences (default: "
+                                                         "seq_len // 2 + 1 - passage)")
     p.add_argument("--streams", type=int, default=64, help="held-out stretches averaged (default 64)")
     p.add_argument("--text", default=None, help="held-out text file (default: the default corpus's validation split)")
     p.add_argument("--out", default=None, help="directory for copy_eval.json (default: copy_eval/ in the "
