@@ -1,6 +1,7 @@
 """The ``vqattn_text`` lm-eval task: bits per byte of the user's own text (``--metadata path=FILE_OR_GLOB``), one
 document per file, equal to the trainer's validation over the same windows."""
 
+import math
 import sys
 
 import pytest
@@ -149,3 +150,50 @@ def test_the_task_loads_through_lm_eval_without_warnings_and_takes_its_path_from
     assert [doc["text"] for doc in task.test_docs()] == ["# notes\n"]
     assert task.higher_is_better() == {"word_perplexity": False, "byte_perplexity": False, "bits_per_byte": False,
                                        "token_perplexity": False}
+
+
+def test_vqattn_copy_scores_copy_evals_streams_as_a_forward_pass_does(tmp_path):
+    """The lm-eval task of copy at a distance, through an exported model: its documents are copy_eval's streams of
+    the shipped held-out text (window from the model's config, number of streams from the task's metadata), and its
+    bits are the model's own over each continuation, with the trailing whitespace lm-eval moves into it."""
+    pytest.importorskip("lightning")
+    import lm_eval
+    import torch.nn.functional as F
+    from lm_eval.tasks import TaskManager
+
+    from vqattn.hf.eval import TASKS_DIR
+    from vqattn.hf.tasks.data import copy, heldout_docs_shipped
+    from vqattn.train.copy_eval import copy_streams, layout
+    from vqattn.train.length_eval import held_out_streams
+
+    model = hf_model("softmax", seq_len=T)
+    model.save_pretrained(tmp_path)
+    VQAttnByteTokenizer().save_pretrained(tmp_path)
+    model_args = {"pretrained": str(tmp_path), "backend": "causal"}
+    tasks = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata={**model_args, "streams": 6})
+    results = lm_eval.simple_evaluate(model="hf", model_args=model_args, tasks=["vqattn_copy"], device="cpu",
+                                      task_manager=tasks)["results"]["vqattn_copy"]
+
+    docs = copy(seq_len=T, streams=6)["test"]
+    lead, passage, _ = layout(T)
+    repeat, control = copy_streams(held_out_streams("".join(heldout_docs_shipped()).encode(), T, 6), lead, passage)
+    for doc, r, c in zip(docs, repeat, control):  # copy_eval's streams, cut before the repeat's second byte
+        assert [*doc["contexts"][0].encode(), *doc["continuation"].encode()] == r.tolist()
+        assert [*doc["contexts"][1].encode(), *doc["continuation"].encode()] == c.tolist()
+    bits, size = {0: 0.0, 1: 0.0}, {0: 0, 1: 0}
+    with torch.no_grad():
+        for doc in docs:
+            for i, context in enumerate(doc["contexts"]):
+                ids = torch.tensor([*(context + doc["continuation"]).encode()])
+                scored = len(doc["continuation"]) + len(context) - len(context.rstrip())
+                nll = F.cross_entropy(model(ids[None, :-1]).logits[0].double(), ids[1:], reduction="none")
+                bits[i] += nll[-scored:].sum().item() / math.log(2)
+                size[i] += scored
+    assert results["bits_per_byte_repeat,none"] == pytest.approx(bits[0] / size[0], rel=1e-5)
+    assert results["bits_per_byte_control,none"] == pytest.approx(bits[1] / size[1], rel=1e-5)
+    assert results["copied,none"] == pytest.approx(1 - bits[0] / bits[1], rel=1e-3, abs=1e-6)
+    assert bits[0] != bits[1]  # softmax sees the first occurrence
+    with pytest.raises(TextTaskError, match="^vqattn_copy needs the model's window"):
+        copy()
+    with pytest.raises(TextTaskError, match="^vqattn_copy: two passages"):
+        copy(seq_len=T, passage=20)

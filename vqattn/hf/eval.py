@@ -2,7 +2,8 @@
 
 It imports :mod:`vqattn.hf` (registering VQAttnConfig, VQAttnForCausalLM and the byte tokenizer with the Auto
 classes, which lm-eval's ``hf`` model loads through), adds ``--include_path`` of vqattn's own tasks
-(:mod:`vqattn.hf.tasks`: ``vqattn_heldout``, ``vqattn_kv_recall``, ``vqattn_text``) unless the command line gives
+(:mod:`vqattn.hf.tasks`: ``vqattn_heldout``, ``vqattn_kv_recall``, ``vqattn_text``, ``vqattn_copy``) unless the command
+line gives
 one, and runs lm-eval's CLI with the rest of the arguments, e.g.::
 
     vqattn-eval --model hf --model_args pretrained=OUT_DIR --tasks vqattn_heldout,vqattn_kv_recall --device cpu
@@ -12,10 +13,11 @@ It sets its threads as the trainer does (``--threads N|auto``, default auto: the
 taking that option out of what lm-eval reads. With ``--model hf`` it adds ``backend=causal`` to ``--model_args``
 unless they name a backend: lm-eval tells a causal model by transformers' own table of model types, which a
 registered model type is not in, and would warn before taking the causal backend anyway. lm-eval's warning that a
-task loaded through a function could take ``--metadata`` is dropped for vqattn's tasks: ``vqattn_text``, the one
-that reads it (``path``), says so itself when it is missing. That error, and a path that matches no file or holds
-no UTF-8 text, is one line on stderr and exit status 2; a path given on the command line is checked before lm-eval
-loads the model.
+task loaded through a function could take ``--metadata`` is dropped for vqattn's tasks: ``vqattn_text``, which
+needs it (``path``), says so itself when it is missing, and ``vqattn_copy`` reads its layout from it (``seq_len``,
+``passage``, ``gap``, ``streams``; ``seq_len`` by default from the model's config). Their errors (no path, a path
+that matches no file or holds no UTF-8 text, a layout that does not fit) are one line on stderr and exit status 2;
+a path given on the command line is checked before lm-eval loads the model.
 """
 
 from __future__ import annotations

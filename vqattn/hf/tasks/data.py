@@ -9,6 +9,8 @@
   ``key = value`` then ``assert KEY == `` of one key; the choices are the values assigned, the answer the key's.
 * task ``vqattn_text``: the user's own text, named by lm-eval's task metadata (``--metadata path=FILE_OR_GLOB``),
   one document per file (:func:`text`); no shipped data.
+* task ``vqattn_copy``: copy at a distance (:mod:`vqattn.train.copy_eval`) on the text of ``heldout.jsonl``: each
+  document is a stretch with a passage repeated at its end, and its control (:func:`copy`).
 
 ``python -m vqattn.hf.tasks.data`` rewrites both jsonl files (the held-out one from the running Python's stdlib).
 """
@@ -121,6 +123,65 @@ def text_results(doc: dict, results: list) -> dict:
     if doc["tokens"] > 0:
         out["token_perplexity"] = (loglikelihood, doc["tokens"])
     return out
+
+
+def copy(seq_len=None, passage=None, gap=None, streams=64, pretrained=None, **kwargs):
+    """lm-eval's ``custom_dataset`` of ``vqattn_copy``: ``streams`` stretches of the ``vqattn_heldout`` text, laid
+    out as :func:`vqattn.train.copy_eval.layout` lays them out for windows of ``seq_len`` tokens (default: the
+    ``max_position_embeddings`` of ``pretrained``'s config) and read as bytes. Each document holds the two contexts,
+    the stretch up to the repeat's first byte with the passage's first occurrence (``repeat``) and with another
+    stretch's passage instead (``control``), and the ``continuation``: the rest of the repeat, the bytes a copy can
+    predict. The documents are :func:`vqattn.train.copy_eval.copy_eval`'s streams of ``text=`` this text; lm-eval
+    also scores the whitespace that ends a context (it moves it into the continuation), where copy_eval scores the
+    repeat's bytes after its first alone."""
+    import datasets  # lm-eval's own dependency; imported when a task loads
+
+    from ...train.copy_eval import copy_streams, layout
+    from ...train.length_eval import held_out_streams
+
+    if seq_len is None and isinstance(pretrained, (str, os.PathLike)):
+        from transformers import AutoConfig
+
+        import vqattn.hf  # noqa: F401  (registers vqattn's config with AutoConfig)
+
+        seq_len = getattr(AutoConfig.from_pretrained(str(pretrained)), "max_position_embeddings", None)
+    if seq_len is None:
+        raise TextTaskError("vqattn_copy needs the model's window: pass --metadata seq_len=T (it is read from "
+                            "pretrained's config.json when --model_args names one)")
+    try:
+        lead, passage, gap = layout(int(seq_len), None if passage is None else int(passage),
+                                    None if gap is None else int(gap))
+        repeat, control = copy_streams(held_out_streams("".join(heldout_docs_shipped()).encode(), int(seq_len),
+                                                        int(streams)), lead, passage)
+    except ValueError as err:
+        raise TextTaskError(f"vqattn_copy: {err}") from None
+    cut = int(seq_len) + 2 - passage  # the repeat's first byte ends the contexts
+    rows = [{"contexts": [bytes(r[:cut].tolist()).decode("ascii"), bytes(c[:cut].tolist()).decode("ascii")],
+             "gold": 0, "continuation": bytes(r[cut:].tolist()).decode("ascii")} for r, c in zip(repeat, control)]
+    return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
+
+
+def copy_results(doc: dict, results: list) -> dict:
+    """lm-eval's ``process_results`` of ``vqattn_copy``: the continuation's log-likelihood after the repeat's context
+    and after the control's, as bits per byte each, and the pair for :func:`copied`."""
+    (repeat, _), (control, _) = results
+
+    def scored_bytes(context: str) -> int:  # lm-eval moves a context's trailing whitespace into the continuation
+        return len((context[len(context.rstrip()):] + doc["continuation"]).encode("utf-8"))
+
+    return {"bits_per_byte_repeat": (repeat, scored_bytes(doc["contexts"][0])),
+            "bits_per_byte_control": (control, scored_bytes(doc["contexts"][1])), "copied": (repeat, control)}
+
+
+def copied(items: list) -> float:
+    """``vqattn_copy``'s aggregation: 1 − (bits of the repeats) / (bits of their controls), summed over documents,
+    as :func:`vqattn.train.copy_eval.copy_eval`'s ``copied``."""
+    return 1 - sum(r for r, _ in items) / sum(c for _, c in items)
+
+
+def heldout_docs_shipped() -> list[str]:
+    """The documents of ``heldout.jsonl``, as ``vqattn_heldout`` reads them."""
+    return [row["text"] for row in _read_jsonl("heldout.jsonl")]
 
 
 def heldout_docs() -> list[str]:
