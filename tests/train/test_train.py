@@ -709,8 +709,11 @@ def test_a_config_hydra_cannot_compose_exits_2_too(tmp_path, monkeypatch, capsys
     assert list(tmp_path.iterdir()) == []
 
 
-def test_mqar_results_lead_with_recall_accuracy(tmp_path):
+def test_mqar_results_lead_with_recall_accuracy(tmp_path, monkeypatch):
     from vqattn.train import cli
+
+    versions = iter(["abc1234", "def5678+changes"])  # the checkout moves on while the run trains
+    monkeypatch.setattr(cli, "code_version", lambda: next(versions))
 
     cfg = cfg_for("model=tiny", "data=mqar", "data.num_kv_pairs=4", "data.batch_size=4", "data.num_val_examples=8",
                   "trainer.max_steps=2", "trainer.val_check_interval=2", "threads=1", *FAST[1:])
@@ -721,7 +724,7 @@ def test_mqar_results_lead_with_recall_accuracy(tmp_path):
     # what a report states of its runs: corpus, tokenizer, threads, device and code
     assert results["corpus"] == {"name": "mqar", "source": f"synthetic, 4 key-value pairs in {cfg.data.seq_len} tokens"}
     assert results["tokenizer"] == "bytes" and results["threads"] == 1  # the run's (threads=auto: the cores idle as it starts)
-    assert results["device"].startswith("cpu") and results["code"]
+    assert results["device"].startswith("cpu") and results["code"] == "abc1234"  # the code the run started with
     assert (run_dir / "checkpoints" / "last.ckpt").exists()
 
 

@@ -188,6 +188,7 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
     from .saving import note_failure, stop_on_failure
 
     start = time.perf_counter()
+    code = code_version()  # as the run starts: a checkout may move on while it trains
     tune_cpu_allocator()  # CPU steps reuse freed memory instead of page-faulting every temporary again
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     torch.set_float32_matmul_precision("high")  # TF32 matmuls on GPUs that have them
@@ -210,7 +211,7 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
         raise Interrupted(interrupt.interrupted_at, interrupt.signum)
     if module.last_validation is None or module.last_validation["step"] != trainer.global_step:
         trainer.validate(module, datamodule=datamodule, verbose=False)
-    results = summarize(cfg, module, datamodule, trainer, run_dir)
+    results = summarize(cfg, module, datamodule, trainer, run_dir, code)
     throughput = next((c for c in trainer.callbacks if isinstance(c, TokenThroughput)), None)
     if throughput is not None:  # callbacks.throughput (dropped with ~callbacks.throughput or callbacks=none)
         tokens, seconds = throughput.totals(trainer.world_size)
@@ -249,7 +250,7 @@ def strict_json(results: dict) -> dict:
     return out
 
 
-def summarize(cfg: DictConfig, module, datamodule, trainer, run_dir: Path) -> dict:
+def summarize(cfg: DictConfig, module, datamodule, trainer, run_dir: Path, code: str) -> dict:
     from .callbacks import NonFiniteGuard
 
     val = module.last_validation
@@ -287,7 +288,7 @@ def summarize(cfg: DictConfig, module, datamodule, trainer, run_dir: Path) -> di
         "world_size": trainer.world_size,
         "device": device_name(trainer.strategy.root_device),
         "date": time.strftime("%Y-%m-%d"),
-        "code": code_version(),
+        "code": code,  # code_version() when the run started
         "checkpoint": str(run_dir / "checkpoints" / "last.ckpt"),
         "codebook": module.model.codebook_stats(),
         "ddp_buffer_divergence": module.buffer_divergence,
