@@ -187,18 +187,9 @@ class Attention(nn.Module):
         hands them to its layers) is taken in place of the tensor, and so are
         :class:`~vqattn.ops.varlen.Segments` (the boundaries as tensors, for ``torch.compile``; no states).
         """
-        check_layer_input(x, self.dim)
-        positions = None
-        if isinstance(cu_seqlens, Segments):  # tensors only: nothing is read, a compiled graph traces it whole
-            cu_seqlens.check(batch=x.shape[0], length=x.shape[1], state=state, return_state=return_state)
-            positions = cu_seqlens.positions
-        elif cu_seqlens is not None:
-            if state is not None or return_state:
-                packing = as_packing(cu_seqlens, batch=x.shape[0], length=x.shape[1])
-                return self._per_sequence(x, packing.bounds, state, return_state)
-            cu_seqlens, positions = read_packing(cu_seqlens, batch=x.shape[0], length=x.shape[1], device=x.device)
-        if state is not None and not isinstance(state, AttentionState):
-            raise ValueError(f"state must be an AttentionState or None, got {type(state).__name__}")
+        per_sequence, cu_seqlens, positions = self._read_call(x, state, return_state, cu_seqlens)
+        if per_sequence is not None:
+            return per_sequence
         b, t, c = x.shape
         qkv, conv = self.qkv(x), None  # (B, T, 3C)
         if self.conv is not None:
@@ -216,6 +207,24 @@ class Attention(nn.Module):
         y = self.resid_dropout(self.proj(out.transpose(1, 2).reshape(b, t, c)))  # (B, T, C)
         aux_loss = x.new_zeros(()) if aux_loss is None else aux_loss
         return AttentionOutput(y, aux_loss, AttentionState(pos + t, inner, conv) if return_state else None)
+
+    def _read_call(self, x, state, return_state: bool, cu_seqlens):
+        """The checks and the packing dispatch every layer's forward starts with: (the output of a packed call with
+        states, run sequence by sequence, else None; the boundaries the op takes, a Packing or Segments or None;
+        the (T,) positions of packed tokens or None)."""
+        check_layer_input(x, self.dim)
+        positions = None
+        if isinstance(cu_seqlens, Segments):  # tensors only: nothing is read, a compiled graph traces it whole
+            cu_seqlens.check(batch=x.shape[0], length=x.shape[1], state=state, return_state=return_state)
+            positions = cu_seqlens.positions
+        elif cu_seqlens is not None:
+            if state is not None or return_state:
+                packing = as_packing(cu_seqlens, batch=x.shape[0], length=x.shape[1])
+                return self._per_sequence(x, packing.bounds, state, return_state), None, None
+            cu_seqlens, positions = read_packing(cu_seqlens, batch=x.shape[0], length=x.shape[1], device=x.device)
+        if state is not None and not isinstance(state, AttentionState):
+            raise ValueError(f"state must be an AttentionState or None, got {type(state).__name__}")
+        return None, cu_seqlens, positions
 
     def _per_sequence(self, x, bounds: tuple[int, ...], state, return_state: bool) -> AttentionOutput:
         """A packed call with states: each sequence alone, with its own state; the aux loss their token-weighted

@@ -15,8 +15,7 @@ from ..modules.conv import ShortConvolution
 from ..ops.blocks import check_block_len
 from ..ops.checks import check_choice, check_positive_int
 from ..ops.delta_rule import IMPLS, delta_rule_attention
-from ..ops.varlen import Segments, as_packing, read_packing
-from .base import Attention, AttentionOutput, AttentionState, check_layer_input, op_result
+from .base import Attention, AttentionOutput, AttentionState, op_result
 
 
 class DeltaNetAttention(Attention):
@@ -110,18 +109,9 @@ class DeltaNetAttention(Attention):
         """As :meth:`~vqattn.layers.base.Attention.forward`: x (B, T, C) -> AttentionOutput; the
         state holds the delta rule's S (the op's :class:`~vqattn.ops.delta_rule.DeltaRuleState`) and the
         convolution's last inputs."""
-        check_layer_input(x, self.dim)
-        positions = None
-        if isinstance(cu_seqlens, Segments):
-            cu_seqlens.check(batch=x.shape[0], length=x.shape[1], state=state, return_state=return_state)
-            positions = cu_seqlens.positions
-        elif cu_seqlens is not None:
-            if state is not None or return_state:
-                packing = as_packing(cu_seqlens, batch=x.shape[0], length=x.shape[1])
-                return self._per_sequence(x, packing.bounds, state, return_state)
-            cu_seqlens, positions = read_packing(cu_seqlens, batch=x.shape[0], length=x.shape[1], device=x.device)
-        if state is not None and not isinstance(state, AttentionState):
-            raise ValueError(f"state must be an AttentionState or None, got {type(state).__name__}")
+        per_sequence, cu_seqlens, positions = self._read_call(x, state, return_state, cu_seqlens)
+        if per_sequence is not None:
+            return per_sequence
         b, t, _ = x.shape
         H, Dk, Dv = self.num_heads, self.head_dim, self.head_v_dim
         h, conv = self.qkv(x), None  # (B, T, 2·H·Dk + H·Dv)

@@ -14,8 +14,7 @@ from ..modules.conv import ShortConvolution
 from ..ops.blocks import check_block_len
 from ..ops.checks import check_choice, check_positive_int
 from ..ops.decay import IMPLS, decay_attention
-from ..ops.varlen import Segments, as_packing, read_packing
-from .base import Attention, AttentionOutput, AttentionState, L2Norm, check_layer_input, op_result
+from .base import Attention, AttentionOutput, AttentionState, L2Norm, op_result
 
 
 class GatedRMSNorm(nn.Module):
@@ -134,18 +133,9 @@ class Mamba2Attention(Attention):
                 cu_seqlens=None) -> AttentionOutput:
         """As :meth:`~vqattn.layers.base.Attention.forward`: x (B, T, C) -> AttentionOutput; the
         state holds the SSD's S (the op's :class:`~vqattn.ops.decay.DecayState`) and the convolution's last inputs."""
-        check_layer_input(x, self.dim)
-        positions = None
-        if isinstance(cu_seqlens, Segments):
-            cu_seqlens.check(batch=x.shape[0], length=x.shape[1], state=state, return_state=return_state)
-            positions = cu_seqlens.positions
-        elif cu_seqlens is not None:
-            if state is not None or return_state:
-                packing = as_packing(cu_seqlens, batch=x.shape[0], length=x.shape[1])
-                return self._per_sequence(x, packing.bounds, state, return_state)
-            cu_seqlens, positions = read_packing(cu_seqlens, batch=x.shape[0], length=x.shape[1], device=x.device)
-        if state is not None and not isinstance(state, AttentionState):
-            raise ValueError(f"state must be an AttentionState or None, got {type(state).__name__}")
+        per_sequence, cu_seqlens, positions = self._read_call(x, state, return_state, cu_seqlens)
+        if per_sequence is not None:
+            return per_sequence
         b, t, _ = x.shape
         H, P, G, N = self.num_heads, self.head_dim, self.n_groups, self.d_state
         xbc, conv = self.qkv(x), None  # (B, T, 2GN + HP)
