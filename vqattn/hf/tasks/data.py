@@ -149,13 +149,13 @@ def copy(seq_len=None, passage=None, gap=None, streams=64, pretrained=None, **kw
         raise TextTaskError("vqattn_copy needs the model's window: pass --metadata seq_len=T (it is read from "
                             "pretrained's config.json when --model_args names one)")
     try:
-        lead, passage, gap = layout(int(seq_len), None if passage is None else int(passage),
-                                    None if gap is None else int(gap))
-        repeat, control = copy_streams(held_out_streams("".join(heldout_docs_shipped()).encode(), int(seq_len),
-                                                        int(streams)), lead, passage)
+        seq_len, streams = int(seq_len), int(streams)
+        lead, passage, gap = layout(seq_len, None if passage is None else int(passage), None if gap is None else int(gap))
+        repeat, control = copy_streams(held_out_streams("".join(heldout_docs_shipped()).encode(), seq_len, streams),
+                                       lead, passage)
     except ValueError as err:
         raise TextTaskError(f"vqattn_copy: {err}") from None
-    cut = int(seq_len) + 2 - passage  # the repeat's first byte ends the contexts
+    cut = seq_len + 2 - passage  # the repeat's first byte ends the contexts
     rows = [{"contexts": [bytes(r[:cut].tolist()).decode("ascii"), bytes(c[:cut].tolist()).decode("ascii")],
              "gold": 0, "continuation": bytes(r[cut:].tolist()).decode("ascii")} for r, c in zip(repeat, control)]
     return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
