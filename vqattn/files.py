@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -67,6 +68,15 @@ def fsync_file(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+WRITE_FAILED_STATUS = 74  # sysexits.h's EX_IOERR, as the trainer's
+
+
+def failed_write_exit(prog: str, failure: WriteFailed) -> int:
+    """A command line's answer to a failed write: its one line on stderr, and the exit status to return."""
+    print(f"{prog}: error: {failure}", file=sys.stderr)
+    return WRITE_FAILED_STATUS
 
 
 @contextlib.contextmanager

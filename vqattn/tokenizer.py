@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .files import WriteFailed, atomic_files
+from .files import WriteFailed, atomic_files, failed_write_exit
 
 BYTES = "bytes"
 PAD_MULTIPLE = 64
@@ -524,8 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         parser.error(str(err))
     except WriteFailed as err:  # a full disk or a read-only --out: what was there is whole
-        print(f"{parser.prog}: error: {err}", file=sys.stderr)
-        return 74
+        return failed_write_exit(parser.prog, err)
     written = out / ("tokenizer.json" if args.kind == "bpe" else SENTENCEPIECE_FILE)
     print(f"wrote {written} ({tokenizer.vocab_size} tokens): train with data.tokenizer={out}")
     return 0

@@ -2,9 +2,8 @@
 
 It imports :mod:`vqattn.hf` (registering VQAttnConfig, VQAttnForCausalLM and the byte tokenizer with the Auto
 classes, which lm-eval's ``hf`` model loads through), adds ``--include_path`` of vqattn's own tasks
-(:mod:`vqattn.hf.tasks`: ``vqattn_heldout``, ``vqattn_kv_recall``, ``vqattn_text``, ``vqattn_copy``) unless the command
-line gives
-one, and runs lm-eval's CLI with the rest of the arguments, e.g.::
+(:mod:`vqattn.hf.tasks`: ``vqattn_heldout``, ``vqattn_kv_recall``, ``vqattn_text``, ``vqattn_copy``) unless the
+command line gives one, and runs lm-eval's CLI with the rest of the arguments, e.g.::
 
     vqattn-eval --model hf --model_args pretrained=OUT_DIR --tasks vqattn_heldout,vqattn_kv_recall --device cpu
     vqattn-eval --model hf --model_args pretrained=OUT_DIR --tasks vqattn_text --metadata path='notes/*.md'

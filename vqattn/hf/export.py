@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..files import WriteFailed, atomic_directory
+from ..files import WriteFailed, atomic_directory, failed_write_exit
 from ..utils import add_threads_argument, use_threads
 from .configuration import VQAttnConfig
 from .modeling import VQAttnForCausalLM
@@ -74,8 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = save(model, args.out_dir, tokenizer)
     except WriteFailed as failure:  # a full disk, a read-only directory: what was at out_dir is still there
-        print(f"vqattn-export: error: {failure}", file=sys.stderr)
-        return 74  # sysexits.h's EX_IOERR, as the trainer's
+        return failed_write_exit("vqattn-export", failure)
 
     print(f"wrote {out}: load it with `import vqattn.hf` then AutoModelForCausalLM.from_pretrained({str(out)!r})")
     return 0

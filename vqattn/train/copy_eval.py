@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from ..files import WriteFailed, write_text
+from ..files import WriteFailed, failed_write_exit, write_text
 from ..model import GPT
 from ..utils import add_threads_argument, use_threads
 from .length_eval import default_held_out, held_out_streams, stream_bits
@@ -161,8 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         write_text(out / "copy_eval.json", json.dumps(result, indent=1))
     except WriteFailed as err:  # a full disk, a read-only --out: what was there is whole
-        print(f"{p.prog}: error: {err}", file=sys.stderr)
-        return 74
+        return failed_write_exit(p.prog, err)
     print(table([result]))
     print(f"wrote {out / 'copy_eval.json'}")
     return 0

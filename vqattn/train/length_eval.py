@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..files import WriteFailed, save_figure, write_text
+from ..files import WriteFailed, failed_write_exit, save_figure, write_text
 from ..model import GPT
 from ..ops.common.memory_decay import check_memory_decay
 from ..utils import add_threads_argument, use_threads
@@ -299,15 +299,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, json.JSONDecodeError) as err:
         p.error(str(err))
     except WriteFailed as err:  # --plot on a full disk or a read-only directory
-        print(f"{p.prog}: error: {err}", file=sys.stderr)
-        return 74
+        return failed_write_exit(p.prog, err)
     out = Path(args.out) if args.out is not None else default_out(args.ckpt[0])
     try:  # each file whole or not at all (--against reads the json); the directory made as the first is written
         write_text(out / "length_eval.json", json.dumps(result, indent=1))
         plot([result], out / "length_eval.png")
     except WriteFailed as err:  # a full disk, a read-only --out: what was there is whole
-        print(f"{p.prog}: error: {err}", file=sys.stderr)
-        return 74
+        return failed_write_exit(p.prog, err)
     try:
         print(table([result], baseline))
     except ValueError as err:  # the result is written: only the comparison is refused

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from ..files import WriteFailed
+from ..files import WRITE_FAILED_STATUS, WriteFailed
 
 log = logging.getLogger("train")
 # What a run writes before it has anything worth keeping (a checkpoint, results.json): a failed run dir holding
@@ -75,7 +75,6 @@ class Diverged(Exception):
 
 
 DIVERGED_STATUS = 1
-WRITE_FAILED_STATUS = 74  # sysexits.h's EX_IOERR
 
 
 class Aborted(Exception):

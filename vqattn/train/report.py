@@ -384,8 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         written = write_report(args.sweep_dir, runs)
     except files.WriteFailed as err:  # a full disk, a read-only sweep dir: what was there is whole
-        print(f"{parser.prog}: error: {err}", file=sys.stderr)
-        return 74
+        return files.failed_write_exit(parser.prog, err)
     print(written[0].read_text())
     print(f"wrote {', '.join(str(p) for p in written)}")
     return 0
