@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 from vqattn.functional import ovq_attention, softmax_attention, vq_attention, window_attention
-from vqattn.ops.blocks import KernelDesign, Schedule
+from vqattn.ops.blocks import Schedule
 from vqattn.utils import add_threads_argument, tune_cpu_allocator, use_threads
 
 METHODS = ("sdpa", "vq_hard", "vq_soft", "vq_hard_rope", "vq_soft_rope", "window", "ovq")
@@ -283,7 +283,7 @@ def main():
     shape = dict(B=args.batch, H=args.heads, S=args.num_codes, impl=args.impl, dtype=args.dtype)
 
     print(f"# causal fwd+bwd, B={args.batch} H={args.heads} D=64 S={args.num_codes} {args.dtype} impl={args.impl}, "
-          f"superblock_blocks={design().superblock_blocks}, {args.device}: {machine()}, torch {torch.__version__}; "
+          f"superblocks={design()}, {args.device}: {machine()}, torch {torch.__version__}; "
           f"median of {args.reps} reps in each of {args.rounds} interleaved rounds; peak MB from the {args.modes[0]} mode")
     if args.device == "cpu":
         print(f"# fresh memory costs {fresh_page_ms_per_mb():.2f} ms per MB beyond warm writes on this machine now")
@@ -321,36 +321,31 @@ def child_from_argv(argv: list[str]) -> dict:
     return child(method, int(T), device, int(reps), int(block_len) or None, mode == "compiled", **json.loads(shape))
 
 
-# The fused vq step's design (vqattn.ops.blocks.KernelDesign) that this process's vq calls and layers run, as
-# --superblock-blocks (and kernel_profile.py's options) set it, for this process and the measuring processes it
-# starts (through the environment): a benchmark's choice, handed to the library by name (Schedule.kernels).
-DESIGN_ENV = "VQATTN_BENCH_KERNEL_DESIGN"
+# The fused vq step's one design choice (vqattn.ops.blocks.Schedule.superblocks) that this process's vq calls and
+# layers run, as --superblock-blocks sets it, for this process and the measuring processes it starts (through the
+# environment): a benchmark's choice, handed to the library by name.
+DESIGN_ENV = "VQATTN_BENCH_SUPERBLOCKS"
 
 
-def design() -> KernelDesign:
-    """The kernel design of this benchmark process: the library's default unless a flag chose another."""
-    return KernelDesign(**json.loads(os.environ.get(DESIGN_ENV, "{}")))
-
-
-def set_design_fields(**fields) -> None:
-    """Change the design of this process and the processes it starts (fields of KernelDesign)."""
-    os.environ[DESIGN_ENV] = json.dumps(dict(design()._asdict(), **fields))
+def design() -> int:
+    """Hard keys' superblock size in this benchmark process: the library's default unless a flag chose another."""
+    return int(os.environ.get(DESIGN_ENV, Schedule().superblocks))
 
 
 def schedule() -> Schedule:
     """The Schedule that hands :func:`design` to a vq call (and to a vq layer's ``schedule``)."""
-    return Schedule(kernels=design())
+    return Schedule(superblocks=design())
 
 
 def add_design_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--superblock-blocks", type=int, default=None,
-                        help="hard vq keys' superblock caches of K blocks (KernelDesign.superblock_blocks; 0: the "
-                             "per-block caches and walks); default: the library's")
+                        help="hard vq keys' superblock caches of K blocks (Schedule.superblocks; 0: the per-block "
+                             "caches and walks); default: the library's")
 
 
 def set_design(args: argparse.Namespace) -> None:
     if args.superblock_blocks is not None:
-        set_design_fields(superblock_blocks=args.superblock_blocks)
+        os.environ[DESIGN_ENV] = str(args.superblock_blocks)
 
 
 def add_in_process_argument(parser: argparse.ArgumentParser) -> None:

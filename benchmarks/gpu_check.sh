@@ -91,16 +91,11 @@ extra ops_peer 200 $ops --batch 8 --lengths 8192 --methods sdpa fla_simple_gla
 extra recurrent 300 bash -c "$layers --lengths 8192 32768 --layers softmax gated_deltanet deltanet mamba2; \
   $ops --batch 8 --lengths 8192 --methods sdpa fla_gated_delta_rule delta_rule; \
   $ops --batch 8 --lengths 8192 --methods fla_gated_delta_rule delta_rule --impl chunk"
-# the reverse walk forming the caches' gradients itself (KernelDesign.walk_cache_gradient), and with the walks split
-# as the GPU chooses at 64k tokens, B·H = 16 (KernelDesign.segment_steps)
-# hard keys' superblock caches of K = 4 and 16 blocks beside the default 8 (KernelDesign.superblock_blocks), and the
-# per-block design (0), in the layer and kernel by kernel
+# hard keys' superblock caches of K = 4 and 16 blocks beside the default 8 (Schedule.superblocks), and the per-block
+# design (0), in the layer and kernel by kernel
 extra layers_superblocks 120 bash -c "for K in 0 4 16; do $layers --lengths 8192 32768 --layers softmax vq_hard \
   --superblock-blocks \$K; done"
 extra profile_8k_block_dc 25 $profile --batch 8 --length 8192 --superblock-blocks 0
-extra profile_8k_walk_dc 25 $profile --batch 8 --length 8192 --walk-cache-gradient --superblock-blocks 0
-extra profile_64k_split 25 $profile --superblock-blocks 0 --batch 1 --length 65536 \
-  --walk-cache-gradient --segment-steps -1
 extra profile_layer_soft 40 python benchmarks/kernel_profile.py --what layer --method vq_soft --batch 8 --length 8192
 extra profile_window_op 20 python benchmarks/kernel_profile.py --what op --method window --batch 8 --length 8192
 extra profile_op_tf32 30 $profile --batch 8 --length 8192 --dtype float32 --tf32

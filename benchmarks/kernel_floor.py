@@ -11,25 +11,26 @@ read once and each output written once, however often its programs reread it fro
 
 The designs (:data:`DESIGNS`):
 
-* ``block_dc`` (the kernels' for soft keys, and for hard ones with ``KernelDesign(superblock_blocks=0)``): every
+* ``block_dc`` (the kernels' for soft keys, and for hard ones with ``Schedule(superblocks=0)``): every
   block's cache, (S, Dv) bf16 sums and (S,) float32 counts (1056 bytes per token and head at S = 512, L = 64),
   written by the prefix walk, read by the forward and by the backward's code part; that part writes every block's
   cache gradient dC (S, Dv), which the reverse walk reads.
-* ``walk_dc``: as block_dc, but the reverse walk forms each block's dC_b = exp2(σ qc·c − lse)ᵀ dO itself, from qc,
-  dO and the logsumexp: two products per block more in the walk, one less in the code part, no dC in memory; the
-  walk adds the values' gradient to the window's in place.
+* ``walk_dc`` (a design the kernels no longer run: slower than block_dc on an H200): as block_dc, but the reverse
+  walk forms each block's dC_b = exp2(σ qc·c − lse)ᵀ dO itself, from qc, dO and the logsumexp: two products per
+  block more in the walk, one less in the code part, no dC in memory; the walk adds the values' gradient to the
+  window's in place.
 * ``walk_dc_split``: walk_dc with both walks split into segments of
   ``SEGMENT_STEPS`` steps (fla's chunk_h_split): the segments' sums (float32 states; the backward's formed from the
   queries, its dC products twice), two scans, every segment's walk from its own start.
-* ``superblock`` (:data:`CURRENT`, the kernels' default for hard keys: ``KernelDesign.superblock_blocks = 8``, the
+* ``superblock`` (:data:`CURRENT`, the kernels' default for hard keys: ``Schedule.superblocks = 8``, the
   K here), as built (``vqattn/ops/triton/superblock.py``): a cache only every K blocks (K·L tokens),
   nsb = ⌊max(nb − 2, 0)/K⌋ + 1 per sequence, half sums and float32 counts (:func:`caches`); a query attends to
   the keys between its superblock's cache and its window (blocks c..b−2) through their codes, logit σ q·c_{z_j},
   value v_j. No walk: ``_superblock_sums_kernel`` forms each superblock's own sums Δᵀ V and
-  ``segment_scan_kernel`` scans them into the caches; ``_superblock_forward_kernel`` reads window, gathered keys
+  ``exclusive_scan_kernel`` scans them into the caches; ``_superblock_forward_kernel`` reads window, gathered keys
   and cache in one pass. Backward: ``_superblock_code_backward_kernel`` forms dqc from the S codes and the
   gathered keys; ``_superblock_cache_grad_kernel`` each cache's gradient Σ wᵀ·dO over the query blocks that read
-  it (every block once), from qc, dO and the logsumexp; ``segment_scan_kernel`` again, their suffix sums;
+  it (every block once), from qc, dO and the logsumexp; ``exclusive_scan_kernel`` again, their suffix sums;
   ``_superblock_key_backward_kernel``, key-major, a gathered key's pᵀ·dO plus row z_j of its suffix sum, added
   to the window's dv in place. The two scans are one row (2 launches).
 * ``superblock_walk``: the plan's superblock: caches every K blocks written by the prefix walk, the keys gathered
@@ -47,7 +48,7 @@ The soft mixture's designs (:data:`SOFT_DESIGNS`; vq_soft_rope's step, the codeb
   gradient and adds the codebook's share atomically.
 * ``soft_block_sums`` (:data:`SOFT_CURRENT`, what soft keys run, ``vqattn/ops/triton/soft_caches.py``): one float
   per key, the logsumexp (``_soft_assign_kernel``'s LOGSUMEXP output); ``_soft_block_sums_kernel`` recomputes each
-  block's weights for its increments, written into the caches and scanned there (``segment_scan_kernel``); the
+  block's weights for its increments, written into the caches and scanned there (``exclusive_scan_kernel``); the
   window-code kernels as block_dc's; backward, the code backward's every block's cache gradient, reverse-scanned in
   place, then ``_soft_block_grads_kernel`` (key-major: dv, r, dk, dτ, the weights formed twice) and
   ``_soft_code_grads_kernel`` (code-major: dc). No (T, S) tensor.
@@ -114,10 +115,10 @@ DESIGNS = ("block_dc", "walk_dc", "walk_dc_split", "superblock", "superblock_wal
 # two candidates (module doc).
 SOFT_DESIGNS = ("soft_block_dc", "soft_block_sums", "soft_block_recompute", "soft_superblock")
 SOFT_CURRENT = "soft_block_sums"
-# What vqattn's kernels do by default for hard keys: the superblock kernels (KernelDesign.superblock_blocks = 8);
+# What vqattn's kernels do by default for hard keys: the superblock kernels (Schedule.superblocks = 8);
 # block_dc with superblock_blocks = 0.
 CURRENT = "superblock"
-SEGMENT_STEPS = 16  # KernelDesign.segment_steps: the steps of a split cache walk's segment
+SEGMENT_STEPS = 16  # the steps of a split cache walk's segment (walk_dc_split, a design the kernels no longer run)
 
 
 @dataclass(frozen=True)
@@ -312,7 +313,7 @@ def split_kernels(s: Shape, seg: int, ib: int) -> list[KernelCost]:
     return [
         KernelCost("_prefix_segment_kernel", f"walk: {forward_segs} segments' sums", block_products(s, s.S, s.Dv),
                    per_token(s, 1, ib) + half(s, s.Dv) + forward_segs * state(s)),
-        KernelCost("segment_scan_kernel", "both walks: the segments' running sums (2 launches)", 0,
+        KernelCost("exclusive_scan_kernel", "both walks: the segments' running sums (2 launches)", 0,
                    2 * (forward_segs + backward_segs) * state(s) + state(s)),
         KernelCost("_reverse_segment_kernel", f"reverse walk: {backward_segs} segments' dC sums",
                    block_products(s, s.S, s.Dc, s.Dv), walk_dc_reads(s) + backward_segs * state(s)),
@@ -351,7 +352,7 @@ def superblock_kernels(s: Shape, K: int, ib: int) -> list[KernelCost]:
         KernelCost("_superblock_sums_kernel", f"{nsb} superblocks' sums", block_products(s, s.S, s.Dv),
                    codes + half(s, s.Dv) + stored),
         # forward: the initial state read, the sums read and rewritten; backward: the same, the float32 total written
-        KernelCost("segment_scan_kernel", "both scans: the caches and their gradients' suffix sums (2 launches)", 0,
+        KernelCost("exclusive_scan_kernel", "both scans: the caches and their gradients' suffix sums (2 launches)", 0,
                    state(s) + 2 * stored + 2 * stored + state(s)),
         KernelCost("_superblock_forward_kernel", "window, gathered keys and the cache's codes, online softmax",
                    block_products(s, 2 * s.L, s.D, s.Dv) + block_products(s, s.S, s.Dc, s.Dv)
@@ -449,7 +450,7 @@ def soft_block_sums_kernels(s: Shape, ib: int) -> list[KernelCost]:
                    half(s, s.Dc) + codebook(s) + s.H * s.S * F32 + per_token(s)),
         KernelCost("_soft_block_sums_kernel", f"{nb} blocks' increments, the weights recomputed",
                    mixture_products(s) + block_products(s, s.S, s.Dv), keys + half(s, s.Dv) + caches(s, nb)),
-        KernelCost("segment_scan_kernel", "both scans: the caches, and their gradients' suffix sums (2 launches)", 0,
+        KernelCost("exclusive_scan_kernel", "both scans: the caches, and their gradients' suffix sums (2 launches)", 0,
                    2 * caches(s, nb) + 2 * state(s) + 2 * (cache_grads(s, nb) + counts_grads) + state(s)),
         forward(s, nb, None, ib), output_delta(s), window_backward(s),
         KernelCost(code.name, "codes: dqc, every block's dC and dn, the codebook's share",
@@ -516,7 +517,7 @@ def soft_superblock_kernels(s: Shape, K: int, ib: int) -> list[KernelCost]:
                    half(s, Dc) + codebook(s) + s.H * S * F32 + per_token(s)),
         KernelCost("_soft_superblock_sums_kernel", f"{nsb} superblocks' sums, the weights recomputed",
                    mixture_products(s) + block_products(s, S, Dv), keys + half(s, Dv) + stored),
-        KernelCost("segment_scan_kernel", "both scans: the caches and their gradients' suffix sums (2 launches)", 0,
+        KernelCost("exclusive_scan_kernel", "both scans: the caches and their gradients' suffix sums (2 launches)", 0,
                    state(s) + 2 * stored + 2 * stored + state(s)),
         KernelCost("_soft_superblock_forward_kernel", "window, the keys between through the mixture, the cache",
                    block_products(s, 2 * L, s.D, Dv) + block_products(s, S, Dc, Dv)

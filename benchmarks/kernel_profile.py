@@ -17,14 +17,13 @@ import collections
 import contextlib
 
 import torch
-from attention_speed import DTYPES, METHODS, add_design_argument, attention, set_design, set_design_fields
+from attention_speed import DTYPES, METHODS, add_design_argument, attention, set_design
 from attention_speed import design as kernel_design
 from kernel_floor import SOFT_CURRENT, Shape, gpu_of, kernels
 from layer_speed import build
 from torch.profiler import ProfilerActivity, profile
 
 from vqattn.layers import ATTENTIONS
-from vqattn.ops.triton import block_caches
 
 
 def add_precision_arguments(parser: argparse.ArgumentParser) -> None:
@@ -89,18 +88,11 @@ def main(argv=None) -> None:
     parser.add_argument("--block-len", type=int, default=None)
     parser.add_argument("--impl", default="auto", choices=["auto", "chunk", "triton"])
     parser.add_argument("--top", type=int, default=25)
-    parser.add_argument("--segment-steps", type=int, default=0,
-                        help="the cache walks' segments (KernelDesign.segment_steps): 0 never splits (the default), "
-                             "-1: the GPU chooses")
-    parser.add_argument("--walk-cache-gradient", action="store_true",
-                        help="the reverse walk forms the caches' gradients itself (KernelDesign.walk_cache_gradient)")
     add_design_argument(parser)
     add_precision_arguments(parser)
     args = parser.parse_args(argv)
     set_precision(args)
     set_design(args)
-    set_design_fields(segment_steps=None if args.segment_steps < 0 else args.segment_steps,
-                      walk_cache_gradient=args.walk_cache_gradient)
     torch.manual_seed(0)
     step = op_step(args) if args.what == "op" else layer_step(args)
     for _ in range(2):  # warm-up: Triton's compilation and the allocator's pools
@@ -165,25 +157,20 @@ def floor_rows(args, measured: dict[str, float], gpu: str | None) -> list[str]:
     # on its 30 slow RoPE pairs, padded; ovq's layer has 64 slots, the op as many as --num-codes
     slots = 64 if args.what == "layer" and args.method == "ovq" else args.num_codes
     shape = Shape(B=args.batch, H=args.heads, T=args.length, S=slots, Dc=code_dims)
-    chosen = kernel_design()
-    K = chosen.superblock_blocks  # hard keys take the superblock kernels when K > 0, else the block designs
-    seg_steps, nseg = 0, 1
+    K = kernel_design()  # hard keys take the superblock kernels when K > 0, else the per-block caches
     if args.method.startswith("vq_soft"):  # soft keys: per-block caches, the weights recomputed
         design = SOFT_CURRENT
     elif args.method == "ovq":
         design = "ovq"
     elif K > 0:
         design = "superblock"
-    else:  # the walks split as the kernels split them here
-        programs = -(-args.num_codes // block_caches.walk_code_tile(64)) * args.batch * args.heads
-        seg_steps, nseg = block_caches.walk_segments(shape.nb + 1, programs, torch.device("cuda"), chosen.segment_steps)
-        design = ("walk_dc_split" if nseg > 1 else "walk_dc") if chosen.walk_cache_gradient else "block_dc"
+    else:
+        design = "block_dc"
     rows = [f"\nagainst the floor on an {gpu} (kernel_floor.py, design {design}"
-            + (f", K = {K}" if design == "superblock" else "")
-            + (f", segments of {seg_steps} steps)" if nseg > 1 else ")"),
+            + (f", K = {K})" if design == "superblock" else ")"),
             "| kernel | measured ms | floor ms | floor / measured |", "|---|---:|---:|---:|"]
     modelled = 0.0
-    for cost in kernels(design, shape, K=K, segment_steps=seg_steps):
+    for cost in kernels(design, shape, K=K):
         ms, floor = measured.get(cost.name), cost.floor_s(gpu) * 1000
         if ms is None:
             continue

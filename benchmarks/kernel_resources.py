@@ -52,7 +52,6 @@ ACCESS = re.compile(r"\b((?:ld|st)\.global(?:\.\w+)*|cp\.async\.c[ag]\.shared\.g
 def record(args, path: str) -> None:
     """Run one step under the interpreter with the GPU's kernel paths, pickling every launch to ``path``."""
     import triton.runtime.interpreter as interpreter
-    from attention_speed import set_design_fields
     from kernel_profile import layer_step, op_step, set_precision
 
     import vqattn.codebook as codebook
@@ -71,8 +70,6 @@ def record(args, path: str) -> None:
     for module in (nearest, assign, codebook):
         module.runs_assignment_kernels = assignment_kernels
     utils.INTERPRET = False
-    if args.segment_steps is not None:
-        set_design_fields(segment_steps=args.segment_steps)
     utils.capability = lambda device: divmod(args.arch, 10)  # the launch settings of the GPU compiled for
 
     launches = {}
@@ -198,9 +195,6 @@ def main(argv=None) -> None:
     parser.add_argument("--block-len", type=int, default=None)
     parser.add_argument("--arch", type=int, default=90, help="the compute capability compiled for (90: H100, H200)")
     parser.add_argument("--dump", help="a folder to write each launch's SASS listing to")
-    parser.add_argument("--segment-steps", type=int, default=None,
-                        help="split the cache walks into segments of this many steps (KernelDesign.segment_steps; "
-                             "a recorded step runs on the CPU, where they split only so)")
     parser.add_argument("--compiler-python", default=sys.executable,
                         help="the Python (and so the Triton) that compiles the launches (default: this one)")
     add_precision_arguments(parser)

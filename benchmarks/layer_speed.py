@@ -133,7 +133,7 @@ def main(argv=None) -> None:
     compiled = (", compiled" if args.compile else "") + (", tuned allocator" if args.tuned_allocator else "")
     batch = "B=1" if args.tokens is None else f"B={args.tokens}//T"
     print(f"# layer fwd+bwd, {batch} impl={args.impl} dim={args.dim} heads={args.heads} S={args.num_codes} {args.dtype} autocast "
-          f"{args.autocast}{compiled}, superblock_blocks={design().superblock_blocks}, training mode, "
+          f"{args.autocast}{compiled}, superblocks={design()}, training mode, "
           f"{args.device}: {machine()}, torch {torch.__version__}; "
           f"median of {args.reps} reps in each of {args.rounds} interleaved rounds")
     if args.device == "cpu":

@@ -215,21 +215,19 @@ def test_packed_speed_layouts_and_a_tiny_row(packed_speed, capsys, monkeypatch):
 
 
 def test_a_benchmarks_kernel_design_reaches_the_ops_and_layers_by_name(layer_speed, monkeypatch):
-    """--superblock-blocks (and kernel_profile's walk options) choose the kernels' design for the process and the
-    processes it starts, handed to the library as a Schedule (no library global is set)."""
+    """--superblock-blocks chooses the kernels' design for the process and the processes it starts, handed to the
+    library as a Schedule (no library global is set)."""
     import attention_speed
 
-    from vqattn.ops.blocks import KernelDesign
+    from vqattn.ops.blocks import Schedule
 
     monkeypatch.delenv(attention_speed.DESIGN_ENV, raising=False)
-    assert attention_speed.design() == KernelDesign()
-    monkeypatch.setenv(attention_speed.DESIGN_ENV, "{}")
+    assert attention_speed.design() == Schedule().superblocks == 8
+    monkeypatch.setenv(attention_speed.DESIGN_ENV, "8")
     attention_speed.set_design(attention_speed.argparse.Namespace(superblock_blocks=0))
-    attention_speed.set_design_fields(walk_cache_gradient=True)
-    assert attention_speed.design() == KernelDesign(superblock_blocks=0, walk_cache_gradient=True)
-    assert attention_speed.schedule().kernels == attention_speed.design()
+    assert attention_speed.design() == 0 and attention_speed.schedule() == Schedule(superblocks=0)
     layer = layer_speed.build("vq_hard", 32, 2, 8, "cpu", layer_speed.DTYPES["float32"])
-    assert layer.schedule.kernels.superblock_blocks == 0
+    assert layer.schedule.superblocks == 0
 
 
 @pytest.mark.slow

@@ -42,7 +42,7 @@ SUPERBLOCK = {
     "_superblock_sums_kernel": (4 * 16384, 2048 + 8192 + 2 * 288),
     # forward: the initial state read, two caches read and rewritten; backward: two gradients read and rewritten,
     # the float32 total written
-    "segment_scan_kernel": (0, 544 + 2 * 2 * 288 + 2 * 2 * 288 + 544),
+    "exclusive_scan_kernel": (0, 544 + 2 * 2 * 288 + 2 * 2 * 288 + 544),
     # per block the window's qk and pv (131072 each) and the codes' qc·cᵀ and p·C (16384 each); the gathered tile's
     # qc·c_zᵀ and p·v, 2·64·64·16 = 131072 each; qw, kw, v, qc, the codebook, two caches and the codes read, out and
     # the logsumexp written
@@ -97,7 +97,7 @@ SOFT_BLOCK_SUMS = {
     "_soft_block_sums_kernel": (2 * 2 * 65536 + 4 * 16384, 9728 + 8192 + 1152),
     # forward: four caches read and rewritten, the initial state read and the total written; backward: four half
     # dC (4·8·16·2 = 1024) and their count gradients (4·8·4 = 128) read and rewritten, the float32 total written
-    "segment_scan_kernel": (0, 2 * 1152 + 2 * 544 + 2 * (1024 + 128) + 544),
+    "exclusive_scan_kernel": (0, 2 * 1152 + 2 * 544 + 2 * (1024 + 128) + 544),
     "_window_code_forward_kernel": BLOCK_DC["_window_code_forward_kernel"],
     "_output_delta_kernel": BLOCK_DC["_output_delta_kernel"],
     "_window_backward_kernel": BLOCK_DC["_window_backward_kernel"],
@@ -166,14 +166,14 @@ def test_split_walks_by_hand(kernel_floor, small):
     costs = kernel_floor.kernels("walk_dc_split", small, segment_steps=2)
     split = {c.name: c for c in costs}
     assert [c.name for c in costs] == ["_nonfinite_rows_kernel", "_nearest_kernel", "_prefix_segment_kernel",
-                                       "segment_scan_kernel", "_prefix_kernel", "_window_code_forward_kernel",
+                                       "exclusive_scan_kernel", "_prefix_kernel", "_window_code_forward_kernel",
                                        "_output_delta_kernel", "_window_backward_kernel", "_code_backward_kernel",
                                        "_reverse_segment_kernel", "_prefix_backward_kernel"]
     # Δᵀ V of every block; codes and v read, three sums written
     assert (split["_prefix_segment_kernel"].flop, split["_prefix_segment_kernel"].bytes) == (
         4 * 16384, 2048 + 8192 + 3 * 544)
     # both scans read and write their sums, the forward's also reads the initial cache
-    assert split["segment_scan_kernel"].bytes == 2 * (3 + 2) * 544 + 544
+    assert split["exclusive_scan_kernel"].bytes == 2 * (3 + 2) * 544 + 544
     # dC of every block: qc·cᵀ and wᵀ·dO; qc, dO, lse, the codebook and the counts read, two sums written
     assert (split["_reverse_segment_kernel"].flop, split["_reverse_segment_kernel"].bytes) == (
         4 * 2 * 16384, 2 * 8192 + 1024 + 512 + 128 + 2 * 544)

@@ -50,16 +50,12 @@ def test_the_scale_defaults_to_one_over_the_root_of_the_head_dim():
 
 
 def test_a_schedule_names_its_kernel_design_and_checks_it():
-    """The Triton kernels' design is a field of the Schedule a call passes (no module global): checked like the
-    schedule's other fields, with the argument named."""
-    from vqattn.ops.blocks import KernelDesign, Schedule, as_schedule
+    """The Triton kernels' one design choice, hard keys' superblocks, is a field of the Schedule a call passes (no
+    module global): checked like the schedule's other fields, with the argument named."""
+    from vqattn.ops.blocks import Schedule, as_schedule
 
-    assert as_schedule("auto").kernels == KernelDesign() == KernelDesign(8, False, 0)
-    design = KernelDesign(superblock_blocks=0, walk_cache_gradient=True, segment_steps=None)
-    assert as_schedule(Schedule(kernels=design)).kernels is design
-    for bad, match in ((KernelDesign(superblock_blocks=-1), "superblock_blocks must be an int ≥ 0"),
-                       (KernelDesign(segment_steps=1.5), "segment_steps must be an int ≥ 0 or None"),
-                       (KernelDesign(walk_cache_gradient=1), "walk_cache_gradient must be a bool"),
-                       ({"superblock_blocks": 0}, "must be a KernelDesign")):
-        with pytest.raises(ValueError, match="schedule.kernels.?" + match):
-            as_schedule(Schedule(kernels=bad))
+    assert as_schedule("auto").superblocks == Schedule().superblocks == 8
+    assert as_schedule(Schedule(superblocks=0)).superblocks == 0
+    for bad in (-1, 1.5, True, None):
+        with pytest.raises(ValueError, match=r"schedule.superblocks must be an int ≥ 0 \(0: every block's cache\), got "):
+            as_schedule(Schedule(superblocks=bad))

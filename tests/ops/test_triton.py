@@ -10,11 +10,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vqattn.layers import build_attention
-from vqattn.ops.blocks import KernelDesign, Schedule
+from vqattn.ops.blocks import Schedule
 from vqattn.ops.common.layout import memory_order
 from vqattn.ops.common.statistics import map_time
 from vqattn.ops.devices import triton
-from vqattn.ops.triton import block_caches as block_caches_module
 from vqattn.ops.triton.block_caches import block_caches
 from vqattn.ops.triton.finite import nonfinite_rows
 from vqattn.ops.triton.nearest import code_residuals, nearest_codes
@@ -80,25 +79,15 @@ def test_vq_attention(assign, window, T):
             vq_inputs(assign, window, T, batch=B if T == 100 else 1))
 
 
-# Every walk (unsplit, or split: segments of 1 and 3 blocks take the same kernels) with hard and soft keys, with
-# the caches' gradient formed in the walk and, split, read (unsplit and read: test_gradient_of_a_continued_states_
-# counts and test_where_the_cache_gradient_is_formed); the window's forms (which the walks never read) spread over
-# them
-@pytest.mark.parametrize("segment_steps,walk,assign,window", [
-    (3, True, "hard", "rotated"), (3, True, "soft", "exact"),
-    pytest.param(1, True, "soft", "exact", marks=pytest.mark.slow),
-    pytest.param(0, True, "hard", "rotated", marks=pytest.mark.slow),
-    pytest.param(0, True, "soft", "exact", marks=pytest.mark.slow),
-    pytest.param(3, False, "hard", "codes", marks=pytest.mark.slow),
-    pytest.param(3, False, "soft", "exact", marks=pytest.mark.slow)])
-def test_vq_attention_with_split_walks(segment_steps, walk, assign, window):
-    """The cache walks split into segments of 1 or 3 blocks (summed in parallel, then scanned) or not, with the
-    caches' gradients formed in the reverse walk (``walk``) or read from the code backward, give the definition's
-    outputs and gradients, with the memory bound's bias on the codes, and a state continued from one call to the
-    next (its state gradient folded in mid-walk) equals that one call. 140 tokens: 5 blocks, the last segment of 3
-    partial."""
-    # hard keys through the walks too
-    walks = Schedule(kernels=KernelDesign(superblock_blocks=0, walk_cache_gradient=walk, segment_steps=segment_steps))
+# The per-block walks with hard and soft keys (hard ones take them with superblocks=0); the window's forms (which the
+# walks never read) spread over them
+@pytest.mark.parametrize("assign,window", [("hard", "rotated"), ("soft", "exact"),
+                                           pytest.param("hard", "codes", marks=pytest.mark.slow)])
+def test_vq_attention_through_the_walks(assign, window):
+    """The per-block cache walks give the definition's outputs and gradients, with the memory bound's bias on the
+    codes, and a state continued from one call to the next (its state gradient folded in mid-walk) equals that one
+    call. 140 tokens: 5 blocks, the last partial."""
+    walks = Schedule(superblocks=0)  # hard keys through the walks too
     one_call = []
 
     def fast(*x):
@@ -194,12 +183,11 @@ def test_chunked_calls_equal_one_call(assign, window):
     assert state.length == chunk_state.length and torch.equal(state.keys, chunk_state.keys)
 
 
-@pytest.mark.parametrize("walk", [False, True])
-def test_gradient_of_a_continued_states_counts(walk):
-    """A hard state whose counts need a gradient (here a leaf): the kernels carry it, against the chunk form in
-    float64, with the caches' gradients read or formed in the walk. Without one, hard counts are not
-    differentiable and the backward skips their gradient."""
-    walks = Schedule(kernels=KernelDesign(superblock_blocks=0, walk_cache_gradient=walk))  # hard keys: the walks
+def test_gradient_of_a_continued_states_counts():
+    """A hard state whose counts need a gradient (here a leaf): the kernels carry it through the walks, against the
+    chunk form in float64. Without one, hard counts are not differentiable and the backward skips their
+    gradient."""
+    walks = Schedule(superblocks=0)  # hard keys: the walks
     q, k, v, c = (x.detach() for x in vq_inputs("hard", "exact", 100, generator=torch.Generator().manual_seed(4)))
     _, state = vq_attention(q[:, :, :70], k[:, :, :70], v[:, :, :70], c, causal=True, block_len=L,
                             exact_window=True, impl="chunk", return_state=True)
@@ -216,27 +204,6 @@ def test_gradient_of_a_continued_states_counts(walk):
 
     rest = [x[:, :, 70:].clone().requires_grad_() for x in (q, k, v)]
     compare(call("chunk", torch.float64, "cpu"), call("triton", torch.float32, DEVICE), [*rest, counts, sums])
-
-
-@pytest.mark.slow  # seconds a case
-@pytest.mark.parametrize("assign", ["hard", "soft"])
-@pytest.mark.parametrize("walk", [False, True])
-def test_where_the_cache_gradient_is_formed(assign, walk):
-    """With walk_cache_gradient the reverse cache walk forms every block's cache gradient from the queries that
-    read the cache: the backward allocates no (B·H, nb, S, Dv) tensor (1 GB at 8192 tokens on a GPU); by default
-    the code backward writes it for the walk to read. Soft keys take the walks when their weights come formed."""
-    walks = Schedule(kernels=KernelDesign(superblock_blocks=0, walk_cache_gradient=walk))  # hard keys: the walks
-    T = 100
-    nb = -(-T // L)
-    q, k, v, c = (x.detach().to(DEVICE, torch.float32).requires_grad_()
-                  for x in vq_inputs(assign, "exact", T, batch=1))
-    formed = dict(assignment=vq_assign(k, c, assign="soft")) if assign == "soft" else {}
-    out = vq_call(vq_attention, assign, "exact", "triton", schedule=walks, **formed)(q, k, v, c)
-    with Allocations() as backward:
-        out.square().sum().backward()
-    per_block = {(H, nb, S, DV), (1, H, nb, S, DV)}
-    assert bool(per_block & set(backward.shapes)) != walk, backward.shapes
-    assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in (q, v))
 
 
 class MaskedCopies(TorchDispatchMode):
@@ -363,20 +330,17 @@ def ref_block_caches(delta, v, counts0, sums0, block_len, fold):
     return torch.cat([x.flatten() for x in parts])
 
 
-# Each (T, fold, codes, segments) case once, hard or soft in turn (the place of the state in the walk is the same
-# code for both), but 150 codes (several tiles: a hard key's value gradient is stored by one of them, a soft key's
-# added over all) and the longest split walk run both
-@pytest.mark.parametrize("assign,T,fold,num_codes,segment_steps", [
-    ("hard", 1, 0, S, 0), ("soft", 1, 1, S, 0), ("hard", 40, 1, S, 0), ("soft", 100, 2, S, 0), ("hard", 100, 4, S, 0),
-    ("hard", 100, 2, 150, 0), ("soft", 100, 2, 150, 0), ("soft", 1, 1, S, 1), ("hard", 100, 0, S, 1),
-    ("soft", 100, 2, S, 2), ("hard", 100, 3, S, 2), ("hard", 230, 4, S, 3), ("soft", 230, 4, S, 3),
-    ("hard", 100, 4, 150, 2), ("soft", 100, 4, 150, 2)])
-def test_block_caches(assign, T, fold, num_codes, segment_steps):
+# Each (T, fold, codes) case once, hard or soft in turn (the place of the state in the walk is the same code for
+# both), but 150 codes (several tiles: a hard key's value gradient is stored by one of them, a soft key's added over
+# all) run both
+@pytest.mark.parametrize("assign,T,fold,num_codes", [
+    ("hard", 1, 0, S), ("soft", 1, 1, S), ("hard", 40, 1, S), ("soft", 100, 2, S), ("hard", 100, 4, S),
+    ("hard", 100, 0, S), ("hard", 100, 2, 150), ("soft", 100, 2, 150), ("hard", 230, 4, S), ("soft", 100, 4, 150)])
+def test_block_caches(assign, T, fold, num_codes):
     """Every block's cache and the state after ``fold`` blocks, with the gradients of the values, the soft weights
     and the initial cache, against a loop over blocks in float64. 150 codes take three programs' tiles of 64 (the
-    last one partly filled): a hard key's value gradient is written by the one tile that holds its code. The walks
-    run in one program per tile (``segment_steps`` 0) or split into segments of that many steps, the state at
-    every place within them (its first and last step, the last segment, the last step of all: 4 of 4 blocks)."""
+    last one partly filled): a hard key's value gradient is written by the one tile that holds its code. The state
+    sits at every place in the walk (its first step, between, the last step of all: 4 of 4 blocks)."""
     g = torch.Generator().manual_seed(T + fold)
     index = torch.randint(0, num_codes, (1, H, T), generator=g)  # one sequence: see vq_inputs
     v, counts0, sums0, weights = leaves((1, H, T, DV), (1, H, num_codes), (1, H, num_codes, DV), (1, H, T, num_codes),
@@ -390,31 +354,11 @@ def test_block_caches(assign, T, fold, num_codes, segment_steps):
     def fast(v, counts0, sums0, weights):
         # the kernel's outputs in the reference's order: block by block, then the state
         n, c, n_fold, c_fold = block_caches(index.to(DEVICE) if hard else None, None if hard else weights, v,
-                                            counts0, sums0, block_len=L, fold=fold, segment_steps=segment_steps)
+                                            counts0, sums0, block_len=L, fold=fold)
         blocks = [x for i in range(n.shape[2]) for x in (n[:, :, i], c[:, :, i])]
         return torch.cat([x.flatten() for x in blocks + [n_fold, c_fold]])
 
     compare(ref, fast, [v, counts0, sums0, weights])
-
-
-def test_walks_split_only_where_their_programs_leave_a_gpu_idle(monkeypatch):
-    """On a GPU of 132 SMs (two walk programs each) the walks split into as many segments as fill it, of at least
-    MIN_SEGMENT_STEPS steps, where that at least doubles the programs in flight: 1024 programs (8k tokens,
-    B·H = 128) and 256 (32k, B·H = 32) stay unsplit. A number of steps overrides; the interpreter's CPU never
-    splits by itself."""
-    from types import SimpleNamespace
-
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
-    gpu, cpu = torch.device("cuda"), torch.device("cpu")
-    segments = block_caches_module.walk_segments
-    assert segments(129, 1024, gpu, None) == (129, 1)
-    assert segments(513, 256, gpu, None) == (513, 1)  # 32k tokens, B·H = 32: 264 slots for 256 programs
-    assert segments(1025, 128, gpu, None) == (513, 2)  # 64k tokens, B·H = 16
-    assert segments(129, 16, gpu, None) == (9, 15)  # 16 segments wanted: 9 steps each
-    assert segments(20, 16, gpu, None) == (8, 3)  # never under MIN_SEGMENT_STEPS
-    assert segments(1025, 128, cpu, None) == (1025, 1)
-    assert segments(1025, 16, gpu, 0) == (1025, 1)
-    assert segments(1025, 1024, gpu, 100) == (100, 11)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

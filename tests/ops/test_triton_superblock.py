@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vqattn.ops.blocks import KernelDesign, Schedule
+from vqattn.ops.blocks import Schedule
 from vqattn.ops.common.statistics import map_time
 from vqattn.ops.triton import superblock as superblock_module
 from vqattn.ops.vq import VQState, naive_vq_attention, vq_assign, vq_attention
@@ -33,7 +33,7 @@ def K(request):
 
 def design(K: int) -> Schedule:
     """The schedule whose kernels use superblocks of K blocks (0: the per-block walks)."""
-    return Schedule(kernels=KernelDesign(superblock_blocks=K))
+    return Schedule(superblocks=K)
 
 
 def inputs(window, T, scale=1.0, seed=0, batch=1, heads=H):
@@ -187,6 +187,6 @@ def test_superblock_count():
 
 
 def test_per_block_walks_stay_available():
-    """superblock_blocks = 0 runs hard keys through the per-block walks (block_caches.py), the design the GPU
+    """superblocks = 0 runs hard keys through the per-block walks (block_caches.py), the design the GPU
     tables compare against."""
     compare(call(naive_vq_attention, "exact"), call(vq_attention, "exact", "triton", 0), inputs("exact", 60))

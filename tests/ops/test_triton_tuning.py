@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vqattn.ops.blocks import KernelDesign, Schedule
+from vqattn.ops.blocks import Schedule
 from vqattn.ops.triton import superblock, tuning
 from vqattn.ops.vq import naive_vq_attention, vq_attention
 
@@ -52,7 +52,7 @@ def test_every_candidate_equals_the_definition(choice, monkeypatch):
         return lambda q, k, v, c: attention(q, k, v, c, causal=True, assign="hard", block_len=L, exact_window=True,
                                             memory_cap=40, **extra)
 
-    two = Schedule(kernels=KernelDesign(superblock_blocks=2))
+    two = Schedule(superblocks=2)
     compare(run(naive_vq_attention), run(vq_attention, "triton", schedule=two), [q, k, v, c])
 
 

@@ -44,24 +44,6 @@ GROUP_BYTES = 8 * 2**20
 CACHE_SCHEDULES = ("auto", "loop", "cumsum")
 
 
-class KernelDesign(NamedTuple):
-    """Which design the fused (Triton) vq kernels run; never what they compute (each gives the same result to
-    rounding). The defaults are the ones measured best on an H200 (docs/triton_kernels.md).
-
-    superblock_blocks: hard keys' caches every K blocks, the keys in between read through their codes
-        (:mod:`vqattn.ops.triton.superblock`); 0: every block's cache and the cache walks
-        (:mod:`vqattn.ops.triton.block_caches`), the design soft keys always run.
-    walk_cache_gradient: the walks' design only: the reverse walk forms every block's cache gradient from the
-        queries that read it, instead of reading the code backward's (:mod:`vqattn.ops.triton.vq_causal`).
-    segment_steps: the walks' steps per program: 0 never splits, n > 0 splits them into segments of n steps
-        (fla's chunk_h_split), None lets the GPU choose (:func:`vqattn.ops.triton.block_caches.walk_segments`).
-    """
-
-    superblock_blocks: int = 8
-    walk_cache_gradient: bool = False
-    segment_steps: int | None = 0
-
-
 class Schedule(NamedTuple):
     """How the block algorithm runs; never what it computes (every schedule gives the same result to rounding).
 
@@ -71,12 +53,16 @@ class Schedule(NamedTuple):
         a loop would unroll). ``"auto"``: loop on CPU in eager mode, cumsum otherwise.
     group_blocks: blocks per group (see :func:`block_groups`); None picks them by :data:`GROUP_BYTES` on CPU and
         runs all blocks in one group on other devices.
-    kernels: the fused impl's design (:class:`KernelDesign`).
+    superblocks: the fused (Triton) impl's one design choice, for hard keys: their caches every K = ``superblocks``
+        blocks, the keys in between read through their codes (:mod:`vqattn.ops.triton.superblock`; the default,
+        the least memory); 0: every block's cache (:mod:`vqattn.ops.triton.block_caches`, the design soft keys and
+        ovq always run), which on an H200 was 9% faster at 8192 tokens and held 1.9 GB more
+        (docs/triton_kernels.md).
     """
 
     cache: str = "auto"
     group_blocks: int | None = None
-    kernels: KernelDesign = KernelDesign()
+    superblocks: int = 8
 
 
 def as_schedule(schedule: str | Schedule) -> Schedule:
@@ -88,17 +74,9 @@ def as_schedule(schedule: str | Schedule) -> Schedule:
     check_choice("schedule.cache", schedule.cache, CACHE_SCHEDULES)
     if schedule.group_blocks is not None:
         check_positive_int("schedule.group_blocks", schedule.group_blocks)
-    kernels = schedule.kernels
-    if not isinstance(kernels, KernelDesign):
-        raise ValueError(f"schedule.kernels must be a KernelDesign, got {type(kernels).__name__}")
-    for name in ("superblock_blocks", "segment_steps"):
-        value = getattr(kernels, name)
-        if not (value is None and name == "segment_steps") and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            allowed = "an int ≥ 0" + (" or None" if name == "segment_steps" else "")
-            raise ValueError(f"schedule.kernels.{name} must be {allowed}, got {value!r}")
-    if not isinstance(kernels.walk_cache_gradient, bool):
-        raise ValueError(f"schedule.kernels.walk_cache_gradient must be a bool, got {kernels.walk_cache_gradient!r}")
+    value = schedule.superblocks
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"schedule.superblocks must be an int ≥ 0 (0: every block's cache), got {value!r}")
     return schedule
 
 

@@ -36,8 +36,7 @@ def fused_memory_attention(x: Inputs, state: OVQState, q, k, v, q_mem, k_mem, sl
     keys_values = torch.cat([k_mem, v], -1).to(x.dtype)  # one walk forms the key and the value sums side by side
     if block_weights is None:
         counts, sums, _, _ = block_caches(slots, weights, keys_values, state.counts,
-                                          torch.cat([state.key_sums, state.value_sums], -1), block_len=L, fold=0,
-                                          segment_steps=x.schedule.kernels.segment_steps)
+                                          torch.cat([state.key_sums, state.value_sums], -1), block_len=L, fold=0)
         key_sums, value_sums = sums.split([D, Dv], -1)  # split, not sliced: one gradient buffer, not two summed
         key_means = code_means(counts, key_sums)
     else:  # blocks weighed by forgetting: PyTorch's statistics and prefix sums

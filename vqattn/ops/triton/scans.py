@@ -1,7 +1,7 @@
 """The short scan of chunked prefixes (fla's ``chunk_h_split`` pattern): n pieces' sums of codes' counts (S,) and
 value sums (S, Dv), formed in parallel, become every piece's running sum in one short sequential pass per tile of
-codes and sequence. The split cache walks (:mod:`.block_caches`) and the superblock caches (:mod:`.superblock`)
-scan with it.
+codes and sequence. The superblock caches (:mod:`.superblock`) and the soft caches (:mod:`.soft_caches`) scan with
+it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ if triton is not None:
     from .utils import code_tile_layout, load_cache, store_cache
 
     @triton.jit
-    def segment_scan_kernel(TN, TC, N0, C0, NT, CT, S, DV, nseg, BS: tl.constexpr, BDV: tl.constexpr,
+    def exclusive_scan_kernel(TN, TC, N0, C0, NT, CT, S, DV, nseg, BS: tl.constexpr, BDV: tl.constexpr,
                             REVERSE: tl.constexpr, HAS_BASE: tl.constexpr, HAS_TOTAL: tl.constexpr):
         """The pieces' sums TN (B·H, nseg, S), TC (B·H, nseg, S, DV) float32 replaced in place by their exclusive
         prefix sums from the base N0 (B·H, S), C0 (B·H, S, DV) (with HAS_BASE, else 0), or with REVERSE by their
@@ -52,7 +52,7 @@ def exclusive_scan(tn: torch.Tensor, tc: torch.Tensor, *, code_tile: int, base=N
     totals = (torch.empty(BH, S, device=tn.device, dtype=torch.float32),
               torch.empty(BH, S, DV, device=tn.device, dtype=torch.float32)) if total else (tn, tc)
     n0, c0 = base if base is not None else (tn, tc)
-    segment_scan_kernel[(triton.cdiv(S, code_tile), BH)](
+    exclusive_scan_kernel[(triton.cdiv(S, code_tile), BH)](
         TN=tn, TC=tc, N0=n0, C0=c0, NT=totals[0], CT=totals[1], S=S, DV=DV, nseg=n, BS=code_tile, BDV=BDV,
         REVERSE=reverse, HAS_BASE=base is not None, HAS_TOTAL=total)
     return totals if total else None

@@ -189,12 +189,12 @@ if triton is not None:
                               H, T, S, DC, DV, scale, L: tl.constexpr, BDC: tl.constexpr, BDV: tl.constexpr,
                               BS: tl.constexpr, PER_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr,
                               SUM_DOT: tl.constexpr, PREC: tl.constexpr, CODEBOOK_GRAD: tl.constexpr,
-                              COUNTS_GRAD: tl.constexpr, CACHE_GRAD: tl.constexpr):
+                              COUNTS_GRAD: tl.constexpr):
         """The codes' gradients of query block blk: of its code queries (dqc), of the codebook (DCB: stored at
         (B·H, nb, S, DC) for every block's own codebook, added atomically into its sequence's (B·H, S, DC) (zeroed)
-        for a shared one), and with CACHE_GRAD of its cache, DSUM (B·H, nb, S, DV) in the sums' dtype and, with
-        COUNTS_GRAD, DCNT (B·H, nb, S) float32 (hard counts carry no gradient unless the initial cache's do; the vq
-        op's reverse cache walk forms both itself, block_caches.py). A kernel of its own,
+        for a shared one), and of its cache, DSUM (B·H, nb, S, DV) in the sums' dtype and, with COUNTS_GRAD, DCNT
+        (B·H, nb, S) float32 (hard counts carry no gradient unless the initial cache's do), which the reverse cache
+        walk reads (block_caches.py). A kernel of its own,
         apart from the window's: its loop holds fewer registers than the window's ten (L, ·) tiles, so more of its
         programs share an SM."""
         blk, bh = tl.program_id(0), tl.program_id(1)
@@ -220,14 +220,12 @@ if triton is not None:
                 # row: not an (nb, S, DC) share per block
                 add_codebook_grad(DCB, cache if PER_BLOCK else bh, codes, present, ds_codes, qc, scale, S, DC, BDC,
                                   DOT, PREC, PER_BLOCK)
-            if CACHE_GRAD:
-                # out_i = (Σ_s exp(l_is) C_s + window) / (Σ_s exp(l_is) n_s + window): by C_s w_n dO_i, by n_s
-                # −w_n Δ_i
-                d_sums = tl.dot(tl.trans(w_n.to(SUM_DOT)), do_sums, input_precision=PREC)  # (BS, BDV), float32
-                tl.store(DSUM + (cache * S + codes[:, None]) * DV + dv_cols[None, :],
-                         d_sums.to(DSUM.dtype.element_ty), mask=present[:, None] & (dv_cols[None, :] < DV))
-                if COUNTS_GRAD:
-                    tl.store(DCNT + cache * S + codes, -tl.sum(w_n * delta[:, None], 0), mask=present)
+            # out_i = (Σ_s exp(l_is) C_s + window) / (Σ_s exp(l_is) n_s + window): by C_s w_n dO_i, by n_s −w_n Δ_i
+            d_sums = tl.dot(tl.trans(w_n.to(SUM_DOT)), do_sums, input_precision=PREC)  # (BS, BDV), float32
+            tl.store(DSUM + (cache * S + codes[:, None]) * DV + dv_cols[None, :],
+                     d_sums.to(DSUM.dtype.element_ty), mask=present[:, None] & (dv_cols[None, :] < DV))
+            if COUNTS_GRAD:
+                tl.store(DCNT + cache * S + codes, -tl.sum(w_n * delta[:, None], 0), mask=present)
         store_rows(DQC, sdqc_b, sdqc_h, sdqc_t, b, h, rows, T, DC, dqc * scale, BDC)
 
 @dataclasses.dataclass
@@ -311,11 +309,11 @@ def window_backward(f: WindowCodes, grad_out: torch.Tensor, delta: torch.Tensor)
 
 
 def code_backward(f: WindowCodes, grad_out: torch.Tensor, delta: torch.Tensor, *, codebook_grad: bool,
-                  counts_grad: bool, cache_grad: bool = True):
+                  counts_grad: bool):
     """The codes' gradients: dqc (padded), the codebook's (float32: (B·H, nb, S, DC) for every block's own,
-    (B·H, S, DC) summed over a sequence's blocks for a shared one; None without ``codebook_grad``), and with
-    ``cache_grad`` every block's cache's, dcnt (B·H, nb, S) float32 (with ``counts_grad``, else None) and dsum
-    (B·H, nb, S, DV) in the sums' dtype (else both None: a caller that forms them itself)."""
+    (B·H, S, DC) summed over a sequence's blocks for a shared one; None without ``codebook_grad``), and every block's
+    cache's, dcnt (B·H, nb, S) float32 (with ``counts_grad``, else None) and dsum (B·H, nb, S, DV) in the sums'
+    dtype."""
     B, H, T, _ = f.qw.shape
     S, DC = f.cb.shape[-2:]
     DV, L = f.v.shape[-1], f.meta["L"]
@@ -328,16 +326,15 @@ def code_backward(f: WindowCodes, grad_out: torch.Tensor, delta: torch.Tensor, *
         dcb = torch.empty(B * H, nb, S, DC, **f32)
     else:  # the blocks' shares add up atomically in the kernel, per sequence
         dcb = torch.zeros(B * H, S, DC, **f32)
-    counts_grad = counts_grad and cache_grad
     dcnt = torch.empty(B * H, nb, S, **f32) if counts_grad else None
-    dsum = torch.empty(B * H, nb, S, DV, device=f.qw.device, dtype=f.sm.dtype) if cache_grad else None
+    dsum = torch.empty(B * H, nb, S, DV, device=f.qw.device, dtype=f.sm.dtype)
     meta = {key: f.meta[key] for key in ("L", "BDC", "BDV", "BS", "PER_BLOCK", "HAS_BIAS", "DOT", "SUM_DOT", "PREC")}
-    meta.update(CODEBOOK_GRAD=codebook_grad, COUNTS_GRAD=counts_grad, CACHE_GRAD=cache_grad)
+    meta.update(CODEBOOK_GRAD=codebook_grad, COUNTS_GRAD=counts_grad)
     unused = dqc  # a pointer the kernel does not read under its constexprs
     _code_backward_kernel[(nb, B * H)](
         QC=f.qc, CB=f.cb, CNT=f.cnt, SUM=f.sm, BIAS=f.bias, DO=grad_out, LSE=f.lse, DELTA=delta, DQC=dqc,
         DCB=unused if dcb is None else dcb, DCNT=unused if dcnt is None else dcnt,
-        DSUM=unused if dsum is None else dsum, **stride_args("qc", f.qc), **stride_args("do", grad_out),
+        DSUM=dsum, **stride_args("qc", f.qc), **stride_args("do", grad_out),
         **stride_args("dqc", dqc), H=H, T=T, S=S, DC=DC, DV=DV, scale=f.scale, **meta,
         **_code_backward_launch(meta, codebook_grad, f.qw.device))
     return dqc, dcb, dcnt, dsum

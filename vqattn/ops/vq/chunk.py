@@ -176,7 +176,7 @@ def _fused_causal(x: Inputs, *, L: int, counts0, sums0, fold_blocks: int, first_
     them, runs the chunk impl)."""
     return fused_causal(x.q, x.k, x.v, x.codebook, x.assignment, L=L, scale=x.scale, exact_window=x.exact_window,
                         counts0=counts0, sums0=sums0, fold_blocks=fold_blocks, window_k=x.window_k, window_q=x.q_rot,
-                        window_bad=x.window_bad, design=x.schedule.kernels,
+                        window_bad=x.window_bad, superblocks=x.schedule.superblocks,
                         memory_bias=block_memory_bias(first_block, -(-x.q.shape[2] // L), L, x.memory_cap,
                                                       device=x.q.device, dtype=counts0.dtype))
 

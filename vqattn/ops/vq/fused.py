@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from ..blocks import KernelDesign
 from ..common.statistics import Assignment
 from ..triton.soft_caches import soft_block_caches
 from ..triton.vq_causal import fused_vq_causal
@@ -45,15 +44,16 @@ def _recomputed_soft(q, v, c, a: SoftMixture, *, L: int, scale: float, counts0, 
 
 def fused_causal(q, k, v, c, a: Assignment | SoftMixture, *, L: int, scale: float, exact_window: bool, counts0, sums0,
                  fold_blocks: int, window_k, window_q=None, memory_bias=None, window_bad=None,
-                 design: KernelDesign = KernelDesign()):
+                 superblocks: int = 8):
     """The fused impl of :func:`~vqattn.ops.vq.chunk._causal`: q (B, H, T, Dc), c (H, S, Dc), window_k
     (B, H, T, D) the window's keys and window_q its queries (None: q); ``a`` the keys' Assignment (in float32 or
     float64), or a :class:`~.assign.SoftMixture` whose weights the kernels recompute; counts0 (B, H, S), sums0
     (B, H, S, Dv) the cache before position 0 (float32). q, k, v and the window's
     tensors may be half precision: the kernel accumulates in float32. ``memory_bias`` (nb,): the codes' logit bias
     per block (``memory_cap``), added to the block's code logits in the kernel, or None; ``window_bad`` (B, H, T) rows
-    of window keys the kernels read as zeros (non-finite keys), or None; ``design`` the kernels' design. Returns out
-    (B, H, T, Dv) and the cache after the first ``fold_blocks`` blocks."""
+    of window keys the kernels read as zeros (non-finite keys), or None; ``superblocks`` hard keys' caches every
+    that many blocks (0: every block's). Returns out (B, H, T, Dv) and the cache after the first ``fold_blocks``
+    blocks."""
     nb = -(-q.shape[2] // L)
     if isinstance(a, SoftMixture):
         return _recomputed_soft(q, v, c, a, L=L, scale=scale, counts0=counts0, sums0=sums0,
@@ -64,5 +64,5 @@ def fused_causal(q, k, v, c, a: Assignment | SoftMixture, *, L: int, scale: floa
     out, kept_counts, kept_sums = fused_vq_causal(
         q if window_q is None else window_q, window_k, v, q, c, a.index, a.weights,
         counts0, sums0, code_bias=memory_bias, scale=scale, block_len=L, fold=min(fold_blocks, nb), bad=window_bad,
-        design=design)
+        superblocks=superblocks)
     return out, kept_counts.to(counts0.dtype), kept_sums.to(sums0.dtype)
