@@ -9,8 +9,7 @@ Its backward needs every block's cache gradient, for a tile of codes
 
 which the code backward writes for every block, (B·H, nb, S, Dv) in the sums' dtype (1 GB at 8192 tokens, bf16,
 B·H = 128, S = 512), and the reverse cache walk reads; the walk adds its value gradients to the window's (in place
-for hard keys) instead of a separate sum. (A walk that formed the caches' gradients itself from the queries, as
-fla's ``chunk_bwd_kernel_dh`` does, held 1 GB less and was 0.5 ms slower on an H200: docs/performance_notes.md.)
+for hard keys) instead of a separate sum.
 """
 
 from __future__ import annotations
