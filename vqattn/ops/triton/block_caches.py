@@ -14,11 +14,11 @@ The backward walks the blocks in reverse with the running suffix sum of the cach
 G_j = Σ_{b ≥ j+2} dC_b (plus the state's gradient for j < fold), and writes block j's value gradients Δ_j G_j and,
 for soft weights, their gradient V_j G_jᵀ + Gn_j. A hard key's value gradient comes from the one tile that holds
 its code (a masked store); soft ones add over tiles (atomic adds). The caches' gradients dC_b are read from what
-the vq step's code backward writes (:mod:`.vq_causal`). :func:`block_caches` is the walk pair as an op of its own,
-which the tests check against a loop over blocks. The walks' helpers take each tensor's strides as one (batch,
-head, token) tuple. Besides vq's formed assignments (hard keys with per-block caches, ``Schedule(superblocks=0)``;
-soft weights handed in or continuing a state), ovq's fused impl sums its slots' keys and values with them
-(:mod:`vqattn.ops.ovq.fused`).
+the vq step's code backward writes (:class:`vqattn.ops.vq.fused.VQCausal`). :func:`block_caches` is the walk pair
+as an op of its own, which the tests check against a loop over blocks. The walks' helpers take each tensor's
+strides as one (batch, head, token) tuple. Besides vq's formed assignments (hard keys with per-block caches,
+``Schedule(superblocks=0)``; soft weights handed in or continuing a state), ovq's fused impl sums its slots' keys and
+values with them (:mod:`vqattn.ops.ovq.fused`).
 """
 
 from __future__ import annotations

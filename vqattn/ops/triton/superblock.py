@@ -11,8 +11,8 @@ memory bias β_b) reads in one online softmax
 with g_b = ⌊max(b−1, 0)/K⌋, c_b = K g_b, and cache g = the keys of blocks < gK (and the state before the sequence):
 n_g = n_0 + Σ_{j < gK·L} e_{z_j}, C_g = C_0 + Σ_{j < gK·L} e_{z_j} v_jᵀ. A hard key j read through its code adds
 exp(σ qc·c_{z_j} + β) v_j to the numerator and exp(σ qc·c_{z_j} + β) to the normaliser: exactly its share of a
-cache. So the output equals the per-block caches' of :mod:`.vq_causal` (K = 1 is that design), while the caches
-that reach memory are K times fewer (docs/triton_kernels.md, "The floor model").
+cache. So the output equals the per-block caches' of :class:`vqattn.ops.vq.fused.VQCausal` (K = 1 is that
+design), while the caches that reach memory are K times fewer (docs/triton_kernels.md, "The floor model").
 
 Kernels, in launch order (all parallel; the only sequential pass is the scan over ⌈nb/K⌉ superblocks):
 

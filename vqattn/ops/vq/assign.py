@@ -192,3 +192,11 @@ def check_assignment(a, *, assign: str, shape: tuple[int, int, int], num_codes: 
         x = a.weights
     if x.device != device:
         raise ValueError(f"assignment is on {x.device} but q is on {device}")
+
+
+def straight_through_keys(k: torch.Tensor, codebook: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """k̂_j = c_{z_j} + (k_j − sg(k_j)): the hard window's keys, whose gradient reaches both the code and the key.
+    k (B, H, T, D), codebook (H, S, D), index (B, H, T) -> (B, H, T, D)."""
+    B, H, T, D = k.shape
+    codes = codebook.unsqueeze(0).expand(B, -1, -1, -1).gather(2, index.unsqueeze(-1).expand(B, H, T, D))
+    return codes + (k - k.detach())

@@ -14,6 +14,7 @@ from ..nonfinite import zero_assignment_rows
 from ..precision import autocast_off
 from ..varlen import Segments, varlen
 from .chunk import chunk_forward
+from .fused import fused_forward
 from .naive import naive_vq_attention
 from .recurrent import recurrent_forward
 from .segmented import segmented_forward
@@ -145,7 +146,8 @@ def vq_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, codebook: to
     if impl == "recurrent" or fused_step:
         out, new_state = recurrent_forward(x, state, fused=fused_step)
     else:
-        out, new_state = chunk_forward(x, state, return_state=return_state, fused=impl == "triton")
+        forward = fused_forward if impl == "triton" else chunk_forward
+        out, new_state = forward(x, state, return_state=return_state)
     out = _poisoned(out, poison).to(in_dtype)
     if return_state and poison is not None:  # the state carries the poison in its counts
         new_state = dataclasses.replace(new_state, counts=new_state.counts + poison[:, :, -1])

@@ -28,22 +28,16 @@ from ..blocks import (
     group_windows,
     loops,
     pad_to_blocks,
-    prepend_window,
     split_groups,
     time_range,
-    window_start,
-    window_tail,
 )
 from ..checks import size_max, size_min
 from ..common.memory_cap import block_memory_bias
-from ..common.records import replaced
-from ..common.statistics import Assignment, cat_time, code_counts, code_statistics, map_time
+from ..common.statistics import Assignment, code_counts, code_statistics, map_time
 from ..common.window_code_blocks import WindowCodeInputs, window_code_attention
-from ..nonfinite import zero_assignment_rows, zero_rows
-from .assign import SoftMixture
-from .fused import fused_causal
+from ..nonfinite import zero_assignment_rows
 from .mixture import mixture_attention
-from .state import Inputs, VQState
+from .state import Inputs, VQState, continued, state_after
 
 
 class Group(NamedTuple):
@@ -170,66 +164,21 @@ def _causal(x: Inputs, *, L: int, counts0, sums0, fold_blocks: int, first_block:
     return time_range(cat_groups(outs), 0, T), fold_counts, fold_sums
 
 
-def _fused_causal(x: Inputs, *, L: int, counts0, sums0, fold_blocks: int, first_block: int = 0):
-    """:func:`_causal` by :func:`.fused.fused_causal`, which zeroes the ``window_bad`` rows of the window's keys as
-    it reads them and takes no ``bad`` assignment rows (the soft mixture window, the only kernel that would leak
-    them, runs the chunk impl)."""
-    return fused_causal(x.q, x.k, x.v, x.codebook, x.assignment, L=L, scale=x.scale, exact_window=x.exact_window,
-                        counts0=counts0, sums0=sums0, fold_blocks=fold_blocks, window_k=x.window_k, window_q=x.q_rot,
-                        window_bad=x.window_bad, superblocks=x.schedule.superblocks,
-                        memory_bias=block_memory_bias(first_block, -(-x.q.shape[2] // L), L, x.memory_cap,
-                                                      device=x.q.device, dtype=counts0.dtype))
-
-
 def block_bytes(B: int, H: int, L: int, S: int, element_size: int) -> int:
     """The size of one block's temporaries: its (L, S + 2L) logit tiles over every batch·head."""
     return B * H * L * (S + 2 * L) * element_size
 
 
-def chunk_forward(x: Inputs, state: VQState | None, *, return_state: bool, fused: bool = False):
+def chunk_forward(x: Inputs, state: VQState | None, *, return_state: bool):
     """Causal block algorithm over x (:class:`~vqattn.ops.vq.state.Inputs`), new tokens that may continue ``state``,
-    whose raw window is re-run in front (a state keeps the window's keys: k_rot with RoPE). ``fused``: the blocks run
-    in the Triton kernel (:mod:`.fused`: exact or hard windows). Returns (out, state or None)."""
-    B, H, T, _ = x.q.shape
-    S, Dv, L = x.codebook.shape[1], x.v.shape[-1], x.block_len
-    if x.assign != "soft" or x.exact_window:
-        # Only the mixture's window logits read a key's weights directly. Everywhere else they reach the cache
-        # alone, which only the queries that see the key read, and the poison makes those NaN anyway.
-        x = replaced(x, bad=None)
-    if state is None:
-        start = 0
-        counts0, sums0 = x.codebook.new_zeros(B, H, S), x.codebook.new_zeros(B, H, S, Dv)  # float32 for a fused q
-    else:
-        start, counts0, sums0 = state.length - state.keys.shape[2], state.counts, state.sums
-        q_rot = None if x.q_rot is None else prepend_window(x.q_rot, x.k_rot, x.v, state.keys, state.values)[0]
-        q, window_k, v = prepend_window(x.q, x.window_k, x.v, state.keys, state.values)
-        # the keys come assigned: only the window's keys are read
-        keys = dict(k_rot=window_k, k=None) if x.k_rot is not None else dict(k=window_k)
-        x = replaced(x, q=q, v=v, q_rot=q_rot, bad=None, **keys,
-                       assignment=cat_time(state.assignment, zero_assignment_rows(x.assignment, x.bad)))
+    whose raw window is re-run in front (a state keeps the window's keys: k_rot with RoPE). Returns (out, state or
+    None)."""
+    T = x.q.shape[2]
+    c = continued(x, state)
     # Short sequences fit in one block; a shorter block gives the same result with less padding.
-    L_run = L if state is not None or return_state else size_min(L, x.v.shape[2])
-    length = start + x.v.shape[2]
-    keep = window_start(length, L) - start  # positions leaving the raw window: whole blocks
-    causal = _causal
-    if fused:
-        # soft keys stay unformed: the fused blocks recompute their weights (no (T, S) tensor)
-        a = x.assignment
-        if a is None:
-            a = SoftMixture(x.k, x.codebook, x.temperature) if x.assign == "soft" else x.assign_keys(x.k)
-        x = replaced(x, assignment=a)
-        causal, L_run = _fused_causal, L
-    out, counts, sums = causal(x, L=L_run, counts0=counts0, sums0=sums0, fold_blocks=keep // L if return_state else 0,
-                               first_block=start // L)
+    L = c.x.block_len if state is not None or return_state else size_min(c.x.block_len, c.x.v.shape[2])
+    out, counts, sums = _causal(c.x, L=L, counts0=c.counts0, sums0=c.sums0,
+                                fold_blocks=c.keep // c.x.block_len if return_state else 0,
+                                first_block=c.start // c.x.block_len)
     out = time_range(out, out.shape[2] - T, out.shape[2])
-    if not return_state:
-        return out, None
-    a = x.assignment
-    if isinstance(a, SoftMixture):  # the window's keys' weights, formed: a state keeps them
-        window = SoftMixture(window_tail(a.keys, keep), a.codes, a.temperature).formed()
-    else:
-        window = x.assign_keys(x.k[:, :, keep:]) if a is None else map_time(lambda w: window_tail(w, keep), a)
-    keys = window_tail(x.window_k, keep)
-    if x.window_bad is not None:  # the kernels zeroed them as they read them; a state keeps them zeroed
-        keys = zero_rows(keys, window_tail(x.window_bad, keep))
-    return out, VQState(counts, sums, keys, window_tail(x.v, keep), length, L, window)
+    return out, state_after(c, counts, sums) if return_state else None

@@ -16,8 +16,7 @@ from ..common.memory_cap import is_unweighed, memory_scale, weigh_memory
 from ..common.statistics import Assignment, cat_time, code_means, code_statistics, log_counts, map_time
 from ..nonfinite import zero_assignment_rows
 from ..triton.decode import fused_decode_step
-from .assign import mixture_logits
-from .fused import straight_through_keys
+from .assign import mixture_logits, straight_through_keys
 from .state import Inputs, VQState
 
 

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..blocks import Schedule, check_block_len, resolve_block_len
+from ..blocks import Schedule, check_block_len, prepend_window, resolve_block_len, window_start, window_tail
 from ..checks import (
     check_4d,
     check_choice,
@@ -21,9 +21,9 @@ from ..checks import (
 from ..common.impls import IMPLS
 from ..common.memory_cap import check_memory_cap
 from ..common.records import replaced
-from ..common.statistics import Assignment, map_time
+from ..common.statistics import Assignment, cat_time, map_time
 from ..devices import require_triton
-from ..nonfinite import may_be_nonfinite, nonfinite_keys, visible_poison, zero_rows
+from ..nonfinite import may_be_nonfinite, nonfinite_keys, visible_poison, zero_assignment_rows, zero_rows
 from ..triton.window_codes import unsupported
 from .assign import ASSIGNMENTS, SoftMixture, check_assignment, vq_assign
 
@@ -248,3 +248,51 @@ def prepare(q, k, v, codebook, *, impl: str, causal: bool, assign: str, temperat
     whole = not causal or state is not None or impl == "recurrent"
     fused = impl == "triton" and causal and state is None
     return replaced(x, assignment=_keys_assignment(assignment, dtype, x, whole=whole, fused=fused)), state, poison
+
+
+class Continued(NamedTuple):
+    """A causal call's inputs as the block algorithms run them: ``x`` with a state's raw window in front, the
+    position ``start`` of its first row, the cache before it (``counts0`` (B, H, S), ``sums0`` (B, H, S, Dv)), and
+    ``keep``, the rows that leave the raw window by the call's end (whole blocks)."""
+
+    x: Inputs
+    start: int
+    counts0: torch.Tensor
+    sums0: torch.Tensor
+    keep: int
+
+
+def continued(x: Inputs, state: VQState | None) -> Continued:
+    """What the chunk and fused impls start from (:class:`Continued`): the new tokens after ``state``'s raw window,
+    whose keys come assigned (only the window's keys are read), or a zero cache."""
+    B, H, T, _ = x.q.shape
+    S, Dv = x.codebook.shape[1], x.v.shape[-1]
+    if x.assign != "soft" or x.exact_window:
+        # Only the mixture's window logits read a key's weights directly. Everywhere else they reach the cache
+        # alone, which only the queries that see the key read, and the poison makes those NaN anyway.
+        x = replaced(x, bad=None)
+    if state is None:
+        counts0, sums0 = x.codebook.new_zeros(B, H, S), x.codebook.new_zeros(B, H, S, Dv)  # float32 for a fused q
+        return Continued(x, 0, counts0, sums0, window_start(T, x.block_len))
+    start = state.length - state.keys.shape[2]
+    q_rot = None if x.q_rot is None else prepend_window(x.q_rot, x.k_rot, x.v, state.keys, state.values)[0]
+    q, window_k, v = prepend_window(x.q, x.window_k, x.v, state.keys, state.values)
+    keys = dict(k_rot=window_k, k=None) if x.k_rot is not None else dict(k=window_k)
+    x = replaced(x, q=q, v=v, q_rot=q_rot, bad=None, **keys,
+                 assignment=cat_time(state.assignment, zero_assignment_rows(x.assignment, x.bad)))
+    return Continued(x, start, state.counts, state.sums, window_start(state.length + T, x.block_len) - start)
+
+
+def state_after(c: Continued, counts: torch.Tensor, sums: torch.Tensor) -> VQState:
+    """The :class:`VQState` at the call's end: the cache after the ``keep`` rows (``counts``, ``sums``), and the
+    raw window's keys, values and assignment (a soft mixture's weights formed)."""
+    x, keep = c.x, c.keep
+    a = x.assignment
+    if isinstance(a, SoftMixture):
+        window = SoftMixture(window_tail(a.keys, keep), a.codes, a.temperature).formed()
+    else:
+        window = x.assign_keys(x.k[:, :, keep:]) if a is None else map_time(lambda w: window_tail(w, keep), a)
+    keys = window_tail(x.window_k, keep)
+    if x.window_bad is not None:  # the kernels zeroed them as they read them; a state keeps them zeroed
+        keys = zero_rows(keys, window_tail(x.window_bad, keep))
+    return VQState(counts, sums, keys, window_tail(x.v, keep), c.start + x.v.shape[2], x.block_len, window)
