@@ -56,8 +56,6 @@ def record(args, path: str) -> None:
 
     import vqattn.codebook as codebook
     import vqattn.ops.nonfinite as nonfinite
-    import vqattn.ops.triton.finite as finite
-    import vqattn.ops.triton.nearest as nearest
     import vqattn.ops.triton.rotation as rotation
     import vqattn.ops.triton.utils as utils
     import vqattn.ops.vq.assign as assign
@@ -65,10 +63,9 @@ def record(args, path: str) -> None:
     # the kernels a CUDA tensor takes, and their half-precision products (the interpreter's own are float32)
     rotation.runs_rotation_kernel = lambda x: (x.dim() == 4 and x.stride(-1) == 1
                                                and x.dtype in rotation.SUPPORTED_DTYPES)
-    finite.runs_finite_kernel = nonfinite.runs_finite_kernel = lambda x: x.dtype in finite.SUPPORTED_DTYPES
-    assignment_kernels = lambda k: k.dtype in nearest.SUPPORTED_DTYPES  # noqa: E731
-    for module in (nearest, assign, codebook):
-        module.runs_assignment_kernels = assignment_kernels
+    kernels = lambda x: x.dtype in utils.SUPPORTED_DTYPES  # noqa: E731
+    for module in (nonfinite, assign, codebook):
+        module.runs_kernels = kernels
     utils.INTERPRET = False
     utils.capability = lambda device: divmod(args.arch, 10)  # the launch settings of the GPU compiled for
 

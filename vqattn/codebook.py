@@ -38,8 +38,9 @@ from .ops.checks import check_4d, check_choice, check_positive_int
 from .ops.common.layout import empty_like_order, memory_order
 from .ops.common.statistics import code_slots
 from .ops.precision import autocast_off
-from .ops.triton.nearest import code_residuals, runs_assignment_kernels
+from .ops.triton.nearest import code_residuals
 from .ops.triton.soft_assign import soft_statistics
+from .ops.triton.utils import runs_kernels
 from .ops.vq import Assignment, vq_assign
 from .ops.vq.assign import row_tiles, temperature_tensor
 
@@ -93,7 +94,7 @@ class _QuantisationLoss(torch.autograd.Function):
         B, H, T, D = keys.shape
         scale = grad * (2 / keys.numel())
         grad_keys = grad_codes = None
-        if need_keys and runs_assignment_kernels(keys):  # a GPU: one pass (the tensor scale read in the kernel)
+        if need_keys and runs_kernels(keys):  # a GPU: one pass (the tensor scale read in the kernel)
             grad_keys = code_residuals(keys, codes, index, scale * ctx.weights[0])
         elif need_keys:
             nearest = codes.unsqueeze(0).expand(B, -1, -1, -1).gather(2, index.unsqueeze(-1).expand(B, H, T, D))
@@ -229,7 +230,7 @@ class Codebook(nn.Module):
         # The keys in their own dtype: vq_assign scores in float32 either way, and half keys take the GPU kernels'
         # tensor-core products (float32 keys take IEEE ones, about four times slower). Soft keys on a GPU stay
         # unformed (a SoftMixture): the fused op recomputes their weights, and no (T, S) tensor reaches memory.
-        formed = self.assign != "soft" or not runs_assignment_kernels(k)
+        formed = self.assign != "soft" or not runs_kernels(k)
         assignment = vq_assign(k if self.assign == "soft" else k.detach(), codes, assign=self.assign,
                                temperature=temperature, formed=formed)
         if not (record or self.training):

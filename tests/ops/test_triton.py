@@ -491,7 +491,7 @@ def test_quantisation_loss_takes_the_residual_kernel_on_a_gpu(monkeypatch):
     codes, index = torch.randn(H, 24, D, generator=g), torch.randint(0, 24, (B, H, 70), generator=g)
 
     def keys_grad(kernel: bool):
-        monkeypatch.setattr(codebook_module, "runs_assignment_kernels", lambda k: kernel)
+        monkeypatch.setattr(codebook_module, "runs_kernels", lambda k: kernel)
         x = keys.to(DEVICE).requires_grad_() if kernel else keys.clone().requires_grad_()
         loss = codebook_module.quantisation_loss(x, codes.to(x.device), index.to(x.device), key_weight=0.25)[0]
         grad, = torch.autograd.grad(loss * 3, x)

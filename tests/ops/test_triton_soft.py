@@ -214,7 +214,7 @@ def test_a_layer_hands_its_soft_keys_unformed_where_the_kernels_run(monkeypatch)
     op = vq_module.vq_attention
     monkeypatch.setattr(vq_module, "vq_attention", lambda *a, **kw: seen.append(type(kw["assignment"])) or op(*a, **kw))
     for kernels in (False, True):
-        monkeypatch.setattr(codebook_module, "runs_assignment_kernels", lambda k, on=kernels: on)
+        monkeypatch.setattr(codebook_module, "runs_kernels", lambda k, on=kernels: on)
         layer.zero_grad()
         state = {name: buf.clone() for name, buf in layer.codebook.named_buffers()}
         torch.manual_seed(1)  # the same restart candidates drawn

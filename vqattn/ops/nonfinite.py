@@ -27,7 +27,8 @@ import torch
 
 from . import devices
 from .common.statistics import Assignment
-from .triton.finite import nonfinite_rows, runs_finite_kernel
+from .triton.finite import nonfinite_rows
+from .triton.utils import runs_kernels
 
 
 def _nonfinite_rows(x: torch.Tensor) -> torch.Tensor:
@@ -35,7 +36,7 @@ def _nonfinite_rows(x: torch.Tensor) -> torch.Tensor:
     both finite. Two reductions: on CPU, amax and amin over the last dim take 0.23 ms for a (4, 8192, 64) tensor
     where aminmax takes 1.8 and ~isfinite().all() 2.2 (it writes a (T, D) mask first); a sum would overflow to inf
     for large finite half-precision rows. On a GPU one Triton kernel (:mod:`vqattn.ops.triton.finite`)."""
-    if runs_finite_kernel(x):
+    if runs_kernels(x):
         return nonfinite_rows(x)
     x = x.detach()
     return ~(x.amax(-1).isfinite() & x.amin(-1).isfinite())

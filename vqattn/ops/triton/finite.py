@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..devices import triton
-from .utils import MAX_DIM, SUPPORTED_DTYPES, register_width, stride_args, unit_last
+from .utils import register_width, stride_args, unit_last
 
 if triton is not None:
     import triton.language as tl
@@ -30,12 +30,6 @@ if triton is not None:
         # x − x is 0 for finite x and NaN for NaN and ±inf; NaN ≠ NaN
         bad = (x - x) != 0.0
         tl.store(OUT + bh * T + rows, tl.max(bad.to(tl.int32), 1) > 0, mask=rows < T)
-
-
-def runs_finite_kernel(x: torch.Tensor) -> bool:
-    """CUDA tensors of a supported dtype and width, Triton installed, outside torch.compile."""
-    return (triton is not None and x.is_cuda and x.dtype in SUPPORTED_DTYPES and x.shape[-1] <= MAX_DIM
-            and not torch.compiler.is_compiling())
 
 
 @torch.compiler.disable

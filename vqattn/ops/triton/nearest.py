@@ -20,8 +20,6 @@ from ..common.layout import empty_like_order
 from ..devices import triton
 from .utils import (
     CODE_TILE,
-    MAX_DIM,
-    SUPPORTED_DTYPES,
     code_parts,
     float32_products,
     register_width,
@@ -81,13 +79,6 @@ if triton is not None:
         c = tl.load(C + (h * S + index[:, None]) * D + dims[None, :], mask=(rows[:, None] < T) & (dims[None, :] < D),
                     other=0.0)
         store_rows(OUT, so_b, so_h, so_t, b, h, rows, T, D, (k - c) * tl.load(FACTOR), BD)
-
-
-def runs_assignment_kernels(k: torch.Tensor) -> bool:
-    """Whether the assignment of keys k takes a kernel (this one, or the soft assignment's): CUDA keys of a supported
-    dtype and width, with Triton installed, outside torch.compile."""
-    return (triton is not None and k.is_cuda and k.dtype in SUPPORTED_DTYPES and k.shape[-1] <= MAX_DIM
-            and not torch.compiler.is_compiling())
 
 
 @torch.compiler.disable  # a graph break: compiled graphs keep the PyTorch form, which inductor fuses

@@ -28,6 +28,14 @@ MAX_DIM = 256
 # asynchronous copies that pipeline the code tiles. A layer's slow-pair code scores have Dc = 30.
 CODE_DIM_ALIGN = 16
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def runs_kernels(x: torch.Tensor) -> bool:
+    """Whether the one-pass helper kernels (the nearest-code and soft assignments, the non-finite rows) take x in
+    place of PyTorch's form: CUDA tensors of a supported dtype and width, Triton installed, outside torch.compile
+    (whose graphs keep the PyTorch form, which inductor fuses)."""
+    return (triton is not None and x.is_cuda and x.dtype in SUPPORTED_DTYPES and x.shape[-1] <= MAX_DIM
+            and not torch.compiler.is_compiling())
 # The most registers per thread at which three programs of 4 warps share an SM (65536 registers, allocated to a
 # thread in units of 8): Triton's ``maxnreg`` caps a kernel there where the compiler would take a few more.
 THREE_PROGRAMS_REGISTERS = 168

@@ -14,8 +14,9 @@ import torch
 from ..checks import check_choice, check_positive_int, compute_dtype
 from ..common.statistics import Assignment, log_counts
 from ..precision import autocast_off
-from ..triton.nearest import nearest_codes, runs_assignment_kernels
+from ..triton.nearest import nearest_codes
 from ..triton.soft_assign import soft_weights
+from ..triton.utils import runs_kernels
 
 ASSIGNMENTS = ("hard", "soft")
 
@@ -133,7 +134,7 @@ def vq_assign(k: torch.Tensor, codebook: torch.Tensor, *, assign: str, temperatu
             raise ValueError(f"formed=False is for assign='soft' (a hard assignment is its code index), got {assign!r}")
         temperature_tensor(temperature, codebook.shape[0], codebook)  # validated now, as a formed one would be
         return SoftMixture(k, codebook, temperature)
-    if runs_assignment_kernels(k):  # kernels on a GPU: no (T, S) scores in memory, tensor-core products
+    if runs_kernels(k):  # kernels on a GPU: no (T, S) scores in memory, tensor-core products
         if assign == "hard":
             return Assignment(None, nearest_codes(k, codebook))
         tau = temperature_tensor(temperature, codebook.shape[0], codebook.float())  # validated, float32
