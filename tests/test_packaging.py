@@ -123,7 +123,7 @@ import torch
 for module in sys.argv[1:]:
     importlib.import_module(module)
 from vqattn.layers import ATTENTIONS, build_attention
-from vqattn.ops.devices import triton
+from vqattn.ops.utils import triton
 assert triton is None
 for name in ATTENTIONS:
     x = torch.randn(2, 40, 32, requires_grad=True)

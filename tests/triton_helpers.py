@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vqattn.ops.devices import INTERPRET, triton
+from vqattn.ops.utils import INTERPRET, triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(triton is None or (DEVICE == "cpu" and not INTERPRET),

@@ -34,13 +34,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .ops.checks import check_4d, check_choice, check_positive_int
-from .ops.common.layout import empty_like_order, memory_order
 from .ops.common.statistics import code_slots
-from .ops.precision import autocast_off
 from .ops.triton.nearest import code_residuals
 from .ops.triton.soft_assign import soft_statistics
 from .ops.triton.utils import runs_kernels
+from .ops.utils import autocast_off, check_4d, check_choice, check_positive_int, empty_like_order, memory_order
 from .ops.vq import Assignment, vq_assign
 from .ops.vq.assign import row_tiles, temperature_tensor
 
@@ -59,7 +57,7 @@ class _QuantisationLoss(torch.autograd.Function):
     backward pass gathers the codes once, into the keys' gradient itself. Half-precision keys stay so: the sums and
     the error accumulate in the codes' dtype (float32 or float64), and the keys' gradient, formed in it, is written
     in theirs and in their memory order (no float32 copy of the keys kept for the backward pass, nor a float32
-    gradient cast afterwards; :mod:`~vqattn.ops.common.layout`). float32 keys take it in place, in the gathered
+    gradient cast afterwards; :mod:`~vqattn.ops.utils`). float32 keys take it in place, in the gathered
     codes' memory. On a GPU the keys' gradient is one kernel's pass (:func:`~vqattn.ops.triton.nearest.code_residuals`)
     instead of the gather, the subtraction and the scaling."""
 

@@ -25,8 +25,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .ops.checks import check_positive_int, compute_dtype, resolve_scale
-from .ops.precision import autocast_off
+from .ops.utils import autocast_off, check_positive_int, compute_dtype, resolve_scale
 
 
 class QKFeatures(NamedTuple):

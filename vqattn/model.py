@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from .layers import ATTENTIONS, AttentionState, build_attention
 from .ops.blocks import DEFAULT_BLOCK_LEN, resolve_block_len
-from .ops.checks import check_choice, check_positive_int, compute_dtype
+from .ops.utils import check_choice, check_positive_int, compute_dtype
 from .ops.varlen import Packing, Segments, as_packing, check_state_list, read_packing
 
 IGNORE_INDEX = -1  # the target value the loss and every metric skip (unlabelled positions)

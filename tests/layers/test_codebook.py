@@ -142,7 +142,7 @@ def test_quantisation_loss_of_half_keys_equals_their_float32_copy(half):
     those of the keys' exact float32 copy, and the keys' gradient is that copy's rounded to the keys' dtype, in their
     memory order. A strided view, as a layer's keys are (one of its projections)."""
     from vqattn.codebook import quantisation_loss
-    from vqattn.ops.common.layout import memory_order
+    from vqattn.ops.utils import memory_order
 
     g = torch.Generator().manual_seed(1)
     keys = torch.randn(2, 13, 2, 3, 8, generator=g).to(half)[:, :, 1].transpose(1, 2)  # (B, H, T, D), strided

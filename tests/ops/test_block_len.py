@@ -8,7 +8,7 @@ import torch
 
 from vqattn.functional import vq_attention, window_attention
 from vqattn.ops.blocks import DEFAULT_BLOCK_LEN, check_block_len, resolve_block_len
-from vqattn.ops.checks import resolve_scale
+from vqattn.ops.utils import resolve_scale
 
 
 class _State:

@@ -1,6 +1,6 @@
 """The layers of the op library: the block machinery that the ops share (``vqattn/ops/common``) imports nothing from
 the fused kernels (``vqattn/ops/triton``), which import it. Whether the kernels can run is
-:mod:`vqattn.ops.devices`, which imports no kernel."""
+:mod:`vqattn.ops.utils`, which imports no kernel."""
 
 import ast
 import subprocess
@@ -45,7 +45,7 @@ def test_relative_imports_resolve():
     assert kernel_imports(imported_modules("from ..triton import triton_device\n", "vqattn.ops.common"))
     assert kernel_imports(imported_modules("from .. import triton\n", "vqattn.ops.common"))
     assert kernel_imports(imported_modules("import vqattn.ops.triton.utils\n", "vqattn.ops.common"))
-    assert not kernel_imports(imported_modules("from ..devices import triton\nfrom .layout import x\n",
+    assert not kernel_imports(imported_modules("from ..utils import triton\nfrom .statistics import x\n",
                                                "vqattn.ops.common"))
 
 

@@ -1,7 +1,7 @@
 """A training step (forward + backward) of every attention never reads a tensor on the host: on a GPU such a read
 (``.item()``, ``bool(tensor)``, ``.tolist()``) stalls the pipeline. On CPU we catch the Python-side reads, with the
 ops run as on a GPU (on a CPU in eager mode they read one flag on purpose, where a read is free:
-``vqattn.ops.devices.host_read_is_free``); on CUDA, ``torch.cuda.set_sync_debug_mode("error")`` catches every
+``vqattn.ops.op_utils.host_read_is_free``); on CUDA, ``torch.cuda.set_sync_debug_mode("error")`` catches every
 synchronisation."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from vqattn.model import GPT, GPTConfig
-from vqattn.ops import devices
+from vqattn.ops import utils as op_utils
 
 from model_helpers import NAMES
 
@@ -43,7 +43,7 @@ def _refuse(*args, **kwargs):
 def test_training_step_reads_no_tensor_on_the_host(name, monkeypatch):
     model = _model(name, "cpu")
     idx = torch.randint(0, 17, (2, 11))
-    monkeypatch.setattr(devices, "host_read_is_free", lambda x: False)  # as on a GPU
+    monkeypatch.setattr(op_utils, "host_read_is_free", lambda x: False)  # as on a GPU
     for method in ("__bool__", "item", "tolist", "__int__", "__float__"):
         monkeypatch.setattr(torch.Tensor, method, _refuse)
     for _ in range(3):  # the first steps initialise and restart codes: also without host reads

@@ -142,7 +142,7 @@ def test_the_mask_is_skipped_only_where_reading_the_flag_is_free():
 def test_clean_keys_give_the_same_output_and_gradients_with_the_mask_skipped(op, monkeypatch):
     """The CPU path that skips the mask for clean keys against the path every other device runs (the same to float64
     rounding: the gradients accumulate in another order)."""
-    from vqattn.ops import devices
+    from vqattn.ops import utils as op_utils
 
     q, k, _, v, c = _inputs()
     calls = {
@@ -160,7 +160,7 @@ def test_clean_keys_give_the_same_output_and_gradients_with_the_mask_skipped(op,
         return out, *(t.grad for t in x)
 
     skipped = run()
-    monkeypatch.setattr(devices, "host_read_is_free", lambda x: False)  # as on a GPU
+    monkeypatch.setattr(op_utils, "host_read_is_free", lambda x: False)  # as on a GPU
     masked = run()
     for a, b in zip(skipped, masked):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)

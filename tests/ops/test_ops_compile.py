@@ -77,7 +77,7 @@ def test_replaced_records_cross_a_graph_break():
     kernel launch, comes out as its class with the fields changed and the rest kept (torch 2.11's dynamo could not
     rebuild ``_replace``'s copies there)."""
     from vqattn.ops.blocks import as_schedule
-    from vqattn.ops.common.records import replaced
+    from vqattn.ops.utils import replaced
     from vqattn.ops.vq.state import Inputs
 
     def f(q, x):

@@ -11,14 +11,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from vqattn.layers import build_attention
 from vqattn.ops.blocks import Schedule
-from vqattn.ops.common.layout import memory_order
 from vqattn.ops.common.statistics import map_time
-from vqattn.ops.devices import triton
 from vqattn.ops.triton.block_caches import block_caches
 from vqattn.ops.triton.finite import nonfinite_rows
 from vqattn.ops.triton.nearest import code_residuals, nearest_codes
 from vqattn.ops.triton.rotation import rotate
 from vqattn.ops.triton.soft_assign import soft_weights
+from vqattn.ops.utils import memory_order, triton
 from vqattn.ops.vq import VQState, naive_vq_attention, vq_assign, vq_attention
 from vqattn.ops.window import window_attention
 
@@ -138,7 +137,7 @@ def test_strided_inputs(assign, window):
 @pytest.mark.parametrize("op", ["window", "hard", "soft"])
 def test_gradients_keep_their_inputs_memory_order(op):
     """q, k and v as views of one (B, T, 3, H, D) projection, as a layer's are: every kernel writes its share of their
-    gradients in that token-major order (vqattn/ops/common/layout.py), so autograd's stack back into the projection
+    gradients in that token-major order (vqattn/ops/utils.py), so autograd's stack back into the projection
     is a plain copy; the values equal those of contiguous inputs."""
     g = torch.Generator().manual_seed(5)
     qkv = torch.randn(1, 50, 3, H, D, generator=g).to(DEVICE).requires_grad_()  # one sequence: the order is a head's

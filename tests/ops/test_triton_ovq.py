@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vqattn.ops.common.impls import pick_impl
 from vqattn.ops.common.statistics import one_hot_rows
 from vqattn.ops.ovq import naive_ovq_attention, ovq_attention
 from vqattn.ops.ovq.memory import online_slots
 from vqattn.ops.ovq.naive import naive_online_slots
 from vqattn.ops.triton.decode import fused_decode_step
 from vqattn.ops.triton.online_slots import fused_online_slots
+from vqattn.ops.utils import pick_impl
 from vqattn.ops.vq import vq_attention
 from vqattn.ops.window import window_attention
 

@@ -308,9 +308,9 @@ def test_no_host_read_of_a_tensor_with_a_precomputed_assignment(assign, monkeypa
     """A training step (forward + backward) given the Assignment never reads a tensor value in Python, which on a
     GPU would be a host synchronisation (run as on a GPU: on a CPU in eager mode one flag is read on purpose)."""
     from vqattn.functional import vq_assign, window_attention
-    from vqattn.ops import devices
+    from vqattn.ops import utils as op_utils
 
-    monkeypatch.setattr(devices, "host_read_is_free", lambda x: False)
+    monkeypatch.setattr(op_utils, "host_read_is_free", lambda x: False)
     q, k, v, c = (t.requires_grad_(True) for t in make_inputs(T=45))
     tau = torch.tensor([0.7, 1.1, 1.6], dtype=F64, requires_grad=True)
     a = vq_assign(k, c, assign=assign, temperature=tau)

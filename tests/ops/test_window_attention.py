@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from vqattn.functional import WindowState, window_attention
-from vqattn.ops.blocks import DEFAULT_BLOCK_LEN, RECURRENT_MAX_LEN, group_windows
+from vqattn.ops.blocks import DEFAULT_BLOCK_LEN, group_windows
+from vqattn.ops.utils import RECURRENT_MAX_LEN
 
 from memory_helpers import largest_tensor
 from references import ref_softmax_attention, ref_window_attention

@@ -30,7 +30,7 @@ from ..feature_maps import (
     draw_random_features,
     favor_logits,
 )
-from ..ops.checks import check_positive_int, resolve_scale
+from ..ops.utils import check_positive_int, resolve_scale
 
 # ---------------------------------------------------------------------------------------------- sparsity
 

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from ..modules.conv import ShortConvolution
 from ..modules.rope import rope_rotate
-from ..ops.checks import check_positive_int
+from ..ops.utils import check_positive_int
 from ..ops.varlen import Packing, Segments, as_packing, check_state_list, read_packing
 
 

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from ..modules.conv import ShortConvolution
 from ..ops.blocks import check_block_len
-from ..ops.checks import check_choice, check_positive_int
 from ..ops.delta_rule import IMPLS, delta_rule_attention
+from ..ops.utils import check_choice, check_positive_int
 from .base import Attention, AttentionOutput, AttentionState, op_result
 
 

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from ..modules.conv import ShortConvolution
 from ..ops.blocks import check_block_len
-from ..ops.checks import check_choice, check_positive_int
 from ..ops.decay import IMPLS, decay_attention
+from ..ops.utils import check_choice, check_positive_int
 from .base import Attention, AttentionOutput, AttentionState, L2Norm, op_result
 
 

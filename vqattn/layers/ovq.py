@@ -9,11 +9,11 @@ import torch
 from ..codebook import Codebook
 from ..modules.rope import rope_rotate_clamped, rope_rotate_keeping, slow_pair_start, with_raw_pairs
 from ..ops.blocks import DEFAULT_BLOCK_LEN
-from ..ops.checks import check_choice, check_positive_int
 from ..ops.common.memory_cap import RAW_WINDOW, layer_memory_cap
 from ..ops.common.memory_decay import check_memory_decay
 from ..ops.ovq import IMPLS as OVQ_IMPLS
 from ..ops.ovq import OVERFLOW, ovq_attention
+from ..ops.utils import check_choice, check_positive_int
 from .base import Attention, op_result
 
 SLOTS_BY = ("online", "codebook")

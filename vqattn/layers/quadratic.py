@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from ..ops.blocks import DEFAULT_BLOCK_LEN
-from ..ops.checks import check_choice, check_positive_int
 from ..ops.kernel import kernel_attention
 from ..ops.softmax import softmax_attention
+from ..ops.utils import check_choice, check_positive_int
 from ..ops.varlen import Segments
 from ..ops.window import IMPLS as WINDOW_IMPLS
 from ..ops.window import window_attention

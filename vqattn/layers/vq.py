@@ -7,8 +7,8 @@ from typing import ClassVar
 from ..codebook import Codebook
 from ..modules.rope import pair_dims, rope_rotate_keeping, slow_pair_start
 from ..ops.blocks import DEFAULT_BLOCK_LEN, Schedule, check_block_len, resolve_block_len
-from ..ops.checks import check_choice, check_positive_int
 from ..ops.common.memory_cap import RAW_WINDOW, layer_memory_cap
+from ..ops.utils import check_choice, check_positive_int
 from ..ops.vq import IMPLS as VQ_IMPLS
 from ..ops.vq import vq_attention
 from .base import Attention, op_result

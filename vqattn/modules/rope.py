@@ -8,9 +8,9 @@ import functools
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..ops.common.layout import memory_order
 from ..ops.common.pairs import pair_dims
 from ..ops.triton import rotation
+from ..ops.utils import memory_order
 
 
 def rope_frequencies(head_dim: int, base: float, device=None) -> torch.Tensor:

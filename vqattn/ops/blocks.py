@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .checks import check_choice, check_positive_int, size_max, size_min
+from .utils import check_choice, check_positive_int, size_max, size_min
 
 # Measured in benchmarks/attention_speed.py (docs/performance.md): at S=512, D=64, T=8192 on CPU, 64 is as
 # fast as 128 for hard and clearly faster for soft (whose exact in-block mixture costs L·S per query).
@@ -33,10 +33,6 @@ def check_block_len(block_len: int | None) -> None:
     int."""
     if block_len is not None:
         check_positive_int("block_len", block_len)
-
-# Chunks of up to this many new tokens that continue a state run token by token; longer ones (prefill) run the
-# block algorithm, whose per-call cost is re-running the state's window (< 2L tokens) once.
-RECURRENT_MAX_LEN = 4
 
 # Temporaries of at most this size per group of blocks (see :func:`block_groups`).
 GROUP_BYTES = 8 * 2**20

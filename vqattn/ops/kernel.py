@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_choice, check_positive_int, check_qkv, compute_dtype, resolve_scale
 from .linear import NORMALIZERS, _check_eps, _normalize
-from .precision import autocast_off
+from .utils import autocast_off, check_choice, check_positive_int, check_qkv, compute_dtype, resolve_scale
 
 KERNELS = ("exp", "rbf", "poly", "linear")
 

@@ -18,11 +18,18 @@ import torch
 import torch.nn.functional as F
 
 from .blocks import check_block_len, resolve_block_len
-from .checks import check_4d, check_choice, check_qkv, check_same_device_dtype, compute_dtype
-from .common.impls import IMPLS as OP_IMPLS
-from .common.impls import pick_impl, with_impl
 from .common.segments import BlockLayout, segment_sums
-from .precision import autocast_off
+from .utils import IMPLS as OP_IMPLS
+from .utils import (
+    autocast_off,
+    check_4d,
+    check_choice,
+    check_qkv,
+    check_same_device_dtype,
+    compute_dtype,
+    pick_impl,
+    with_impl,
+)
 from .varlen import Segments, varlen
 
 NORMALIZERS = ("kernel", "count", "none")
@@ -172,7 +179,7 @@ def linear_attention(
     impl: "chunk" (the chunked evaluation above; non-causal: the two products), "recurrent" (causal, token by token
     from ``state``: decoding), "naive" (:func:`naive_linear_attention`, the (Tq, Tk) weights spelled out: for
     checking, no state), or "auto": recurrent for a ``state`` and at most ``RECURRENT_MAX_LEN`` new tokens,
-    chunk otherwise (:func:`~vqattn.ops.common.impls.pick_impl`). All give the same result to rounding.
+    chunk otherwise (:func:`~vqattn.ops.utils.pick_impl`). All give the same result to rounding.
     """
     phi_q, phi_k, v, k_log_scale, out_dtype = _checked_inputs(
         phi_q, phi_k, v, k_log_scale, causal=causal, eps=eps, normalizer=normalizer, block_len=block_len,

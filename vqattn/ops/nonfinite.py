@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from . import devices
+from . import utils
 from .common.statistics import Assignment
 from .triton.finite import nonfinite_rows
 from .triton.utils import runs_kernels
@@ -53,10 +53,10 @@ def nonfinite_keys(*keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def may_be_nonfinite(bad: torch.Tensor) -> bool:
     """Whether some row of ``bad`` may be set: False only when it is known to be all False. Where a read is free
-    (:func:`~vqattn.ops.devices.host_read_is_free`) ``bad`` is read, and a clean input then skips the masked copies
+    (:func:`~vqattn.ops.utils.host_read_is_free`) ``bad`` is read, and a clean input then skips the masked copies
     of the keys and of their gradient and the poison's pass over the output (at T = 32768, 128 MB of fresh memory per step);
     elsewhere the masking always runs (it gives the same result)."""
-    return not devices.host_read_is_free(bad) or bool(bad.any())
+    return not utils.host_read_is_free(bad) or bool(bad.any())
 
 
 def zero_rows(x: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:

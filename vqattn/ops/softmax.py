@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .checks import check_qkv
+from .utils import check_qkv
 from .varlen import Segments, varlen
 
 

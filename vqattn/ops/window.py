@@ -34,15 +34,25 @@ from .blocks import (
     window_start,
     window_tail,
 )
-from .checks import check_choice, check_qkv, compute_dtype, resolve_scale, size_min
-from .common.impls import IMPLS, decoding, needs_grad, pick_impl, with_impl
 from .common.segments import window_bad_keys, window_blocks, window_mask, window_softmax
 from .common.window_code_blocks import WindowCodeInputs, window_code_attention
-from .devices import require_triton
 from .nonfinite import may_be_nonfinite, nonfinite_keys, window_poison, zero_rows
-from .precision import autocast_off
 from .triton.decode import fused_decode_step
 from .triton.window_codes import fused_window_code_attention, unsupported
+from .utils import (
+    IMPLS,
+    autocast_off,
+    check_choice,
+    check_qkv,
+    compute_dtype,
+    decoding,
+    needs_grad,
+    pick_impl,
+    require_triton,
+    resolve_scale,
+    size_min,
+    with_impl,
+)
 from .varlen import Segments, varlen
 
 
@@ -176,7 +186,7 @@ def window_attention(
             a ``state`` and at most ``RECURRENT_MAX_LEN`` new tokens and no gradient needed, the fused decoding
             step, :mod:`vqattn.ops.triton.decode`), or "auto": for a ``state`` and at most ``RECURRENT_MAX_LEN``
             new tokens the fused step on CUDA with grad mode off, else recurrent; triton for other CUDA calls it
-            supports (docs/ops.md), chunk otherwise (:func:`~vqattn.ops.common.impls.pick_impl`).
+            supports (docs/ops.md), chunk otherwise (:func:`~vqattn.ops.utils.pick_impl`).
 
     Returns:
         out (B, H, T, Dv) in the input dtype (computed in float32 for half precision and under autocast), or

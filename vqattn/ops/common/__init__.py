@@ -6,6 +6,7 @@ another op's package.
 * :mod:`.window_code_blocks`: the block kernel, one softmax over a block's window of raw keys and the codes (vq, ovq,
   and window attention without codes);
 * :mod:`.memory_cap`: the bound on the memory's weight (``memory_cap``) that every impl of vq and ovq applies;
-* :mod:`.memory_decay`: forgetting in ovq's memory (``memory_decay``), and how the block impls weigh blocks for it;
-* :mod:`.impls`: the one rule by which every causal op's ``impl="auto"`` picks its impl.
+* :mod:`.memory_decay`: forgetting in ovq's memory (``memory_decay``), and how the block impls weigh blocks for it.
+
+What the ops share on the host (devices, precision, checks, the choice of impl) is :mod:`vqattn.ops.utils`.
 """

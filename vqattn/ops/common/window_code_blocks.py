@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..precision import autocast_off
+from ..utils import autocast_off
 from .cache import CacheUpdates, LogitGradients, code_logits_of, read_cache, read_cache_backward
 
 # Floor of the exp arguments (all ≤ 0 after the max shift). On x86 CPUs (measured with AVX-512) exp is about 100×

@@ -7,11 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import devices
+from .. import utils
 from ..blocks import check_block_len, resolve_block_len
-from ..checks import check_choice, check_qkv, compute_dtype, resolve_scale
-from ..common.impls import decoding, pick_impl, with_impl
-from ..precision import autocast_off
+from ..utils import autocast_off, check_choice, check_qkv, compute_dtype, decoding, pick_impl, resolve_scale, with_impl
 from ..varlen import Packing, Segments, as_packing, check_state_list
 from .chunk import chunk_forward
 from .fused import fused_forward, unsupported
@@ -32,7 +30,7 @@ class DecayState:
 
 def _check_log_decay(log_decay, q: torch.Tensor) -> None:
     """ValueError unless ``log_decay`` is a floating-point (B, H, T) tensor on q's device whose entries are ≤ 0. The
-    values are read only where that is free (CPU eager, :func:`~vqattn.ops.devices.host_read_is_free`): on a GPU or in
+    values are read only where that is free (CPU eager, :func:`~vqattn.ops.utils.host_read_is_free`): on a GPU or in
     a compiled graph the check would synchronise every call, and a positive entry there grows the state by
     exp(log_decay) per token, as the formula says (the chunked forms may then overflow)."""
     if not isinstance(log_decay, torch.Tensor) or not log_decay.is_floating_point():
@@ -41,7 +39,7 @@ def _check_log_decay(log_decay, q: torch.Tensor) -> None:
         raise ValueError(f"log_decay must have shape (B, H, T) = {tuple(q.shape[:3])}, got {tuple(log_decay.shape)}")
     if log_decay.device != q.device:
         raise ValueError(f"log_decay is on {log_decay.device} but q is on {q.device}")
-    if devices.host_read_is_free(log_decay) and bool((log_decay > 0).any()):
+    if utils.host_read_is_free(log_decay) and bool((log_decay > 0).any()):
         raise ValueError(f"log_decay must be <= 0 (the decay exp(log_decay) lies in [0, 1]), got a maximum of "
                          f"{log_decay.max().item():.4g}")
 
@@ -99,7 +97,7 @@ def decay_attention(
 
     impl: "chunk", "recurrent", "naive" (the recurrence in float64: the reference), "triton" (fla's kernels:
     CUDA and fla-core), or "auto": recurrent for a ``state`` and at most ``RECURRENT_MAX_LEN`` new tokens, else
-    triton on CUDA with fla installed, else chunk (:func:`~vqattn.ops.common.impls.pick_impl`).
+    triton on CUDA with fla installed, else chunk (:func:`~vqattn.ops.utils.pick_impl`).
     """
     _check(q, k, v, log_decay, scale, block_len, impl)
     if cu_seqlens is None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..checks import size_min
+from ..utils import size_min
 
 
 def chunk_forward(q, k, v, g, scale: float, S0, C: int, starts: torch.Tensor | None = None):

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 from ..blocks import resolve_block_len
-from ..checks import check_choice
-from ..common.impls import decoding, needs_grad, pick_impl, with_impl
-from ..precision import autocast_off
+from ..utils import autocast_off, check_choice, decoding, needs_grad, pick_impl, with_impl
 from ..varlen import Segments, varlen
 from .chunk import chunk_forward, segmented_forward
 from .fused import check_supported, fla_forward, unsupported
@@ -58,7 +56,7 @@ def delta_rule_attention(q, k, v, beta, log_decay=None, *, scale: float | None =
             bfloat16 or float32, Dk ≤ 256; a decoding step without gradients runs its fused recurrent kernel), or
             "auto": triton for CUDA calls it supports (decoding steps: with grad mode off), else recurrent for a
             ``state`` and at most ``RECURRENT_MAX_LEN`` new tokens, chunk otherwise
-            (:func:`~vqattn.ops.common.impls.pick_impl`).
+            (:func:`~vqattn.ops.utils.pick_impl`).
         cu_seqlens: packed sequences (B = 1; :mod:`vqattn.ops.varlen`): each starts from a zero state; with
             ``state`` / ``return_state``, a list of one state per sequence.
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..checks import size_min
 from ..common.segments import BlockLayout
+from ..utils import size_min
 
 
 def chunk_forward(q, k, v, beta, log_decay, scale: float, S0, chunk: int, keep: torch.Tensor | None = None):

@@ -9,7 +9,7 @@ import importlib.util
 
 import torch
 
-from ..devices import triton
+from ..utils import triton
 
 MAX_KEY_DIM = 256  # fla's chunk kernels hold a key in one tile: "current kernel does not support head dimension > 256"
 

@@ -8,9 +8,9 @@ from typing import NamedTuple
 
 import torch
 
-from .. import devices
+from .. import utils
 from ..blocks import check_block_len
-from ..checks import check_choice, check_qkv, compute_dtype, resolve_scale
+from ..utils import check_choice, check_qkv, compute_dtype, resolve_scale
 
 # ``impl``: the common causal set; "triton" runs flash-linear-attention's Triton kernels (:mod:`.fused`)
 IMPLS = ("auto", "chunk", "recurrent", "naive", "triton")
@@ -52,10 +52,10 @@ def _check_per_token(name: str, x, q: torch.Tensor) -> None:
 
 def check_log_decay(log_decay: torch.Tensor) -> None:
     """ValueError unless every log decay is finite and ≤ 0 (a decay factor in (0, 1]), checked where reading the
-    tensor on the host is free (CPU eager, :func:`~vqattn.ops.devices.host_read_is_free`). On a GPU, and in a compiled
+    tensor on the host is free (CPU eager, :func:`~vqattn.ops.utils.host_read_is_free`). On a GPU, and in a compiled
     graph, the check would cost a synchronisation per call, so it is skipped there: a positive log decay then makes
     the state grow by exp(log_decay) per token (what the formula says), and the chunk impls may overflow."""
-    if devices.host_read_is_free(log_decay) and not bool(((log_decay <= 0) & (log_decay > float("-inf"))).all()):
+    if utils.host_read_is_free(log_decay) and not bool(((log_decay <= 0) & (log_decay > float("-inf"))).all()):
         bad = log_decay[~((log_decay <= 0) & (log_decay > float("-inf")))][0].item()
         raise ValueError(f"log_decay must be finite and <= 0 (the decay exp(log_decay) lies in (0, 1]), got {bad}")
 

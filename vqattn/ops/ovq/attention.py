@@ -5,9 +5,7 @@ from __future__ import annotations
 import functools
 
 from ..blocks import resolve_block_len
-from ..checks import check_choice
-from ..common.impls import IMPLS, decoding, needs_grad, pick_impl, with_impl
-from ..precision import autocast_off
+from ..utils import IMPLS, autocast_off, check_choice, decoding, needs_grad, pick_impl, with_impl
 from ..varlen import Segments, varlen
 from .chunk import chunk_forward
 from .naive import naive_ovq_attention
@@ -72,7 +70,7 @@ def ovq_attention(q, k, v, *, num_slots: int, block_len: int | None = None, scal
             new tokens and no gradient needed, the fused decoding step, :mod:`vqattn.ops.triton.decode`), or
             "auto": for a state and at most ``RECURRENT_MAX_LEN`` new tokens the fused step on CUDA with grad mode
             off, else recurrent; triton for other CUDA calls it supports, chunk otherwise
-            (:func:`~vqattn.ops.common.impls.pick_impl`).
+            (:func:`~vqattn.ops.utils.pick_impl`).
         state: an :class:`OVQState` from an earlier call; the inputs then continue that sequence.
         return_state: also return the state after this call.
         memory_cap: the memory weighs as if it held at most this many keys: a bias log min(1, memory_cap / n) on

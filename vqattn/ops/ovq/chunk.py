@@ -20,10 +20,10 @@ import torch
 from ..blocks import blocks, group_windows, loops, pad_to_blocks, window_bias, window_start, window_tail
 from ..common.memory_cap import block_memory_bias
 from ..common.memory_decay import block_decay, forget, span_blocks, weigh_blocks
-from ..common.records import replaced
 from ..common.statistics import Assignment, code_statistics
 from ..common.window_code_blocks import WindowCodeInputs, window_code_attention
 from ..triton.online_slots import fused_online_slots
+from ..utils import replaced
 from .fused import fused_memory_attention
 from .memory import lagged_sum, online_slots, statistics
 from .state import Inputs, OVQState

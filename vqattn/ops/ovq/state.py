@@ -10,20 +10,20 @@ from typing import NamedTuple
 import torch
 
 from ..blocks import Schedule, as_schedule, check_block_len, resolve_block_len
-from ..checks import (
+from ..common.memory_cap import check_memory_cap
+from ..common.memory_decay import block_factor, check_memory_decay
+from ..common.pairs import check_first_pair, pair_dims
+from ..triton.window_codes import unsupported
+from ..utils import (
     check_4d,
     check_choice,
     check_positive_int,
     check_qkv,
     check_same_device_dtype,
     compute_dtype,
+    require_triton,
     resolve_scale,
 )
-from ..common.memory_cap import check_memory_cap
-from ..common.memory_decay import block_factor, check_memory_decay
-from ..common.pairs import check_first_pair, pair_dims
-from ..devices import require_triton
-from ..triton.window_codes import unsupported
 
 
 @dataclass

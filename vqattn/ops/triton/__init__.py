@@ -3,7 +3,7 @@
 Triton is optional: without it (or on a CPU) the ops run their PyTorch impls. ``TRITON_INTERPRET=1`` runs the same
 kernels on CPU tensors under Triton's interpreter, slowly but exactly: that is how the test suite checks them
 against the float64 definitions on machines without a GPU. Whether Triton imports and whether the kernels can run
-on a tensor's device: :mod:`vqattn.ops.devices`.
+on a tensor's device: :mod:`vqattn.ops.utils`.
 """
 
 from __future__ import annotations

@@ -27,8 +27,7 @@ import dataclasses
 
 import torch
 
-from ..common.layout import empty_like_order
-from ..devices import triton
+from ..utils import empty_like_order, triton
 from .utils import cache_dtype, dot_dtype, register_width, three_programs_per_sm, unit_last
 
 if triton is not None:
@@ -263,7 +262,7 @@ def reverse_walk(p: Prefix, d_fold_n, d_fold_c, *, d_cache_n=None, d_cache_c=Non
     d_cache_n = d_cache_n.contiguous() if d_cache_n is not None else torch.zeros(B, H, nb, S, **f32)
     d_cache_c = d_cache_c.contiguous() if d_cache_c is not None else torch.zeros(B, H, nb, S, DV, **f32)
     d_n0, d_c0 = torch.empty(B, H, S, **f32), torch.empty(B, H, S, DV, **f32)
-    # in v's memory order (common/layout.py); soft rows add up over the code tiles, in float32
+    # in v's memory order (ops/utils.py); soft rows add up over the code tiles, in float32
     if hard:
         dval = d_values if d_values is not None else empty_like_order(p.v)
     else:

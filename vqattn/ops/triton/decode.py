@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..common.impls import needs_grad
-from ..devices import triton
+from ..utils import needs_grad, triton
 from .utils import CODE_TILE, dot_dtype, register_width, stride_args, sum_dot, unit_last
 
 if triton is not None:  # the kernel's helpers exist only where Triton does: the op library needs torch alone

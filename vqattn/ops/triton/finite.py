@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..devices import triton
+from ..utils import triton
 from .utils import register_width, stride_args, unit_last
 
 if triton is not None:

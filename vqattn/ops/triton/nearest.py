@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..common.layout import empty_like_order
-from ..devices import triton
+from ..utils import empty_like_order, triton
 from .utils import (
     CODE_TILE,
     code_parts,
@@ -103,7 +102,7 @@ def code_residuals(k: torch.Tensor, codebook: torch.Tensor, index: torch.Tensor,
     """a·(k_j − c_{z_j}) for keys k (B, H, T, D) (float16, bfloat16 or float32), codebook (H, S, D), their codes'
     index z (B, H, T) and a one-element tensor ``factor`` a (read by the kernel: no host synchronisation): the
     commitment loss's keys' gradient, formed in float32 and written in k's dtype and memory order
-    (:mod:`..common.layout`) in one pass, where PyTorch gathers the codes into a float32 (B, H, T, D) tensor,
+    (:mod:`vqattn.ops.utils`) in one pass, where PyTorch gathers the codes into a float32 (B, H, T, D) tensor,
     subtracts the keys and scales into a third."""
     B, H, T, D = k.shape
     out = empty_like_order(k)

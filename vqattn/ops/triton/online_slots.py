@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from ..devices import triton
+from ..utils import triton
 from .tuning import configs, tuned
 from .utils import float32_products, register_width, stride_args, unit_last
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..common.layout import empty_in_order
-from ..devices import triton
+from ..utils import empty_in_order, triton
 from .utils import MAX_DIM, SUPPORTED_DTYPES, register_width, stride_args
 
 if triton is not None:
@@ -60,7 +59,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float, r
            first_pair: int = 0, order: tuple[int, ...] = (0, 1, 2, 3)) -> torch.Tensor:
     """x (B, H, T, D) rotated by the angles with cos and sin (T, D/2) float32 (sign 1) or back (sign −1), plus
     ``raw_grad`` (B, H, T, D − 2·first_pair) added to the pairs m ≥ first_pair when given; a tensor of x's dtype
-    laid out in ``order`` (contiguous by default; the backward pass gives the rotated input's, :mod:`..common.layout`),
+    laid out in ``order`` (contiguous by default; the backward pass gives the rotated input's, :mod:`vqattn.ops.utils`),
     by the kernel of the module doc (:func:`runs_rotation_kernel` says when it applies)."""
     B, H, T, D = x.shape
     out = empty_in_order(x.shape, order, dtype=x.dtype, device=x.device)

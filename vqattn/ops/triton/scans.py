@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..devices import triton
+from ..utils import triton
 
 if triton is not None:
     import triton.language as tl

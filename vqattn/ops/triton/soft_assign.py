@@ -27,8 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from ..common.layout import empty_like_order
-from ..devices import triton
+from ..utils import empty_like_order, triton
 from .nearest import ASSIGN_KEYS, ASSIGN_LAUNCH, KEY_BLOCK
 from .utils import CODE_TILE, float32_products, register_width, stride_args, unit_last
 
@@ -198,7 +197,7 @@ class SoftAssign(torch.autograd.Function):
         shape = dict(L=KEY_BLOCK, BS=CODE_TILE, BD=register_width(D))
         products = float32_products(k.dtype)
         strides = stride_args("k", k)
-        grad_k = empty_like_order(k, dtype=torch.float32)  # in k's memory order (common/layout.py)
+        grad_k = empty_like_order(k, dtype=torch.float32)  # in k's memory order (ops/utils.py)
         row_sums = torch.empty(B, H, T, device=k.device, dtype=torch.float32)
         grad_tau = torch.empty(B, H, blocks, device=k.device, dtype=torch.float32) if need_tau else grad_k
         _soft_key_grad_kernel[(blocks, B * H)](K=k, C=c, HN=half_norms, TAU=tau, P=weights, G=grad, DK=grad_k,

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from ..devices import triton
+from ..utils import triton
 from .scans import exclusive_scan
 from .soft_assign import KEY_SLICES, head_temperatures, soft_logsumexp
 from .tuning import configs, tuned

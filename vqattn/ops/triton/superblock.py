@@ -33,8 +33,7 @@ import dataclasses
 
 import torch
 
-from ..common.layout import empty_like_order
-from ..devices import triton
+from ..utils import empty_like_order, triton
 from .scans import exclusive_scan
 from .tuning import configs, tuned
 from .utils import CODE_TILE, aligned_code_dims, cache_dtype, dot_dtype, register_width, stride_args, sum_dot, unit_last

@@ -16,7 +16,7 @@ import inspect
 import itertools
 import os
 
-from ..devices import INTERPRET, triton
+from ..utils import INTERPRET, triton
 
 AUTOTUNE = os.environ.get("VQATTN_AUTOTUNE", "0") not in ("", "0") and not INTERPRET
 # What the tuned choice depends on: the widths and the block length, not T (a prefill of a new length would

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..devices import INTERPRET, triton
+from ..utils import INTERPRET, triton
 from . import float32_tensor_cores
 
 if triton is not None:

@@ -28,8 +28,7 @@ import dataclasses
 
 import torch
 
-from ..common.layout import empty_like_order
-from ..devices import triton
+from ..utils import empty_like_order, triton
 from .utils import (
     CODE_TILE,
     MAX_DIM,
@@ -296,7 +295,7 @@ def output_delta(f: WindowCodes, grad_out: torch.Tensor) -> torch.Tensor:
 
 
 def window_backward(f: WindowCodes, grad_out: torch.Tensor, delta: torch.Tensor):
-    """The window's gradients dqw, dkw, dv, each in its input's dtype and memory order (common/layout.py)."""
+    """The window's gradients dqw, dkw, dv, each in its input's dtype and memory order (ops/utils.py)."""
     B, H, T, D = f.qw.shape
     dqw, dkw, dv = empty_like_order(f.qw), empty_like_order(f.kw), empty_like_order(f.v)
     _window_backward_kernel[(triton.cdiv(T, f.meta["L"]), B * H)](

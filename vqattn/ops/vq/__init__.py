@@ -19,8 +19,9 @@ With the unnormalised Gaussian-kernel assignment the same formula is linear atte
 for a random codebook: :func:`vqattn.analysis.codebook_kernel_features`.
 """
 
-from ..blocks import DEFAULT_BLOCK_LEN, RECURRENT_MAX_LEN, Schedule, window_start
+from ..blocks import DEFAULT_BLOCK_LEN, Schedule, window_start
 from ..common.statistics import Assignment
+from ..utils import RECURRENT_MAX_LEN
 from .assign import ASSIGNMENTS, SoftMixture, vq_assign
 from .attention import IMPLS, chunk_vq_attention, recurrent_vq_attention, vq_attention
 from .naive import naive_vq_attention

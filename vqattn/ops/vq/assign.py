@@ -11,12 +11,11 @@ from typing import NamedTuple
 
 import torch
 
-from ..checks import check_choice, check_positive_int, compute_dtype
 from ..common.statistics import Assignment, log_counts
-from ..precision import autocast_off
 from ..triton.nearest import nearest_codes
 from ..triton.soft_assign import soft_weights
 from ..triton.utils import runs_kernels
+from ..utils import autocast_off, check_choice, check_positive_int, compute_dtype
 
 ASSIGNMENTS = ("hard", "soft")
 

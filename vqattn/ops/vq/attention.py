@@ -7,11 +7,9 @@ import dataclasses
 import torch
 
 from ..blocks import Schedule, as_schedule, resolve_block_len
-from ..checks import compute_dtype
-from ..common.impls import decoding, needs_grad, pick_impl, with_impl
 from ..common.statistics import Assignment, code_means, code_statistics, log_counts, map_time
 from ..nonfinite import zero_assignment_rows
-from ..precision import autocast_off
+from ..utils import autocast_off, compute_dtype, decoding, needs_grad, pick_impl, with_impl
 from ..varlen import Segments, varlen
 from .chunk import chunk_forward
 from .fused import fused_forward
@@ -32,7 +30,7 @@ def _non_causal(x: Inputs) -> torch.Tensor:
 
 
 def _pick_impl(impl: str, q, k, v, *, causal, assign, exact_window, block_len, state) -> str:
-    """The impl that runs a call (:func:`~vqattn.ops.common.impls.pick_impl`); only causal calls have a fused
+    """The impl that runs a call (:func:`~vqattn.ops.utils.pick_impl`); only causal calls have a fused
     kernel."""
     why_not_fused = None if not causal else lambda: fused_unsupported(
         q, k, v, assign=assign, exact_window=exact_window, block_len=block_len, state=state)
@@ -111,7 +109,7 @@ def vq_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, codebook: to
             needed, the fused decoding step, :mod:`vqattn.ops.triton.decode`), or "auto": for a ``state`` and at
             most ``RECURRENT_MAX_LEN`` new tokens the fused step on CUDA with grad mode off, else recurrent; triton
             for other causal CUDA calls it supports (docs/ops.md), chunk otherwise
-            (:func:`~vqattn.ops.common.impls.pick_impl`, the rule of every causal op). All give the same result
+            (:func:`~vqattn.ops.utils.pick_impl`, the rule of every causal op). All give the same result
             to rounding.
         schedule: how the chunk impl runs its blocks (:class:`~vqattn.ops.blocks.Schedule`): "auto", "loop"
             or "cumsum", and (its ``kernels``) which design the triton impl runs; never changes the result.

@@ -31,11 +31,11 @@ from ..blocks import (
     split_groups,
     time_range,
 )
-from ..checks import size_max, size_min
 from ..common.memory_cap import block_memory_bias
 from ..common.statistics import Assignment, code_counts, code_statistics, map_time
 from ..common.window_code_blocks import WindowCodeInputs, window_code_attention
 from ..nonfinite import zero_assignment_rows
+from ..utils import size_max, size_min
 from .mixture import mixture_attention
 from .state import Inputs, VQState, continued, state_after
 

@@ -31,7 +31,6 @@ import torch
 
 from ..blocks import time_range
 from ..common.memory_cap import block_memory_bias
-from ..common.records import replaced
 from ..triton.block_caches import prefix_forward, reverse_walk
 from ..triton.soft_caches import soft_block_caches
 from ..triton.superblock import superblock_vq_causal
@@ -45,6 +44,7 @@ from ..triton.window_codes import (
     window_backward,
     window_code_forward,
 )
+from ..utils import replaced
 from .assign import SoftMixture, straight_through_keys, temperature_tensor
 from .state import Inputs, VQState, continued, state_after
 

@@ -8,7 +8,7 @@ import torch
 
 from ..common.cache import CacheUpdates, LogitGradients, code_logits_of, read_cache, read_cache_backward
 from ..common.window_code_blocks import floored_exp_
-from ..precision import autocast_off
+from ..utils import autocast_off
 
 
 class MixtureInputs(NamedTuple):

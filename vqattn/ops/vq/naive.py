@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from ..blocks import DEFAULT_BLOCK_LEN
-from ..checks import resolve_scale
 from ..common.memory_cap import query_memory_bias
+from ..utils import resolve_scale
 from .assign import Assignment, mixture_logits
 
 

@@ -44,7 +44,7 @@ def _attend(q, keys, values, c, window: Assignment, state: VQState, *, scale, ex
 
 def _attend_fused(q, keys, values, c, window: Assignment, state: VQState, *, scale, exact_window, q_window, weight):
     """:func:`_attend` as one Triton kernel (:mod:`vqattn.ops.triton.decode`), forward only; the hard window scores
-    its keys' codes. The soft mixture window has no fused impl (:func:`~vqattn.ops.common.impls.pick_impl` keeps it
+    its keys' codes. The soft mixture window has no fused impl (:func:`~vqattn.ops.utils.pick_impl` keeps it
     recurrent)."""
     window_keys = keys if exact_window else straight_through_keys(keys, c.to(keys.dtype), window.index)
     counts, sums = weigh_memory(state.counts, state.sums, weight)

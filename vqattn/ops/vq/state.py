@@ -10,21 +10,21 @@ from typing import NamedTuple
 import torch
 
 from ..blocks import Schedule, check_block_len, prepend_window, resolve_block_len, window_start, window_tail
-from ..checks import (
+from ..common.memory_cap import check_memory_cap
+from ..common.statistics import Assignment, cat_time, map_time
+from ..nonfinite import may_be_nonfinite, nonfinite_keys, visible_poison, zero_assignment_rows, zero_rows
+from ..triton.window_codes import unsupported
+from ..utils import (
+    IMPLS,
     check_4d,
     check_choice,
     check_qkv,
     check_same_device_dtype,
     compute_dtype,
+    replaced,
+    require_triton,
     resolve_scale,
 )
-from ..common.impls import IMPLS
-from ..common.memory_cap import check_memory_cap
-from ..common.records import replaced
-from ..common.statistics import Assignment, cat_time, map_time
-from ..devices import require_triton
-from ..nonfinite import may_be_nonfinite, nonfinite_keys, visible_poison, zero_assignment_rows, zero_rows
-from ..triton.window_codes import unsupported
 from .assign import ASSIGNMENTS, SoftMixture, check_assignment, vq_assign
 
 
