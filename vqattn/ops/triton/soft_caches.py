@@ -9,7 +9,7 @@ exp2(x_js log2(e) − lse_j) costs one product k·cᵀ. The cache that block b's
 
 * ``_soft_block_sums_kernel``, one program per (tile of codes, block, batch·head): block j's increments Δ_jᵀ1 and
   Δ_jᵀ V_j, written into slot j + 1 of the caches (the last block's into a tail row); an exclusive scan over the
-  slots (:func:`~.scans.exclusive_scan`, from the initial cache) turns them into every block's cache in place.
+  slots (:func:`~.utils.exclusive_scan`, from the initial cache) turns them into every block's cache in place.
 * Backward, from the caches' gradients dC_b, dn_b: a reverse scan in place gives G_j = Σ_{b ≥ j+2} dC_b (plus the
   kept state's gradient for j < fold), the gradient of block j's increments. With g_js = v_j·G_js + Gn_js, the
   gradient of p_js, and r_j = Σ_s p_js g_js, the scores' gradient is ds_js = p_js (g_js − r_j).
@@ -29,10 +29,18 @@ from __future__ import annotations
 import torch
 
 from ..utils import triton
-from .scans import exclusive_scan
 from .soft_assign import KEY_SLICES, head_temperatures, soft_logsumexp
 from .tuning import configs, tuned
-from .utils import CODE_TILE, cache_dtype, dot_dtype, float32_products, register_width, stride_args, unit_last
+from .utils import (
+    CODE_TILE,
+    cache_dtype,
+    dot_dtype,
+    exclusive_scan,
+    float32_products,
+    register_width,
+    stride_args,
+    unit_last,
+)
 
 if triton is not None:
     import triton.language as tl

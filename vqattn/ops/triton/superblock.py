@@ -16,7 +16,7 @@ design), while the caches that reach memory are K times fewer (docs/triton_kerne
 
 Kernels, in launch order (all parallel; the only sequential pass is the scan over ⌈nb/K⌉ superblocks):
 
-* :func:`_superblock_sums_kernel`: every superblock's own counts and value sums; :func:`.scans.exclusive_scan`
+* :func:`_superblock_sums_kernel`: every superblock's own counts and value sums; :func:`.utils.exclusive_scan`
   turns them into the caches (fla's ``chunk_h_split``);
 * :func:`_superblock_forward_kernel`: one program per query block: window, gathered keys, cache;
 * backward: Δ and the window's gradients (:mod:`.window_codes`); :func:`_superblock_code_backward_kernel`
@@ -34,9 +34,18 @@ import dataclasses
 import torch
 
 from ..utils import empty_like_order, triton
-from .scans import exclusive_scan
 from .tuning import configs, tuned
-from .utils import CODE_TILE, aligned_code_dims, cache_dtype, dot_dtype, register_width, stride_args, sum_dot, unit_last
+from .utils import (
+    CODE_TILE,
+    aligned_code_dims,
+    cache_dtype,
+    dot_dtype,
+    exclusive_scan,
+    register_width,
+    stride_args,
+    sum_dot,
+    unit_last,
+)
 from .window_codes import (
     FORWARD_LAUNCH,
     TENSORS,
