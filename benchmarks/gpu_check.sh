@@ -122,7 +122,7 @@ extra tune_ops 150 bash -c "$tune $ops --batch 8 --lengths 8192 --methods sdpa v
   $tune $ops --batch 2 --lengths 32768 --methods sdpa vq_hard_rope"
 extra tune_profile 40 $tune $profile --batch 8 --length 8192
 extra tune_layers 80 $tune $layers --lengths 8192 32768 --layers softmax vq_hard
-# the soft caches' candidates (soft_caches.*_CONFIGS: code tile, warps, stages), in vq_soft's op and layer
+# the soft caches' candidates (soft.*_CONFIGS: code tile, warps, stages), in vq_soft's op and layer
 extra tune_soft 90 bash -c "$tune $profile --method vq_soft_rope --batch 8 --length 8192; \
   $tune $layers --lengths 8192 32768 --layers softmax vq_soft"
 # the online assignment's candidates (online_slots.SLOTS_CONFIGS: warps and slot tile), in ovq's op and layer

@@ -46,7 +46,7 @@ The soft mixture's designs (:data:`SOFT_DESIGNS`; vq_soft_rope's step, the codeb
   gradient as well) and the assignment's two backward kernels
   (``_soft_key_grad_kernel``, ``_soft_code_grad_kernel``) read; the code backward writes every block's dC and count
   gradient and adds the codebook's share atomically.
-* ``soft_block_sums`` (:data:`SOFT_CURRENT`, what soft keys run, ``vqattn/ops/triton/soft_caches.py``): one float
+* ``soft_block_sums`` (:data:`SOFT_CURRENT`, what soft keys run, ``vqattn/ops/triton/soft.py``): one float
   per key, the logsumexp (``_soft_assign_kernel``'s LOGSUMEXP output); ``_soft_block_sums_kernel`` recomputes each
   block's weights for its increments, written into the caches and scanned there (``exclusive_scan_kernel``); the
   window-code kernels as block_dc's; backward, the code backward's every block's cache gradient, reverse-scanned in
@@ -432,7 +432,7 @@ def mixture_backward_products(s: Shape) -> int:
 
 
 def soft_block_sums_kernels(s: Shape, ib: int) -> list[KernelCost]:
-    """What soft keys run (``vqattn/ops/triton/soft_caches.py``): each key's mixture logsumexp; every block's
+    """What soft keys run (``vqattn/ops/triton/soft.py``): each key's mixture logsumexp; every block's
     increments Δᵀ1, ΔᵀV with the weights recomputed, written into the caches and scanned there; the window-code
     kernels as for block_dc (the code backward writes every block's cache gradient, which a reverse scan turns into
     every block's increment gradient G in place); the keys' and values' gradients key-major, two walks over the

@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from .ops.common.statistics import code_slots
 from .ops.triton.nearest import code_residuals
-from .ops.triton.soft_assign import soft_statistics
+from .ops.triton.soft import soft_statistics
 from .ops.triton.utils import runs_kernels
 from .ops.utils import autocast_off, check_4d, check_choice, check_positive_int, empty_like_order, memory_order
 from .ops.vq import Assignment, vq_assign

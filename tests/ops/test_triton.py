@@ -16,7 +16,7 @@ from vqattn.ops.triton.block_caches import block_caches
 from vqattn.ops.triton.finite import nonfinite_rows
 from vqattn.ops.triton.nearest import code_residuals, nearest_codes
 from vqattn.ops.triton.rotation import rotate
-from vqattn.ops.triton.soft_assign import soft_weights
+from vqattn.ops.triton.soft import soft_weights
 from vqattn.ops.utils import memory_order, triton
 from vqattn.ops.vq import VQState, naive_vq_attention, vq_assign, vq_attention
 from vqattn.ops.window import window_attention

@@ -1,4 +1,4 @@
-"""Soft keys in the fused impl without a (T, S) tensor (vqattn/ops/triton/soft_caches.py): every block's cache and
+"""Soft keys in the fused impl without a (T, S) tensor (vqattn/ops/triton/soft.py): every block's cache and
 its gradients against a float64 definition, the op and a layer against the formed path, the codebook's statistics
 kernel, and what the backward allocates. Under TRITON_INTERPRET=1 on a CPU, or on a GPU."""
 
@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from vqattn.functional import Assignment, SoftMixture, naive_vq_attention, vq_assign, vq_attention
-from vqattn.ops.triton.soft_assign import soft_statistics
-from vqattn.ops.triton.soft_caches import soft_block_caches
+from vqattn.ops.triton.soft import soft_block_caches, soft_statistics
 
 from triton_helpers import DEVICE, Allocations, compare, leaves, nan_empty, needs_triton, rel_rms  # noqa: F401 (a fixture)
 
@@ -255,13 +254,13 @@ def test_the_op_on_half_inputs(dtype):
 
 @pytest.mark.parametrize("tile", [32, 128])
 def test_every_code_tile_candidate(tile, monkeypatch):
-    """The three kernels' launch candidates (soft_caches.*_CONFIGS) differ in their code tile, which splits the
+    """The three kernels' launch candidates (soft.*_CONFIGS) differ in their code tile, which splits the
     codes differently, never what they sum: 24 codes in tiles of 32 and 128 (one partial tile each), every output
     and gradient against the definition."""
-    from vqattn.ops.triton import soft_caches
+    from vqattn.ops.triton import soft
 
-    for kernel in (soft_caches._soft_block_sums_kernel, soft_caches._soft_block_grads_kernel,
-                   soft_caches._soft_code_grads_kernel):
+    for kernel in (soft._soft_block_sums_kernel, soft._soft_block_grads_kernel,
+                   soft._soft_code_grads_kernel):
         monkeypatch.setattr(kernel, "configs", [next(c for c in kernel.candidates if c.kwargs["BS"] == tile)])
         monkeypatch.setattr(kernel, "cache", {})
     compare(lambda *x: torch.cat([t.flatten() for t in ref_block_caches(*x, L, 2)]),

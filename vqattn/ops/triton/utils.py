@@ -387,7 +387,7 @@ if triton is not None:
 
 # The short scan of chunked prefixes (fla's ``chunk_h_split`` pattern): n pieces' sums of codes' counts (S,) and
 # value sums (S, Dv), formed in parallel, become every piece's running sum in one short sequential pass per tile of
-# codes and sequence. The superblock caches (superblock.py) and the soft caches (soft_caches.py) scan with it.
+# codes and sequence. The superblock caches (superblock.py) and the soft caches (soft.py) scan with it.
 if triton is not None:
 
     @triton.jit

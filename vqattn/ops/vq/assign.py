@@ -13,7 +13,7 @@ import torch
 
 from ..common.statistics import Assignment, log_counts
 from ..triton.nearest import nearest_codes
-from ..triton.soft_assign import soft_weights
+from ..triton.soft import soft_weights
 from ..triton.utils import runs_kernels
 from ..utils import autocast_off, check_choice, check_positive_int, compute_dtype
 
@@ -104,7 +104,7 @@ class _ScoreSoftmax(torch.autograd.Function):
 
 class SoftMixture(NamedTuple):
     """The soft assignment of ``keys`` (B, H, T, D) to ``codes`` (H, S, D) at ``temperature``, not formed: the fused
-    impl recomputes its weights wherever it needs them (:mod:`vqattn.ops.triton.soft_caches`), so no (T, S) tensor
+    impl recomputes its weights wherever it needs them (:mod:`vqattn.ops.triton.soft`), so no (T, S) tensor
     reaches memory; any other impl forms it (:meth:`formed`). What ``vq_assign(..., formed=False)`` returns."""
 
     keys: torch.Tensor
@@ -122,7 +122,7 @@ def vq_assign(k: torch.Tensor, codebook: torch.Tensor, *, assign: str, temperatu
     stays float64) whatever the autocast state. Soft weights carry the autograd graph to k, the codebook and the
     temperature, so an Assignment computed once per layer can be handed to ``vq_attention``. ``tile_rows``: keys
     whose scores are formed at once (default: :func:`row_tiles`); never changes the result. On a GPU the
-    assignments are Triton kernels (:mod:`vqattn.ops.triton.nearest`, :mod:`vqattn.ops.triton.soft_assign`).
+    assignments are Triton kernels (:mod:`vqattn.ops.triton.nearest`, :mod:`vqattn.ops.triton.soft`).
     ``formed=False`` (soft only): a :class:`SoftMixture`, the weights left to the op (the temperature validated).
     """
     check_choice("assign", assign, ASSIGNMENTS)

@@ -18,7 +18,7 @@ C_b = C_0 + Σ_{b' ≤ b−2} Δ_{b'}ᵀ V_{b'}. Three kernel routes, chosen by 
   for hard keys);
 * soft keys given unformed (a :class:`~.assign.SoftMixture`, what a first call assigns itself and what a layer's
   codebook hands a GPU call): their weights recomputed in the kernels, none in memory
-  (:mod:`vqattn.ops.triton.soft_caches`), then the window-code kernel.
+  (:mod:`vqattn.ops.triton.soft`), then the window-code kernel.
 
 The soft mixture window (``exact_window=False``) has no fused impl: it runs the chunk impl.
 """
@@ -32,7 +32,7 @@ import torch
 from ..blocks import time_range
 from ..common.memory_cap import block_memory_bias
 from ..triton.block_caches import prefix_forward, reverse_walk
-from ..triton.soft_caches import soft_block_caches
+from ..triton.soft import soft_block_caches
 from ..triton.superblock import superblock_vq_causal
 from ..triton.utils import unit_last
 from ..triton.window_codes import (
