@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from vqattn.functional import DeltaRuleState, delta_rule_attention
+from vqattn.ops.delta_rule import chunk as chunk_module
 from vqattn.ops.delta_rule import (
     chunk_delta_rule_attention,
     naive_delta_rule_attention,
@@ -87,6 +88,38 @@ def test_the_chunk_length_never_changes_the_result(block_len):
     ref = _call(naive_delta_rule_attention, *inputs)
     torch.testing.assert_close(_call(chunk_delta_rule_attention, *inputs, block_len=block_len), ref, rtol=1e-12,
                                atol=1e-12)
+
+
+@pytest.mark.parametrize("given", ["state", "Segments"])
+def test_chunks_in_groups_equal_one_group(monkeypatch, given):
+    """On a CPU the chunks run in groups of about GROUP_BYTES of (C, C) matrices, each from the state the last
+    leaves: with groups of 2 chunks of 4 tokens (T = 37: the last group a partial chunk), outputs, the final state
+    and every gradient equal the definition; packed sequences restart inside the groups (Segments: the keep
+    factors split with them)."""
+    import vqattn.ops.blocks as blocks
+
+    monkeypatch.setattr(blocks, "GROUP_BYTES", 2 * 2 * 2 * 4 * 4 * 8)  # B·H·C·C float64 per chunk, 2 chunks a group
+    seen = []
+    group = chunk_module._chunk_group
+    monkeypatch.setattr(chunk_module, "_chunk_group", lambda *a: seen.append(a[0].shape[2]) or group(*a))
+    if given == "state":
+        inputs = _inputs(T=37, state=True)
+        out, state = _call(chunk_delta_rule_attention, *inputs, block_len=4, return_state=True)
+        ref, ref_state = _call(naive_delta_rule_attention, *inputs, return_state=True)
+        torch.testing.assert_close(state.S, ref_state.S, rtol=1e-12, atol=1e-12)
+        out_loss, ref_loss = out.square().sum() + state.S.sum(), ref.square().sum() + ref_state.S.sum()
+    else:
+        inputs = _inputs(B=1, H=2, T=37)[:5]
+        monkeypatch.setattr(blocks, "GROUP_BYTES", 1 * 2 * 4 * 4 * 8 * 2)
+        out = delta_rule_attention(*inputs, block_len=4, cu_seqlens=Packing.from_bounds(BOUNDS).segments([4]))
+        ref = torch.cat([naive_delta_rule_attention(*(None if x is None else x[:, :, a:b] for x in inputs))
+                         for a, b in zip(BOUNDS, BOUNDS[1:])], 2)
+        out_loss, ref_loss = out.square().sum(), ref.square().sum()
+    assert len(seen) > 3 and max(seen) == 8  # several groups of 2 chunks ran
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    present = [x for x in inputs if x is not None]
+    for g, w in zip(torch.autograd.grad(out_loss, present), torch.autograd.grad(ref_loss, present)):
+        torch.testing.assert_close(g, w, rtol=1e-11, atol=1e-11)
 
 
 @pytest.mark.parametrize("form", ["chunk", "recurrent"])

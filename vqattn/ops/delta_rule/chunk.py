@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..blocks import block_groups
 from ..common.segments import BlockLayout
 from ..utils import size_min
 
@@ -31,10 +32,32 @@ def chunk_forward(q, k, v, beta, log_decay, scale: float, S0, chunk: int, keep: 
     """q, k (B, H, T, Dk), v (B, H, T, Dv), beta, log_decay (B, H, T) (None: no decay), S0 (B, H, Dv, Dk) or None,
     chunks of ``chunk`` tokens (T need not be a multiple: zero pads after the end change neither the outputs nor the
     state, a key of 0 writing nothing) -> (out (B, H, T, Dv), the state after the last token). ``keep`` (N,): the
-    state entering chunk n is multiplied by keep_n (0 where a packed sequence starts; :func:`segmented_forward`)."""
+    state entering chunk n is multiplied by keep_n (0 where a packed sequence starts; :func:`segmented_forward`).
+
+    In eager mode the chunks run in groups (:func:`~vqattn.ops.blocks.block_groups`: on a CPU, of about 8 MiB of
+    (C, C) matrices), each from the state the one before leaves: the same arithmetic, but temporaries small enough for
+    glibc to reuse rather than fresh pages for each (at 32768 tokens one (C, C) tensor of every chunk is 33 MB)."""
+    B, H, T, Dk = k.shape
+    C = size_min(chunk, T)
+    N = -(-T // C)
+    # a compiled graph keeps one group: its shape guards would otherwise tie the graph to the number of groups
+    groups = [(0, N)] if torch.compiler.is_compiling() else block_groups(N, B * H * C * C * q.element_size(), q.device)
+    if len(groups) == 1:
+        return _chunk_group(q, k, v, beta, log_decay, scale, S0, C, keep)
+    outs, S = [], S0
+    for n0, n1 in groups:
+        rows = slice(n0 * C, n1 * C)
+        out, S = _chunk_group(q[:, :, rows], k[:, :, rows], v[:, :, rows], beta[:, :, rows],
+                              None if log_decay is None else log_decay[:, :, rows], scale, S, C,
+                              None if keep is None else keep[n0:n1])
+        outs.append(out)
+    return torch.cat(outs, 2), S
+
+
+def _chunk_group(q, k, v, beta, log_decay, scale: float, S0, C: int, keep: torch.Tensor | None):
+    """:func:`chunk_forward` on chunks of C tokens run all at once (but the walk)."""
     B, H, T, Dk = k.shape
     Dv = v.shape[-1]
-    C = size_min(chunk, T)
     N = -(-T // C)
     pad = N * C - T
     q, k, v = (F.pad(x, (0, 0, 0, pad)).view(B, H, N, C, x.shape[-1]) for x in (q, k, v))
