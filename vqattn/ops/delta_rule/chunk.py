@@ -44,12 +44,13 @@ def chunk_forward(q, k, v, beta, log_decay, scale: float, S0, chunk: int, keep: 
     groups = [(0, N)] if torch.compiler.is_compiling() else block_groups(N, B * H * C * C * q.element_size(), q.device)
     if len(groups) == 1:
         return _chunk_group(q, k, v, beta, log_decay, scale, S0, C, keep)
+    # split, not sliced: the pieces' gradients are concatenated once, where each slice's would fill a zero tensor of
+    # the whole length
+    sizes = [size_min(n1 * C, T) - n0 * C for n0, n1 in groups]
+    pieces = [x.split(sizes, 2) if x is not None else [None] * len(groups) for x in (q, k, v, beta, log_decay)]
     outs, S = [], S0
-    for n0, n1 in groups:
-        rows = slice(n0 * C, n1 * C)
-        out, S = _chunk_group(q[:, :, rows], k[:, :, rows], v[:, :, rows], beta[:, :, rows],
-                              None if log_decay is None else log_decay[:, :, rows], scale, S, C,
-                              None if keep is None else keep[n0:n1])
+    for (n0, n1), *group in zip(groups, *pieces):
+        out, S = _chunk_group(*group, scale, S, C, None if keep is None else keep[n0:n1])
         outs.append(out)
     return torch.cat(outs, 2), S
 
