@@ -218,6 +218,19 @@ def test_a_disk_that_fills_mid_run_stops_it_with_one_line_and_the_printed_comman
 
 
 @pytest.mark.slow
+def test_a_disk_full_before_the_job_starts_stops_with_one_line_and_leaves_no_run_dir(tmp_path):
+    """Hydra writes the job's .hydra/ and train.log before the job starts; a disk already full there is one line
+    naming the run dir, exit status 74, and no half-written run dir left behind."""
+    run_dir = tmp_path / "outputs" / "run"
+    proc = run_faulty([*TINY, "trainer.max_steps=1", f"hydra.run.dir={run_dir}"], tmp_path, run_dir, budget=10)
+    assert proc.returncode == 74, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1] == f"error: could not write {run_dir}: [Errno 28] No space left on device; nothing was saved"
+    assert not run_dir.exists() and not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.slow
 def test_a_full_disk_on_metrics_csv_stops_the_run_and_its_rows_read_back_whole(tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     full_disk(monkeypatch, run_dir, budget=1500, match="metrics.csv")  # a few rows, then a row cut short

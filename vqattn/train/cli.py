@@ -30,6 +30,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 
+from ..files import WRITE_FAILED_STATUS, WriteFailed
 from ..utils import available_cores, pick_threads
 from .checks import (
     check_config,
@@ -46,6 +47,7 @@ from .lifecycle import (
     Aborted,
     Interrupted,
     composition_errors_raised,
+    discard_failed_run,
     exit_status,
     full_error_asked,
     hold_interrupts,
@@ -396,6 +398,15 @@ def main() -> None:
             if exit.code == 1 and not task_started():
                 raise SystemExit(USER_ERROR_STATUS) from None
             raise
+        except OSError as err:  # Hydra's own files of the job (its run dir, .hydra/, train.log): a full disk
+            if task_started() or full_error_asked():
+                raise
+            run_dir = hydra_run_dir(err)
+            path = err.filename or (run_dir if run_dir is not None else "the run dir")
+            print(f"error: {WriteFailed(path, err)}; nothing was saved", file=sys.stderr)
+            if run_dir is not None:
+                discard_failed_run(run_dir)
+            raise SystemExit(WRITE_FAILED_STATUS) from None
         except Exception as err:  # raised while Hydra composed the config (composition_errors_raised)
             if task_started() or full_error_asked():
                 raise
@@ -404,6 +415,18 @@ def main() -> None:
     if interrupt_held():  # Ctrl-C or SIGTERM while Hydra composed the config, or after the last job of a multirun
         print("\n" + stopped_by(last_signal()) + ("" if task_started() else ": nothing was saved"), file=sys.stderr)
         raise SystemExit(exit_status())
+
+
+def hydra_run_dir(err: BaseException) -> Path | None:
+    """The run dir of the job whose setup raised ``err`` (Hydra writes .hydra/ and train.log there before the job
+    starts), or None before Hydra knew it. Hydra's ``run_job`` holds it as ``output_dir``, and resets its
+    HydraConfig as the error leaves, so it is read from that frame."""
+    tb = err.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "run_job" and isinstance(tb.tb_frame.f_locals.get("output_dir"), str):
+            return Path(tb.tb_frame.f_locals["output_dir"])
+        tb = tb.tb_next
+    return None
 
 
 def report_composition_error(err: Exception) -> None:
