@@ -113,3 +113,31 @@ def test_the_driver_trains_the_grid_skips_finished_runs_and_reports(tmp_path, ca
     before = {p: p.stat().st_mtime for p in tmp_path.rglob("results.json")}
     assert far_recall.main(args) == 0  # everything finished: nothing retrained
     assert {p: p.stat().st_mtime for p in tmp_path.rglob("results.json")} == before
+
+
+figure_spec = importlib.util.spec_from_file_location("far_recall_figure", ROOT / "benchmarks" / "far_recall_figure.py")
+far_recall_figure = importlib.util.module_from_spec(figure_spec)
+figure_spec.loader.exec_module(far_recall_figure)
+
+
+def test_the_docs_figure_is_drawn_from_the_measured_points(tmp_path):
+    """docs/far_recall_points.csv, the runs behind docs/far_recall.md's tables: every row a registered attention of
+    the sweep, and the figure drawn from them with one line per attention."""
+    points = far_recall_figure.read_points(ROOT / "docs" / "far_recall_points.csv")
+    assert {p["attention"] for p in points} <= set(far_recall.ATTENTIONS)
+    cells = recall_cells(points)
+    assert {c["attention"] for c in cells} >= {"softmax", "ovq", "gated_deltanet", "deltanet", "mamba2"}
+    out = tmp_path / "figure.png"
+    far_recall_figure.main([str(ROOT / "docs" / "far_recall_points.csv"), str(out)])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_point_out_of_range_names_its_line(tmp_path):
+    bad = tmp_path / "points.csv"
+    bad.write_text("attention,state_floats,lr,seed,recall,date,commit,machine\n"
+                   "ovq,100,0.002,0,0.5,d,c,m\novq,100,0.002,1,1.5,d,c,m\n")
+    with pytest.raises(ValueError, match=r"line 3: recall must be in \[0, 1\]"):
+        far_recall_figure.read_points(bad)
+    bad.write_text("attention,recall\novq,0.5\n")
+    with pytest.raises(ValueError, match="missing columns state_floats, lr, seed, date, commit, machine"):
+        far_recall_figure.read_points(bad)
