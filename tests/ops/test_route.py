@@ -47,7 +47,6 @@ def test_a_fused_vq_call_runs_in_at_most_twelve_modules(assign):
                            block_len=16, impl="triton")
         out.sum().backward()
 
-    call()  # the first call compiles (or interprets) the kernels: only the modules of a steady call count
     modules = modules_run(call)
     assert any(m.startswith("ops/triton/") for m in modules)  # the trace sees the kernels' launches
     assert q.grad is not None and codebook.grad is not None
