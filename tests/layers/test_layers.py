@@ -482,3 +482,30 @@ def test_short_conv_starts_as_the_identity_and_counts_in_the_state():
     torch.testing.assert_close(run(conv, x), run(plain, x), rtol=0, atol=0)
     _, _, state = conv(x, return_state=True)
     assert conv.state_floats(9) == plain.state_floats(9) + state.conv[0].numel() == plain.state_floats(9) + 3 * 3 * DIM
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])
+@pytest.mark.parametrize("t", [1, 2, 3, 7])
+@pytest.mark.parametrize("with_past", [False, True])
+def test_short_convolution_module_against_conv1d_of_the_joined_rows(size, t, with_past):
+    """ShortConvolution's CPU form (in-place multiply-adds of the taps) against F.conv1d over [past, h] in float64: outputs, the carried
+    rows, and the gradients of h, past and the taps, for T shorter and longer than the K − 1 carried rows."""
+    from vqattn.modules.conv import ShortConvolution
+
+    torch.manual_seed(size * 100 + t)
+    conv = ShortConvolution(6, size).double()
+    with torch.no_grad():
+        conv.weight.normal_()
+    h = torch.randn(2, t, 6, dtype=torch.float64, requires_grad=True)
+    past = torch.randn(2, size - 1, 6, dtype=torch.float64, requires_grad=True) if with_past else None
+    out, last = conv(h, past)
+    full = torch.cat((past if with_past else h.new_zeros(2, size - 1, 6), h), 1)
+    ref = torch.nn.functional.conv1d(full.transpose(1, 2), conv.weight, groups=6).transpose(1, 2)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(last, full[:, full.shape[1] - (size - 1):], rtol=0, atol=0)
+    grad_out = torch.randn_like(out)
+    inputs = (h, conv.weight) + ((past,) if with_past else ())
+    got = torch.autograd.grad(out, inputs, grad_out)
+    want = torch.autograd.grad(ref, inputs, grad_out)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
