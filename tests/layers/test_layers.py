@@ -488,8 +488,9 @@ def test_short_conv_starts_as_the_identity_and_counts_in_the_state():
 @pytest.mark.parametrize("t", [1, 2, 3, 7])
 @pytest.mark.parametrize("with_past", [False, True])
 def test_short_convolution_module_against_conv1d_of_the_joined_rows(size, t, with_past):
-    """ShortConvolution's CPU form (in-place multiply-adds of the taps) against F.conv1d over [past, h] in float64: outputs, the carried
-    rows, and the gradients of h, past and the taps, for T shorter and longer than the K − 1 carried rows."""
+    """ShortConvolution's CPU form (in-place multiply-adds of the taps) against F.conv1d over [past, h] in float64:
+    outputs, the carried rows, and the gradients of h, past and the taps, for T shorter and longer than the K − 1
+    carried rows."""
     from vqattn.modules.conv import ShortConvolution
 
     torch.manual_seed(size * 100 + t)
