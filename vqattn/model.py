@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from .layers import ATTENTIONS, AttentionState, build_attention
 from .ops.blocks import DEFAULT_BLOCK_LEN, resolve_block_len
 from .ops.utils import check_choice, check_positive_int, compute_dtype
-from .ops.varlen import Packing, Segments, as_packing, check_state_list, read_packing
+from .ops.varlen import Packing, Segments, check_state_list, resolve_call
 
 IGNORE_INDEX = -1  # the target value the loss and every metric skip (unlabelled positions)
 
@@ -317,18 +317,12 @@ class GPT(nn.Module):
         and :class:`~vqattn.ops.varlen.Segments` (``packing.segments(model.block_lens())``, the boundaries as tensors)
         run the packed call in a form ``torch.compile`` traces whole (no states).
         """
-        positions = None
-        if isinstance(cu_seqlens, Segments):  # tensors only: nothing is read, a compiled graph traces it whole
-            cu_seqlens.check(batch=idx.shape[0], length=idx.shape[1], state=state, return_state=return_state)
-            positions = cu_seqlens.positions
-        elif cu_seqlens is not None:
+        if cu_seqlens is not None and not isinstance(cu_seqlens, Segments):
             self._check_idx("idx", idx, 0)
-            if state is not None or return_state:
-                packing = as_packing(cu_seqlens, batch=idx.shape[0], length=idx.shape[1])
-                return self._per_sequence(idx, targets, packing.bounds, state, return_state)
-            # read once here, and handed to every layer as a Packing: no layer or op reads them again
-            cu_seqlens, positions = read_packing(cu_seqlens, batch=idx.shape[0], length=idx.shape[1],
-                                                 device=idx.device)
+        call = resolve_call(cu_seqlens, batch=idx.shape[0], length=idx.shape[1], state=state,
+                            return_state=return_state, device=idx.device)
+        if call.each is not None:
+            return self._per_sequence(idx, targets, call.each, state, return_state)
         if state is not None and not isinstance(state, GPTState):
             raise ValueError(f"state must be a GPTState or None, got {type(state).__name__}")
         start = 0 if state is None else state.pos
@@ -339,7 +333,7 @@ class GPT(nn.Module):
         layer_states = None
         if state is not None or return_state:
             layer_states = [None] * len(self.blocks) if state is None else state.layers
-        h, aux_loss, layer_states = self._body(idx, start, layer_states, cu_seqlens, positions)
+        h, aux_loss, layer_states = self._body(idx, start, layer_states, call.boundaries, call.positions)
         logits = self.head(h)  # (B, T, V)
         loss = None if targets is None else self._loss(logits, targets)
         new_state = GPTState(start + idx.shape[1], layer_states) if return_state else None

@@ -14,7 +14,7 @@ import torch.nn as nn
 from ..modules.conv import ShortConvolution
 from ..modules.rope import rope_rotate
 from ..ops.utils import check_positive_int
-from ..ops.varlen import Packing, Segments, as_packing, check_state_list, read_packing
+from ..ops.varlen import Packing, Segments, as_packing, check_state_list, resolve_call
 
 
 @dataclass
@@ -213,18 +213,13 @@ class Attention(nn.Module):
         states, run sequence by sequence, else None; the boundaries the op takes, a Packing or Segments or None;
         the (T,) positions of packed tokens or None)."""
         check_layer_input(x, self.dim)
-        positions = None
-        if isinstance(cu_seqlens, Segments):  # tensors only: nothing is read, a compiled graph traces it whole
-            cu_seqlens.check(batch=x.shape[0], length=x.shape[1], state=state, return_state=return_state)
-            positions = cu_seqlens.positions
-        elif cu_seqlens is not None:
-            if state is not None or return_state:
-                packing = as_packing(cu_seqlens, batch=x.shape[0], length=x.shape[1])
-                return self._per_sequence(x, packing.bounds, state, return_state), None, None
-            cu_seqlens, positions = read_packing(cu_seqlens, batch=x.shape[0], length=x.shape[1], device=x.device)
+        call = resolve_call(cu_seqlens, batch=x.shape[0], length=x.shape[1], state=state, return_state=return_state,
+                            device=x.device)
+        if call.each is not None:
+            return self._per_sequence(x, call.each, state, return_state), None, None
         if state is not None and not isinstance(state, AttentionState):
             raise ValueError(f"state must be an AttentionState or None, got {type(state).__name__}")
-        return None, cu_seqlens, positions
+        return None, call.boundaries, call.positions
 
     def _per_sequence(self, x, bounds: tuple[int, ...], state, return_state: bool) -> AttentionOutput:
         """A packed call with states: each sequence alone, with its own state; the aux loss their token-weighted

@@ -37,7 +37,7 @@ from .common.segments import BlockLayout
 from .common.statistics import Assignment, map_time
 
 __all__ = ["varlen", "Packing", "Segments", "as_packing", "check_cu_seqlens", "cu_seqlens_from_starts", "positions",
-           "read_packing", "check_state_list"]
+           "read_packing", "resolve_call", "PackedCall", "check_state_list"]
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, *, batch: int, length: int) -> list[int]:
@@ -363,6 +363,34 @@ def read_packing(cu_seqlens: torch.Tensor | Packing, *, batch: int, length: int,
     saw them as numbers would recompile for every new batch of documents."""
     packing = as_packing(cu_seqlens, batch=batch, length=length)
     return packing, packing.positions(device)
+
+
+class PackedCall(NamedTuple):
+    """What a model or layer call does with its ``cu_seqlens`` (:func:`resolve_call`): ``each`` the boundaries as
+    Python ints when the sequences run one by one (a call with states), else None; ``boundaries`` what its layers and
+    ops take (a Packing, Segments, or None for an unpacked call); ``positions`` (T,) each packed token's position in
+    its sequence, or None."""
+
+    each: tuple[int, ...] | None
+    boundaries: Packing | Segments | None
+    positions: torch.Tensor | None
+
+
+def resolve_call(cu_seqlens: torch.Tensor | Packing | Segments | None, *, batch: int, length: int, state,
+                 return_state: bool, device: torch.device) -> PackedCall:
+    """The one dispatch of a packed model or layer call: Segments pass as they are (tensors only, no states: a
+    compiled graph traces them whole); with a state or ``return_state`` each sequence runs alone (its state is its
+    own); otherwise the boundaries are read on the host once (:func:`read_packing`) and handed on as a Packing, so no
+    layer or op below reads them again. A ValueError names ``cu_seqlens`` when they do not fit the call."""
+    if cu_seqlens is None:
+        return PackedCall(None, None, None)
+    if isinstance(cu_seqlens, Segments):
+        cu_seqlens.check(batch=batch, length=length, state=state, return_state=return_state)
+        return PackedCall(None, cu_seqlens, cu_seqlens.positions)
+    if state is not None or return_state:
+        return PackedCall(as_packing(cu_seqlens, batch=batch, length=length).bounds, None, None)
+    packing, positions = read_packing(cu_seqlens, batch=batch, length=length, device=device)
+    return PackedCall(None, packing, positions)
 
 
 def _time_map(x, fn):
