@@ -172,9 +172,11 @@ def test_compiled_model_traces_segments_whole(name):
 def _host_reads(model: GPT, idx, cu_seqlens, monkeypatch) -> int:
     """The tensor reads on the host of one packed training step (forward and backward), counted as on a GPU."""
     from vqattn.ops import utils as op_utils
+    from vqattn.ops.common import segments
 
     reads = []
     monkeypatch.setattr(op_utils, "host_read_is_free", lambda x: False)
+    monkeypatch.setattr(segments, "cache_walk_runs", lambda first: False)  # a GPU's segmented form
     for method in ("__bool__", "item", "tolist", "__int__", "__float__", "__index__"):
         original = getattr(torch.Tensor, method)
 

@@ -186,6 +186,46 @@ def test_segment_sums_both_ways_and_their_gradients(lag):
     torch.testing.assert_close(torch.autograd.grad(got, x, grad)[0], want_grad, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("lag", [1, 2])
+@pytest.mark.parametrize("hard", [True, False], ids=["index", "weights"])
+def test_segment_cache_read_equals_the_sums_of_each_sequence(lag, hard):
+    """The CPU's cache walk p_b · C_b equals the codes' statistics summed over each sequence's blocks ≤ b − lag
+    (a loop over the definition) times p_b, outputs and the gradients of p, the values and the soft weights;
+    hard keys of no code (−1) add nothing (float64)."""
+    from vqattn.ops.common.segments import segment_cache_read
+
+    torch.manual_seed(lag)
+    N, n, L_, S, Dv = 3, 9, 4, 5, 6
+    first = torch.tensor([0, 0, 0, 3, 4, 4, 4, 4, 8])
+    p = torch.randn(N, n, L_, S, dtype=F64, requires_grad=True)
+    values = torch.randn(N, n, L_, Dv, dtype=F64, requires_grad=True)
+    if hard:
+        index, weights = torch.randint(-1, S, (N, n, L_)), None
+        delta = torch.nn.functional.one_hot(index.clamp_min(0), S).to(F64) * (index >= 0).unsqueeze(-1)
+        leaves = [p, values]
+    else:
+        index, weights = None, torch.rand(N, n, L_, S, dtype=F64, requires_grad=True)
+        delta, leaves = weights, [p, values, weights]
+    stats = delta.transpose(-1, -2) @ values  # (N, n, S, Dv)
+    caches = torch.stack([stats[:, first[b]:max(b - lag + 1, first[b])].sum(1) for b in range(n)], 1)
+    want = p @ caches
+    got = segment_cache_read(p, values, index, weights, first, lag)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    grad = torch.randn_like(want)
+    for g, w in zip(torch.autograd.grad(got, leaves, grad), torch.autograd.grad(want, leaves, grad)):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["vq_hard_codes", "vq_soft_codes"])
+def test_segments_with_every_blocks_cache_at_once(name, monkeypatch):
+    """The segmented vq form as it runs off a CPU (every block's cache formed at once, not the walk) equals the
+    float64 definitions called one sequence at a time."""
+    from vqattn.ops.common import segments as seg
+
+    monkeypatch.setattr(seg, "cache_walk_runs", lambda first: False)
+    _check(name, LENGTHS[0], "chunk", segments=True)
+
+
 def test_segment_sums_of_a_short_sequence_after_a_long_one_are_its_own():
     """A short sequence after a long one of large values gets the float32 sums of a call of its own: the CPU's walk
     restarts its running sum, and the prefix differences cancel the long one's prefix in float64."""

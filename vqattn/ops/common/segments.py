@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from .. import utils
+from .window_code_blocks import floored_exp
 
 
 class BlockLayout(NamedTuple):
@@ -180,6 +181,119 @@ def _backward(ctx, grad):
 torch.library.register_autograd("vqattn::segment_sums", _backward, setup_context=_setup)
 
 
+def cache_walk_runs(first: torch.Tensor) -> bool:
+    """Whether the blocks of ``first`` read their caches by :func:`segment_cache_read`'s walk: on a CPU (the walk
+    reads the first blocks on the host, inside its operator); elsewhere every block's cache is formed at once."""
+    return first.device.type == "cpu"
+
+
+def segment_cache_read(p: torch.Tensor, values: torch.Tensor, index: torch.Tensor | None,
+                       weights: torch.Tensor | None, first: torch.Tensor, lag: int) -> torch.Tensor:
+    """num_b = p_b · C_b for every block b: p (N, n, L, S) the blocks' code weights, C_b (S, Dv) the value sums of
+    the blocks first_b … b − lag of b's own sequence, from values (N, n, L, Dv) and the keys' codes ``index``
+    (N, n, L) (hard; −1: no code) or their ``weights`` (N, n, L, S) (soft). Returns num (N, n, L, Dv).
+
+    As :func:`segment_sums` followed by p_b · C_b, but a walk over the blocks with one running (S, Dv) cache per
+    batch·head, restarted at each sequence's first block (as the chunk impl's :func:`~.cache.read_cache`): no
+    cache of every block (n·S·Dv floats, and as many for its gradient) is formed. A CPU's form (the walk reads the
+    first blocks on the host); one opaque operator to ``torch.compile``, with its own backward walk."""
+    return _cache_read_op(p, values, index, weights, first, lag)
+
+
+def _add_stats(cache: torch.Tensor, values, slots, weights, b: int) -> None:
+    """cache (N, S (+ 1), Dv) += block b's statistics."""
+    if slots is not None:
+        cache.view(-1, cache.shape[-1]).index_add_(0, slots[:, b].flatten(), values[:, b].flatten(0, 1))
+    else:
+        cache.baddbmm_(weights[:, b].transpose(-1, -2), values[:, b])
+
+
+def _cache_slots(index: torch.Tensor | None, S: int) -> torch.Tensor | None:
+    """(N, n, L) codes -> rows of the flattened (N·(S + 1), Dv) cache, a key of no code in its head's row S."""
+    if index is None:
+        return None
+    rows = torch.arange(index.shape[0], device=index.device).view(-1, 1, 1) * (S + 1)
+    return torch.where(index >= 0, index, S) + rows
+
+
+def _walk_caches(p, values, slots, weights, first: list[int], lag: int):
+    """Yield (b, C_b) for every block, C_b (N, S, Dv) a view of the one running cache."""
+    N, n, _, S = p.shape
+    cache = values.new_zeros(N, S + (slots is not None), values.shape[-1])
+    for b in range(n):
+        if first[b] == b:
+            cache.zero_()
+        elif b - lag >= first[b]:
+            _add_stats(cache, values, slots, weights, b - lag)
+        yield b, cache[:, :S]
+
+
+@torch.library.custom_op("vqattn::segment_cache_read", mutates_args=())
+def _cache_read_op(p: torch.Tensor, values: torch.Tensor, index: torch.Tensor | None, weights: torch.Tensor | None,
+                   first: torch.Tensor, lag: int) -> torch.Tensor:
+    S = p.shape[-1]
+    num = values.new_empty(p.shape[1], p.shape[0], p.shape[2], values.shape[-1])  # (n, N, L, Dv)
+    for b, cache in _walk_caches(p, values, _cache_slots(index, S), weights, first.tolist(), lag):
+        torch.bmm(p[:, b], cache, out=num[b])
+    return num.transpose(0, 1).contiguous()
+
+
+@_cache_read_op.register_fake
+def _(p, values, index, weights, first, lag):
+    return values.new_empty(*p.shape[:3], values.shape[-1])
+
+
+@torch.library.custom_op("vqattn::segment_cache_read_backward", mutates_args=())
+def _cache_read_backward_op(grad: torch.Tensor, p: torch.Tensor, values: torch.Tensor, index: torch.Tensor | None,
+                            weights: torch.Tensor | None, first: torch.Tensor,
+                            lag: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dp_b = dnum_b · C_bᵀ (the forward walk again), and G_j = Σ_{b ≥ j + lag in j's sequence} p_bᵀ · dnum_b, the
+    gradient of block j's statistics (a reverse walk), handed to its values (hard: gathered at the codes; soft:
+    w_j · G_j) and weights (v_j · G_jᵀ). Returns (dp, dvalues, dweights; an empty tensor for hard keys)."""
+    N, n, _, S = p.shape
+    first_l, slots = first.tolist(), _cache_slots(index, S)
+    grad_p = torch.empty_like(p)
+    for b, cache in _walk_caches(p, values, slots, weights, first_l, lag):
+        torch.bmm(grad[:, b], cache.transpose(-1, -2), out=grad_p[:, b])
+    grad_values = torch.empty_like(values)
+    grad_weights = torch.empty_like(weights) if weights is not None else values.new_empty(0)
+    run = values.new_zeros(N, S + (slots is not None), values.shape[-1])  # G_j, a row for no code kept at 0
+    for j in range(n - 1, -1, -1):
+        if j + 1 < n and first_l[j + 1] == j + 1:  # j ends its sequence
+            run.zero_()
+        if j + lag < n and first_l[j + lag] == first_l[j]:
+            run[:, :S].baddbmm_(p[:, j + lag].transpose(-1, -2), grad[:, j + lag])
+        if slots is not None:
+            grad_values[:, j] = run.view(-1, run.shape[-1]).index_select(0, slots[:, j].flatten()).view(
+                grad_values[:, j].shape)
+        else:
+            torch.bmm(weights[:, j], run, out=grad_values[:, j])
+            torch.bmm(values[:, j], run.transpose(-1, -2), out=grad_weights[:, j])
+    return grad_p, grad_values, grad_weights
+
+
+@_cache_read_backward_op.register_fake
+def _(grad, p, values, index, weights, first, lag):
+    return (torch.empty_like(p), torch.empty_like(values),
+            torch.empty_like(weights) if weights is not None else values.new_empty(0))
+
+
+def _cache_read_setup(ctx, inputs, output):
+    p, values, index, weights, first, lag = inputs
+    ctx.save_for_backward(p, values, index, weights, first)
+    ctx.lag = lag
+
+
+def _cache_read_backward(ctx, grad):
+    p, values, index, weights, first = ctx.saved_tensors
+    grad_p, grad_values, grad_weights = _cache_read_backward_op(grad.contiguous(), p, values, index, weights, first,
+                                                                ctx.lag)
+    return grad_p, grad_values, None, grad_weights if weights is not None else None, None, None
+
+
+torch.library.register_autograd("vqattn::segment_cache_read", _cache_read_backward, setup_context=_cache_read_setup)
+
+
 def segment_prefix(x: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
     """Σ_{j = starts_i}^{i} x_j for every slot i along dim 2 of x (B, H, T'): a running sum that restarts at each
     sequence's first slot (``starts`` (T',) long), from float64 prefix sums, in float64."""
@@ -237,19 +351,26 @@ def window_mask(first: torch.Tensor, L: int) -> torch.Tensor:
 
 
 def window_softmax(logits: torch.Tensor, mask: torch.Tensor, values: torch.Tensor,
-                   code_logits: torch.Tensor | None = None, means: torch.Tensor | None = None) -> torch.Tensor:
+                   code_logits: torch.Tensor | None = None, means: torch.Tensor | None = None,
+                   read=None) -> torch.Tensor:
     """One softmax per query over its window logits (B, H, n, L, 2L), masked where ``mask`` (n, L, 2L), and the
     codes' logits (B, H, n, L, S) if given: Σ p_j v_j over the window values (B, H, n, 2L, Dv) plus Σ p_s m_s over
-    the codes' means (B, H, n, S, Dv)."""
+    the codes' means (B, H, n, S, Dv), or ``read(p)`` (the codes' (B, H, n, L, Dv) share from their
+    unnormalised weights p) in place of p · means."""
     logits = logits.masked_fill(mask, float("-inf"))
-    if code_logits is None:
-        return torch.softmax(logits, -1) @ values
     # one normalisation of both parts, without a concatenated (L, 2L + S) copy: every query sees itself, so the
-    # shift is finite, and it is detached (the softmax does not depend on it)
-    shift = torch.maximum(logits.amax(-1, keepdim=True), code_logits.amax(-1, keepdim=True)).detach()
-    window, codes = torch.exp(logits - shift), torch.exp(code_logits - shift)
+    # shift is finite, and it is detached (the softmax does not depend on it). The exps are floored as the chunk
+    # impl's: masked keys and empty codes (−inf) weigh exactly 0 without exp's slow paths on a CPU.
+    shift = logits.amax(-1, keepdim=True)
+    if code_logits is not None:
+        shift = torch.maximum(shift, code_logits.amax(-1, keepdim=True))
+    shift = shift.detach()
+    window = floored_exp(logits - shift)
+    if code_logits is None:
+        return (window @ values) / window.sum(-1, keepdim=True)
+    codes = floored_exp(code_logits - shift)
     total = window.sum(-1, keepdim=True) + codes.sum(-1, keepdim=True)
-    return (window @ values + codes @ means) / total
+    return (window @ values + (codes @ means if read is None else read(codes))) / total
 
 
 def window_bad_keys(bad: torch.Tensor, L: int, first: torch.Tensor) -> torch.Tensor:

@@ -59,14 +59,44 @@ def _group_slots(index: torch.Tensor, num_codes: int, num_groups: int) -> torch.
     return torch.where(index >= 0, slots, num_groups * num_codes)
 
 
+@torch.library.custom_op("vqattn::scatter_rows", mutates_args=())
+def scatter_rows(slots: torch.Tensor, v: torch.Tensor, rows: int) -> torch.Tensor:
+    """out (B, H, rows, Dv) with out[b, h, slots[b, h, t]] += v[b, h, t]: slots (B, H, T) long, v (B, H, T, Dv).
+    One operator to the compiler, which then cannot move a read of the sums before the scatter that forms them
+    (inductor, torch 2.13, CPU: compiled decoding once folded zeros into the value sums that way); its gradient is
+    the gather of the output's gradient at the slots."""
+    return v.new_zeros(*v.shape[:2], rows, v.shape[-1]).scatter_add_(2, slots.unsqueeze(-1).expand_as(v), v)
+
+
+@scatter_rows.register_fake
+def _(slots, v, rows):
+    return v.new_empty(*v.shape[:2], rows, v.shape[-1])
+
+
+def _scatter_rows_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+    ctx.v_shape = inputs[1].shape
+
+
+def _scatter_rows_backward(ctx, grad):
+    (slots,) = ctx.saved_tensors
+    return None, grad.gather(2, slots.unsqueeze(-1).expand(ctx.v_shape)), None
+
+
+torch.library.register_autograd("vqattn::scatter_rows", _scatter_rows_backward, setup_context=_scatter_rows_setup)
+
+
 def code_counts(a: Assignment, num_codes: int, num_groups: int, *, dtype: torch.dtype) -> torch.Tensor:
     """Per-group code counts n_s = Σ_j Δ_js over consecutive groups of keys: (B, H, G, S). Soft weights may come
     as (B, H, T, S) or already grouped, (B, H, G, T/G, S)."""
     if a.index is None:
         return a.weights.view(*a.weights.shape[:2], num_groups, -1, num_codes).sum(3)
     B, H, T = a.index.shape
-    ones = torch.ones((), device=a.index.device, dtype=dtype).expand(B, H, T)
     slots = _group_slots(a.index, num_codes, num_groups)
+    if torch.compiler.is_compiling():  # the scatter as one operator (see scatter_rows)
+        ones = torch.ones((), device=a.index.device, dtype=dtype).expand(B, H, T, 1)
+        return scatter_rows(slots, ones, num_groups * num_codes + 1)[..., :-1, 0].view(B, H, num_groups, num_codes)
+    ones = torch.ones((), device=a.index.device, dtype=dtype).expand(B, H, T)
     counts = ones.new_zeros(B, H, num_groups * num_codes + 1).scatter_add_(2, slots, ones)
     return counts[..., :-1].view(B, H, num_groups, num_codes)
 
@@ -79,14 +109,14 @@ def code_statistics(a: Assignment, v: torch.Tensor, num_codes: int, num_groups: 
     """
     B, H, T, Dv = v.shape
     S = num_codes
-    if a.index is not None and torch.compiler.is_compiling():
-        # Inductor (torch 2.13, CPU) ran a kernel reading these scatter-adds' results before the scatters: compiled
-        # decoding folded zeros into the value sums. Under compile the one-hot weights (B, H, T, S) instead, as soft.
-        a = Assignment(one_hot_rows(a.index, S, v.dtype), None)
-    counts = code_counts(a, S, num_groups, dtype=v.dtype)
     if a.index is None:
+        counts = code_counts(a, S, num_groups, dtype=v.dtype)
         w = a.weights.view(B, H, num_groups, T // num_groups, S)
         return counts, w.transpose(-1, -2) @ v.view(B, H, num_groups, -1, Dv)
-    slots = _group_slots(a.index, S, num_groups).unsqueeze(-1).expand(B, H, T, Dv)
-    sums = v.new_zeros(B, H, num_groups * S + 1, Dv).scatter_add_(2, slots, v)
+    counts = code_counts(a, S, num_groups, dtype=v.dtype)
+    slots = _group_slots(a.index, S, num_groups)
+    if torch.compiler.is_compiling():  # the scatter as one operator (see scatter_rows)
+        sums = scatter_rows(slots, v, num_groups * S + 1)
+    else:
+        sums = v.new_zeros(B, H, num_groups * S + 1, Dv).scatter_add_(2, slots.unsqueeze(-1).expand(B, H, T, Dv), v)
     return counts, sums[:, :, :-1].view(B, H, num_groups, S, Dv)

@@ -25,6 +25,13 @@ def floored_exp_(x: torch.Tensor) -> torch.Tensor:
     return F.threshold_(x.clamp_min_(EXP_FLOOR).exp_(), 2 * math.exp(EXP_FLOOR), 0.0)
 
 
+def floored_exp(x: torch.Tensor) -> torch.Tensor:
+    """:func:`floored_exp_` out of place, for autograd and the compiler: exp(x) for x ≤ 0, exactly 0 for terms below
+    2·e^{−50}, whose gradient is then 0 too; the exp never meets an argument below :data:`EXP_FLOOR` (−inf included),
+    in eager kernels or in the code inductor generates."""
+    return F.threshold(x.clamp_min(EXP_FLOOR).exp(), 2 * math.exp(EXP_FLOOR), 0.0)
+
+
 class WindowCodeInputs(NamedTuple):
     """The inputs of :class:`WindowCodeAttention`, on (N, nb, ...) tensors (N = batch·heads, nb blocks of L).
 
