@@ -25,6 +25,7 @@ from ..common.segments import (
     window_softmax,
 )
 from ..common.statistics import code_counts, code_statistics, log_counts
+from ..common.window_code_blocks import floored_exp
 from ..nonfinite import zero_assignment_rows
 from .state import Inputs
 
@@ -58,7 +59,7 @@ def _cache_reads(x: Inputs, a, first: torch.Tensor, L: int, lag: int):
 def _mixture(x: Inputs, weights: torch.Tensor, code_logits, read, counts, L: int) -> torch.Tensor:
     """The soft mixture window: query i weighs key j ≤ i of its block by Σ_s e^{σ q_i·c_s} Δ_js, and the codes of
     its sequence's earlier blocks by e^{σ q_i·c_s} n_s (value the mean), in one normalisation."""
-    e = torch.exp(code_logits - code_logits.amax(-1, keepdim=True).detach())  # (B, H, n, L, S), ≤ 1
+    e = floored_exp(code_logits - code_logits.amax(-1, keepdim=True).detach())  # (B, H, n, L, S), ≤ 1
     pair = e @ blocks(weights, L).transpose(-1, -2)  # (B, H, n, L, L)
     pair = pair.masked_fill(torch.ones(L, L, dtype=torch.bool, device=pair.device).triu(1), 0)
     num = pair @ blocks(x.v, L) + read(e)
