@@ -200,3 +200,26 @@ def test_compiled_decoding_past_the_memory_cap_keeps_its_graphs(name, kwargs):
     past = model.generate(prompt, 24, temperature=0)  # to position 28: 5 more blocks, each past the cap
     assert len(graphs) == compiled, "decoding past the cap recompiled the step"
     torch.testing.assert_close(past, eager.generate(prompt, 24, temperature=0))
+
+
+@pytest.mark.slow  # inductor compiles the step's graphs: about a minute a case
+@pytest.mark.parametrize("name", ["vq_hard", "vq_soft"])
+def test_inductor_compiled_decoding_equals_eager(name):
+    """``compile_step()`` with its default backend (inductor, as users decode; the other compile tests use
+    recording backends): the one-token steps fold blocks into the value sums (the code statistics' scatters), and a
+    compiled step's logits equal the eager model's, as do the greedy tokens of ``generate``."""
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=17, seq_len=64, n_layer=1, n_head=2, n_embd=16, attention=name,
+                       attention_kwargs=layer_kwargs(name, rope=True))
+    eager = GPT(config).eval()
+    model = copy.deepcopy(eager).compile_step()
+    torch._dynamo.reset()
+    prompt = torch.randint(0, 17, (1, 5), generator=torch.Generator().manual_seed(5))
+    got = model.generate(prompt, 14, temperature=0)  # block_len 4: to position 19, folding 3 blocks
+    torch.testing.assert_close(got, eager.generate(prompt, 14, temperature=0))
+    with torch.no_grad():
+        _, state = model.forward_step(got[:, :-1])
+        _, want_state = eager.forward_step(got[:, :-1])
+        logits, _ = model.forward_step(got[:, -1:], state)  # a compiled step
+        want, _ = eager.forward_step(got[:, -1:], want_state)
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-5)
