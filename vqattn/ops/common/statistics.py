@@ -62,9 +62,9 @@ def _group_slots(index: torch.Tensor, num_codes: int, num_groups: int) -> torch.
 @torch.library.custom_op("vqattn::scatter_rows", mutates_args=())
 def scatter_rows(slots: torch.Tensor, v: torch.Tensor, rows: int) -> torch.Tensor:
     """out (B, H, rows, Dv) with out[b, h, slots[b, h, t]] += v[b, h, t]: slots (B, H, T) long, v (B, H, T, Dv).
-    One operator to the compiler, which then cannot move a read of the sums before the scatter that forms them
-    (inductor, torch 2.13, CPU: compiled decoding once folded zeros into the value sums that way); its gradient is
-    the gather of the output's gradient at the slots."""
+    One operator to the compiler, which cannot then reorder a read of the sums before the scatter that forms them,
+    and which runs as one scatter where one-hot (T, S) products stood in for it; its gradient is the gather of the
+    output's gradient at the slots."""
     return v.new_zeros(*v.shape[:2], rows, v.shape[-1]).scatter_add_(2, slots.unsqueeze(-1).expand_as(v), v)
 
 
@@ -109,11 +109,10 @@ def code_statistics(a: Assignment, v: torch.Tensor, num_codes: int, num_groups: 
     """
     B, H, T, Dv = v.shape
     S = num_codes
+    counts = code_counts(a, S, num_groups, dtype=v.dtype)
     if a.index is None:
-        counts = code_counts(a, S, num_groups, dtype=v.dtype)
         w = a.weights.view(B, H, num_groups, T // num_groups, S)
         return counts, w.transpose(-1, -2) @ v.view(B, H, num_groups, -1, Dv)
-    counts = code_counts(a, S, num_groups, dtype=v.dtype)
     slots = _group_slots(a.index, S, num_groups)
     if torch.compiler.is_compiling():  # the scatter as one operator (see scatter_rows)
         sums = scatter_rows(slots, v, num_groups * S + 1)
