@@ -46,13 +46,13 @@ def _cache_reads(x: Inputs, a, first: torch.Tensor, L: int, lag: int):
     (:func:`~vqattn.ops.common.segments.segment_cache_read`); elsewhere every block's cache at once."""
     B, H, T, Dv = x.v.shape
     n, S = T // L, x.codebook.shape[1]
-    counts = segment_sums(code_counts(a, S, n, dtype=x.v.dtype), first, lag)
     if segments.cache_walk_runs(first):
+        counts = segment_sums(code_counts(a, S, n, dtype=x.v.dtype), first, lag)
         flat = lambda t: None if t is None else t.reshape(B * H, n, L, *t.shape[3:])  # noqa: E731
         values, index, weights = flat(x.v), flat(a.index), flat(a.weights)
         return (lambda p: segment_cache_read(p.flatten(0, 1), values, index, weights, first, lag).view(B, H, n, L, Dv)), \
             counts
-    sums = segment_sums(code_statistics(a, x.v, S, n)[1], first, lag)  # (B, H, n, S, Dv)
+    counts, sums = (segment_sums(t, first, lag) for t in code_statistics(a, x.v, S, n))  # (B, H, n, S), (…, Dv)
     return (lambda p: p @ sums), counts
 
 
